@@ -1,0 +1,455 @@
+"""The pulseloco sparse payload frame: named sparse tensors in one versioned, self-describing frame.
+
+Layout (all integers little-endian)::
+
+    magic "PLCO" | format u16 | flags u16 | header_len u32 | header (UTF-8 JSON) | index section
+    | value section | xxh3-64 of everything before (8 bytes)
+
+The header names every tensor (name, shape, dtype, count, index method and size), the value mode, the
+patch's ``version`` / ``base_version``, the digests of the base and resulting states, and for each section
+its stored size, its decompressed size and whether it is zstd-compressed. Index codes of all tensors are
+concatenated into the index section (see :mod:`pulseloco.codec.indices`). Values are transformed for
+compressibility (:func:`pulseloco.codec.bits.to_wire_values`) and stored as byte planes: byte 0 of every
+value of every tensor, then byte 1, and so on, so that exponent bytes sit together; the value section is then
+compressed with zstd (level 1 by default, multithreaded for large sections).
+
+Decoding trusts nothing: every declared size is checked against the frame length and against limits before
+anything is allocated or decompressed, and each problem raises a specific :class:`PayloadError` subclass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from pulseloco.codec.bits import bit_format, from_wire_values, to_wire_values
+from pulseloco.codec.indices import IndexCode, decode_indices, encode_indices
+from pulseloco.errors import (
+    BadMagicError,
+    ChecksumError,
+    InvalidIndicesError,
+    PayloadError,
+    PayloadSizeError,
+    TruncatedPayloadError,
+    UnsupportedVersionError,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_MAX_ELEMENTS",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "VALUE_MODES",
+    "DecodedPayload",
+    "FrameHeader",
+    "SparseTensor",
+    "decode_payload",
+    "encode_payload",
+    "peek_header",
+]
+
+MAGIC = b"PLCO"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sHHI")
+_CHECKSUM_BYTES = 8
+#: Header JSON above this size is rejected before parsing.
+MAX_HEADER_BYTES = 16 << 20
+#: Default bound on the number of changed elements a receiver accepts in one payload (2**31).
+DEFAULT_MAX_ELEMENTS = 1 << 31
+#: Bound on a single tensor's element count accepted from the wire.
+MAX_NUMEL = 1 << 40
+#: Sections above this size are compressed with zstd worker threads.
+_THREADED_BYTES = 8 << 20
+
+#: ``absolute``: new values in the tensor's dtype; ``delta``: modular difference of the bit patterns
+#: (tensor dtype width); ``float32``: FP32 values for tensors of any dtype (sparse pseudo-gradients).
+VALUE_MODES = ("absolute", "delta", "float32")
+
+
+@dataclass(frozen=True)
+class SparseTensor:
+    """One named tensor's sparse entries.
+
+    ``indices`` are sorted, strictly increasing flat int64 offsets into a tensor of ``shape`` and ``dtype``;
+    ``values`` hold one entry per index: floats of ``dtype`` (absolute mode), FP32 (float32 mode) or the
+    signed-integer view of the modular bit-pattern difference (delta mode).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    indices: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the dense tensor."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """The validated header of a payload, with the byte accounting of its sections."""
+
+    version: int
+    base_version: int | None
+    base_digest: str
+    result_digest: str
+    value_mode: str
+    tensors: tuple[Mapping[str, Any], ...]
+    meta: Mapping[str, Any]
+    header_bytes: int
+    index_bytes: int
+    value_bytes: int
+    total_bytes: int
+    index_section: Mapping[str, Any] = field(repr=False)
+    value_section: Mapping[str, Any] = field(repr=False)
+
+    @property
+    def num_changed(self) -> int:
+        """Total number of sparse entries over all tensors."""
+        return sum(int(t["count"]) for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class DecodedPayload:
+    """A fully decoded and validated payload."""
+
+    header: FrameHeader
+    entries: tuple[SparseTensor, ...]
+
+
+def _value_format(mode: str, dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """The dtype in which values of ``mode`` for a tensor of ``dtype`` travel, and its width in bytes."""
+    fmt = bit_format(dtype)
+    if mode == "float32":
+        return torch.float32, 4
+    if mode == "delta":
+        return fmt.int_dtype, fmt.width
+    return fmt.dtype, fmt.width
+
+
+def _compress(raw: bytes, level: int) -> tuple[bytes, str]:
+    """zstd-compress ``raw`` if that makes it smaller, else keep it raw."""
+    if not raw:
+        return b"", "raw"
+    threads = -1 if len(raw) >= _THREADED_BYTES else 0
+    packed = zstandard.ZstdCompressor(level=level, threads=threads, write_content_size=True).compress(raw)
+    if len(packed) < len(raw):
+        return packed, "zstd"
+    return raw, "raw"
+
+
+def _decompress(stored: bytes, codec: str, raw_size: int) -> bytes:
+    """Inverse of :func:`_compress`, bounded: output larger than the declared ``raw_size`` is refused."""
+    if codec == "raw":
+        if len(stored) != raw_size:
+            raise PayloadSizeError(f"raw section is {len(stored)} bytes, header says {raw_size}")
+        return stored
+    if codec != "zstd":
+        raise PayloadError(f"unknown section codec {codec!r}; expected 'raw' or 'zstd'")
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as exc:
+        raise PayloadError(f"section is not a zstd frame: {exc}") from None
+    if declared != raw_size:
+        raise PayloadSizeError(f"zstd frame declares {declared} bytes, header says {raw_size}")
+    try:
+        out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size)
+    except zstandard.ZstdError as exc:
+        raise PayloadError(f"corrupt zstd section: {exc}") from None
+    if len(out) != raw_size:
+        raise PayloadSizeError(f"section decompressed to {len(out)} bytes, header says {raw_size}")
+    return out
+
+
+def encode_payload(
+    entries: Sequence[SparseTensor],
+    *,
+    value_mode: str,
+    version: int,
+    base_version: int | None,
+    base_digest: str = "",
+    result_digest: str = "",
+    level: int = 1,
+    meta: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Encode sparse tensors into one frame.
+
+    Raises :class:`ValueError` (never a partial frame) for an unknown ``value_mode``, duplicate names,
+    values of the wrong dtype or length, or indices that are not strictly increasing and in range.
+    """
+    if value_mode not in VALUE_MODES:
+        raise ValueError(f"value_mode must be one of {VALUE_MODES}, got {value_mode!r}")
+    names = [e.name for e in entries]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate tensor names in payload")
+    tensors: list[dict[str, Any]] = []
+    index_parts: list[bytes] = []
+    planes: dict[int, list[bytes]] = {}
+    for entry in entries:
+        value_dtype, width = _value_format(value_mode, entry.dtype)
+        indices_K = entry.indices.detach().to("cpu", torch.int64).numpy()
+        values_K = entry.values.detach().cpu()
+        if values_K.dtype != value_dtype or values_K.numel() != indices_K.size:
+            raise ValueError(
+                f"tensor {entry.name!r}: {value_mode} mode needs {indices_K.size} values of {value_dtype}, "
+                f"got {values_K.numel()} of {values_K.dtype}"
+            )
+        code = encode_indices(indices_K, entry.numel)
+        index_parts.append(code.data)
+        wire_K = to_wire_values(values_K.reshape(-1), value_mode)
+        byte_planes = wire_K.view(np.uint8).reshape(-1, width)
+        for j in range(width):
+            planes.setdefault(j, []).append(np.ascontiguousarray(byte_planes[:, j]).tobytes())
+        tensors.append(
+            {
+                "name": entry.name,
+                "shape": list(entry.shape),
+                "dtype": bit_format(entry.dtype).name,
+                "count": int(indices_K.size),
+                "index": {"method": code.method, "k": code.k, "size": len(code.data)},
+            }
+        )
+    index_raw = b"".join(index_parts)
+    value_raw = b"".join(b"".join(planes[j]) for j in sorted(planes))
+    index_stored, index_codec = _compress(index_raw, level)
+    value_stored, value_codec = _compress(value_raw, level)
+    header = {
+        "version": int(version),
+        "base_version": None if base_version is None else int(base_version),
+        "base_digest": base_digest,
+        "result_digest": result_digest,
+        "values": value_mode,
+        "tensors": tensors,
+        "index_section": {"codec": index_codec, "raw": len(index_raw), "size": len(index_stored)},
+        "value_section": {"codec": value_codec, "raw": len(value_raw), "size": len(value_stored)},
+        "meta": dict(meta or {}),
+    }
+    header_json = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join(
+        [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header_json)), header_json, index_stored, value_stored]
+    )
+    return body + xxhash.xxh3_64_digest(body)
+
+
+def _is_int(value: object, minimum: int = 0, maximum: int | None = None) -> bool:
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= minimum
+        and (maximum is None or value <= maximum)
+    )
+
+
+def _check_section(section: object, what: str) -> Mapping[str, Any]:
+    if not isinstance(section, dict) or not _is_int(section.get("raw")) or not _is_int(section.get("size")):
+        raise PayloadError(f"header field {what!r} must hold non-negative integers 'raw' and 'size'")
+    if section.get("codec") not in ("raw", "zstd"):
+        raise PayloadError(f"header field {what}.codec must be 'raw' or 'zstd'")
+    return section
+
+
+def _parse_header(payload: bytes) -> tuple[dict[str, Any], int]:
+    """Check prefix, length and checksum; return the parsed header JSON and the offset of the body."""
+    view = memoryview(payload)
+    if len(view) < _PREFIX.size:
+        raise TruncatedPayloadError(
+            f"payload of {len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix"
+        )
+    magic, fmt, _flags, header_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise BadMagicError(f"payload starts with {bytes(magic)!r}, not {MAGIC!r}: not a pulseloco payload")
+    if fmt != FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"payload format version {fmt}, this pulseloco reads version {FORMAT_VERSION}: "
+            "run the same pulseloco release on sender and receiver"
+        )
+    if header_len > MAX_HEADER_BYTES:
+        raise PayloadSizeError(f"header of {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    body_start = _PREFIX.size + header_len
+    if len(view) < body_start + _CHECKSUM_BYTES:
+        raise TruncatedPayloadError(f"payload of {len(view)} bytes ends inside its {header_len}-byte header")
+    checksum_ok = xxhash.xxh3_64_digest(view[: len(view) - _CHECKSUM_BYTES]) == bytes(view[-_CHECKSUM_BYTES:])
+    try:
+        header = json.loads(bytes(view[_PREFIX.size : body_start]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        if not checksum_ok:
+            raise ChecksumError("payload checksum mismatch (corrupted header)") from None
+        raise PayloadError(f"payload header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise PayloadError("payload header must be a JSON object")
+    idx = _check_section(header.get("index_section"), "index_section")
+    val = _check_section(header.get("value_section"), "value_section")
+    declared = body_start + idx["size"] + val["size"] + _CHECKSUM_BYTES
+    if len(view) < declared:
+        raise TruncatedPayloadError(
+            f"payload is {len(view)} bytes, its header declares {declared}: truncated"
+        )
+    if len(view) > declared:
+        raise PayloadSizeError(
+            f"payload is {len(view)} bytes, its header declares {declared}: trailing bytes"
+        )
+    if not checksum_ok:
+        raise ChecksumError("payload checksum mismatch: corrupted in transit or on disk")
+    return header, body_start
+
+
+def _validate_header(header: dict[str, Any], body_start: int, total: int, max_elements: int) -> FrameHeader:
+    """Check every header field's type and range and that sizes add up; build the :class:`FrameHeader`."""
+    mode = header.get("values")
+    if mode not in VALUE_MODES:
+        raise PayloadError(f"unknown value mode {mode!r}; expected one of {VALUE_MODES}")
+    version = header.get("version")
+    base_version = header.get("base_version")
+    if not _is_int(version) or not (base_version is None or _is_int(base_version)):
+        raise PayloadError("header 'version' and 'base_version' must be non-negative integers")
+    for key in ("base_digest", "result_digest"):
+        if not isinstance(header.get(key), str) or len(header[key]) > 256:
+            raise PayloadError(f"header {key!r} must be a string of at most 256 characters")
+    meta = header.get("meta", {})
+    if not isinstance(meta, dict):
+        raise PayloadError("header 'meta' must be an object")
+    tensors = header.get("tensors")
+    if not isinstance(tensors, list):
+        raise PayloadError("header 'tensors' must be a list")
+    names: set[str] = set()
+    total_count = index_size = value_size = 0
+    for t in tensors:
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise PayloadError("each tensor entry needs a string 'name'")
+        name = t["name"]
+        if name in names:
+            raise PayloadError(f"tensor {name!r} appears twice in the payload")
+        names.add(name)
+        shape = t.get("shape")
+        if not isinstance(shape, list) or len(shape) > 16 or not all(_is_int(s, 0, MAX_NUMEL) for s in shape):
+            raise PayloadError(f"tensor {name!r}: shape must be a list of at most 16 non-negative integers")
+        numel = math.prod(shape)
+        if numel > MAX_NUMEL:
+            raise PayloadSizeError(f"tensor {name!r}: {numel} elements exceeds the {MAX_NUMEL} limit")
+        if not isinstance(t.get("dtype"), str):
+            raise PayloadError(f"tensor {name!r}: missing dtype")
+        dtype = bit_format(t["dtype"]).dtype
+        count = t.get("count")
+        if not _is_int(count, 0, numel):
+            raise InvalidIndicesError(f"tensor {name!r}: count {count!r} is not in 0..{numel}")
+        index = t.get("index")
+        if (
+            not isinstance(index, dict)
+            or not isinstance(index.get("method"), str)
+            or not _is_int(index.get("k"))
+            or not _is_int(index.get("size"))
+        ):
+            raise PayloadError(f"tensor {name!r}: index must hold 'method', 'k' and 'size'")
+        total_count += count
+        index_size += index["size"]
+        value_size += count * _value_format(mode, dtype)[1]
+    if total_count > max_elements:
+        raise PayloadSizeError(
+            f"payload carries {total_count} elements, above this receiver's limit of {max_elements}"
+        )
+    idx, val = header["index_section"], header["value_section"]
+    if idx["raw"] != index_size:
+        raise PayloadSizeError(
+            f"index section declares {idx['raw']} bytes, its tensors add up to {index_size}"
+        )
+    if val["raw"] != value_size:
+        raise PayloadSizeError(f"value section declares {val['raw']} bytes, its tensors need {value_size}")
+    return FrameHeader(
+        version=version,
+        base_version=base_version,
+        base_digest=header["base_digest"],
+        result_digest=header["result_digest"],
+        value_mode=mode,
+        tensors=tuple(tensors),
+        meta=meta,
+        header_bytes=body_start,
+        index_bytes=idx["size"],
+        value_bytes=val["size"],
+        total_bytes=total,
+        index_section=idx,
+        value_section=val,
+    )
+
+
+def peek_header(payload: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> FrameHeader:
+    """Validate the frame (magic, format, sizes, checksum, header fields) and return its header.
+
+    Sections are not decompressed. Raises a :class:`PayloadError` subclass on any problem.
+    """
+    header, body_start = _parse_header(payload)
+    return _validate_header(header, body_start, len(payload), max_elements)
+
+
+def decode_payload(payload: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> DecodedPayload:
+    """Decode and fully validate a frame.
+
+    Raises a :class:`PayloadError` subclass on truncation, wrong magic or format version, checksum mismatch,
+    sizes that do not add up or exceed ``max_elements``, or indices out of range / not strictly increasing.
+    Nothing larger than the header's (bounded) declared sizes is ever allocated.
+    """
+    header = peek_header(payload, max_elements=max_elements)
+    view = memoryview(payload)
+    start = header.header_bytes
+    index_raw = _decompress(
+        bytes(view[start : start + header.index_bytes]),
+        header.index_section["codec"],
+        header.index_section["raw"],
+    )
+    start += header.index_bytes
+    value_raw = _decompress(
+        bytes(view[start : start + header.value_bytes]),
+        header.value_section["codec"],
+        header.value_section["raw"],
+    )
+    mode = header.value_mode
+    formats = [_value_format(mode, bit_format(t["dtype"]).dtype) for t in header.tensors]
+    # Byte planes: plane j holds byte j of every value of every tensor at least j+1 bytes wide.
+    plane_offsets: list[list[int]] = []
+    offset = 0
+    for j in range(max((w for _, w in formats), default=0)):
+        offsets = []
+        for t, (_, width) in zip(header.tensors, formats, strict=True):
+            offsets.append(offset)
+            if width > j:
+                offset += t["count"]
+        plane_offsets.append(offsets)
+    entries = []
+    index_offset = 0
+    values_buf = np.frombuffer(value_raw, dtype=np.uint8)
+    for i, (t, (value_dtype, width)) in enumerate(zip(header.tensors, formats, strict=True)):
+        count, shape = t["count"], tuple(t["shape"])
+        size = t["index"]["size"]
+        code = IndexCode(t["index"]["method"], t["index"]["k"], index_raw[index_offset : index_offset + size])
+        index_offset += size
+        indices_K = decode_indices(code, count, math.prod(shape))
+        wire_K = np.empty((count, width), dtype=np.uint8)
+        for j in range(width):
+            wire_K[:, j] = values_buf[plane_offsets[j][i] : plane_offsets[j][i] + count]
+        bits_K = from_wire_values(wire_K.reshape(-1).view(np.dtype(f"<u{width}")), mode)
+        int_dtype = bit_format(value_dtype).int_dtype if value_dtype.is_floating_point else value_dtype
+        values_K = torch.from_numpy(bits_K.view(np.dtype(f"<i{width}")).copy()).view(int_dtype)
+        if value_dtype.is_floating_point:
+            values_K = values_K.view(value_dtype)
+        entries.append(
+            SparseTensor(
+                name=t["name"],
+                shape=shape,
+                dtype=bit_format(t["dtype"]).dtype,
+                indices=torch.from_numpy(indices_K),
+                values=values_K,
+            )
+        )
+    return DecodedPayload(header=header, entries=tuple(entries))
