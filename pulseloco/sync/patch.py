@@ -84,11 +84,11 @@ def make_patch(
         indices_K = changed_indices(b, n)
         if indices_K.numel() == 0:
             continue
-        new_K = n.reshape(-1)[indices_K]
+        new_K = n.reshape(-1).index_select(0, indices_K)
         if values == "absolute":
             values_K = new_K.cpu()
         else:
-            delta_K = modular_delta(b.reshape(-1)[indices_K], new_K)
+            delta_K = modular_delta(b.reshape(-1).index_select(0, indices_K), new_K)
             values_K = torch.from_numpy(delta_K.view(delta_K.dtype.str.replace("u", "i")))
         entries.append(SparseTensor(name, tuple(n.shape), n.dtype, indices_K.cpu(), values_K))
     return encode_payload(
@@ -106,15 +106,28 @@ def make_patch(
 class _Scatter:
     """One tensor's pending in-place scatter, with what is needed to undo it exactly."""
 
-    def __init__(self, tensor: torch.Tensor, indices_K: torch.Tensor, values_K: torch.Tensor) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, indices_K: torch.Tensor, values_K: torch.Tensor, *, delta: bool = False
+    ) -> None:
         self.tensor = tensor
         self.flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         self.indices_K = indices_K.to(tensor.device)
+        self.old_K = self.flat.index_select(0, self.indices_K)
+        if delta:
+            # New bit patterns = old + delta modulo 2**bits; unsigned numpy addition wraps by definition.
+            width = self.old_K.element_size()
+            old_bits = self.old_K.cpu().view(bit_format(tensor.dtype).int_dtype).numpy().view(f"<u{width}")
+            new_bits = old_bits + values_K.numpy().view(f"<u{width}")
+            values_K = torch.from_numpy(new_bits.view(f"<i{width}")).view(tensor.dtype)
         self.values_K = values_K.to(tensor.device)
-        self.old_K = self.flat[self.indices_K].clone()
 
     def _write(self, values_K: torch.Tensor) -> None:
-        self.flat[self.indices_K] = values_K
+        if self.flat.device.type == "cpu":
+            # numpy's scatter on the shared memory is ~3x faster than torch's index_copy_ on CPU.
+            int_dtype = bit_format(self.flat.dtype).int_dtype
+            self.flat.view(int_dtype).numpy()[self.indices_K.numpy()] = values_K.view(int_dtype).numpy()
+        else:
+            self.flat.index_copy_(0, self.indices_K, values_K)
         if not self.tensor.is_contiguous():
             self.tensor.copy_(self.flat.view(self.tensor.shape))
 
@@ -172,16 +185,7 @@ def apply_patch(
     with torch.no_grad():
         for entry in decoded.entries:
             target = state[entry.name]
-            values_K = entry.values
-            if header.value_mode == "delta":
-                flat = target.reshape(-1)
-                old_bits = (
-                    flat[entry.indices.to(target.device)].cpu().view(bit_format(target.dtype).int_dtype)
-                )
-                width = old_bits.element_size()
-                new_bits = old_bits.numpy().view(f"<u{width}") + entry.values.numpy().view(f"<u{width}")
-                values_K = torch.from_numpy(new_bits.view(f"<i{width}")).view(target.dtype)
-            scatters.append(_Scatter(target, entry.indices, values_K))
+            scatters.append(_Scatter(target, entry.indices, entry.values, delta=header.value_mode == "delta"))
         done: list[_Scatter] = []
         try:
             for s in scatters:

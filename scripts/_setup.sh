@@ -1,0 +1,87 @@
+# shellcheck shell=bash
+# Sourced by scripts/test.sh and scripts/demo.sh: make .venv and install pulseloco into it, editable, with the
+# test extra. Idempotent: a rerun with an unchanged pyproject.toml only checks a stamp file and returns.
+#
+# Sets for the caller: REPO_ROOT, VENV, PYTHON (the venv's python); puts .venv/bin first on PATH; cds to REPO_ROOT.
+#
+# Environment knobs:
+#   PULSELOCO_PYTHON       interpreter that creates .venv (default: python3.11 if present, else python3; >= 3.10)
+#   PULSELOCO_TORCH_SPEC   torch requirement installed before everything else (default: torch==2.13.0).
+#     torch goes first so that pip keeps it when it resolves `torch>=2.2` from pyproject.toml. Where no local
+#     wheel is configured pip fetches it from PyPI, which on Linux is the large CUDA build; for the CPU build
+#     point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index before the first run.
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$REPO_ROOT/.venv"
+PYTHON="$VENV/bin/python"
+STAMP="$VENV/.pulseloco-stamp"
+cd "$REPO_ROOT"
+
+_setup_say() { echo "[setup] $*" >&2; }
+_setup_die() { echo "[setup] error: $*" >&2; exit 1; }
+
+# Runs a command with its output hidden unless it fails; then shows all of it.
+_setup_quiet() {
+    local log rc=0
+    log="$(mktemp)"
+    "$@" >"$log" 2>&1 </dev/null || rc=$?
+    if [[ $rc -ne 0 ]]; then
+        cat "$log" >&2
+        rm -f "$log"
+        _setup_die "failed (exit $rc): $*"
+    fi
+    rm -f "$log"
+}
+
+_setup_python_ok() {  # $1: an interpreter; true if it runs and is Python >= 3.10
+    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1
+}
+
+_setup_pick_python() {
+    local candidate candidates=(python3.11 python3)
+    [[ -n "${PULSELOCO_PYTHON:-}" ]] && candidates=("$PULSELOCO_PYTHON")
+    for candidate in "${candidates[@]}"; do
+        if command -v "$candidate" >/dev/null 2>&1 && _setup_python_ok "$candidate"; then
+            echo "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+if [[ ! -x "$PYTHON" ]]; then
+    if ! base_python="$(_setup_pick_python)"; then
+        if [[ -n "${PULSELOCO_PYTHON:-}" ]]; then
+            _setup_die "PULSELOCO_PYTHON=$PULSELOCO_PYTHON is not a runnable Python >= 3.10"
+        fi
+        _setup_die "pulseloco needs Python >= 3.10; python3.11 and python3 are missing or older" \
+            "(python3: $(python3 --version 2>&1 || true)). Install one or set PULSELOCO_PYTHON."
+    fi
+    _setup_say "creating .venv with $base_python ($("$base_python" --version 2>&1))"
+    "$base_python" -m venv "$VENV" </dev/null \
+        || _setup_die "'$base_python -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)"
+    _setup_quiet "$PYTHON" -m pip install --quiet --no-input --upgrade pip
+fi
+_setup_python_ok "$PYTHON" || _setup_die "$VENV has Python < 3.10 or is broken; remove it and rerun"
+
+# The stamp names pyproject.toml's content and this checkout's path (an editable install points at a path).
+stamp_want="$("$PYTHON" -c 'import hashlib, sys
+print(hashlib.sha256(open(sys.argv[1], "rb").read() + sys.argv[2].encode()).hexdigest())' \
+    "$REPO_ROOT/pyproject.toml" "$REPO_ROOT")"
+stamp_have="$(cat "$STAMP" 2>/dev/null || true)"
+
+if [[ "$stamp_want" != "$stamp_have" ]]; then
+    if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("torch") is None)'; then
+        torch_spec="${PULSELOCO_TORCH_SPEC:-torch==2.13.0}"
+        _setup_say "installing $torch_spec (from PyPI this can take several minutes)"
+        _setup_quiet "$PYTHON" -m pip install --quiet --no-input "$torch_spec"
+    fi
+    _setup_say "installing pulseloco (editable) with the test extra"
+    _setup_quiet "$PYTHON" -m pip install --quiet --no-input -e "$REPO_ROOT[test]"
+    echo "$stamp_want" >"$STAMP"
+fi
+unset stamp_want stamp_have
+
+export VIRTUAL_ENV="$VENV"
+export PATH="$VENV/bin:$PATH"

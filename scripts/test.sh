@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Lint and test pulseloco: sets up .venv (scripts/_setup.sh), runs ruff, then pytest.
+# Arguments go to pytest, e.g. `scripts/test.sh -k cli -x`.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
+
+lint_dirs=()
+for dir in pulseloco tests scripts recipes; do
+    [[ -d "$dir" ]] && lint_dirs+=("$dir")
+done
+echo "[test] ruff check ${lint_dirs[*]}" >&2
+ruff check --quiet "${lint_dirs[@]}"
+
+echo "[test] pytest" >&2
+rc=0
+"$PYTHON" -m pytest -q "$@" || rc=$?
+if [[ $rc -eq 5 ]]; then
+    echo "[test] error: pytest collected no tests" >&2
+fi
+exit "$rc"
