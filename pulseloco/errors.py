@@ -13,13 +13,18 @@ __all__ = [
     "ConfigError",
     "DigestMismatchError",
     "InvalidIndicesError",
+    "NonFiniteValuesError",
+    "OutlierPayloadError",
     "PatchError",
     "PayloadError",
     "PayloadSizeError",
     "PulseLocoError",
     "StalePatchError",
+    "StateDownloadError",
+    "SwarmError",
     "TensorMismatchError",
     "TruncatedPayloadError",
+    "UnauthorizedError",
     "UnsupportedVersionError",
 ]
 
@@ -74,3 +79,24 @@ class DigestMismatchError(PatchError):
 
 class ConfigError(PulseLocoError):
     """Invalid configuration or command-line flag; the message names the field to fix."""
+
+
+class UnauthorizedError(PayloadError):
+    """A payload or record is unsigned, or not signed by the trusted key; it was not used."""
+
+
+class NonFiniteValuesError(PayloadError):
+    """A sparse pseudo-gradient payload carries NaN or infinite values; it was rejected, nothing applied."""
+
+
+class OutlierPayloadError(PayloadError):
+    """A sparse pseudo-gradient's norm is far above the median of its group's payloads; it was rejected."""
+
+
+class SwarmError(PulseLocoError):
+    """The swarm could not complete an operation within its timeouts and retries (matchmaking, averaging,
+    state download); the local state is left as it was and the message names the knob to turn."""
+
+
+class StateDownloadError(SwarmError):
+    """No peer served a valid state (right size, finite, matching the announced digest) within the retries."""

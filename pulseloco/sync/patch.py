@@ -47,15 +47,11 @@ class PatchInfo:
 def _check_same_layout(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
     if set(base) != set(new):
         missing, extra = sorted(set(base) - set(new)), sorted(set(new) - set(base))
-        raise PatchError(
-            f"base and new states differ in tensor names: only in base {missing}, only in new {extra}"
-        )
+        raise PatchError(f"base and new states differ in tensor names: only in base {missing}, only in new {extra}")
     for name in base:
         b, n = base[name], new[name]
         if b.shape != n.shape or b.dtype != n.dtype:
-            raise PatchError(
-                f"tensor {name!r}: base is {b.dtype}{tuple(b.shape)}, new is {n.dtype}{tuple(n.shape)}"
-            )
+            raise PatchError(f"tensor {name!r}: base is {b.dtype}{tuple(b.shape)}, new is {n.dtype}{tuple(n.shape)}")
 
 
 def make_patch(
@@ -172,9 +168,7 @@ def apply_patch(
     if digest != header.base_digest:
         if digest == header.result_digest and header.value_mode == "absolute":
             logger.debug("patch already applied version=%s", header.version)
-            return PatchInfo(
-                header.version, header.base_version, 0, header.value_mode, digest, len(payload), True
-            )
+            return PatchInfo(header.version, header.base_version, 0, header.value_mode, digest, len(payload), True)
         already = " (the state is already at this version)" if digest == header.result_digest else ""
         raise StalePatchError(
             f"patch for version {header.version} needs base version {header.base_version} "
@@ -201,14 +195,10 @@ def apply_patch(
             for s in reversed(done):
                 s.undo()
             raise
-    return PatchInfo(
-        header.version, header.base_version, header.num_changed, header.value_mode, result, len(payload)
-    )
+    return PatchInfo(header.version, header.base_version, header.num_changed, header.value_mode, result, len(payload))
 
 
-def _merge_absolute(
-    indices: list[torch.Tensor], values: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_absolute(indices: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Union of index sets, keeping the value from the latest patch at each index."""
     idx = torch.cat(indices)
     val = torch.cat(values)
@@ -218,9 +208,7 @@ def _merge_absolute(
     return idx_sorted[last], val[order[last]]
 
 
-def _merge_delta(
-    indices: list[torch.Tensor], values: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_delta(indices: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Union of index sets with modular sums of the deltas; indices whose net delta is zero are dropped."""
     idx = torch.cat(indices).numpy()
     width = values[0].element_size()
@@ -230,9 +218,7 @@ def _merge_delta(
     starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
     sums = np.add.reduceat(val, starts) if val.size else val  # unsigned add wraps: modular by construction
     keep = sums != 0
-    return torch.from_numpy(idx[starts][keep]), torch.from_numpy(sums[keep].view(f"<i{width}")).view(
-        values[0].dtype
-    )
+    return torch.from_numpy(idx[starts][keep]), torch.from_numpy(sums[keep].view(f"<i{width}")).view(values[0].dtype)
 
 
 def squash(patches: Sequence[bytes], *, level: int = 1, max_elements: int = DEFAULT_MAX_ELEMENTS) -> bytes:

@@ -1,0 +1,370 @@
+"""The PULSESync publisher: turns a trainer's successive weights into signed patches and anchors.
+
+``publish`` takes a BF16 CPU snapshot of the model (the only synchronous cost: one cast-copy) and returns the
+version number at once; a background thread makes the patch against the last *published* snapshot, writes
+patch and, every ``anchor_every`` versions, an anchor to the version store, signs them, announces the new head
+in the DHT and serves the objects over libp2p. A newer snapshot queued before the worker took the older one
+supersedes it (version numbers then skip; each patch names its base version). A publish that fails (disk
+full, ...) is rolled back and never becomes the base of the next patch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+
+import hivemind
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulseloco.codec import peek_header
+from pulseloco.errors import ConfigError, PayloadError
+from pulseloco.sync.anchor import anchor_bytes, load_anchor
+from pulseloco.sync.digest import state_digest
+from pulseloco.sync.patch import apply_patch, make_patch, squash
+from pulseloco.sync.signing import Envelope, sign_envelope, verify_envelope
+from pulseloco.sync.store import VersionStore
+from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Publisher", "bf16_snapshot"]
+
+
+def bf16_snapshot(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A BF16 CPU copy of every floating tensor of a model's state dict (non-floating buffers are skipped)."""
+    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+    return {
+        name: t.detach().to("cpu", torch.bfloat16, copy=True)
+        for name, t in state.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    }
+
+
+def _envelope(
+    run_id: str,
+    kind: str,
+    version: int,
+    base: int | None,
+    digest: str,
+    base_digest: str,
+    payload: bytes,
+    anchor_version: int | None = None,
+) -> Envelope:
+    return Envelope(
+        run_id=run_id,
+        kind=kind,
+        version=version,
+        base_version=base,
+        digest=digest,
+        base_digest=base_digest,
+        sha256=hashlib.sha256(payload).hexdigest() if payload else "",
+        size=len(payload),
+        anchor_version=anchor_version,
+        time=time.time(),
+    )
+
+
+class Publisher:
+    """Publish versions of a model to rollout workers.
+
+    Args:
+        dht: a running hivemind DHT, or None to only write the store (for deployments that share the
+            directory or serve it over HTTP).
+        run_id: names the run in the DHT and in every envelope.
+        signing_key: the publisher's Ed25519 key; subscribers trust its public half.
+        store_dir: the version store; a publisher restarted on the same directory resumes its chain.
+        anchor_every: a full BF16 anchor every this many versions (the first version is always one).
+        keep_anchors: retention: newest anchors kept, with every patch after the oldest of them.
+        values: patch value mode, ``absolute`` (default) or ``delta``.
+        max_uploads_per_version: how often the publisher serves the newest patch before sending subscribers
+            to relays (others that hold it); a subscriber that finds no relay asks again with ``force``.
+        head_ttl: lifetime in seconds of the head record in the DHT (re-announced every ``head_ttl / 3``).
+
+    Raises :class:`ConfigError` for bad arguments and when the store cannot be resumed (a chain that does
+    not verify under this key).
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT | None,
+        run_id: str,
+        signing_key: Ed25519PrivateKey,
+        store_dir: str | os.PathLike[str],
+        *,
+        anchor_every: int = 10,
+        keep_anchors: int = 3,
+        values: str = "absolute",
+        max_uploads_per_version: int = 2,
+        head_ttl: float = 600.0,
+        provider_ttl: float = 30.0,
+    ) -> None:
+        if anchor_every < 1:
+            raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
+        if keep_anchors < 1:
+            raise ConfigError(f"keep_anchors must be >= 1, got {keep_anchors}")
+        if values not in ("absolute", "delta"):
+            raise ConfigError(f"values must be 'absolute' or 'delta', got {values!r}")
+        if not run_id or len(run_id) > 128:
+            raise ConfigError("run_id must be a non-empty string of at most 128 characters")
+        self.run_id = run_id
+        self.anchor_every = anchor_every
+        self.keep_anchors = keep_anchors
+        self.values = values
+        self.max_uploads_per_version = max_uploads_per_version
+        self.head_ttl = head_ttl
+        self.provider_ttl = provider_ttl
+        self._key = signing_key
+        self._public_key = signing_key.public_key()
+        self.store = VersionStore(store_dir)
+        self._base: dict[str, torch.Tensor] | None = None
+        self._version: int | None = None
+        self._digest = ""
+        self._anchor_version: int | None = None
+        self._since_anchor = 0
+        self._resume()
+        self._next_version = self._version or 0
+        self._cond = threading.Condition()
+        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._busy = False
+        self._closed = False
+        self._uploads: dict[int, int] = {}
+        self._squash_cache: OrderedDict[tuple[int, int], tuple[bytes, bytes]] = OrderedDict()
+        self._head_envelope: bytes | None = None
+        self.last_error: BaseException | None = None
+        self.endpoint: SwarmEndpoint | None = None
+        if dht is not None:
+            self.endpoint = SwarmEndpoint(dht, run_id, name="publisher")
+            self.endpoint.serve(self._provide)
+            if self._version is not None:
+                self._announce()
+        self._worker = threading.Thread(target=self._run, name="pulsesync-publisher", daemon=True)
+        self._worker.start()
+
+    # ---- state -------------------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The newest published version (None before the first publish)."""
+        return self._version
+
+    @property
+    def digest(self) -> str:
+        """State digest of the newest published version."""
+        return self._digest
+
+    @property
+    def bytes_uploaded(self) -> int:
+        """Payload bytes this publisher served over the swarm."""
+        return self.endpoint.servicer.bytes_uploaded if self.endpoint and self.endpoint.servicer else 0
+
+    def _resume(self) -> None:
+        """Rebuild the last published snapshot from the store (anchor + patches), verifying every step."""
+        latest = self.store.latest()
+        if latest is None:
+            return
+        try:
+            anchor, patches = self.store.chain_to(latest)
+            env_blob, blob = self.store.read("anchor", anchor)
+            env = verify_envelope(self._public_key, env_blob, run_id=self.run_id)
+            state = load_anchor(blob, expected_digest=env.digest)
+            for v in patches:
+                env_blob, blob = self.store.read("patch", v)
+                verify_envelope(self._public_key, env_blob, run_id=self.run_id)
+                apply_patch(state, blob)
+        except (PayloadError, FileNotFoundError) as exc:
+            raise ConfigError(
+                f"cannot resume the version store {self.store.path}: {exc}; use the key that wrote it, "
+                "or a new --store directory"
+            ) from None
+        self._base, self._version, self._digest = state, latest, state_digest(state)
+        self._anchor_version = anchor
+        self._since_anchor = len(patches)
+        logger.info("resumed store=%s version=%d anchor=%d", self.store.path, latest, anchor)
+
+    # ---- publishing --------------------------------------------------------------------------------------
+
+    def publish(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> int:
+        """Queue a new version and return its number; encoding and upload happen in the background.
+
+        Raises :class:`RuntimeError` after :meth:`close`. A queued, not yet started version is superseded by
+        a newer call (logged); its number is then never published.
+        """
+        snapshot = bf16_snapshot(model_or_state)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("publisher is closed")
+            self._next_version += 1
+            version = self._next_version
+            if self._pending is not None:
+                logger.info("superseded queued version=%d by version=%d", self._pending[0], version)
+            self._pending = (version, snapshot)
+            self._cond.notify_all()
+        return version
+
+    def flush(self, timeout: float | None = None) -> int | None:
+        """Wait until every queued version is published (or failed). Returns the newest published version.
+
+        Raises :class:`TimeoutError` after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._busy:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"publisher did not finish within {timeout} s")
+                self._cond.wait(remaining)
+        return self._version
+
+    def _run(self) -> None:
+        last_announce = time.monotonic()
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait(timeout=max(1.0, self.head_ttl / 3))
+                    if self._pending is None and time.monotonic() - last_announce > self.head_ttl / 3:
+                        break
+                if self._closed and self._pending is None:
+                    return
+                job, self._pending = self._pending, None
+                self._busy = job is not None
+            try:
+                if job is not None:
+                    self._publish_one(*job)
+                if self._version is not None:
+                    self._announce()
+                    last_announce = time.monotonic()
+            except Exception as exc:  # keep serving; the failed version is not the base of the next one
+                self.last_error = exc
+                logger.error("publish failed version=%s error=%r", job[0] if job else None, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _publish_one(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
+        objects: list[tuple[str, bytes, bytes]] = []
+        digest = state_digest(state)
+        if self._base is not None:
+            if set(self._base) != set(state) or any(self._base[k].shape != state[k].shape for k in state):
+                raise ConfigError("the model's tensor names or shapes changed between versions; use a new run_id")
+            payload = make_patch(self._base, state, version=version, base_version=self._version, values=self.values)
+            env = _envelope(self.run_id, "patch", version, self._version, digest, self._digest, payload)
+            objects.append(("patch", payload, sign_envelope(self._key, env)))
+        new_anchor = self._base is None or self._since_anchor + 1 >= self.anchor_every
+        if new_anchor:
+            payload = anchor_bytes(state, metadata={"run_id": self.run_id, "version": str(version)})
+            env = _envelope(self.run_id, "anchor", version, None, digest, "", payload)
+            objects.append(("anchor", payload, sign_envelope(self._key, env)))
+        written: list[str] = []
+        try:
+            for kind, payload, env_blob in objects:
+                self.store.write(kind, version, payload, env_blob)
+                written.append(kind)
+        except OSError:
+            for kind in written:  # roll back: the store keeps the previous head
+                path = self.store.path / f"v{version:08d}.{kind}"
+                Path(str(path) + ".env").unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
+            raise
+        self._base, self._version, self._digest = state, version, digest
+        self._since_anchor = 0 if new_anchor else self._since_anchor + 1
+        if new_anchor:
+            self._anchor_version = version
+            self.store.prune(self.keep_anchors)
+        num_changed = peek_header(objects[0][1]).num_changed if objects[0][0] == "patch" else -1
+        logger.info(
+            "published version=%d patch_bytes=%d changed=%d anchor=%s seconds=%.3f",
+            version,
+            len(objects[0][1]) if objects[0][0] == "patch" else 0,
+            num_changed,
+            new_anchor,
+            time.perf_counter() - started,
+        )
+
+    def _announce(self) -> None:
+        if self._version is None:
+            return
+        env = _envelope(
+            self.run_id,
+            "head",
+            self._version,
+            None,
+            self._digest,
+            "",
+            b"",
+            anchor_version=self._anchor_version,
+        )
+        self._head_envelope = sign_envelope(self._key, env)
+        if self.endpoint is not None:
+            if not self.endpoint.store_head(self._head_envelope, self.head_ttl):
+                logger.warning("DHT did not accept the head record version=%d", self._version)
+            held = self.store.list("patch") + self.store.list("anchor")
+            self.endpoint.announce_provider(held, publisher=True, ttl=self.head_ttl)
+
+    # ---- serving -----------------------------------------------------------------------------------------
+
+    def _provide(self, request: FetchRequest) -> Provided:
+        """Answer a fetch: patch and anchor objects from the store, squashed patches made and signed on demand."""
+        try:
+            if request.kind in ("patch", "anchor"):
+                if not self.store.has(request.kind, request.version):
+                    return Provided("missing")
+                if request.kind == "patch" and request.version == self._version and not request.force:
+                    served = self._uploads.get(request.version, 0)
+                    if served >= self.max_uploads_per_version:
+                        return Provided("busy")
+                    self._uploads[request.version] = served + 1
+                env_blob, payload = self.store.read(request.kind, request.version)
+                return Provided("ok", env_blob, payload)
+            if request.kind == "squash" and request.base_version is not None:
+                return self._provide_squash(request.base_version, request.version)
+        except (OSError, PayloadError) as exc:
+            logger.warning("cannot serve request=%s error=%s", request, exc)
+        return Provided("missing")
+
+    def _provide_squash(self, base: int, version: int) -> Provided:
+        key = (base, version)
+        if key in self._squash_cache:
+            return Provided("ok", *self._squash_cache[key])
+        chain: list[bytes] = []
+        v = version
+        while v != base:
+            if not self.store.has("patch", v):
+                return Provided("missing")
+            env_blob, payload = self.store.read("patch", v)
+            env = verify_envelope(self._public_key, env_blob)
+            chain.append(payload)
+            if env.base_version is None or env.base_version < base:
+                return Provided("missing")
+            v = env.base_version
+        if len(chain) < 2:
+            return Provided("missing")  # one patch: the subscriber asks for it directly
+        payload = squash(chain[::-1])
+        header = peek_header(payload)
+        env = _envelope(self.run_id, "squash", version, base, header.result_digest, header.base_digest, payload)
+        result = (sign_envelope(self._key, env), payload)
+        self._squash_cache[key] = result
+        while len(self._squash_cache) > 8:
+            self._squash_cache.popitem(last=False)
+        return Provided("ok", *result)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the queued version (bounded by ``timeout``), stop the worker and leave the swarm."""
+        try:
+            self.flush(timeout)
+        except TimeoutError:
+            logger.warning("closing with a version still being published")
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._worker.join(timeout=10)
+        if self.endpoint is not None:
+            self.endpoint.close()

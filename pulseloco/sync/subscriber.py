@@ -1,0 +1,499 @@
+"""The PULSESync subscriber: keeps a rollout worker's model at the newest published version.
+
+``update(model)`` brings the model to the head: the next patch when one behind, one squashed patch (made and
+signed by the publisher) or the chain of patches when further behind, and an anchor plus patches when it has
+nothing usable. Every object is authenticated (Ed25519 envelope over the payload's SHA-256) before use and
+every step is verified by state digest; a digest mismatch falls back to an anchor. Each step is applied
+atomically under a lock, so a reader holding :attr:`Subscriber.lock` never sees half-applied weights.
+
+A subscriber on the swarm is also a relay: it serves the objects it holds and says so in the DHT, so the
+publisher's upload does not grow with the number of workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import hivemind
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pulseloco.errors import (
+    DigestMismatchError,
+    PatchError,
+    PayloadError,
+    StalePatchError,
+    TensorMismatchError,
+)
+from pulseloco.sync.anchor import load_anchor
+from pulseloco.sync.digest import state_digest
+from pulseloco.sync.patch import apply_patch
+from pulseloco.sync.signing import Envelope, verify_envelope
+from pulseloco.sync.store import VersionStore
+from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DirectorySource", "Head", "Subscriber", "SwarmSource", "UpdateReport"]
+
+#: Default bound on one payload (anchor or patch) a subscriber accepts: 64 GiB, above a 30B BF16 model.
+DEFAULT_MAX_PAYLOAD_BYTES = 64 << 30
+
+
+@dataclass(frozen=True)
+class Head:
+    """The newest published version as its publisher signed it."""
+
+    version: int
+    digest: str
+    anchor_version: int | None
+
+
+@dataclass(frozen=True)
+class UpdateReport:
+    """One completed :meth:`Subscriber.update`: what moved and how long it took."""
+
+    version: int
+    previous: int | None
+    num_changed: int
+    bytes_received: int
+    seconds: float
+    digest: str
+    lag: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """An authenticated object: the parsed envelope, its signed bytes (relays re-serve them) and the payload."""
+
+    envelope: Envelope
+    envelope_blob: bytes
+    payload: bytes
+    kind: str
+
+
+class Source(Protocol):
+    """Where a subscriber gets heads and authenticated objects from."""
+
+    def head(self) -> Head | None: ...
+
+    def fetch(self, request: FetchRequest) -> Fetched | None: ...
+
+
+class DirectorySource:
+    """Objects from a version store directory (shared file system, or a synced copy of an HTTP mirror)."""
+
+    def __init__(self, path: str | os.PathLike[str], public_key: Ed25519PublicKey, run_id: str | None = None):
+        self.store = VersionStore(path, create=False)
+        self.key = public_key
+        self.run_id = run_id
+
+    def head(self) -> Head | None:
+        latest = self.store.latest()
+        if latest is None:
+            return None
+        kind = "patch" if self.store.has("patch", latest) else "anchor"
+        env = verify_envelope(self.key, self.store.read_envelope(kind, latest), run_id=self.run_id)
+        anchors = self.store.list("anchor")
+        return Head(latest, env.digest, anchors[-1] if anchors else None)
+
+    def fetch(self, request: FetchRequest) -> Fetched | None:
+        if request.kind not in ("patch", "anchor") or not self.store.has(request.kind, request.version):
+            return None
+        env_blob, payload = self.store.read(request.kind, request.version)
+        env = verify_envelope(self.key, env_blob, run_id=self.run_id)
+        if env.sha256 != hashlib.sha256(payload).hexdigest():
+            raise PayloadError(f"{request.kind} v{request.version} in {self.store.path} fails its signed SHA-256")
+        return Fetched(env, env_blob, payload, request.kind)
+
+
+class SwarmSource:
+    """Objects from providers on a hivemind swarm: relays first (random order), the publisher last.
+
+    Every request has a timeout; a provider that stalls, answers garbage or fails authentication is logged
+    and the next one is tried. When only the publisher holds an object and it is over its upload budget,
+    the source waits ``relay_wait`` seconds for a relay to appear, then asks the publisher with ``force``.
+    """
+
+    def __init__(
+        self,
+        endpoint: SwarmEndpoint,
+        public_key: Ed25519PublicKey,
+        *,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        timeout: float = 60.0,
+        chunk_timeout: float = 10.0,
+        relay_wait: float = 2.0,
+    ) -> None:
+        self.endpoint = endpoint
+        self.key = public_key
+        self.max_payload_bytes = max_payload_bytes
+        self.timeout = timeout
+        self.chunk_timeout = chunk_timeout
+        self.relay_wait = relay_wait
+
+    def head(self) -> Head | None:
+        env = self.endpoint.get_head(self.key)
+        return None if env is None else Head(env.version, env.digest, env.anchor_version)
+
+    def fetch(self, request: FetchRequest) -> Fetched | None:
+        deadline = time.monotonic() + self.timeout
+        me = self.endpoint.peer_id.to_base58()
+        waited_for_relay = False
+        while time.monotonic() < deadline:
+            providers = self.endpoint.get_providers(timeout=min(10.0, self.timeout))
+            holders = [
+                (peer, info["publisher"])
+                for peer, info in providers.items()
+                if peer != me and (request.kind == "squash" or request.version in info["versions"])
+            ]
+            relays = [p for p, is_pub in holders if not is_pub]
+            publishers = [p for p, is_pub in holders if is_pub]
+            random.shuffle(relays)
+            busy = False
+            for peer in relays + publishers:
+                force = waited_for_relay and peer in publishers
+                req = FetchRequest(request.kind, request.version, request.base_version, force)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    result = self.endpoint.fetch(
+                        peer,
+                        req,
+                        self.key,
+                        max_bytes=self.max_payload_bytes,
+                        timeout=remaining,
+                        chunk_timeout=self.chunk_timeout,
+                    )
+                except Exception as exc:  # any failure of a stranger's provider: log it and try the next one
+                    logger.warning("fetch failed peer=%s request=%s error=%r", peer, request, exc)
+                    continue
+                if isinstance(result, tuple):
+                    return Fetched(result[0], result[1], result[2], request.kind)
+                busy |= result == "busy"
+                if result == "missing" and request.kind == "squash":
+                    continue
+            if not busy:
+                return None
+            if waited_for_relay:
+                time.sleep(0.2)
+            time.sleep(min(self.relay_wait, max(0.0, deadline - time.monotonic())))
+            waited_for_relay = True
+        logger.warning("no provider served request=%s within %.1f s", request, self.timeout)
+        return None
+
+
+class _Relay:
+    """Objects this subscriber holds, served to other subscribers (recent ones in memory)."""
+
+    def __init__(self, capacity: int = 16) -> None:
+        self.objects: OrderedDict[tuple[str, int], tuple[bytes, bytes]] = OrderedDict()
+        self.capacity = capacity
+        self.lock = threading.Lock()
+
+    def add(self, kind: str, version: int, envelope: bytes, payload: bytes) -> None:
+        with self.lock:
+            self.objects[(kind, version)] = (envelope, payload)
+            while len(self.objects) > self.capacity:
+                self.objects.popitem(last=False)
+
+    def provide(self, request: FetchRequest) -> Provided:
+        with self.lock:
+            found = self.objects.get((request.kind, request.version))
+        return Provided("ok", *found) if found else Provided("missing")
+
+    def versions(self) -> list[int]:
+        with self.lock:
+            return sorted({v for _, v in self.objects})
+
+
+def _float_state(model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+class Subscriber:
+    """Follow a publisher and keep a model at its newest version.
+
+    Args:
+        dht: a running hivemind DHT (or None with ``source=``; see :meth:`from_directory`).
+        run_id: the run to follow.
+        public_key: the publisher's Ed25519 public key; anything not signed by it is rejected.
+        relay: serve held objects to other subscribers (default True on the swarm).
+        mirror_dir: optional directory where received objects are kept (atomically); a subscriber restarted
+            on it restores its last complete version without the network.
+        max_payload_bytes, timeout: limits for one object and one update.
+
+    Errors: :meth:`update` raises :class:`pulseloco.errors.PatchError` only when no provider can bring the
+    model to a verified version; the model then still holds its previous complete version.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT | None,
+        run_id: str,
+        public_key: Ed25519PublicKey,
+        *,
+        source: Source | None = None,
+        relay: bool = True,
+        mirror_dir: str | os.PathLike[str] | None = None,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        timeout: float = 60.0,
+        provider_ttl: float = 30.0,
+    ) -> None:
+        self.run_id = run_id
+        self.key = public_key
+        self.lock = threading.RLock()
+        self.version: int | None = None
+        self.digest = ""
+        self.provider_ttl = provider_ttl
+        self._relay = _Relay()
+        self._shadow: dict[str, torch.Tensor] | None = None
+        self.endpoint: SwarmEndpoint | None = None
+        if source is None:
+            if dht is None:
+                raise ValueError("give a DHT or a source")
+            self.endpoint = SwarmEndpoint(dht, run_id, name="subscriber")
+            if relay:
+                self.endpoint.serve(self._relay.provide)
+            source = SwarmSource(self.endpoint, public_key, max_payload_bytes=max_payload_bytes, timeout=timeout)
+        self.source = source
+        self.mirror = VersionStore(mirror_dir) if mirror_dir is not None else None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_directory(
+        cls,
+        path: str | os.PathLike[str],
+        public_key: Ed25519PublicKey,
+        *,
+        run_id: str | None = None,
+        **kwargs,
+    ) -> Subscriber:
+        """A subscriber that follows a version store directory instead of the swarm."""
+        return cls(None, run_id or "", public_key, source=DirectorySource(path, public_key, run_id), **kwargs)
+
+    # ---- applying ----------------------------------------------------------------------------------------
+
+    def _target_state(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The BF16 state patches are applied to: the model's own tensors when they are BF16, else a shadow."""
+        state = _float_state(model)
+        if all(t.dtype == torch.bfloat16 for t in state.values()):
+            return state
+        if self._shadow is None or set(self._shadow) != set(state):
+            self._shadow = {k: v.detach().to("cpu", torch.bfloat16, copy=True) for k, v in state.items()}
+        return self._shadow
+
+    def _sync_model(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor], target: dict) -> None:
+        state = _float_state(model)
+        if target is state:
+            return
+        with torch.no_grad():
+            for name, t in state.items():
+                t.copy_(target[name].to(t.device, t.dtype))
+
+    def _apply_anchor(self, target: dict[str, torch.Tensor], env: Envelope, payload: bytes) -> None:
+        loaded = load_anchor(payload, expected_digest=env.digest)
+        if set(loaded) != set(target):
+            missing = sorted(set(target) ^ set(loaded))[:5]
+            raise TensorMismatchError(f"anchor tensors differ from the model's: {missing}")
+        for name, t in loaded.items():
+            if t.shape != target[name].shape or t.dtype != target[name].dtype:
+                raise TensorMismatchError(f"anchor tensor {name!r} is {t.dtype}{tuple(t.shape)}")
+        with torch.no_grad():
+            for name, t in loaded.items():
+                target[name].copy_(t)
+
+    def _keep(self, obj: Fetched) -> None:
+        """Remember an applied object: served to other subscribers, and kept in the mirror directory."""
+        self._relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload)
+        if self.mirror is not None and obj.kind in ("patch", "anchor"):
+            self.mirror.write(obj.kind, obj.envelope.version, obj.payload, obj.envelope_blob)
+            self.mirror.prune(2)
+
+    def update(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> int | None:
+        """Bring ``model`` to the newest version; returns the version it holds afterwards (None if nothing
+        was ever published). See :meth:`update_report` for what moved."""
+        report = self.update_report(model)
+        return report.version if report is not None else self.version
+
+    def update_report(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> UpdateReport | None:
+        """Like :meth:`update`, returning an :class:`UpdateReport` (None when already current)."""
+        head = self.source.head()
+        if head is None:
+            return None
+        with self.lock:
+            if self.version == head.version and self.digest == head.digest:
+                return None
+            started = time.perf_counter()
+            previous = self.version
+            target = self._target_state(model)
+            received, changed, path = 0, 0, ""
+            if self.version is not None and self.digest == state_digest(target):
+                result = self._catch_up(target, head)
+                if result is not None:
+                    received, changed, path = result
+            if self.version != head.version:
+                result = self._from_anchor(target, head)
+                if result is None:
+                    raise PatchError(
+                        f"could not reach version {head.version} of run {self.run_id!r}: no provider served a "
+                        "verifiable anchor and patch chain (see warnings above)"
+                    )
+                received, changed, path = received + result[0], result[1], result[2]
+            self._sync_model(model, target)
+            report = UpdateReport(
+                version=head.version,
+                previous=previous,
+                num_changed=changed,
+                bytes_received=received,
+                seconds=time.perf_counter() - started,
+                digest=self.digest,
+                lag=0,
+                path=path,
+            )
+        if self.endpoint is not None and self.endpoint.servicer is not None:
+            self.endpoint.announce_provider(self._relay.versions(), publisher=False, ttl=self.provider_ttl)
+        logger.info(
+            "updated version=%d previous=%s changed=%d bytes=%d seconds=%.3f path=%s",
+            report.version,
+            previous,
+            changed,
+            received,
+            report.seconds,
+            path,
+        )
+        return report
+
+    def _apply_chain(self, target: dict[str, torch.Tensor], objects: list[Fetched]) -> int:
+        changed = 0
+        for obj in objects:
+            info = apply_patch(target, obj.payload)
+            changed += info.num_changed
+            self.version, self.digest = obj.envelope.version, info.digest
+            self._keep(obj)
+        return changed
+
+    def _walk_back(self, version: int, stop: int | None) -> list[Fetched] | None:
+        """Patches from ``stop`` (exclusive) to ``version``, oldest first; None if the chain cannot be fetched."""
+        chain: list[Fetched] = []
+        v = version
+        while v != stop:
+            got = self.source.fetch(FetchRequest("patch", v))
+            if got is None:
+                return None
+            chain.append(got)
+            base = got.envelope.base_version
+            if base is None or (stop is not None and base < stop) or len(chain) > 10_000:
+                return None
+            v = base
+        return chain[::-1]
+
+    def _catch_up(self, target: dict[str, torch.Tensor], head: Head) -> tuple[int, int, str] | None:
+        """From the current version by one patch, a squash, or the patch chain; None on failure."""
+        current = self.version
+        if current is None or head.version <= current:
+            return None
+
+        def by_squash() -> list[Fetched] | None:
+            got = self.source.fetch(FetchRequest("squash", head.version, current))
+            return None if got is None else [got]
+
+        def by_chain() -> list[Fetched] | None:
+            return self._walk_back(head.version, current)
+
+        paths: list[tuple[str, Callable[[], list[Fetched] | None]]] = [
+            ("patch" if head.version - current == 1 else "chain", by_chain)
+        ]
+        if head.version - current > 1:
+            paths.insert(0, ("squash", by_squash))
+        for name, get in paths:
+            try:
+                objects = get()
+                if not objects:
+                    continue
+                changed = self._apply_chain(target, objects)
+                return sum(len(o.payload) for o in objects), changed, name
+            except (StalePatchError, DigestMismatchError, PayloadError) as exc:
+                logger.warning("catch-up by %s failed error=%s; trying the next path", name, exc)
+        return None
+
+    def _from_anchor(self, target: dict[str, torch.Tensor], head: Head) -> tuple[int, int, str] | None:
+        """Restore the newest anchor, then the patch chain to the head; None (state untouched) on failure."""
+        if head.anchor_version is None:
+            return None
+        backup: dict[str, torch.Tensor] | None = None
+        previous = (self.version, self.digest)
+        try:
+            anchor = self.source.fetch(FetchRequest("anchor", head.anchor_version))
+            if anchor is None:
+                return None
+            chain = (
+                []
+                if head.version == anchor.envelope.version
+                else self._walk_back(head.version, anchor.envelope.version)
+            )
+            if chain is None:
+                return None
+            backup = {k: v.clone() for k, v in target.items()}
+            self._apply_anchor(target, anchor.envelope, anchor.payload)
+            self.version, self.digest = anchor.envelope.version, anchor.envelope.digest
+            self._keep(anchor)
+            changed = self._apply_chain(target, chain)
+            return len(anchor.payload) + sum(len(o.payload) for o in chain), changed, "anchor"
+        except (PatchError, PayloadError) as exc:
+            logger.warning("recovery from anchor failed error=%s", exc)
+            if backup is not None:
+                with torch.no_grad():
+                    for k, v in backup.items():
+                        target[k].copy_(v)
+                self.version, self.digest = previous
+            return None
+
+    # ---- following ---------------------------------------------------------------------------------------
+
+    def follow(
+        self,
+        model: torch.nn.Module | MutableMapping[str, torch.Tensor],
+        on_update: Callable[[UpdateReport], None] | None = None,
+        *,
+        interval: float = 1.0,
+    ) -> threading.Thread:
+        """Keep ``model`` current in a background thread (until :meth:`close`); errors are logged and retried.
+
+        Hold :attr:`lock` while generating so an update never lands mid-generation.
+        """
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    report = self.update_report(model)
+                    if report is not None and on_update is not None:
+                        on_update(report)
+                except Exception as exc:  # a follower keeps serving its last complete version
+                    logger.warning("update failed error=%r; retrying in %.1f s", exc, interval)
+                self._stop.wait(interval)
+
+        self._thread = threading.Thread(target=loop, name="pulsesync-follow", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        """Stop following and leave the swarm (bounded)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.endpoint is not None:
+            self.endpoint.close()
