@@ -63,9 +63,7 @@ def bit_format(dtype: torch.dtype | str) -> BitFormat:
         try:
             return _FORMATS[dtype]
         except KeyError:
-            raise PayloadError(
-                f"unsupported dtype {dtype!r} in payload; expected one of {sorted(_FORMATS)}"
-            ) from None
+            raise PayloadError(f"unsupported dtype {dtype!r} in payload; expected one of {sorted(_FORMATS)}") from None
     try:
         return _BY_DTYPE[dtype]
     except KeyError:

@@ -238,9 +238,7 @@ def encode_payload(
         "meta": dict(meta or {}),
     }
     header_json = json.dumps(header, separators=(",", ":")).encode()
-    body = b"".join(
-        [_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header_json)), header_json, index_stored, value_stored]
-    )
+    body = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header_json)), header_json, index_stored, value_stored])
     return body + xxhash.xxh3_64_digest(body)
 
 
@@ -265,9 +263,7 @@ def _parse_header(payload: bytes) -> tuple[dict[str, Any], int]:
     """Check prefix, length and checksum; return the parsed header JSON and the offset of the body."""
     view = memoryview(payload)
     if len(view) < _PREFIX.size:
-        raise TruncatedPayloadError(
-            f"payload of {len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix"
-        )
+        raise TruncatedPayloadError(f"payload of {len(view)} bytes is shorter than the {_PREFIX.size}-byte prefix")
     magic, fmt, _flags, header_len = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise BadMagicError(f"payload starts with {bytes(magic)!r}, not {MAGIC!r}: not a pulseloco payload")
@@ -294,13 +290,9 @@ def _parse_header(payload: bytes) -> tuple[dict[str, Any], int]:
     val = _check_section(header.get("value_section"), "value_section")
     declared = body_start + idx["size"] + val["size"] + _CHECKSUM_BYTES
     if len(view) < declared:
-        raise TruncatedPayloadError(
-            f"payload is {len(view)} bytes, its header declares {declared}: truncated"
-        )
+        raise TruncatedPayloadError(f"payload is {len(view)} bytes, its header declares {declared}: truncated")
     if len(view) > declared:
-        raise PayloadSizeError(
-            f"payload is {len(view)} bytes, its header declares {declared}: trailing bytes"
-        )
+        raise PayloadSizeError(f"payload is {len(view)} bytes, its header declares {declared}: trailing bytes")
     if not checksum_ok:
         raise ChecksumError("payload checksum mismatch: corrupted in transit or on disk")
     return header, body_start
@@ -357,14 +349,10 @@ def _validate_header(header: dict[str, Any], body_start: int, total: int, max_el
         index_size += index["size"]
         value_size += count * _value_format(mode, dtype)[1]
     if total_count > max_elements:
-        raise PayloadSizeError(
-            f"payload carries {total_count} elements, above this receiver's limit of {max_elements}"
-        )
+        raise PayloadSizeError(f"payload carries {total_count} elements, above this receiver's limit of {max_elements}")
     idx, val = header["index_section"], header["value_section"]
     if idx["raw"] != index_size:
-        raise PayloadSizeError(
-            f"index section declares {idx['raw']} bytes, its tensors add up to {index_size}"
-        )
+        raise PayloadSizeError(f"index section declares {idx['raw']} bytes, its tensors add up to {index_size}")
     if val["raw"] != value_size:
         raise PayloadSizeError(f"value section declares {val['raw']} bytes, its tensors need {value_size}")
     return FrameHeader(

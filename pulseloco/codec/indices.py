@@ -74,9 +74,7 @@ def _unpack_fixed(data: bytes, count: int, k: int) -> np.ndarray:
         return np.zeros(count, dtype=np.uint64)
     num_bytes = (k + 7) // 8
     bits = np.zeros((count, 8 * num_bytes), dtype=np.uint8)
-    bits[:, 8 * num_bytes - k :] = np.unpackbits(
-        np.frombuffer(data, dtype=np.uint8), count=count * k
-    ).reshape(count, k)
+    bits[:, 8 * num_bytes - k :] = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * k).reshape(count, k)
     be_bytes = np.zeros((count, 8), dtype=np.uint8)
     be_bytes[:, 8 - num_bytes :] = np.packbits(bits, axis=1)
     return be_bytes.view(">u8").reshape(-1).astype(np.uint64)
@@ -125,9 +123,7 @@ def decode_indices(code: IndexCode, count: int, numel: int) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if code.method == "all":
         if count != numel or data:
-            raise PayloadSizeError(
-                f"index method 'all' needs count == numel ({count} != {numel}) and no bytes"
-            )
+            raise PayloadSizeError(f"index method 'all' needs count == numel ({count} != {numel}) and no bytes")
         return np.arange(numel, dtype=np.int64)
     if code.method == "bitmask":
         if len(data) != (numel + 7) // 8:
