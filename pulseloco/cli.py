@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 from pulseloco import __version__
+from pulseloco.errors import ConfigError, PatchError, PulseLocoError
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +29,159 @@ def _cmd_version(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
-    "version": (_cmd_version, "print the pulseloco version and exit"),
+def _add_swarm_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("swarm")
+    group.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
+    group.add_argument(
+        "--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR", help="addresses to listen on"
+    )
+    group.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR", help="addresses others dial")
+    group.add_argument("--identity", default=None, help="peer identity file (keeps the peer id across restarts)")
+    group.add_argument("--client-mode", action="store_true", help="behind NAT: connect out only, serve nothing")
+
+
+def _make_dht(args: argparse.Namespace):  # -> hivemind.DHT, imported lazily to keep `pulseloco version` fast
+    from pulseloco.swarm import SwarmConfig, make_dht
+
+    return make_dht(
+        SwarmConfig(
+            initial_peers=args.initial_peers,
+            host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
+            identity_path=args.identity,
+            client_mode=args.client_mode,
+        )
+    )
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    """Write a new Ed25519 signing key (mode 0600) and its public half (``.pub``)."""
+    from pulseloco.sync.signing import generate_key, public_key_fingerprint, save_keypair
+
+    key = generate_key()
+    private_path, public_path = save_keypair(key, args.out)
+    print(f"private key: {private_path} (keep it secret; never commit it)")
+    print(f"public key:  {public_path} (give it to subscribers: --public-key {public_path})")
+    print(f"fingerprint: {public_key_fingerprint(key.public_key())}")
+    return 0
+
+
+def _add_keygen_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="path of the private key; the public key goes to OUT.pub")
+
+
+def _cmd_sync_serve(args: argparse.Namespace) -> int:
+    """Serve a version store on the swarm: announce its newest version and serve its objects."""
+    from pulseloco.sync.publisher import Publisher
+    from pulseloco.sync.signing import load_private_key
+
+    key = load_private_key(args.key)
+    dht = _make_dht(args)
+    publisher = Publisher(dht, args.run_id, key, args.store, max_uploads_per_version=args.max_uploads_per_version)
+    for maddr in dht.get_visible_maddrs():
+        print(f"serving run={args.run_id} at {maddr}", flush=True)
+    print(f"version={publisher.version} digest={publisher.digest}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(args.poll):
+            if publisher.refresh():
+                print(f"version={publisher.version} digest={publisher.digest}", flush=True)
+    finally:
+        publisher.close()
+        dht.shutdown()
+    return 0
+
+
+def _add_sync_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", required=True, help="version store directory")
+    parser.add_argument("--run-id", required=True, help="run id announced in the DHT")
+    parser.add_argument("--key", required=True, help="the publisher's private key (from `pulseloco keygen`)")
+    parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks for new versions")
+    parser.add_argument("--max-uploads-per-version", type=int, default=2, help="newest patch uploads before relays")
+    _add_swarm_options(parser)
+
+
+def _cmd_sync_follow(args: argparse.Namespace) -> int:
+    """Follow a run and print one line per version."""
+    from pulseloco.sync.signing import load_public_key
+    from pulseloco.sync.subscriber import Subscriber
+
+    key = load_public_key(args.public_key)
+    if not args.initial_peers:
+        raise ConfigError("--initial-peers is required: the multiaddr printed by the publisher or a swarm peer")
+    dht = _make_dht(args)
+    subscriber = Subscriber(dht, args.run_id, key, mirror_dir=args.out, timeout=args.timeout)
+    state: dict = {}
+    if args.out:
+        restored = subscriber.restore(state)
+        if restored is not None:
+            print(f"restored version={restored} digest={subscriber.digest} from {args.out}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("version changed bytes seconds digest lag path", flush=True)
+    try:
+        while not stop.is_set():
+            try:
+                report = subscriber.update_report(state)
+            except PatchError as exc:
+                logger.warning("update failed: %s", exc)
+                report = None
+            if report is not None:
+                head = subscriber.source.head()
+                lag = max(0, head.version - report.version) if head is not None else 0
+                print(
+                    f"{report.version} {report.num_changed} {report.bytes_received} {report.seconds:.3f} "
+                    f"{report.digest} {lag} {report.path}",
+                    flush=True,
+                )
+                if args.until_version is not None and report.version >= args.until_version:
+                    break
+            stop.wait(args.interval)
+    finally:
+        subscriber.close()
+        dht.shutdown()
+    return 0
+
+
+def _add_sync_follow_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-id", required=True, help="the run to follow")
+    parser.add_argument("--public-key", required=True, help="the publisher's public key file (.pub)")
+    parser.add_argument("--out", default=None, help="directory keeping received versions (restored on restart)")
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between checks for a new version")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for one update")
+    parser.add_argument("--until-version", type=int, default=None, help="exit once this version is reached")
+    _add_swarm_options(parser)
+
+
+_SYNC_COMMANDS: dict[
+    str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]
+] = {
+    "serve": (_cmd_sync_serve, "serve a version store's versions on the swarm", _add_sync_serve_arguments),
+    "follow": (_cmd_sync_follow, "follow a run and print one line per version", _add_sync_follow_arguments),
 }
-"""Command name -> (handler, one-line help). A new command adds one row here."""
+
+
+def _add_sync_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="sync_command", metavar="SYNC_COMMAND", required=True)
+    for name, (handler, help_text, add_arguments) in _SYNC_COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(handler=handler)
+
+
+def _no_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]] = {
+    "version": (_cmd_version, "print the pulseloco version and exit", _no_arguments),
+    "keygen": (_cmd_keygen, "make an Ed25519 signing key for publishing", _add_keygen_arguments),
+    "sync": (_cmd_version, "PULSESync: serve or follow weight versions", _add_sync_arguments),
+}
+"""Command name -> (handler, one-line help, argument builder). A new command adds one row here."""
 
 
 def _global_options(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
@@ -53,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pulseloco {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for name, (handler, help_text) in _COMMANDS.items():
+    for name, (handler, help_text, add_arguments) in _COMMANDS.items():
         subparser = subparsers.add_parser(name, help=help_text, description=help_text)
         subparser.set_defaults(handler=handler)
+        add_arguments(subparser)
     return parser
 
 
@@ -97,7 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.debug("command=%s", args.command)
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except PulseLocoError as exc:  # bad configuration or input: one line that says what to fix
+        print(f"pulseloco: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -188,6 +188,21 @@ class Publisher:
         self._since_anchor = len(patches)
         logger.info("resumed store=%s version=%d anchor=%d", self.store.path, latest, anchor)
 
+    def refresh(self) -> bool:
+        """Pick up versions another process wrote to the store (``pulseloco sync serve``) and announce them.
+
+        Returns whether the head changed. Only for a publisher that does not call :meth:`publish` itself.
+        Raises :class:`ConfigError` if the new versions do not verify under this key.
+        """
+        latest = self.store.latest()
+        if latest is None or (self._version is not None and latest <= self._version):
+            return False
+        with self._cond:
+            self._resume()
+            self._next_version = max(self._next_version, latest)
+        self._announce()
+        return True
+
     # ---- publishing --------------------------------------------------------------------------------------
 
     def publish(self, model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> int:

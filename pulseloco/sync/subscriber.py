@@ -296,16 +296,23 @@ class Subscriber:
             self._shadow = {k: v.detach().to("cpu", torch.bfloat16, copy=True) for k, v in state.items()}
         return self._shadow
 
-    def _sync_model(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor], target: dict) -> None:
+    def _sync_model(
+        self, model: torch.nn.Module | MutableMapping[str, torch.Tensor], target: MutableMapping[str, torch.Tensor]
+    ) -> None:
+        if target is model:
+            return
         state = _float_state(model)
-        if target is state:
+        if all(state[k] is target.get(k) for k in state):
             return
         with torch.no_grad():
             for name, t in state.items():
                 t.copy_(target[name].to(t.device, t.dtype))
 
-    def _apply_anchor(self, target: dict[str, torch.Tensor], env: Envelope, payload: bytes) -> None:
+    def _apply_anchor(self, target: MutableMapping[str, torch.Tensor], env: Envelope, payload: bytes) -> None:
         loaded = load_anchor(payload, expected_digest=env.digest)
+        if not target:  # an empty state dict adopts the publisher's tensors (``pulseloco sync follow``)
+            target.update(loaded)
+            return
         if set(loaded) != set(target):
             missing = sorted(set(target) ^ set(loaded))[:5]
             raise TensorMismatchError(f"anchor tensors differ from the model's: {missing}")
@@ -319,9 +326,45 @@ class Subscriber:
     def _keep(self, obj: Fetched) -> None:
         """Remember an applied object: served to other subscribers, and kept in the mirror directory."""
         self._relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload)
-        if self.mirror is not None and obj.kind in ("patch", "anchor"):
-            self.mirror.write(obj.kind, obj.envelope.version, obj.payload, obj.envelope_blob)
+        if self.mirror is not None:
+            # squashed patches are kept as the patch of their version: restore walks envelopes' base versions
+            kind = "anchor" if obj.kind == "anchor" else "patch"
+            self.mirror.write(kind, obj.envelope.version, obj.payload, obj.envelope_blob)
             self.mirror.prune(2)
+
+    def restore(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> int | None:
+        """Bring ``model`` to the newest complete version in the mirror directory, without the network.
+
+        Returns that version, or None when the mirror is empty or does not verify (then nothing changed and
+        :meth:`update` starts from an anchor). Objects left half-written by a killed process are ignored.
+        """
+        if self.mirror is None or self.mirror.latest() is None:
+            return None
+        with self.lock:
+            target = self._target_state(model)
+            try:
+                chain: list[Fetched] = []
+                v: int | None = self.mirror.latest()
+                while v is not None and not self.mirror.has("anchor", v):
+                    env_blob, payload = self.mirror.read("patch", v)
+                    env = verify_envelope(self.key, env_blob, run_id=self.run_id or None)
+                    chain.append(Fetched(env, env_blob, payload, env.kind))
+                    v = env.base_version
+                if v is None:
+                    raise PayloadError("mirror chain does not reach an anchor")
+                env_blob, payload = self.mirror.read("anchor", v)
+                anchor = Fetched(
+                    verify_envelope(self.key, env_blob, run_id=self.run_id or None), env_blob, payload, "anchor"
+                )
+                result = self._apply_objects(target, anchor, chain[::-1], keep=False)
+            except (PatchError, PayloadError, FileNotFoundError) as exc:
+                logger.warning("mirror %s does not restore (%s); starting from the swarm", self.mirror.path, exc)
+                return None
+            if result is None:
+                return None
+            self._sync_model(model, target)
+            logger.info("restored version=%s from mirror=%s", self.version, self.mirror.path)
+            return self.version
 
     def update(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> int | None:
         """Bring ``model`` to the newest version; returns the version it holds afterwards (None if nothing
@@ -377,13 +420,18 @@ class Subscriber:
         )
         return report
 
-    def _apply_chain(self, target: dict[str, torch.Tensor], objects: list[Fetched]) -> int:
+    def _apply_chain(
+        self, target: MutableMapping[str, torch.Tensor], objects: list[Fetched], *, keep: bool = True
+    ) -> int:
         changed = 0
         for obj in objects:
             info = apply_patch(target, obj.payload)
             changed += info.num_changed
             self.version, self.digest = obj.envelope.version, info.digest
-            self._keep(obj)
+            if keep:
+                self._keep(obj)
+            else:
+                self._relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload)
         return changed
 
     def _walk_back(self, version: int, stop: int | None) -> list[Fetched] | None:
@@ -401,7 +449,7 @@ class Subscriber:
             v = base
         return chain[::-1]
 
-    def _catch_up(self, target: dict[str, torch.Tensor], head: Head) -> tuple[int, int, str] | None:
+    def _catch_up(self, target: MutableMapping[str, torch.Tensor], head: Head) -> tuple[int, int, str] | None:
         """From the current version by one patch, a squash, or the patch chain; None on failure."""
         current = self.version
         if current is None or head.version <= current:
@@ -430,37 +478,49 @@ class Subscriber:
                 logger.warning("catch-up by %s failed error=%s; trying the next path", name, exc)
         return None
 
-    def _from_anchor(self, target: dict[str, torch.Tensor], head: Head) -> tuple[int, int, str] | None:
+    def _apply_objects(
+        self, target: MutableMapping[str, torch.Tensor], anchor: Fetched, chain: list[Fetched], *, keep: bool = True
+    ) -> int | None:
+        """Anchor then patches, all or nothing: on failure the previous tensors and version are restored."""
+        backup = {k: v.clone() for k, v in target.items()}
+        previous = (self.version, self.digest)
+        adopted = not target
+        try:
+            self._apply_anchor(target, anchor.envelope, anchor.payload)
+            self.version, self.digest = anchor.envelope.version, anchor.envelope.digest
+            if keep:
+                self._keep(anchor)
+            changed = self._apply_chain(target, chain, keep=keep)
+        except (PatchError, PayloadError) as exc:
+            logger.warning("anchor and patch chain failed to apply error=%s; state restored", exc)
+            with torch.no_grad():
+                if adopted:
+                    target.clear()
+                for k, v in backup.items():
+                    target[k].copy_(v)
+            self.version, self.digest = previous
+            return None
+        return changed
+
+    def _from_anchor(self, target: MutableMapping[str, torch.Tensor], head: Head) -> tuple[int, int, str] | None:
         """Restore the newest anchor, then the patch chain to the head; None (state untouched) on failure."""
         if head.anchor_version is None:
             return None
-        backup: dict[str, torch.Tensor] | None = None
-        previous = (self.version, self.digest)
         try:
             anchor = self.source.fetch(FetchRequest("anchor", head.anchor_version))
             if anchor is None:
                 return None
-            chain = (
-                []
-                if head.version == anchor.envelope.version
-                else self._walk_back(head.version, anchor.envelope.version)
-            )
-            if chain is None:
-                return None
-            backup = {k: v.clone() for k, v in target.items()}
-            self._apply_anchor(target, anchor.envelope, anchor.payload)
-            self.version, self.digest = anchor.envelope.version, anchor.envelope.digest
-            self._keep(anchor)
-            changed = self._apply_chain(target, chain)
-            return len(anchor.payload) + sum(len(o.payload) for o in chain), changed, "anchor"
+            version = anchor.envelope.version
+            chain = [] if head.version == version else self._walk_back(head.version, version)
         except (PatchError, PayloadError) as exc:
-            logger.warning("recovery from anchor failed error=%s", exc)
-            if backup is not None:
-                with torch.no_grad():
-                    for k, v in backup.items():
-                        target[k].copy_(v)
-                self.version, self.digest = previous
+            logger.warning("fetching the anchor failed error=%s", exc)
             return None
+        if chain is None:
+            return None
+        changed = self._apply_objects(target, anchor, chain)
+        if changed is None:
+            return None
+        return len(anchor.payload) + sum(len(o.payload) for o in chain), changed, "anchor"
 
     # ---- following ---------------------------------------------------------------------------------------
 
