@@ -83,7 +83,7 @@ class Publisher:
         anchor_every: a full BF16 anchor every this many versions (the first version is always one).
         keep_anchors: retention: newest anchors kept, with every patch after the oldest of them.
         values: patch value mode, ``absolute`` (default) or ``delta``.
-        max_uploads_per_version: how often the publisher serves the newest patch before sending subscribers
+        max_uploads_per_version: how often the publisher serves the newest patch (or anchor) before sending subscribers
             to relays (others that hold it); a subscriber that finds no relay asks again with ``force``.
         head_ttl: lifetime in seconds of the head record in the DHT (re-announced every ``head_ttl / 3``).
 
@@ -332,7 +332,7 @@ class Publisher:
             if request.kind in ("patch", "anchor"):
                 if not self.store.has(request.kind, request.version):
                     return Provided("missing")
-                if request.kind == "patch" and request.version == self._version and not request.force:
+                if request.version == self._version and not request.force:
                     served = self._uploads.get(request.version, 0)
                     if served >= self.max_uploads_per_version:
                         return Provided("busy")

@@ -233,6 +233,8 @@ class Subscriber:
         relay: serve held objects to other subscribers (default True on the swarm).
         mirror_dir: optional directory where received objects are kept (atomically); a subscriber restarted
             on it restores its last complete version without the network.
+        full_checkpoints: the comparison baseline: fetch the full BF16 anchor of every version (the publisher
+            must use ``anchor_every=1``) instead of patches, over the same transport and relays.
         max_payload_bytes, timeout: limits for one object and one update.
 
     Errors: :meth:`update` raises :class:`pulseloco.errors.PatchError` only when no provider can bring the
@@ -247,6 +249,7 @@ class Subscriber:
         *,
         source: Source | None = None,
         relay: bool = True,
+        full_checkpoints: bool = False,
         mirror_dir: str | os.PathLike[str] | None = None,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         timeout: float = 60.0,
@@ -269,6 +272,7 @@ class Subscriber:
                 self.endpoint.serve(self._relay.provide)
             source = SwarmSource(self.endpoint, public_key, max_payload_bytes=max_payload_bytes, timeout=timeout)
         self.source = source
+        self.full_checkpoints = full_checkpoints
         self.mirror = VersionStore(mirror_dir) if mirror_dir is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -384,7 +388,9 @@ class Subscriber:
             previous = self.version
             target = self._target_state(model)
             received, changed, path = 0, 0, ""
-            if self.version is not None and self.digest == state_digest(target):
+            if self.full_checkpoints:  # baseline: a full BF16 copy per version (publisher anchors every version)
+                head = Head(head.version, head.digest, head.version)
+            elif self.version is not None and self.digest == state_digest(target):
                 result = self._catch_up(target, head)
                 if result is not None:
                     received, changed, path = result
