@@ -33,7 +33,7 @@ import xxhash
 import zstandard
 
 from pulseloco.codec.bits import bit_format, from_wire_values, to_wire_values
-from pulseloco.codec.indices import IndexCode, decode_indices, encode_indices
+from pulseloco.codec.indices import IndexCode, decode_indices, encode_indices, max_code_bytes
 from pulseloco.errors import (
     BadMagicError,
     ChecksumError,
@@ -166,7 +166,7 @@ def _decompress(stored: bytes, codec: str, raw_size: int) -> bytes:
     if declared != raw_size:
         raise PayloadSizeError(f"zstd frame declares {declared} bytes, header says {raw_size}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size)
+        out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise PayloadError(f"corrupt zstd section: {exc}") from None
     if len(out) != raw_size:
@@ -280,7 +280,7 @@ def _parse_header(payload: bytes) -> tuple[dict[str, Any], int]:
     checksum_ok = xxhash.xxh3_64_digest(view[: len(view) - _CHECKSUM_BYTES]) == bytes(view[-_CHECKSUM_BYTES:])
     try:
         header = json.loads(bytes(view[_PREFIX.size : body_start]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limits
         if not checksum_ok:
             raise ChecksumError("payload checksum mismatch (corrupted header)") from None
         raise PayloadError(f"payload header is not valid JSON: {exc}") from None
@@ -345,6 +345,12 @@ def _validate_header(header: dict[str, Any], body_start: int, total: int, max_el
             or not _is_int(index.get("size"))
         ):
             raise PayloadError(f"tensor {name!r}: index must hold 'method', 'k' and 'size'")
+        bound = max_code_bytes(index["method"], index["k"], count, numel)
+        if index["size"] > bound:
+            raise PayloadSizeError(
+                f"tensor {name!r}: {index['method']} index of {index['size']} bytes exceeds the {bound} bytes "
+                f"{count} indices into {numel} elements can take"
+            )
         total_count += count
         index_size += index["size"]
         value_size += count * _value_format(mode, dtype)[1]

@@ -25,7 +25,9 @@ from pulseloco.errors import InvalidIndicesError, PayloadSizeError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IndexCode", "decode_indices", "encode_indices", "rice_size_bits"]
+__all__ = ["METHODS", "IndexCode", "decode_indices", "encode_indices", "max_code_bytes", "rice_size_bits"]
+
+METHODS = ("empty", "all", "rice", "bitmask")
 
 #: Largest Rice parameter accepted from the wire (gaps are below 2**62 for any real tensor).
 MAX_RICE_K = 40
@@ -45,17 +47,39 @@ def rice_size_bits(gaps_K: np.ndarray, k: int) -> int:
     return int((gaps_K >> k).sum()) + gaps_K.size * (1 + k)
 
 
+def max_code_bytes(method: str, k: int, count: int, numel: int) -> int:
+    """Upper bound on the size of a code the encoder can produce, checked before decompressing anything
+    (decompression-bomb guard): it grows with ``count``, never with ``numel`` alone.
+
+    The encoder picks the locally optimal Rice parameter ``k``, at which the quotients sum to at most
+    ``2 * count`` (``S_k <= S_{k+1} + count <= S_k / 2 + count``), so the unary stream holds at most
+    ``3 * count`` bits, and uses a bitmask only when it is no
+    larger than that Rice code, so only when ``numel <= count * (k + 2) + 8``. Raises
+    :class:`InvalidIndicesError` for an unknown method or a Rice parameter out of range.
+    """
+    if method in ("empty", "all"):
+        return 0
+    if method == "bitmask":
+        return (numel + 7) // 8 if numel <= count * (MAX_RICE_K + 2) + 64 else 0
+    if method == "rice":
+        if not 0 <= k <= MAX_RICE_K:
+            raise InvalidIndicesError(f"rice parameter k={k} outside 0..{MAX_RICE_K}")
+        return (3 * count + 7) // 8 + (count * k + 7) // 8
+    raise InvalidIndicesError(f"unknown index method {method!r}; expected one of {METHODS}")
+
+
 def _best_rice_k(gaps_K: np.ndarray) -> tuple[int, int]:
-    """The Rice parameter with the smallest exact size, searched around the geometric estimate."""
+    """The locally optimal Rice parameter (exact sizes, searched from the geometric estimate)."""
     mean = float(gaps_K.mean()) if gaps_K.size else 0.0
-    guess = max(0, math.floor(math.log2(max(mean * math.log(2), 1.0))))
-    best_k, best_bits = guess, rice_size_bits(gaps_K, guess)
-    for k in (guess - 1, guess + 1, guess + 2):
-        if 0 <= k <= MAX_RICE_K:
-            bits = rice_size_bits(gaps_K, k)
-            if bits < best_bits:
-                best_k, best_bits = k, bits
-    return best_k, best_bits
+    k = min(MAX_RICE_K, max(0, math.floor(math.log2(max(mean * math.log(2), 1.0)))))
+    bits = rice_size_bits(gaps_K, k)
+    for step in (1, -1):
+        while 0 <= k + step <= MAX_RICE_K:
+            candidate = rice_size_bits(gaps_K, k + step)
+            if candidate > bits or (candidate == bits and step < 0):
+                break
+            k, bits = k + step, candidate
+    return k, bits
 
 
 def _pack_fixed(values_K: np.ndarray, k: int) -> bytes:
@@ -140,6 +164,8 @@ def decode_indices(code: IndexCode, count: int, numel: int) -> np.ndarray:
     k = code.k
     if not 0 <= k <= MAX_RICE_K:
         raise InvalidIndicesError(f"rice parameter k={k} outside 0..{MAX_RICE_K}")
+    if count == 0:
+        raise PayloadSizeError("rice stream for 0 indices; the encoder uses method 'empty'")
     rem_bytes = (count * k + 7) // 8
     unary_bytes = len(data) - rem_bytes
     if unary_bytes < (count + 7) // 8:
@@ -160,6 +186,6 @@ def decode_indices(code: IndexCode, count: int, numel: int) -> np.ndarray:
     if int(gaps_K.max()) >= numel:
         raise InvalidIndicesError(f"index gap exceeds the tensor's {numel} elements")
     indices_K = np.cumsum(gaps_K.astype(np.int64) + 1) - 1
-    if int(indices_K[-1]) >= numel:
+    if int(indices_K[-1]) >= numel or (count > 1 and not bool(np.all(indices_K[1:] > indices_K[:-1]))):
         raise InvalidIndicesError(f"index {int(indices_K[-1])} out of range for a tensor of {numel} elements")
     return indices_K

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pulseloco.codec import DEFAULT_MAX_ELEMENTS, SparseTensor, decode_payload, encode_payload
+from pulseloco.codec import DEFAULT_MAX_ELEMENTS, SparseTensor, decode_payload, encode_payload, peek_header
 from pulseloco.codec.bits import bit_format, changed_indices, modular_delta
 from pulseloco.errors import DigestMismatchError, PatchError, StalePatchError, TensorMismatchError
 from pulseloco.sync.digest import state_digest
@@ -149,21 +149,22 @@ def apply_patch(
     any error during the scatter, the old values are restored and :class:`DigestMismatchError` (or the
     original error) is raised. Payload problems raise :class:`pulseloco.errors.PayloadError` subclasses.
     """
-    decoded = decode_payload(payload, max_elements=max_elements)
-    header = decoded.header
+    # Check names, shapes and dtypes from the header before decompressing anything: a patch for tensors
+    # this state does not have must not make the receiver allocate what its header declares.
+    header = peek_header(payload, max_elements=max_elements)
     if header.value_mode not in PATCH_VALUE_MODES:
         raise PatchError(
             f"payload carries {header.value_mode} values, not a state patch; use decode_payload to read it"
         )
-    for entry in decoded.entries:
-        if entry.name not in state:
-            raise TensorMismatchError(f"patch names tensor {entry.name!r}, which this state does not have")
-        target = state[entry.name]
-        if tuple(target.shape) != entry.shape or target.dtype != entry.dtype:
-            raise TensorMismatchError(
-                f"tensor {entry.name!r}: patch has {entry.dtype}{entry.shape}, "
-                f"state has {target.dtype}{tuple(target.shape)}"
-            )
+    for t in header.tensors:
+        name = t["name"]
+        if name not in state:
+            raise TensorMismatchError(f"patch names tensor {name!r}, which this state does not have")
+        target = state[name]
+        if list(target.shape) != t["shape"] or str(target.dtype).removeprefix("torch.") != t["dtype"]:
+            theirs, ours = f"{t['dtype']}{tuple(t['shape'])}", f"{target.dtype}{tuple(target.shape)}"
+            raise TensorMismatchError(f"tensor {name!r}: patch has {theirs}, state has {ours}")
+    decoded = decode_payload(payload, max_elements=max_elements)
     digest = state_digest(state)
     if digest != header.base_digest:
         if digest == header.result_digest and header.value_mode == "absolute":
@@ -211,12 +212,14 @@ def _merge_absolute(indices: list[torch.Tensor], values: list[torch.Tensor]) -> 
 def _merge_delta(indices: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Union of index sets with modular sums of the deltas; indices whose net delta is zero are dropped."""
     idx = torch.cat(indices).numpy()
+    if idx.size == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=values[0].dtype)
     width = values[0].element_size()
     val = np.concatenate([v.numpy().view(f"<u{width}") for v in values])
     order = np.argsort(idx, kind="stable")
     idx, val = idx[order], val[order]
     starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
-    sums = np.add.reduceat(val, starts) if val.size else val  # unsigned add wraps: modular by construction
+    sums = np.add.reduceat(val, starts, dtype=val.dtype)  # unsigned add in the value's width: modular
     keep = sums != 0
     return torch.from_numpy(idx[starts][keep]), torch.from_numpy(sums[keep].view(f"<i{width}")).view(values[0].dtype)
 
