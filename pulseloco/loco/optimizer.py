@@ -1,0 +1,408 @@
+"""PulseLoCo: DiLoCo-style outer optimization with compute-visible sparse pseudo-gradients over a hivemind swarm.
+
+    opt = PulseLoCo(model, inner_optimizer, dht=dht, run_id="run", inner_steps=8,
+                    outer_lr=0.7, outer_momentum=0.9, selector="pulse")   # or "dense", "topk"
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Every ``inner_steps`` calls to :meth:`PulseLoCo.step` run one outer round (DESIGN.md section 2), in named
+phases: pseudo-gradient (``theta - theta_local``) and signal (``residual + pseudo_gradient``); catch up (download
+the state if the swarm is ahead); select (pulse / dense / topk, with error feedback); average over the swarm
+(:class:`~pulseloco.loco.averaging.SparseAverager`); return undelivered entries to the residual; outer step
+(Nesterov); check the digest against the swarm's majority and repair; reset the local model to ``theta``.
+
+Failure behaviour: the swarm never makes :meth:`step` raise. A round whose group cannot be formed or whose
+averaging times out keeps every unsent or undelivered entry in the residual and leaves ``theta`` unchanged
+where nothing arrived; a peer that ends a round with a digest other than the majority's, or behind the others,
+downloads the state from a peer. Waits are bounded by ``matchmaking_time``, ``averaging_timeout`` and
+``request_timeout`` (see :class:`PulseLoCo`). Bad configuration raises :class:`~pulseloco.errors.ConfigError`
+at construction.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hivemind.utils import get_dht_time
+
+from pulseloco.errors import ConfigError, StateDownloadError, TensorMismatchError
+from pulseloco.loco.averaging import AllReduceResult, SparseAverager, StateSnapshot
+from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
+from pulseloco.loco.metrics import MetricsWriter, RoundMetrics
+from pulseloco.loco.outer import NesterovOuterOptimizer
+from pulseloco.loco.selection import SELECTORS, make_selector
+from pulseloco.loco.validation import theta_digest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PulseLoCo"]
+
+
+def _distributed() -> tuple[bool, int]:
+    """(several processes in an initialized torch.distributed group, this process's rank)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False, 0
+    return torch.distributed.get_world_size() > 1, torch.distributed.get_rank()
+
+
+class PulseLoCo:
+    """Wraps a model's trainable parameters and its ``inner_optimizer`` (any ``torch.optim.Optimizer``).
+
+    Args (all but the first two are keyword-only):
+        model: the local model; its trainable parameters (in ``model.parameters()`` order, tied parameters
+            once) form the flat parameter space.
+        inner_optimizer: steps the local model; its state is kept across rounds (as in DiLoCo).
+        dht: a running ``hivemind.DHT``, or ``None`` to train alone (each round averages over one peer).
+        run_id: peers with the same ``run_id`` average together; a prefix of every DHT key.
+        inner_steps: H, inner steps per outer round.
+        outer_lr, outer_momentum: the Nesterov outer optimizer's settings.
+        selector: ``"pulse"`` (compute-visible gate), ``"dense"`` (DiLoCo) or ``"topk"`` (chunked top-k).
+        topk_density, topk_chunk_size: settings of the ``topk`` selector.
+        client_mode: join without serving shards or state (behind NAT); default: the DHT's client mode.
+        matchmaking_time: seconds to gather peers for a round's group.
+        target_group_size: stop gathering as soon as this many peers registered (``None``: always wait
+            ``matchmaking_time``).
+        averaging_timeout: seconds a round's exchange may take; a peer gone mid-round delays the others by at
+            most this.
+        request_timeout: seconds for any single DHT operation or message.
+        digest_timeout: seconds to wait for the group's digests after a round (default ``request_timeout``).
+        max_norm_ratio: a contribution whose norm exceeds this many times the median of the others' in the
+            same shard is rejected.
+        metrics_path: append one JSON line per outer round (:class:`~pulseloco.loco.metrics.RoundMetrics`).
+        num_download_retries: peers tried when downloading the state.
+
+    With ``torch.distributed`` initialized and several processes (``accelerate launch``), only rank 0 joins
+    the swarm (``dht`` is ignored elsewhere); the other ranks receive ``theta`` by broadcast at construction and
+    after every round, so every rank must call :meth:`step` the same number of times.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        dht: Any | None = None,
+        run_id: str = "pulseloco",
+        inner_steps: int = 8,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        selector: str = "pulse",
+        topk_density: float = 0.01,
+        topk_chunk_size: int = 4096,
+        client_mode: bool | None = None,
+        matchmaking_time: float = 15.0,
+        target_group_size: int | None = None,
+        averaging_timeout: float = 60.0,
+        request_timeout: float = 10.0,
+        digest_timeout: float | None = None,
+        max_norm_ratio: float = 10.0,
+        metrics_path: str | os.PathLike[str] | None = None,
+        num_download_retries: int = 3,
+    ) -> None:
+        if inner_steps < 1:
+            raise ConfigError(f"inner_steps must be at least 1, got {inner_steps}")
+        if selector not in SELECTORS:
+            raise ConfigError(f"selector must be one of {SELECTORS}, got {selector!r}")
+        if not run_id or any(c.isspace() for c in run_id):
+            raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
+        for name, value in (
+            ("matchmaking_time", matchmaking_time),
+            ("averaging_timeout", averaging_timeout),
+            ("request_timeout", request_timeout),
+        ):
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if target_group_size is not None and target_group_size < 1:
+            raise ConfigError(f"target_group_size must be at least 1 or None, got {target_group_size}")
+        if not max_norm_ratio > 1.0:
+            raise ConfigError(f"max_norm_ratio must be above 1, got {max_norm_ratio}")
+        if num_download_retries < 1:
+            raise ConfigError(f"num_download_retries must be at least 1, got {num_download_retries}")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("model has no trainable parameters")
+        self.numel = sum(p.numel() for p in self.params)
+        self.inner_steps = int(inner_steps)
+        self.selector = make_selector(selector, topk_density=topk_density, topk_chunk_size=topk_chunk_size)
+        self.outer_optimizer = NesterovOuterOptimizer(outer_lr, outer_momentum)
+        device = self.params[0].device
+        self.device = device if device.type == "cuda" else torch.device("cpu")
+        self.theta_N = self._flatten_local()
+        self.residual_N = torch.zeros_like(self.theta_N)
+        self.round = 0
+        self.local_step = 0
+        self.digest_timeout = request_timeout if digest_timeout is None else float(digest_timeout)
+        self.num_download_retries = int(num_download_retries)
+        self.metrics_writer = MetricsWriter(metrics_path) if metrics_path is not None else None
+        self.last_metrics: RoundMetrics | None = None
+        self._losses: list[float] = []
+        self._round_start = time.monotonic()
+        self._distributed, rank = _distributed()
+        self.is_main_process = rank == 0
+        self.averager: SparseAverager | None = None
+        self.matchmaker: Matchmaker | None = None
+        if dht is not None and self.is_main_process:
+            if client_mode is None:
+                client_mode = bool(dht.client_mode)
+            self.averager = SparseAverager(
+                dht,
+                run_id=run_id,
+                numel=self.numel,
+                client_mode=client_mode,
+                averaging_timeout=averaging_timeout,
+                request_timeout=request_timeout,
+                max_norm_ratio=max_norm_ratio,
+            )
+            self.matchmaker = Matchmaker(
+                dht,
+                run_id=run_id,
+                peer_id=self.averager.peer_id,
+                client_mode=client_mode,
+                matchmaking_time=matchmaking_time,
+                target_group_size=target_group_size,
+                request_timeout=request_timeout,
+            )
+            self._catch_up()
+            self._publish()
+        self._broadcast_theta()
+        self._load_theta_into_model()
+
+    # -- public API -------------------------------------------------------------------------------------------
+    @property
+    def peer_id(self) -> str | None:
+        """This peer's id in the swarm (``None`` without a DHT)."""
+        return None if self.averager is None else self.averager.peer_id
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the inner optimizer's gradients."""
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: float | torch.Tensor | None = None) -> Any:
+        """One inner step; every ``inner_steps``-th call also runs an outer round.
+
+        ``closure`` is passed to the inner optimizer as in ``torch.optim``; ``loss`` (or the closure's result)
+        is averaged into the round's metrics.
+        """
+        result = self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
+        recorded = result if loss is None else loss
+        if isinstance(recorded, torch.Tensor):
+            recorded = float(recorded.detach())
+        if isinstance(recorded, float | int):
+            self._losses.append(float(recorded))
+        self.local_step += 1
+        if self.local_step >= self.inner_steps:
+            self.outer_step()
+        return result
+
+    def outer_step(self) -> RoundMetrics | None:
+        """Run one outer round now (``step`` calls this every ``inner_steps`` inner steps)."""
+        start = time.monotonic()
+        seconds_inner = start - self._round_start
+        metrics = None
+        if not self.is_main_process:
+            self.round += 1
+            self._broadcast_theta()
+        else:
+            metrics = self._outer_round(seconds_inner, start)
+        self._load_theta_into_model()
+        self.local_step = 0
+        self._losses = []
+        self._round_start = time.monotonic()
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: global parameters, outer optimizer (momentum), residual, inner
+        optimizer, round and inner-step counters. Saved between rounds, the model itself is ``theta``; saved
+        mid-round, also save ``model.state_dict()``."""
+        return {
+            "round": self.round,
+            "local_step": self.local_step,
+            "selector": self.selector.name,
+            "theta_N": self.theta_N.detach().clone(),
+            "residual_N": self.residual_N.detach().clone(),
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "inner_optimizer": self.inner_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from :meth:`state_dict` and reset the model to the restored ``theta``.
+
+        Raises :class:`TensorMismatchError` (a :class:`ValueError`) for tensors of the wrong size or dtype and
+        :class:`ConfigError` for a missing entry, before changing anything.
+        """
+        for key in ("round", "local_step", "theta_N", "residual_N", "outer_optimizer", "inner_optimizer"):
+            if key not in state:
+                raise ConfigError(f"state_dict lacks {key!r}")
+        for key in ("theta_N", "residual_N"):
+            tensor = state[key]
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.shape != (self.numel,):
+                raise TensorMismatchError(f"state_dict[{key!r}] must be a flat FP32 tensor of {self.numel} entries")
+        outer = NesterovOuterOptimizer(self.outer_optimizer.lr, self.outer_optimizer.momentum)
+        outer.load_state_dict(state["outer_optimizer"], numel=self.numel)
+        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self.outer_optimizer = outer
+        self.round = int(state["round"])
+        self.local_step = int(state["local_step"])
+        self.theta_N = state["theta_N"].detach().to(self.device).clone()
+        self.residual_N = state["residual_N"].detach().to(self.device).clone()
+        if self.outer_optimizer.momentum_N is not None:
+            self.outer_optimizer.momentum_N = self.outer_optimizer.momentum_N.to(self.device)
+        if self.local_step == 0:
+            self._load_theta_into_model()
+        if self.averager is not None:
+            self._publish()
+
+    def shutdown(self) -> None:
+        """Leave the swarm (the DHT stays up: it belongs to the caller)."""
+        if self.averager is not None:
+            self.averager.shutdown()
+            self.averager = None
+            self.matchmaker = None
+
+    # -- phases -----------------------------------------------------------------------------------------------
+    def _flatten_local(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([p.detach().reshape(-1).to(self.device, torch.float32) for p in self.params])
+
+    def _load_theta_into_model(self) -> None:
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.copy_(self.theta_N[offset : offset + n].view_as(p))
+                offset += n
+
+    def _broadcast_theta(self) -> None:
+        if self._distributed:
+            torch.distributed.broadcast(self.theta_N, src=0)
+
+    def _publish(self) -> None:
+        """Announce (round, digest) and serve the current state."""
+        if self.averager is None or self.matchmaker is None:
+            return
+        digest = theta_digest(self.theta_N)
+        momentum = self.outer_optimizer.momentum_N
+        self.averager.set_snapshot(
+            StateSnapshot(
+                round=self.round,
+                digest=digest,
+                theta_N=self.theta_N.detach().cpu().clone(),
+                momentum_N=None if momentum is None else momentum.detach().cpu().clone(),
+            )
+        )
+        self.matchmaker.publish_state(self.round, digest)
+
+    def _catch_up(self, states: list[PeerState] | None = None) -> bool:
+        """Download the state if server-mode peers are ahead, or if this peer's digest is not the majority's
+        at its own round. Returns True if the state was replaced; a failed download is logged and the peer
+        goes on with its own state (the next round retries)."""
+        if self.averager is None or self.matchmaker is None:
+            return False
+        if states is None:
+            states = self.matchmaker.read_states()
+        own_digest = theta_digest(self.theta_N)
+        own = PeerState(str(self.peer_id), self.round, own_digest, self.averager.client_mode)
+        votes = [s for s in states if s.peer_id != own.peer_id] + [own]
+        # Rounds some other server-mode peer can serve, with the digest most peers report for each.
+        servable = {s.round for s in votes if not s.client_mode and s.peer_id != own.peer_id}
+        accept = {r: d for r in servable if (d := majority_digest(votes, r)) is not None}
+        newest = max((r for r in accept if r > self.round), default=None)
+        if newest is not None:
+            wanted = {newest: accept[newest]}
+        elif self.round in accept and accept[self.round] != own_digest:
+            wanted = {self.round: accept[self.round]}
+        else:
+            return False
+        logger.info("repairing state round=%d digest=%s target=%s", self.round, own_digest, wanted)
+        try:
+            snapshot = self.averager.download_state(states, wanted, num_retries=self.num_download_retries)
+        except StateDownloadError as exc:
+            logger.warning("state repair failed, keeping own state: %s", exc)
+            return False
+        self.theta_N = snapshot.theta_N.to(self.device)
+        if snapshot.momentum_N is not None:
+            self.outer_optimizer.momentum_N = snapshot.momentum_N.to(self.device)
+        self.round = snapshot.round
+        self._publish()
+        return True
+
+    def _average(self, signal_N: torch.Tensor) -> tuple[AllReduceResult | None, int, torch.Tensor, torch.Tensor]:
+        """Select and average; returns the result (None without swarm averaging), the number of peers, and the
+        selected indices and values."""
+        selection = self.selector.select(self.theta_N, signal_N)
+        self.residual_N = selection.residual_N
+        indices_K, values_K = selection.indices_K, selection.values_K
+        if self.averager is None or self.matchmaker is None:
+            return None, 1, indices_K, values_K
+        expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
+        group = self.matchmaker.form_group(self.round, expiration)
+        if group is None:
+            self.residual_N[indices_K] = values_K
+            return None, 1, indices_K[:0], values_K[:0]
+        result = self.averager.all_reduce(group, indices_K.cpu(), values_K.cpu())
+        if bool(result.returned_K.any()):
+            returned = result.returned_K.to(indices_K.device)
+            # Those entries were zero in the residual (they were selected), so this restores them exactly.
+            self.residual_N[indices_K[returned]] = values_K[returned]
+        return result, len(group.members), indices_K, values_K
+
+    def _outer_round(self, seconds_inner: float, start: float) -> RoundMetrics:
+        pseudo_gradient_N = self.theta_N - self._flatten_local()
+        signal_N = self.residual_N + pseudo_gradient_N
+        repaired = self._catch_up()
+        round_index = self.round
+        result, num_peers, indices_K, values_K = self._average(signal_N)
+        num_sent = int(indices_K.numel())
+        if self.averager is None:
+            average_N = torch.zeros_like(self.theta_N)
+            average_N[indices_K] = values_K
+            self.outer_optimizer.step(self.theta_N, average_N)
+        elif result is not None and result.indices_K.numel() + int(result.complete) > 0:
+            average_N = torch.zeros_like(self.theta_N)
+            average_N[result.indices_K.to(self.device)] = result.average_K.to(self.device)
+            self.outer_optimizer.step(self.theta_N, average_N)
+        self.round = round_index + 1
+        if self.averager is not None and self.matchmaker is not None:
+            self._publish()
+            waiting = set(result.live_peers) - {str(self.peer_id)} if result is not None else set()
+            states = self.matchmaker.wait_for_states(self.round, waiting, self.digest_timeout)
+            repaired = self._catch_up(states) or repaired
+        self._broadcast_theta()
+        digest = theta_digest(self.theta_N)
+        metrics = RoundMetrics(
+            round=round_index,
+            num_peers=num_peers,
+            num_sent=num_sent,
+            numel=self.numel,
+            density=num_sent / self.numel,
+            num_returned=int(result.returned_K.sum()) if result is not None else 0,
+            num_rejected=result.num_rejected if result is not None else 0,
+            bytes_sent=result.bytes_sent if result is not None else 0,
+            bytes_received=result.bytes_received if result is not None else 0,
+            seconds_inner=seconds_inner,
+            seconds_sync=time.monotonic() - start,
+            loss=sum(self._losses) / len(self._losses) if self._losses else None,
+            theta_digest=digest,
+            repaired=repaired,
+        )
+        logger.info(
+            "outer round=%d num_peers=%d num_sent=%d density=%.4g bytes_sent=%d seconds_sync=%.2f digest=%s",
+            metrics.round,
+            metrics.num_peers,
+            metrics.num_sent,
+            metrics.density,
+            metrics.bytes_sent,
+            metrics.seconds_sync,
+            digest,
+        )
+        self.last_metrics = metrics
+        if self.metrics_writer is not None:
+            self.metrics_writer.write(metrics)
+        return metrics

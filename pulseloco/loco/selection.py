@@ -1,0 +1,174 @@
+"""Selection rules: which entries of the error-corrected pseudo-gradient a peer sends in one outer round.
+
+Every rule maps the global parameters ``theta_N`` and the signal ``signal_N = residual_N + pseudo_gradient_N``
+(both FP32, one entry per parameter) to a :class:`Selection`: the sorted flat indices to send, the FP32 signal
+values there, and the new residual (the signal everywhere else, zero at sent entries). The conservation
+invariant ``sent + residual == signal`` holds exactly, element by element, for every rule: a sent entry
+carries the raw FP32 signal (never a rounded change) and the residual keeps exactly what was not sent.
+
+Rules (DESIGN.md section 2):
+
+- ``pulse``: the compute-visibility gate. An entry fires when applying the signal would change the BF16 bit
+  pattern of the parameter: ``bits(bf16(theta)) != bits(bf16(theta - signal))``.
+- ``dense``: DiLoCo. Every entry, so the residual is all zeros.
+- ``topk``: SparseLoCo-style. In each contiguous chunk of ``chunk_size`` entries, the ``k`` largest by
+  magnitude, with ``k = ceil(density * chunk_size)``; the rest stays in the residual.
+
+Legend: ``*_N`` has one entry per parameter element, ``*_K`` one per selected element.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pulseloco.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SELECTORS",
+    "DenseSelector",
+    "PulseSelector",
+    "Selection",
+    "Selector",
+    "TopKSelector",
+    "compute_visible_mask",
+    "make_selector",
+]
+
+#: Names accepted by :func:`make_selector`.
+SELECTORS = ("pulse", "dense", "topk")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of a selection rule for one outer round.
+
+    ``indices_K`` are sorted, strictly increasing int64 flat indices; ``values_K`` the FP32 signal at them;
+    ``residual_N`` the FP32 signal at every entry that was not selected and zero at the selected ones.
+    """
+
+    indices_K: torch.Tensor
+    values_K: torch.Tensor
+    residual_N: torch.Tensor
+
+    @property
+    def num_sent(self) -> int:
+        """Number of selected entries."""
+        return int(self.indices_K.numel())
+
+
+class Selector(Protocol):
+    """A selection rule. ``select`` never modifies its arguments."""
+
+    name: str
+
+    def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
+        """Select the entries of ``signal_N`` to send; see the module docstring."""
+        ...
+
+
+def _check_inputs(theta_N: torch.Tensor, signal_N: torch.Tensor) -> None:
+    if theta_N.dtype != torch.float32 or signal_N.dtype != torch.float32:
+        raise TypeError(f"selection needs FP32 tensors, got theta {theta_N.dtype} and signal {signal_N.dtype}")
+    if theta_N.dim() != 1 or theta_N.shape != signal_N.shape:
+        raise ValueError(
+            f"selection needs flat tensors of one shape, got {tuple(theta_N.shape)} and {tuple(signal_N.shape)}"
+        )
+
+
+def _from_mask(mask_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
+    indices_K = torch.nonzero(mask_N, as_tuple=False).reshape(-1)
+    values_K = signal_N[indices_K]
+    residual_N = torch.where(mask_N, torch.zeros((), dtype=signal_N.dtype, device=signal_N.device), signal_N)
+    return Selection(indices_K=indices_K, values_K=values_K, residual_N=residual_N)
+
+
+def compute_visible_mask(theta_N: torch.Tensor, signal_N: torch.Tensor) -> torch.Tensor:
+    """The PULSE gate: True where ``bf16(theta - signal)`` differs bitwise from ``bf16(theta)``.
+
+    Compared as int16 bit patterns, so ``-0.0`` vs ``+0.0`` counts as a change and NaN payloads compare
+    exactly. Raises :class:`TypeError` / :class:`ValueError` for non-FP32 or mismatched inputs.
+    """
+    _check_inputs(theta_N, signal_N)
+    before = theta_N.to(torch.bfloat16).view(torch.int16)
+    after = (theta_N - signal_N).to(torch.bfloat16).view(torch.int16)
+    return before != after
+
+
+class PulseSelector:
+    """Compute-visibility gate with error feedback (PULSELoCo)."""
+
+    name = "pulse"
+
+    def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
+        """Select the entries whose update is visible after the BF16 cast."""
+        return _from_mask(compute_visible_mask(theta_N, signal_N), signal_N)
+
+
+class DenseSelector:
+    """Every entry (DiLoCo); the residual is zero."""
+
+    name = "dense"
+
+    def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
+        """Select every entry."""
+        _check_inputs(theta_N, signal_N)
+        indices_K = torch.arange(signal_N.numel(), dtype=torch.int64, device=signal_N.device)
+        return Selection(indices_K=indices_K, values_K=signal_N.clone(), residual_N=torch.zeros_like(signal_N))
+
+
+class TopKSelector:
+    """Chunked top-k by magnitude with error feedback (SparseLoCo-style baseline).
+
+    ``density`` in (0, 1] is the fraction kept per chunk of ``chunk_size`` entries (rounded up, at least one
+    per chunk); the last, shorter chunk keeps the same ``k`` or all of its entries if it has fewer. Raises
+    :class:`ConfigError` for a density outside (0, 1] or a chunk size below 1.
+    """
+
+    name = "topk"
+
+    def __init__(self, density: float = 0.01, chunk_size: int = 4096) -> None:
+        if not 0.0 < density <= 1.0:
+            raise ConfigError(f"topk_density must be in (0, 1], got {density}")
+        if chunk_size < 1:
+            raise ConfigError(f"topk_chunk_size must be at least 1, got {chunk_size}")
+        self.density = float(density)
+        self.chunk_size = int(chunk_size)
+        self.k = max(1, math.ceil(self.density * self.chunk_size))
+
+    def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
+        """Select the ``k`` largest-magnitude entries of each chunk."""
+        _check_inputs(theta_N, signal_N)
+        numel = signal_N.numel()
+        num_chunks = -(-numel // self.chunk_size)
+        # Pad with -1 magnitudes so padding never wins against a real entry (magnitudes are >= 0 or NaN).
+        magnitude = torch.full((num_chunks * self.chunk_size,), -1.0, dtype=torch.float32, device=signal_N.device)
+        magnitude[:numel] = signal_N.abs()
+        k = min(self.k, self.chunk_size)
+        _, top_CK = torch.topk(magnitude.view(num_chunks, self.chunk_size), k, dim=1, sorted=False)
+        offsets_C = torch.arange(num_chunks, device=signal_N.device, dtype=torch.int64) * self.chunk_size
+        flat_K = (top_CK + offsets_C[:, None]).reshape(-1)
+        flat_K = flat_K[flat_K < numel]
+        mask_N = torch.zeros(numel, dtype=torch.bool, device=signal_N.device)
+        mask_N[flat_K] = True
+        return _from_mask(mask_N, signal_N)
+
+
+def make_selector(name: str, *, topk_density: float = 0.01, topk_chunk_size: int = 4096) -> Selector:
+    """Build the selection rule called ``name`` (one of :data:`SELECTORS`).
+
+    Raises :class:`ConfigError` for an unknown name or invalid top-k settings.
+    """
+    if name == "pulse":
+        return PulseSelector()
+    if name == "dense":
+        return DenseSelector()
+    if name == "topk":
+        return TopKSelector(topk_density, topk_chunk_size)
+    raise ConfigError(f"selector must be one of {SELECTORS}, got {name!r}")

@@ -1,0 +1,81 @@
+"""Encoding and validation of the sparse FP32 payloads PULSELoCo peers exchange.
+
+A contribution (a peer's selected entries in one shard) and an aggregate (an owner's sum of a shard) are each
+one frame of the codec's ``float32`` value mode holding one tensor. Everything received is untrusted:
+:func:`decode_sparse` checks the frame (magic, sizes, checksum, index ranges: see
+:func:`pulseloco.codec.decode_payload`), the tensor's name and length, and that every value is finite;
+:func:`screen_outliers` rejects contributions whose norm is far above the others'.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+
+import torch
+
+from pulseloco.codec import SparseTensor, decode_payload, encode_payload
+from pulseloco.errors import NonFiniteValuesError, TensorMismatchError
+from pulseloco.sync.digest import state_digest
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["decode_sparse", "encode_sparse", "screen_outliers", "theta_digest"]
+
+
+def theta_digest(theta_N: torch.Tensor) -> str:
+    """xxh3-128 digest of the flat global parameters (:func:`pulseloco.sync.digest.state_digest`)."""
+    return state_digest({"theta": theta_N})
+
+
+def encode_sparse(name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int) -> bytes:
+    """Encode sorted local ``indices_K`` (into a flat tensor of ``numel`` entries) and FP32 ``values_K``.
+
+    Raises :class:`ValueError` for unsorted or out-of-range indices or non-FP32 values (a caller bug).
+    """
+    entry = SparseTensor(
+        name=name,
+        shape=(int(numel),),
+        dtype=torch.float32,
+        indices=indices_K.to(torch.int64),
+        values=values_K.to(torch.float32),
+    )
+    return encode_payload([entry], value_mode="float32", version=int(round_index), base_version=None)
+
+
+def decode_sparse(payload: bytes, name: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode a frame holding one FP32 sparse tensor ``name`` of ``numel`` entries; return (indices, values).
+
+    Raises a :class:`PayloadError` subclass for a malformed frame or indices out of range
+    (:class:`InvalidIndicesError`), another tensor name, shape or value mode (:class:`TensorMismatchError`),
+    or NaN/infinite values (:class:`NonFiniteValuesError`).
+    """
+    decoded = decode_payload(payload, max_elements=numel)
+    if decoded.header.value_mode != "float32":
+        raise TensorMismatchError(f"expected value mode 'float32', got {decoded.header.value_mode!r}")
+    if len(decoded.entries) != 1:
+        raise TensorMismatchError(f"expected one tensor, got {len(decoded.entries)}")
+    entry = decoded.entries[0]
+    if entry.name != name or entry.shape != (numel,):
+        raise TensorMismatchError(f"expected tensor {name!r} of shape ({numel},), got {entry.name!r} {entry.shape}")
+    if not bool(torch.isfinite(entry.values).all()):
+        raise NonFiniteValuesError(f"tensor {name!r} carries non-finite values")
+    return entry.indices, entry.values
+
+
+def screen_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, str]:
+    """Peers whose norm exceeds ``max_norm_ratio`` times the median norm of the *other* peers, with a reason.
+
+    The leave-one-out median keeps one huge payload from raising its own bar. With fewer than three
+    contributions, or when the others' median is zero (they sent nothing here), nothing is rejected: there is
+    no majority to compare against.
+    """
+    rejected: dict[str, str] = {}
+    if len(norms) < 3:
+        return rejected
+    for peer, norm in norms.items():
+        others = [n for p, n in norms.items() if p != peer]
+        reference = statistics.median(others)
+        if reference > 0.0 and norm > max_norm_ratio * reference:
+            rejected[peer] = f"norm {norm:.3e} exceeds {max_norm_ratio:g}x the group median {reference:.3e}"
+    return rejected
