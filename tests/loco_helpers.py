@@ -1,0 +1,214 @@
+"""Helpers of the PULSELoCo tests: a tiny transformers model, deterministic data, and a swarm peer process.
+
+The peer runs in a separate process (``spawn``) with its own hivemind DHT joined to the test's bootstrap DHT on
+127.0.0.1; it trains for a number of rounds and reports its per-round digests, metrics and final state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+VOCAB = 128
+SEQ_LEN = 16
+BATCH = 4
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    """A two-layer Llama with hidden size 32 (about 40k parameters), built from a config, FP32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def batch(peer_index: int, step: int) -> torch.Tensor:
+    """Token ids for one inner step of one peer, a pure function of (peer, step)."""
+    gen = torch.Generator().manual_seed(1_000_003 * (peer_index + 1) + step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=gen)
+
+
+def inner_step(model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, tokens: torch.Tensor) -> float:
+    """Forward, backward and inner step (no zero_grad: the caller does it)."""
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    return float(loss.detach())
+
+
+def make_inner_optimizer(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters() if p.requires_grad])
+
+
+def load_flat(model: torch.nn.Module, theta_N: torch.Tensor) -> None:
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            n = p.numel()
+            p.copy_(theta_N[offset : offset + n].view_as(p))
+            offset += n
+
+
+@dataclass
+class PeerConfig:
+    """What one swarm peer does."""
+
+    index: int
+    initial_peers: list[str]
+    num_rounds: int
+    selector: str = "pulse"
+    inner_steps: int = 4
+    inner_lr: float = 1e-3
+    run_id: str = "test"
+    target_group_size: int | None = 3
+    matchmaking_time: float = 3.0
+    averaging_timeout: float = 6.0
+    request_timeout: float = 3.0
+    client_mode: bool = False
+    die_in_round: int | None = None
+    malicious: bool = False
+    model_seed: int = 0
+    start_delay: float = 0.0
+    state_in: str | None = None
+    state_out: str | None = None
+    linger: float = 2.0
+    identity_path: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _die_now() -> None:
+    """SIGKILL this process and its children (DHT process, p2p daemon): a peer vanishing without goodbye."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _make_malicious() -> None:
+    """Corrupt this peer's contributions: round 0 non-finite values, round 1 indices out of range, then huge
+    norms. The peer is otherwise honest (it serves correct sums of the shards it owns)."""
+    import pulseloco.loco.averaging as averaging
+    from pulseloco.codec import SparseTensor, encode_payload
+
+    honest = averaging.encode_sparse
+
+    def evil(name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int) -> bytes:
+        if name != averaging.CONTRIBUTION_NAME:
+            return honest(name, numel, indices_K, values_K, round_index=round_index)
+        mode = round_index % 3
+        if mode == 0:
+            return honest(name, numel, indices_K, torch.full_like(values_K, float("nan")), round_index=round_index)
+        if mode == 1:
+            bigger = numel + 1000
+            entry = SparseTensor(name, (bigger,), torch.float32, torch.tensor([numel + 5]), torch.ones(1))
+            return encode_payload([entry], value_mode="float32", version=round_index, base_version=None)
+        return honest(name, numel, indices_K, values_K * 1e4, round_index=round_index)
+
+    averaging.encode_sparse = evil  # type: ignore[assignment]
+
+
+def run_peer(config: PeerConfig, results: Any) -> None:
+    """Body of a peer process: join, train ``num_rounds`` outer rounds, put a report on ``results``."""
+    logging.basicConfig(level=logging.WARNING, format=f"peer{config.index} %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    time.sleep(config.start_delay)
+    import hivemind
+
+    from pulseloco import PulseLoCo
+
+    dht = hivemind.DHT(
+        initial_peers=config.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        client_mode=config.client_mode,
+        start=True,
+    )
+    model = make_model(config.model_seed)
+    inner_optimizer = make_inner_optimizer(model, config.inner_lr)
+    if config.malicious:
+        _make_malicious()
+    opt = PulseLoCo(
+        model,
+        inner_optimizer,
+        dht=dht,
+        run_id=config.run_id,
+        inner_steps=config.inner_steps,
+        selector=config.selector,
+        target_group_size=config.target_group_size,
+        matchmaking_time=config.matchmaking_time,
+        averaging_timeout=config.averaging_timeout,
+        request_timeout=config.request_timeout,
+        topk_density=0.05,
+        topk_chunk_size=256,
+        **config.extra,
+    )
+    joined_at_round = opt.round
+    if config.state_in is not None:
+        opt.load_state_dict(torch.load(config.state_in, weights_only=False))
+    print(f"peer{config.index} ready t={time.time():.1f}", flush=True)
+    report: dict[str, Any] = {"index": config.index, "peer_id": opt.peer_id, "joined_at_round": joined_at_round}
+    report["rounds"] = []
+    if config.die_in_round is not None:
+        original = opt.matchmaker.form_group
+
+        def form_group_then_die(round_index: int, expiration: float) -> Any:
+            group = original(round_index, expiration)
+            if round_index == config.die_in_round:
+                _die_now()
+            return group
+
+        opt.matchmaker.form_group = form_group_then_die
+    target = opt.round + config.num_rounds
+    while opt.round < target:
+        tokens = batch(config.index, opt.round * config.inner_steps + opt.local_step)
+        loss = inner_step(model, inner_optimizer, tokens)
+        round_before = opt.round
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if opt.local_step == 0 and opt.last_metrics is not None and opt.round != round_before:
+            m = opt.last_metrics
+            report["rounds"].append(
+                {
+                    "round": m.round,
+                    "end_round": opt.round,
+                    "digest": m.theta_digest,
+                    "num_peers": m.num_peers,
+                    "num_rejected": m.num_rejected,
+                    "num_returned": m.num_returned,
+                    "repaired": m.repaired,
+                    "num_sent": m.num_sent,
+                    "bytes_sent": m.bytes_sent,
+                    "seconds_sync": m.seconds_sync,
+                    "t": time.time(),
+                }
+            )
+    # Plain bytes: a tensor would travel as shared memory that must outlive this process.
+    report["theta"] = opt.theta_N.numpy().tobytes()
+    report["final_round"] = opt.round
+    if config.state_out is not None:
+        torch.save(opt.state_dict(), config.state_out)
+    results.put(report)
+    # Stay reachable a little so that slower peers can finish fetching shards and state from this one.
+    time.sleep(config.linger)
+    opt.shutdown()
+    dht.shutdown()
+    print(f"peer{config.index} done t={time.time():.1f}", flush=True)

@@ -1,0 +1,171 @@
+"""The outer optimizer and PulseLoCo on one peer (no swarm): exact agreement with a plain DiLoCo reference,
+resume from ``state_dict``, metrics lines, configuration errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from loco_helpers import batch, flat_params, inner_step, load_flat, make_inner_optimizer, make_model
+
+from pulseloco import PulseLoCo
+from pulseloco.errors import ConfigError, TensorMismatchError
+from pulseloco.loco.outer import NesterovOuterOptimizer
+
+H = 3
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Bit-exact comparisons need the same reduction order in the reference and the optimizer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_nesterov_matches_the_formula_and_torch_sgd() -> None:
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(1000, generator=gen)
+    outer = NesterovOuterOptimizer(lr=0.7, momentum=0.9)
+    ref_theta, ref_v = theta.clone(), torch.zeros(1000)
+    sgd_param = torch.nn.Parameter(theta.clone())
+    sgd = torch.optim.SGD([sgd_param], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(5):
+        g = torch.randn(1000, generator=gen) * 1e-3
+        outer.step(theta, g)
+        ref_v = 0.9 * ref_v + g
+        ref_theta = ref_theta - 0.7 * (g + 0.9 * ref_v)
+        sgd_param.grad = g.clone()
+        sgd.step()
+    assert _bits_equal(theta, ref_theta)
+    assert torch.allclose(theta, sgd_param.detach(), rtol=0, atol=1e-6)
+
+
+def _diloco_reference(num_rounds: int, inner_lr: float) -> torch.Tensor:
+    """Plain single-peer DiLoCo: H AdamW steps, pseudo-gradient, Nesterov outer step, reset."""
+    model = make_model(0)
+    inner = make_inner_optimizer(model, inner_lr)
+    theta = flat_params(model).clone()
+    v = torch.zeros_like(theta)
+    for r in range(num_rounds):
+        for i in range(H):
+            inner_step(model, inner, batch(0, r * H + i))
+            inner.step()
+            inner.zero_grad()
+        g = theta - flat_params(model)
+        v = 0.9 * v + g
+        theta = theta - 0.7 * (g + 0.9 * v)
+        load_flat(model, theta)
+    return theta
+
+
+def _train(opt: PulseLoCo, model: torch.nn.Module, inner: torch.optim.Optimizer, num_rounds: int) -> list[str]:
+    digests = []
+    target = opt.round + num_rounds
+    while opt.round < target:
+        loss = inner_step(model, inner, batch(0, opt.round * H + opt.local_step))
+        opt.step(loss=loss)
+        opt.zero_grad()
+        if opt.local_step == 0:
+            assert opt.last_metrics is not None
+            digests.append(opt.last_metrics.theta_digest)
+    return digests
+
+
+def test_dense_selector_reproduces_diloco_exactly() -> None:
+    reference = _diloco_reference(num_rounds=4, inner_lr=1e-3)
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-3)
+    opt = PulseLoCo(model, inner, inner_steps=H, outer_lr=0.7, outer_momentum=0.9, selector="dense")
+    _train(opt, model, inner, 4)
+    assert _bits_equal(opt.theta_N, reference)
+    assert _bits_equal(flat_params(model), reference)
+    assert not opt.residual_N.any()
+
+
+@pytest.mark.parametrize("selector", ["pulse", "topk"])
+def test_resume_from_state_dict_continues_the_same_trajectory(selector: str, tmp_path: Path) -> None:
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-4)
+    opt = PulseLoCo(model, inner, inner_steps=H, selector=selector, metrics_path=tmp_path / "m.jsonl")
+    straight = _train(opt, model, inner, 4)
+
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-4)
+    opt = PulseLoCo(model, inner, inner_steps=H, selector=selector)
+    first = _train(opt, model, inner, 2)
+    torch.save(opt.state_dict(), tmp_path / "state.pt")
+
+    model = make_model(seed=123)  # a different init: everything must come from the state
+    inner = make_inner_optimizer(model, 1e-4)
+    opt = PulseLoCo(model, inner, inner_steps=H, selector=selector)
+    opt.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    assert opt.round == 2
+    assert opt.residual_N.any()  # error feedback carried over
+    second = _train(opt, model, inner, 2)
+    assert first + second == straight
+
+
+def test_metrics_lines(tmp_path: Path) -> None:
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-4)
+    path = tmp_path / "metrics" / "loco.jsonl"
+    opt = PulseLoCo(model, inner, inner_steps=H, selector="pulse", metrics_path=path)
+    _train(opt, model, inner, 2)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["round"] for line in lines] == [0, 1]
+    required = {
+        "round",
+        "num_peers",
+        "num_sent",
+        "density",
+        "bytes_sent",
+        "bytes_received",
+        "seconds_inner",
+        "seconds_sync",
+        "loss",
+        "theta_digest",
+    }
+    assert required <= lines[0].keys()
+    assert lines[0]["num_peers"] == 1 and 0 < lines[0]["density"] < 1
+    assert lines[0]["num_sent"] == round(lines[0]["density"] * opt.numel)
+    assert isinstance(lines[0]["loss"], float)
+
+
+def test_load_state_dict_rejects_mismatched_state() -> None:
+    model = make_model(0)
+    opt = PulseLoCo(model, make_inner_optimizer(model, 1e-4), inner_steps=H)
+    state = opt.state_dict()
+    before = opt.theta_N.clone()
+    bad = dict(state, theta_N=torch.zeros(5))
+    with pytest.raises(TensorMismatchError):
+        opt.load_state_dict(bad)
+    with pytest.raises(ConfigError, match="residual_N"):
+        opt.load_state_dict({k: v for k, v in state.items() if k != "residual_N"})
+    assert _bits_equal(opt.theta_N, before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"inner_steps": 0}, "inner_steps"),
+        ({"selector": "random"}, "selector"),
+        ({"outer_lr": 0.0}, "outer_lr"),
+        ({"outer_momentum": 1.0}, "outer_momentum"),
+        ({"averaging_timeout": 0}, "averaging_timeout"),
+        ({"topk_density": 2.0, "selector": "topk"}, "topk_density"),
+        ({"run_id": "has space"}, "run_id"),
+    ],
+)
+def test_bad_configuration_raises_config_error(kwargs: dict, field: str) -> None:
+    model = make_model(0)
+    with pytest.raises(ConfigError, match=field):
+        PulseLoCo(model, make_inner_optimizer(model, 1e-4), **kwargs)
