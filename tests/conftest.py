@@ -20,8 +20,13 @@ logger = logging.getLogger(__name__)
 _TERMINATE_GRACE_S = 5.0
 """Seconds a leftover process gets after SIGTERM before SIGKILL."""
 
-_MP_HELPER_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-"""Command-line fragments of multiprocessing's helper processes, which live as long as the test session."""
+_MP_HELPER_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch_shm_manager")
+"""Command-line fragments of multiprocessing's helper processes, which live as long as the test session.
+
+``torch_shm_manager`` serves torch's ``file_system`` shared memory (hivemind's MPFuture buffer lives there): it
+exits by itself when its last client does, and killing it first makes the interpreter abort at exit
+(``THManagedMapAllocator::close``: broken pipe) when the buffer is freed.
+"""
 
 
 def _descendants() -> list[psutil.Process]:
@@ -54,6 +59,13 @@ def _kill_and_reap(procs: list[psutil.Process], reason: str) -> None:
     psutil.wait_procs(alive, timeout=_TERMINATE_GRACE_S)
 
 
+def _is_torch_shm_manager(proc: psutil.Process) -> bool:
+    try:
+        return "torch_shm_manager" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 @pytest.fixture(autouse=True)
 def reap_children_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test, kill and reap the processes it started and left running.
@@ -71,4 +83,4 @@ def reap_children_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
 def reap_children_at_exit() -> Iterator[None]:
     """At the end of the session, kill and reap every process still descending from pytest."""
     yield
-    _kill_and_reap(_descendants(), reason="end of test session")
+    _kill_and_reap([proc for proc in _descendants() if not _is_torch_shm_manager(proc)], reason="end of test session")

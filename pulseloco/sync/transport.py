@@ -153,6 +153,11 @@ class SyncServicer(ServicerBase):
         logger.debug("served kind=%s version=%d bytes=%d peer=%s", req.kind, req.version, len(view), context.remote_id)
 
 
+async def _daemon_listen_maddr(_dht: hivemind.DHT, node: hivemind.DHTNode) -> Any:
+    """Runs in the DHT process: where its P2P daemon listens for local clients."""
+    return node.p2p.daemon_listen_maddr
+
+
 class SwarmEndpoint:
     """One process's PULSESync presence on a hivemind swarm: a P2P replica of the DHT's daemon, an optional
     servicer, and helpers for the DHT records.
@@ -166,7 +171,11 @@ class SwarmEndpoint:
         self.head_key = f"pulseloco:{run_id}:head"
         self.providers_key = f"pulseloco:{run_id}:providers"
         self._loop = LoopThread(f"{name}-p2p")
-        self.p2p: P2P = self._loop.run(dht.replicate_p2p(), timeout=30)
+        # A replica of our own, not dht.replicate_p2p(): that one is cached per DHT and bound to the loop that
+        # made it, so a second endpoint on the same DHT (a publisher restarted in-process) would reuse a replica
+        # the first one shut down.
+        daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
+        self.p2p: P2P = self._loop.run(P2P.replicate(daemon_maddr), timeout=30)
         self.peer_id: PeerID = self.p2p.peer_id
         self.servicer: SyncServicer | None = None
 

@@ -1,0 +1,359 @@
+"""PULSESync over a real swarm: hivemind DHTs and libp2p daemons on 127.0.0.1, subscribers in their own processes.
+
+The trainer is a tiny transformers model taking AdamW steps; every digest a subscriber reaches is compared with
+the digest of the trainer's weights cast to BF16 at that version, computed independently of the publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography.hazmat.primitives import serialization
+from hivemind.utils import get_dht_time
+from sync_helpers import (
+    Trainer,
+    WorkerProcess,
+    bf16_digest,
+    maddrs,
+    rogue_provider_worker,
+    start_dht,
+    subscriber_worker,
+    tiny_model,
+    wait_until_provider_lists,
+)
+
+from pulseloco.errors import PatchError
+from pulseloco.sync.publisher import Publisher
+from pulseloco.sync.signing import Envelope, generate_key, sign_envelope
+from pulseloco.sync.subscriber import Subscriber
+
+RUN = "swarm-test"
+
+
+@pytest.fixture(scope="module")
+def bootstrap():
+    """The swarm's first peer: every other DHT in this module joins through it."""
+    dht = start_dht()
+    yield dht
+    dht.shutdown()
+
+
+@pytest.fixture
+def key():
+    return generate_key()
+
+
+def public_pem(key) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+class InProcessPeer:
+    """A subscriber in the test process with a DHT peer of its own (each relay needs its own peer id)."""
+
+    def __init__(self, peers: list[str], run_id: str, key, **options) -> None:
+        self.dht = start_dht(peers)
+        self.sub = Subscriber(self.dht, run_id, key.public_key(), **options)
+        self.model = tiny_model(seed=99, dtype=torch.bfloat16)
+
+    def close(self) -> None:
+        self.sub.close()
+        self.dht.shutdown()
+
+
+def patch_size(publisher: Publisher, version: int) -> int:
+    return len(publisher.store.read("patch", version)[1])
+
+
+# ---- the issue's scenario ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_three_subscribers_follow_twenty_versions_of_a_training_model(bootstrap, key, tmp_path: Path) -> None:
+    """Publisher + three subscriber processes over 20 AdamW versions.
+
+    A follows every version (BF16 model, patched in place); B (FP32 model, through the BF16 shadow) misses
+    versions 6-9 and catches up by one squashed patch; C joins at version 13 with nothing and restores the
+    newest anchor plus patches. The publisher is restarted (new process-level DHT peer, same store) before
+    version 18 and continues the chain. With ``max_uploads_per_version=1`` the second and third subscriber get
+    each patch from a relay, so the publisher uploads at most two patches per version.
+    """
+    peers = maddrs(bootstrap)
+    pem = public_pem(key)
+    a = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30}, name="sub-A")
+    b = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30, "dtype": "float32"}, name="sub-B")
+    c = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30}, name="sub-C")
+    workers = {"A": a, "B": b, "C": c}
+    store = tmp_path / "store"
+    options = dict(anchor_every=5, keep_anchors=2, max_uploads_per_version=1)
+    pub_dht = None
+    pub = None
+    try:
+        a.send("start")
+        b.send("start")
+        trainer = Trainer()
+        pub_dht = start_dht(peers)
+        pub = Publisher(pub_dht, RUN, key, store, **options)
+        peer_ids = {"A": a.receive(), "B": b.receive()}
+        expected: dict[int, str] = {}
+        results: dict[str, dict[int, dict]] = {name: {} for name in workers}
+        publisher_patch_uploads: dict[int, tuple[int, int]] = {}
+        for v in range(1, 21):
+            if v > 1:
+                trainer.step()
+            if v == 12:
+                c.send("start")  # C joins the swarm while versions go on
+            if v == 13:
+                peer_ids["C"] = c.receive()
+            if v == 18:
+                pub.close()
+                pub_dht.shutdown()
+                pub_dht = start_dht(peers)
+                pub = Publisher(pub_dht, RUN, key, store, **options)
+                assert (pub.version, pub.digest) == (17, expected[17]), "restart must resume the chain"
+            uploaded_before = pub.bytes_uploaded
+            assert pub.publish(trainer.model) == v
+            assert pub.flush(timeout=30) == v
+            expected[v] = trainer.digest()
+            assert pub.digest == expected[v]
+            active = ["A"] + (["B"] if not 6 <= v <= 9 else []) + (["C"] if v >= 13 else [])
+            for name in active:
+                result = workers[name].call("update")
+                results[name][v] = result
+                assert result["version"] == v, (name, result)
+                assert result["digest"] == expected[v], f"{name} at version {v}: subscriber digest differs"
+                assert result["model_digest"] == expected[v], f"{name} at version {v}: model weights differ"
+            if v > 1:
+                publisher_patch_uploads[v] = (pub.bytes_uploaded - uploaded_before, patch_size(pub, v))
+
+        paths = {name: {v: r["path"] for v, r in res.items()} for name, res in results.items()}
+        assert paths["A"] == {v: "anchor" if v == 1 else "patch" for v in range(1, 21)}
+        assert paths["B"][1] == "anchor" and paths["B"][10] == "squash"
+        assert all(paths["B"][v] == "patch" for v in range(11, 21)) and all(paths["B"][v] == "patch" for v in (2, 5))
+        assert paths["C"][13] == "anchor" and all(paths["C"][v] == "patch" for v in range(14, 21))
+        # squash and late anchor moved fewer bytes than replaying everything from scratch would
+        assert results["B"][10]["bytes"] < sum(patch_size(pub, v) for v in range(18, 21)) * 10
+
+        # Relay: in versions where every active subscriber took the patch, the publisher served it at most twice.
+        for v, (uploaded, size) in publisher_patch_uploads.items():
+            if v in (10, 13):  # B's squash, C's anchor come from the publisher on top of the patch
+                continue
+            assert uploaded <= 2 * size, f"version {v}: publisher uploaded {uploaded} bytes for a {size}-byte patch"
+        relayed = sum(results[name][20]["relay_bytes_uploaded"] for name in workers)
+        assert relayed > 0, "no subscriber served another one"
+    finally:
+        for w in workers.values():
+            w.close()
+        if pub is not None:
+            pub.close()
+        if pub_dht is not None:
+            pub_dht.shutdown()
+
+
+# ---- hostile and broken peers ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rogues():
+    """Rogue provider processes, spawned at once for the module (their imports take seconds); a test starts the
+    ones it uses and closes them (their DHT peers are the test's processes)."""
+    procs = {mode: WorkerProcess(rogue_provider_worker, mode, name=f"rogue-{mode}") for mode in ("corrupt", "forged")}
+    procs["stall"] = WorkerProcess(rogue_provider_worker, "stall", name="rogue-stall")
+    yield procs
+    for proc in procs.values():
+        proc.close()
+
+
+def publish_versions(pub: Publisher, trainer: Trainer, count: int, expected: dict[int, str]) -> None:
+    for _ in range(count):
+        if pub.version is not None:
+            trainer.step()
+        v = pub.publish(trainer.model)
+        assert pub.flush(timeout=30) == v
+        expected[v] = trainer.digest()
+        assert pub.digest == expected[v]
+
+
+def fetch_failures(caplog: pytest.LogCaptureFixture, peer_id: str, error: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "pulseloco.sync.subscriber"
+        and "fetch failed" in r.getMessage()
+        and peer_id in r.getMessage()
+        and error in r.getMessage()
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_corrupted_and_forged_objects_from_relays_are_rejected_and_recovered(
+    bootstrap, rogues, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two strangers announce themselves as relays (tried before the publisher): one serves the genuine
+    envelope with one flipped bit in the payload, the other a well-formed object with other weights signed by
+    another key. The subscriber rejects both (UnauthorizedError) and reaches the publisher's digests."""
+    peers = maddrs(bootstrap)
+    store = tmp_path / "store"
+    pub_dht = start_dht(peers)
+    pub = Publisher(pub_dht, RUN + "-rogue", key, store, anchor_every=10)
+    peer = None
+    try:
+        rogues["corrupt"].send("start", peers, RUN + "-rogue", str(store))
+        rogues["forged"].send("start", peers, RUN + "-rogue", str(store))
+        trainer, expected = Trainer(), {}
+        publish_versions(pub, trainer, 3, expected)
+        corrupt_id, forged_id = rogues["corrupt"].receive(), rogues["forged"].receive()
+        peer = InProcessPeer(peers, RUN + "-rogue", key, timeout=30)
+        for rogue_id in (corrupt_id, forged_id):
+            wait_until_provider_lists(peer.sub.endpoint, rogue_id, 3)
+        before = bf16_digest(peer.model)
+
+        with caplog.at_level(logging.WARNING, logger="pulseloco"):
+            assert peer.sub.update(peer.model) == 3  # anchor 1 + patches 2, 3: each offered by both rogues first
+            assert bf16_digest(peer.model) == peer.sub.digest == expected[3] != before
+            publish_versions(pub, trainer, 1, expected)
+            wait_until_provider_lists(peer.sub.endpoint, corrupt_id, 4)
+            wait_until_provider_lists(peer.sub.endpoint, forged_id, 4)
+            report = peer.sub.update_report(peer.model)
+        assert report is not None and (report.version, report.path) == (4, "patch")
+        assert bf16_digest(peer.model) == expected[4]
+        assert fetch_failures(caplog, corrupt_id, "UnauthorizedError"), "the corrupted payload was not rejected"
+        assert fetch_failures(caplog, forged_id, "UnauthorizedError"), "the forged object was not rejected"
+        assert any("signed SHA-256" in m for m in fetch_failures(caplog, corrupt_id, "UnauthorizedError"))
+        assert any("not signed by the trusted" in m for m in fetch_failures(caplog, forged_id, "UnauthorizedError"))
+        # every object of versions 1-4 was first offered by each rogue: anchor 1 and patches 2, 3, 4
+        assert rogues["corrupt"].call("served") >= 4 and rogues["forged"].call("served") >= 4
+    finally:
+        rogues["corrupt"].close()
+        rogues["forged"].close()
+        if peer is not None:
+            peer.close()
+        pub.close()
+        pub_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_provider_that_stalls_times_out_and_the_next_one_serves(
+    bootstrap, rogues, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    peers = maddrs(bootstrap)
+    run = RUN + "-stall"
+    store = tmp_path / "store"
+    pub_dht = start_dht(peers)
+    pub = Publisher(pub_dht, run, key, store)
+    peer = None
+    try:
+        trainer, expected = Trainer(), {}
+        publish_versions(pub, trainer, 1, expected)
+        peer = InProcessPeer(peers, run, key, timeout=30)
+        assert peer.sub.update(peer.model) == 1
+        stall_id = rogues["stall"].call("start", peers, run, str(store))
+        peer.sub.source.chunk_timeout = 2.0  # seconds a provider may stay silent (10 by default)
+        publish_versions(pub, trainer, 1, expected)
+        wait_until_provider_lists(peer.sub.endpoint, stall_id, 2)
+        with caplog.at_level(logging.WARNING, logger="pulseloco"):
+            report = peer.sub.update_report(peer.model)
+        assert report is not None and (report.version, report.path) == (2, "patch")
+        assert bf16_digest(peer.model) == expected[2]
+        assert fetch_failures(caplog, stall_id, "TimeoutError"), "the stalled provider was not timed out"
+        assert rogues["stall"].call("served") >= 1
+    finally:
+        rogues["stall"].close()
+        if peer is not None:
+            peer.close()
+        pub.close()
+        pub_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_forged_head_record_unknown_run_and_oversized_payloads_are_refused(
+    bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stranger overwrites the run's head record in the DHT with a newer version signed by another key: it is
+    ignored (nothing applied) and the genuine head wins again at the publisher's next announcement. A run
+    nobody publishes has no head. A payload over ``max_payload_bytes`` is refused before it is downloaded."""
+    peers = maddrs(bootstrap)
+    run = RUN + "-head"
+    pub_dht = start_dht(peers)
+    pub = Publisher(pub_dht, run, key, tmp_path / "store", head_ttl=600)
+    peer = None
+    try:
+        trainer, expected = Trainer(), {}
+        publish_versions(pub, trainer, 2, expected)
+        peer = InProcessPeer(peers, run, key, timeout=20)
+
+        # oversized: the anchor is ~100 kB, the limit 4 kB; nothing is applied, then a larger limit works
+        before = bf16_digest(peer.model)
+        peer.sub.source.max_payload_bytes = 4096
+        with caplog.at_level(logging.WARNING, logger="pulseloco"), pytest.raises(PatchError):
+            peer.sub.update(peer.model)
+        assert peer.sub.version is None and bf16_digest(peer.model) == before
+        assert any("PayloadSizeError" in r.getMessage() for r in caplog.records)
+        peer.sub.source.max_payload_bytes = 1 << 20
+        assert peer.sub.update(peer.model) == 2 and bf16_digest(peer.model) == expected[2]
+
+        # forged head: newer version, another key, stored to outlive the publisher's record
+        stranger = generate_key()
+        forged = Envelope(run, "head", 99, None, "0" * 32, "", "", 0, anchor_version=99, time=time.time())
+        assert peer.dht.store(
+            f"pulseloco:{run}:head", sign_envelope(stranger, forged), expiration_time=get_dht_time() + 601
+        ), "the DHT did not take the stranger's record"
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pulseloco"):
+            assert peer.sub.update_report(peer.model) is None
+        assert peer.sub.version == 2 and bf16_digest(peer.model) == expected[2]
+        assert any("fails verification" in r.getMessage() for r in caplog.records)
+        time.sleep(1.5)  # the publisher's next record expires later than the stranger's
+        publish_versions(pub, trainer, 1, expected)
+        assert peer.sub.update(peer.model) == 3 and bf16_digest(peer.model) == expected[3]
+
+        # a run nobody publishes: no head, nothing changes
+        ghost = Subscriber(peer.dht, "no-such-run", key.public_key(), relay=False, timeout=5)
+        try:
+            model = tiny_model(seed=5, dtype=torch.bfloat16)
+            before = bf16_digest(model)
+            assert ghost.update(model) is None and bf16_digest(model) == before
+        finally:
+            ghost.close()
+    finally:
+        if peer is not None:
+            peer.close()
+        pub.close()
+        pub_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_follow_keeps_a_model_current_in_the_background(bootstrap, key, tmp_path: Path) -> None:
+    peers = maddrs(bootstrap)
+    run = RUN + "-follow"
+    pub_dht = start_dht(peers)
+    pub = Publisher(pub_dht, run, key, tmp_path / "store", anchor_every=3)
+    peer = None
+    try:
+        trainer, expected = Trainer(), {}
+        peer = InProcessPeer(peers, run, key, timeout=20)
+        reports = []
+        seen = {}
+
+        def on_update(report) -> None:
+            with peer.sub.lock:  # what a generation loop does: read the weights under the lock
+                seen[report.version] = bf16_digest(peer.model)
+            reports.append(report)
+
+        peer.sub.follow(peer.model, on_update=on_update, interval=0.1)
+        for _ in range(5):
+            publish_versions(pub, trainer, 1, expected)
+            deadline = time.monotonic() + 30
+            while peer.sub.version != pub.version and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert peer.sub.version == pub.version
+        assert [r.version for r in reports] == [1, 2, 3, 4, 5]
+        assert all(seen[v] == expected[v] for v in seen)
+    finally:
+        if peer is not None:
+            peer.close()
+        pub.close()
+        pub_dht.shutdown()
