@@ -38,6 +38,7 @@ def _add_swarm_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR", help="addresses others dial")
     group.add_argument("--identity", default=None, help="peer identity file (keeps the peer id across restarts)")
     group.add_argument("--client-mode", action="store_true", help="behind NAT: connect out only, serve nothing")
+    group.add_argument("--swarm-key", default=None, help="shared swarm key file: only its holders can join")
 
 
 def _make_dht(args: argparse.Namespace):  # -> hivemind.DHT, imported lazily to keep `pulseloco version` fast
@@ -50,8 +51,45 @@ def _make_dht(args: argparse.Namespace):  # -> hivemind.DHT, imported lazily to 
             announce_maddrs=args.announce_maddrs,
             identity_path=args.identity,
             client_mode=args.client_mode,
+            swarm_key_path=args.swarm_key,
         )
     )
+
+
+def _cmd_dht(args: argparse.Namespace) -> int:
+    """Run a bootstrap node until interrupted; print the multiaddrs and the line others use to join."""
+    from pulseloco.swarm import new_swarm_key
+
+    if args.new_swarm_key:
+        if args.swarm_key is None:
+            raise ConfigError("--new-swarm-key needs --swarm-key PATH (where to write the key)")
+        print(f"wrote a new swarm key to {new_swarm_key(args.swarm_key)}; give it to every peer", flush=True)
+    dht = _make_dht(args)
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    key_flag = f" --swarm-key {args.swarm_key}" if args.swarm_key else ""
+    print(f"bootstrap peer id: {dht.peer_id}", flush=True)
+    for maddr in maddrs:
+        print(f"multiaddr: {maddr}", flush=True)
+    print("join with:", flush=True)
+    print(
+        f"  accelerate launch recipes/grpo.py --config recipes/configs/tiny.yaml --strategy pulseloco "
+        f"--initial-peers {maddrs[0] if maddrs else 'MADDR'}{key_flag}",
+        flush=True,
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        dht.shutdown()
+    return 0
+
+
+def _add_dht_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--new-swarm-key", action="store_true", help="create the --swarm-key file first")
+    _add_swarm_options(parser)
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -180,6 +218,7 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[a
     "version": (_cmd_version, "print the pulseloco version and exit", _no_arguments),
     "keygen": (_cmd_keygen, "make an Ed25519 signing key for publishing", _add_keygen_arguments),
     "sync": (_cmd_version, "PULSESync: serve or follow weight versions", _add_sync_arguments),
+    "dht": (_cmd_dht, "run a bootstrap node and print how others join", _add_dht_arguments),
 }
 """Command name -> (handler, one-line help, argument builder). A new command adds one row here."""
 

@@ -1,0 +1,117 @@
+"""Swarm configuration, swarm-key authorization on real DHTs, and the `pulseloco dht` bootstrap command."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hivemind
+import pytest
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import get_dht_time
+
+from pulseloco.errors import ConfigError
+from pulseloco.swarm import SwarmConfig, SwarmKeyValidator, load_swarm_key, make_dht, new_swarm_key
+
+UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWR6ceGd8vPzKn2EBaMo77EKuSSQ67t4LsrFS9xV5TZNeS"
+
+
+def test_bad_multiaddr_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="initial_peers: 'garbage' is not a multiaddr"):
+        SwarmConfig(initial_peers=["garbage"])
+    with pytest.raises(ConfigError, match="host_maddrs"):
+        SwarmConfig(host_maddrs=["/ip4/not-an-ip/tcp/1"])
+    with pytest.raises(ConfigError, match="client_mode needs initial_peers"):
+        SwarmConfig(client_mode=True)
+
+
+def test_unreachable_bootstrap_is_one_clear_error() -> None:
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"could not join the swarm.*--initial-peers"):
+        make_dht(SwarmConfig(initial_peers=[UNREACHABLE], startup_timeout=15))
+    assert time.monotonic() - started < 30
+
+
+def test_swarm_key_files(tmp_path: Path) -> None:
+    path = new_swarm_key(tmp_path / "swarm.key")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert len(load_swarm_key(path)) == 32
+    with pytest.raises(ConfigError, match="refusing to overwrite"):
+        new_swarm_key(path)
+    (tmp_path / "bad.key").write_text("not hex")
+    with pytest.raises(ConfigError, match="not a swarm key"):
+        load_swarm_key(tmp_path / "bad.key")
+    with pytest.raises(ConfigError, match="cannot read swarm key"):
+        load_swarm_key(tmp_path / "missing.key")
+
+
+def test_validator_accepts_own_tags_and_refuses_tampering() -> None:
+    ours, theirs = SwarmKeyValidator(b"k" * 32), SwarmKeyValidator(b"x" * 32)
+    record = DHTRecord(key=b"key", subkey=b"sub", value=b"value", expiration_time=123.0)
+    signed = dataclasses.replace(record, value=ours.sign_value(record))
+    assert ours.validate(signed)
+    assert ours.strip_value(signed) == b"value"
+    assert not theirs.validate(signed)
+    assert not ours.validate(record)  # untagged
+    assert not ours.validate(dataclasses.replace(signed, expiration_time=124.0))
+    assert not ours.validate(dataclasses.replace(signed, value=b"valuf" + signed.value[5:]))
+
+
+def test_only_key_holders_can_write_records_others_accept(tmp_path: Path) -> None:
+    key_path = new_swarm_key(tmp_path / "swarm.key")
+    other_path = new_swarm_key(tmp_path / "other.key")
+    first = make_dht(SwarmConfig(swarm_key_path=str(key_path)))
+    peers = [str(m) for m in first.get_visible_maddrs()]
+    member = make_dht(SwarmConfig(initial_peers=peers, swarm_key_path=str(key_path)))
+    stranger = make_dht(SwarmConfig(initial_peers=peers, swarm_key_path=str(other_path)))
+    try:
+        expiration = get_dht_time() + 60
+        assert member.store("member-record", b"hello", expiration)
+        stranger.store("stranger-record", b"evil", expiration)
+        stranger.store("member-record", b"overwrite", expiration + 10)
+        found = first.get("member-record", latest=True)
+        assert found is not None and found.value == b"hello"
+        assert first.get("stranger-record", latest=True) is None
+    finally:
+        for dht in (stranger, member, first):
+            dht.shutdown()
+
+
+def test_dht_command_prints_join_line_and_stops_on_sigterm(tmp_path: Path) -> None:
+    identity = tmp_path / "bootstrap.id"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pulseloco.cli", "dht", "--identity", str(identity)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        maddr = join_line = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (maddr is None or join_line is None):
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            if line.startswith("multiaddr: "):
+                maddr = line.split(": ", 1)[1].strip()
+            if "accelerate launch" in line:
+                join_line = line
+        assert maddr is not None and join_line is not None
+        assert f"--initial-peers {maddr}" in join_line
+        assert identity.exists()  # the peer id survives restarts
+        peer = hivemind.DHT(initial_peers=[maddr], start=True)
+        try:
+            assert peer.store("hello", b"world", get_dht_time() + 30)
+        finally:
+            peer.shutdown()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
