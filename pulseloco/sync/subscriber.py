@@ -295,6 +295,8 @@ class Subscriber:
         """The BF16 state patches are applied to: the model's own tensors when they are BF16, else a shadow."""
         state = _float_state(model)
         if all(t.dtype == torch.bfloat16 for t in state.values()):
+            if isinstance(model, MutableMapping) and len(state) == len(model):
+                return model  # the caller's own dict, so that an empty one adopts the publisher's tensors
             return state
         if self._shadow is None or set(self._shadow) != set(state):
             self._shadow = {k: v.detach().to("cpu", torch.bfloat16, copy=True) for k, v in state.items()}
