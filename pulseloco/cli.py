@@ -175,8 +175,9 @@ def _cmd_sync_follow(args: argparse.Namespace) -> int:
                     f"{report.digest} {lag} {report.path}",
                     flush=True,
                 )
-                if args.until_version is not None and report.version >= args.until_version:
-                    break
+            # also when already there (restored from --out at or past it): then there is no report
+            if args.until_version is not None and (subscriber.version or 0) >= args.until_version:
+                break
             stop.wait(args.interval)
     finally:
         subscriber.close()
