@@ -132,6 +132,7 @@ def run_peer(config: PeerConfig, results: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"peer{config.index} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     time.sleep(config.start_delay)
+    print(f"peer{config.index} start t={time.time():.1f}", flush=True)
     import hivemind
 
     from pulseloco import PulseLoCo
@@ -142,6 +143,7 @@ def run_peer(config: PeerConfig, results: Any) -> None:
         client_mode=config.client_mode,
         start=True,
     )
+    print(f"peer{config.index} dht t={time.time():.1f}", flush=True)
     model = make_model(config.model_seed)
     inner_optimizer = make_inner_optimizer(model, config.inner_lr)
     if config.malicious:

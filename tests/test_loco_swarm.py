@@ -32,6 +32,7 @@ REPORT_TIMEOUT_S = 90.0
 
 @pytest.fixture(scope="module")
 def initial_peers() -> Iterator[list[str]]:
+    make_model(0)  # import the transformers model code once here, not in every forked peer
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
         yield [str(addr) for addr in dht.get_visible_maddrs()]

@@ -7,12 +7,12 @@ Group formation for round ``r`` (all keys are prefixed by the run id):
 1. every peer registers under ``{run_id}_loco_r{r}_peers`` (subkey: its peer id, value: its client mode);
 2. it gathers registrations until ``target_group_size`` peers are seen or ``matchmaking_time`` has passed;
 3. the leader, the smallest server-mode peer id it has seen, freezes the member list it sees and publishes
-   it under ``{run_id}_loco_r{r}_group`` (unless a group containing it was published already, which it
-   adopts);
+   it under ``{run_id}_loco_r{r}_group``, unless a group was published already (the first group wins);
 4. every peer adopts the first published group (earliest expiration, then smallest leader id) containing it.
 
-A peer that registers after the group was frozen is not in it and sits the round out; the state records then
-tell it that it is behind, and it downloads the state. Views that still disagree (a DHT partition) are caught
+One group per round: a peer that registers after the group was frozen is not in it and sits the round out
+(its entries stay in its residual); the state records then tell it that it is behind, and it downloads the
+state. Views that still disagree (a DHT partition) are caught
 by the group id carried in every averaging request and, at worst, by the digest check after the round.
 
 State records live under ``{run_id}_loco_state``: subkey peer id, value ``{"round", "digest", "client"}``.
@@ -158,29 +158,45 @@ class Matchmaker:
         servers = sorted(p for p, client in seen.items() if not client)
         group_key = self._key(round_index, "group")
         if servers and servers[0] == self.peer_id:
-            adopted = self._pick_group(round_index)
-            if adopted is not None:
-                return adopted
+            group, any_published = self._pick_group(round_index)
+            if group is not None:
+                return group
+            if any_published:
+                self._log_excluded(round_index)
+                return None
             members = sorted(seen)
             self._store(group_key, self.peer_id, {"members": members, "servers": servers}, expiration)
             logger.debug("group frozen round=%d leader=%s num_peers=%d", round_index, self.peer_id, len(members))
         deadline = start + self.matchmaking_time + self.request_timeout
         while True:
-            group = self._pick_group(round_index)
+            group, any_published = self._pick_group(round_index)
             if group is not None:
                 return group
+            if any_published:
+                self._log_excluded(round_index)
+                return None
             if time.monotonic() >= deadline:
                 logger.warning(
-                    "no group for round=%d within %.1fs: sitting this round out (raise matchmaking_time if "
-                    "peers often miss rounds)",
+                    "no group for round=%d within %.1fs: sitting this round out (the leader may be gone; raise "
+                    "matchmaking_time if peers often miss rounds)",
                     round_index,
                     self.matchmaking_time + self.request_timeout,
                 )
                 return None
             time.sleep(self.poll_interval)
 
-    def _pick_group(self, round_index: int) -> Group | None:
+    def _log_excluded(self, round_index: int) -> None:
+        logger.warning(
+            "round=%d group was frozen without this peer (it registered late): sitting this round out; its "
+            "entries stay in the residual and the state is downloaded if the others move ahead",
+            round_index,
+        )
+
+    def _pick_group(self, round_index: int) -> tuple[Group | None, bool]:
+        """The first published group containing this peer (earliest expiration, then smallest leader id), and
+        whether any well-formed group was published for the round."""
         published = []
+        any_published = False
         for leader, (value, expiration) in self._get(self._key(round_index, "group")).items():
             if not isinstance(value, dict):
                 continue
@@ -189,12 +205,15 @@ class Matchmaker:
                 continue
             if not all(isinstance(p, str) for p in members + servers) or not set(servers) <= set(members):
                 continue
-            if self.peer_id in members and servers:
+            if not servers:
+                continue
+            any_published = True
+            if self.peer_id in members:
                 published.append((expiration, leader, tuple(sorted(members)), tuple(sorted(servers))))
         if not published:
-            return None
+            return None, any_published
         _, leader, members, servers = min(published)
-        return Group(round=round_index, members=members, servers=servers, leader=leader)
+        return Group(round=round_index, members=members, servers=servers, leader=leader), True
 
     # -- state records --------------------------------------------------------------------------------------
     def publish_state(self, round_index: int, digest: str) -> None:

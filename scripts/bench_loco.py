@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Benchmark PULSELoCo's traffic: bytes per outer round per peer for pulse, topk and dense on a loopback swarm.
+
+Starts a bootstrap hivemind DHT on 127.0.0.1 and, for each inner learning rate and selector, ``--num-peers``
+peer processes that train a Llama built from a config (about 11.6M parameters by default) on synthetic token
+batches with AdamW for ``--rounds`` outer rounds of ``--inner-steps`` steps, through :class:`pulseloco.PulseLoCo`
+and its metrics lines. It prints, per configuration, the mean over rounds and peers of the wire bytes each peer
+sends per round, the density, the ratio to dense DiLoCo measured in the same run and to DDP (FP32 gradients
+all-reduced every step, computed as ring all-reduce bytes ``2 (R-1)/R * 4 * numel`` per step, times H), and
+the seconds spent in the outer step. Timings on a shared machine are noisy; byte counts are not.
+
+    .venv/bin/python scripts/bench_loco.py                  # table
+    .venv/bin/python scripts/bench_loco.py --json out.json  # and the raw numbers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("bench_loco")
+
+
+def make_model(args: argparse.Namespace) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=args.seq_len,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def run_peer(
+    index: int, args: argparse.Namespace, selector: str, lr: float, initial_peers: list[str], out: str
+) -> None:
+    """One peer: join, train ``args.rounds`` outer rounds, write metrics lines to ``out``."""
+    logging.basicConfig(level=logging.WARNING, format=f"peer{index} %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    import hivemind
+
+    from pulseloco import PulseLoCo
+
+    dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    model = make_model(args)
+    inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = PulseLoCo(
+        model,
+        inner,
+        dht=dht,
+        run_id=f"bench-{selector}-{lr:g}",
+        inner_steps=args.inner_steps,
+        selector=selector,
+        topk_density=args.topk_density,
+        target_group_size=args.num_peers,
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        request_timeout=30.0,
+        metrics_path=out,
+    )
+    gen = torch.Generator().manual_seed(index)
+    while opt.round < args.rounds:
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen)
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step(loss=loss)
+        opt.zero_grad()
+    time.sleep(3.0)  # let slower peers finish fetching from this one
+    opt.shutdown()
+    dht.shutdown()
+
+
+def run_config(
+    args: argparse.Namespace, selector: str, lr: float, initial_peers: list[str], workdir: Path
+) -> list[dict]:
+    ctx = mp.get_context("fork")
+    outs = [str(workdir / f"{selector}-{lr:g}-peer{i}.jsonl") for i in range(args.num_peers)]
+    procs = [
+        ctx.Process(target=run_peer, args=(i, args, selector, lr, initial_peers, outs[i]))
+        for i in range(args.num_peers)
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=args.timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise SystemExit(f"peer of {selector} lr={lr:g} did not finish within {args.timeout}s")
+        if proc.exitcode != 0:
+            raise SystemExit(f"peer of {selector} lr={lr:g} exited with {proc.exitcode}")
+    records = []
+    for out in outs:
+        with open(out, encoding="utf-8") as fh:
+            records.extend(json.loads(line) for line in fh if line.strip())
+    return records
+
+
+def summarize(records: list[dict], numel: int, args: argparse.Namespace) -> dict[str, Any]:
+    digests_per_round: dict[int, set[str]] = {}
+    for r in records:
+        digests_per_round.setdefault(r["round"], set()).add(r["theta_digest"])
+    return {
+        "bytes_sent_per_round": statistics.mean(r["bytes_sent"] for r in records),
+        "bytes_received_per_round": statistics.mean(r["bytes_received"] for r in records),
+        "density": statistics.mean(r["density"] for r in records),
+        "seconds_sync": statistics.median(r["seconds_sync"] for r in records),
+        "seconds_inner": statistics.median(r["seconds_inner"] for r in records),
+        "num_peers": min(r["num_peers"] for r in records),
+        "equal_digests": all(len(d) == 1 for d in digests_per_round.values()),
+        "loss_last_round": statistics.mean(r["loss"] for r in records if r["round"] == args.rounds - 1),
+        "numel": numel,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-peers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="outer rounds per configuration")
+    parser.add_argument("--inner-steps", type=int, default=8, help="H")
+    parser.add_argument("--lrs", type=float, nargs="+", default=[3e-6, 1e-3], help="inner AdamW learning rates")
+    parser.add_argument("--selectors", nargs="+", default=["pulse", "topk", "dense"])
+    parser.add_argument("--topk-density", type=float, default=0.02)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--matchmaking-time", type=float, default=30.0)
+    parser.add_argument("--averaging-timeout", type=float, default=120.0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if "dense" not in args.selectors:
+        parser.error("--selectors must include dense: it is the baseline of the ratios")
+
+    import hivemind
+
+    numel = sum(p.numel() for p in make_model(args).parameters())
+    ring = 2 * (args.num_peers - 1) / args.num_peers
+    ddp_bytes = ring * 4 * numel * args.inner_steps
+    print(
+        f"model: Llama {numel / 1e6:.1f}M parameters; {args.num_peers} peers on loopback; H={args.inner_steps}; "
+        f"{args.rounds} rounds; DDP ring all-reduce per peer per round = {ddp_bytes / 1e6:.1f} MB",
+        file=sys.stderr,
+    )
+    boot = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    results: list[dict[str, Any]] = []
+    try:
+        initial_peers = [str(a) for a in boot.get_visible_maddrs()]
+        with tempfile.TemporaryDirectory() as tmp:
+            for lr in args.lrs:
+                per_selector = {}
+                for selector in args.selectors:
+                    start = time.monotonic()
+                    records = run_config(args, selector, lr, initial_peers, Path(tmp))
+                    per_selector[selector] = summarize(records, numel, args)
+                    print(f"  {selector} lr={lr:g}: {time.monotonic() - start:.0f}s", file=sys.stderr)
+                dense = per_selector["dense"]["bytes_sent_per_round"]
+                for selector, summary in per_selector.items():
+                    summary.update(
+                        selector=selector,
+                        inner_lr=lr,
+                        ratio_vs_dense=dense / summary["bytes_sent_per_round"],
+                        ratio_vs_ddp=ddp_bytes / summary["bytes_sent_per_round"],
+                        ddp_bytes_per_round=ddp_bytes,
+                    )
+                    results.append(summary)
+    finally:
+        boot.shutdown()
+
+    header = (
+        f"{'inner lr':>8} {'selector':>8} {'density':>8} {'MB sent/round':>13} {'vs DiLoCo':>9} {'vs DDP':>8} "
+        f"{'sync s':>7} {'equal':>5} {'loss':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r['inner_lr']:>8g} {r['selector']:>8} {r['density']:>8.4f} {r['bytes_sent_per_round'] / 1e6:>13.3f} "
+            f"{r['ratio_vs_dense']:>8.1f}x {r['ratio_vs_ddp']:>7.1f}x {r['seconds_sync']:>7.2f} "
+            f"{'yes' if r['equal_digests'] else 'NO':>5} {r['loss_last_round']:>6.3f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
