@@ -93,15 +93,21 @@ def _pack_fixed(values_K: np.ndarray, k: int) -> bytes:
 
 
 def _unpack_fixed(data: bytes, count: int, k: int) -> np.ndarray:
-    """Inverse of :func:`_pack_fixed`; the caller has checked ``len(data)``."""
+    """Inverse of :func:`_pack_fixed`; the caller has checked ``len(data)``.
+
+    Each value is read from the 8-byte big-endian window that starts at its first byte (k <= 40 bits plus a
+    bit offset below 8 always fit in 64 bits), so the whole stream decodes in a few vectorised passes.
+    """
     if k == 0 or count == 0:
         return np.zeros(count, dtype=np.uint64)
-    num_bytes = (k + 7) // 8
-    bits = np.zeros((count, 8 * num_bytes), dtype=np.uint8)
-    bits[:, 8 * num_bytes - k :] = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * k).reshape(count, k)
-    be_bytes = np.zeros((count, 8), dtype=np.uint8)
-    be_bytes[:, 8 - num_bytes :] = np.packbits(bits, axis=1)
-    return be_bytes.view(">u8").reshape(-1).astype(np.uint64)
+    buf = np.frombuffer(data, dtype=np.uint8)
+    padded = np.zeros(buf.size + 8, dtype=np.uint8)
+    padded[: buf.size] = buf
+    bit_offsets = np.arange(count, dtype=np.uint64) * np.uint64(k)
+    windows = np.lib.stride_tricks.sliding_window_view(padded, 8)[(bit_offsets >> np.uint64(3)).astype(np.intp)]
+    words = windows.copy().view(">u8").reshape(-1).astype(np.uint64)
+    words <<= bit_offsets & np.uint64(7)
+    return words >> np.uint64(64 - k)
 
 
 def encode_indices(indices_K: np.ndarray, numel: int) -> IndexCode:

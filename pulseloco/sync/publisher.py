@@ -270,7 +270,15 @@ class Publisher:
         if self._base is not None:
             if set(self._base) != set(state) or any(self._base[k].shape != state[k].shape for k in state):
                 raise ConfigError("the model's tensor names or shapes changed between versions; use a new run_id")
-            payload = make_patch(self._base, state, version=version, base_version=self._version, values=self.values)
+            payload = make_patch(
+                self._base,
+                state,
+                version=version,
+                base_version=self._version,
+                values=self.values,
+                base_digest=self._digest,
+                new_digest=digest,
+            )
             env = _envelope(self.run_id, "patch", version, self._version, digest, self._digest, payload)
             objects.append(("patch", payload, sign_envelope(self._key, env)))
         new_anchor = self._base is None or self._since_anchor + 1 >= self.anchor_every
