@@ -127,6 +127,9 @@ def summarize(records: list[dict], numel: int, args: argparse.Namespace) -> dict
         "equal_digests": all(len(d) == 1 for d in digests_per_round.values()),
         "loss_last_round": statistics.mean(r["loss"] for r in records if r["round"] == args.rounds - 1),
         "numel": numel,
+        "density_by_round": [
+            statistics.mean(r["density"] for r in records if r["round"] == k) for k in sorted(digests_per_round)
+        ],
     }
 
 

@@ -80,7 +80,7 @@ class PeerConfig:
     inner_lr: float = 1e-3
     run_id: str = "test"
     target_group_size: int | None = 3
-    matchmaking_time: float = 3.0
+    matchmaking_time: float = 10.0
     averaging_timeout: float = 6.0
     request_timeout: float = 3.0
     client_mode: bool = False
@@ -127,12 +127,15 @@ def _make_malicious() -> None:
     averaging.encode_sparse = evil  # type: ignore[assignment]
 
 
-def run_peer(config: PeerConfig, results: Any) -> None:
-    """Body of a peer process: join, train ``num_rounds`` outer rounds, put a report on ``results``."""
+def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None) -> None:
+    """Body of a peer process: join, train ``num_rounds`` outer rounds, put a report on ``results``.
+
+    Peers given a ``start_barrier`` begin training together, so that a slow start (process and DHT startup on a
+    loaded machine) does not make a peer miss the first round's group.
+    """
     logging.basicConfig(level=logging.WARNING, format=f"peer{config.index} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     time.sleep(config.start_delay)
-    print(f"peer{config.index} start t={time.time():.1f}", flush=True)
     import hivemind
 
     from pulseloco import PulseLoCo
@@ -143,7 +146,6 @@ def run_peer(config: PeerConfig, results: Any) -> None:
         client_mode=config.client_mode,
         start=True,
     )
-    print(f"peer{config.index} dht t={time.time():.1f}", flush=True)
     model = make_model(config.model_seed)
     inner_optimizer = make_inner_optimizer(model, config.inner_lr)
     if config.malicious:
@@ -164,6 +166,8 @@ def run_peer(config: PeerConfig, results: Any) -> None:
         **config.extra,
     )
     joined_at_round = opt.round
+    if start_barrier is not None:
+        start_barrier.wait(timeout=120)
     if config.state_in is not None:
         opt.load_state_dict(torch.load(config.state_in, weights_only=False))
     print(f"peer{config.index} ready t={time.time():.1f}", flush=True)

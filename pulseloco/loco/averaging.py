@@ -254,7 +254,8 @@ class SparseAverager(ServicerBase):
                     if size > limit:
                         raise PayloadError(f"contribution exceeds {limit} bytes")
                     parts.append(tensor.buffer)
-                self._count(int(header.get("round", -1)), received=message.ByteSize())
+                round_key = header.get("round")
+                self._count(round_key if isinstance(round_key, int) else -1, received=message.ByteSize())
         except (asyncio.TimeoutError, PayloadError) as exc:
             logger.warning("push refused sender=%s error=%r", sender, exc)
             return _response({"ok": False, "reason": repr(exc)})
