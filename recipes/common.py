@@ -829,8 +829,6 @@ class SwarmPeer:
         from pulseloco import PulseLoCo
 
         self.name = options.strategy
-        self.dht = dht
-        self.linger = options.linger
         self.loco = PulseLoCo(
             model,
             inner_optimizer,
@@ -874,11 +872,7 @@ class SwarmPeer:
         self.loco.load_state_dict(state["pulseloco"])
 
     def close(self) -> None:
-        if self.linger > 0 and self.dht is not None:
-            time.sleep(self.linger)  # slower peers may still be fetching shards or the state from us
         self.loco.shutdown()
-        if self.dht is not None:
-            self.dht.shutdown()
 
 
 def join_swarm(accelerator: Any, options: SwarmOptions) -> Any:
@@ -928,20 +922,33 @@ def peer_salt(options: SwarmOptions, dht: Any) -> int:
     return zlib.crc32(str(dht.peer_id).encode()) & 0x7FFFFFFF
 
 
-def setup_strategy(accelerator: Any, model: Any, inner_optimizer: Any, options: SwarmOptions) -> tuple[Any, int]:
-    """(strategy, data salt). ``model`` is the unwrapped model whose parameters the optimizer steps."""
-    import torch.distributed
-
+def setup_strategy(
+    accelerator: Any, model: Any, inner_optimizer: Any, options: SwarmOptions, dht: Any = None
+) -> tuple[DataParallel | SwarmPeer, int]:
+    """(strategy, data salt). ``model`` is the unwrapped model whose parameters the optimizer steps; ``dht``
+    comes from :func:`join_swarm` (needed by the swarm strategies, ignored by ``ddp``)."""
     if options.selector is None:
         return DataParallel(accelerator, model, inner_optimizer), 0
-    dht = join_swarm(accelerator, options)
     peer = SwarmPeer(accelerator, model, inner_optimizer, options, dht)
     salt = peer_salt(options, dht)
     if accelerator.num_processes > 1:
+        import torch.distributed
+
         box = [salt]
         torch.distributed.broadcast_object_list(box, src=0)
         salt = int(box[0])
     return peer, salt
+
+
+def leave_swarm(dht: Any, linger: float, *closers: Callable[[], Any]) -> None:
+    """Stay ``linger`` seconds (slower peers may still fetch shards, state or versions from us), run ``closers``
+    (strategy, publisher), then stop the DHT."""
+    if dht is not None and linger > 0:
+        time.sleep(linger)
+    for close in closers:
+        close()
+    if dht is not None:
+        dht.shutdown()
 
 
 def round_record(metrics: Any) -> dict[str, Any]:

@@ -186,7 +186,8 @@ def training_function(config: RecipeConfig) -> None:
     model = common.build_model(config.model, tokenizer.vocab_size, seed=config.train.seed)
     inner_optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model = accelerator.prepare(model)  # DDP across this launch's processes
-    strategy, salt = common.setup_strategy(accelerator, accelerator.unwrap_model(model), inner_optimizer, swarm)
+    dht = common.join_swarm(accelerator, swarm) if swarm.selector is not None else None
+    strategy, salt = common.setup_strategy(accelerator, accelerator.unwrap_model(model), inner_optimizer, swarm, dht)
     checkpoint = common.load_checkpoint(config.train, strategy.name)
     start = common.restore(accelerator, checkpoint, model=model, strategy=strategy) if checkpoint else 0
     output_dir = Path(config.train.output_dir)
@@ -251,7 +252,7 @@ def training_function(config: RecipeConfig) -> None:
     )
     metrics.close()
     accelerator.wait_for_everyone()
-    strategy.close()
+    common.leave_swarm(dht, swarm.linger, strategy.close)
     accelerator.end_training()
 
 
