@@ -1,0 +1,1220 @@
+#!/usr/bin/env python
+"""Benchmark PULSESync end to end: patches against full BF16 checkpoints over the same swarm, in the same run.
+
+Setup (every peer is a process of its own, with its own hivemind DHT and libp2p daemon):
+  * trainer + publisher: a Qwen2 (Llama-style) model built from a config with random init (~122M parameters,
+    FP32 master weights), AdamW (lr 3e-6, no weight decay) on a synthetic LM loss over seeded random token ids.
+    Version 1 is the initial model (an anchor: a warm-up, not counted); each measured version is one optimizer
+    step followed by ``Publisher.publish(model)``.
+  * subscribers (rollout workers): ``Subscriber.follow`` on a BF16 state dict; each reports to the coordinator
+    the time at which it holds a version and the digest of the tensors it holds.
+  * modes: ``patches`` (the library defaults: an anchor every 10 versions, patches otherwise, subscribers relay
+    to each other) and ``full`` (the baseline: ``Publisher(anchor_every=1)`` and
+    ``Subscriber(full_checkpoints=True)``, a full BF16 checkpoint per version over the same transport and relays).
+  * conditions: ``loopback`` (127.0.0.1) and, when running as root with ``ip netns`` and ``tc``, a private
+    network: one namespace per peer (the publisher's too), veth pairs to a bridge in a hub namespace on
+    10.77.0.0/24, and a token bucket (``tc tbf``) at --rate on both ends of every veth, so each peer's uplink
+    and downlink are limited. Nothing is configured outside the namespaces this script creates, and they are
+    removed on exit (also on errors and Ctrl-C).
+
+Per version the coordinator measures: the patch (or checkpoint) size in the version store against a full BF16
+copy (2 bytes per element), the publisher's upload (the growth of ``Publisher.bytes_uploaded`` until every
+subscriber holds the version), the seconds from the ``publish`` call to the publisher having encoded, stored and
+announced the version ("encode"), and to the last subscriber holding it ("latency"), and whether every
+subscriber's digest equals the publisher's.
+
+Prints a table per condition and a summary (patches vs full checkpoints); ``--json PATH`` writes everything.
+Progress goes to stderr; worker logs go to files under a temporary directory (printed on failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import logging
+import math
+import os
+import queue
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Client, Connection, Listener
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
+    # ~122M parameters (the same model as scripts/bench_codec.py); Qwen2 is Llama with q/k/v biases.
+    "default": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=2048,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    ),
+    # ~5M parameters: a quick smoke run (tests).
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=4000,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    ),
+}
+MIN_DEFAULT_PARAMS = 100_000_000
+LR = 3e-6
+BATCH_SIZE = 2
+SEQ_LEN = 64
+MODES = ("patches", "full")
+SUBNET = "10.77.0"
+PUBLISHER_HOST_INDEX = 10
+AUTHKEY_ENV = "BENCH_SYNC_AUTHKEY"
+STARTUP_TIMEOUT = 300.0  # importing torch/transformers/hivemind in 9 processes on 2 shared cores is slow
+STOP_TIMEOUT = 30.0
+
+
+def log(msg: str) -> None:
+    """Progress goes to stderr so that stdout holds only the tables."""
+    print(f"[bench_sync {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------
+
+
+def build_model(config_name: str, seed: int) -> Any:
+    """A randomly initialised FP32 Qwen2ForCausalLM from MODEL_CONFIGS, seeded."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIGS[config_name]))
+    num_params = sum(p.numel() for p in model.parameters())
+    if config_name == "default" and num_params < MIN_DEFAULT_PARAMS:
+        raise RuntimeError(f"default model has {num_params} parameters, expected >= {MIN_DEFAULT_PARAMS}")
+    return model.float().train()
+
+
+def state_shapes(config_name: str) -> dict[str, list[int]]:
+    """Names and shapes of the model's floating state dict (what a publisher publishes), without weights."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIGS[config_name]))
+    return {name: list(t.shape) for name, t in model.state_dict().items() if t.is_floating_point()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Workers (one process per peer; started by the coordinator, possibly inside a network namespace)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker process needs, written as JSON by the coordinator."""
+
+    role: str  # "publisher" or "subscriber"
+    index: int  # 0 for the publisher, 1..N for subscribers
+    socket: str  # the coordinator's AF_UNIX socket (works across network namespaces)
+    run_id: str
+    config: str
+    host: str  # the address the peer's libp2p daemon listens on
+    full: bool  # full-checkpoint baseline
+    key_path: str  # private key (publisher) or public key (subscribers)
+    shapes_path: str = ""  # subscribers: JSON of state_shapes (so they need not import transformers)
+    store_dir: str = ""
+    seed: int = 0
+    lr: float = LR
+    poll: float = 0.05
+    fetch_timeout: float = 600.0
+    provider_wait: float = 2.0
+    relay_wait: float | None = None  # None: the library's SwarmSource default
+    threads: int | None = None
+
+
+class _ForwardWarnings(logging.Handler):
+    """Sends pulseloco warnings to the coordinator, which counts them per case."""
+
+    def __init__(self, send: Any) -> None:
+        super().__init__(level=logging.WARNING)
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self._send(("warning", f"{record.name}: {record.getMessage()}"[:500]))
+
+
+def _connect(spec: WorkerSpec) -> tuple[Connection, Any]:
+    conn = Client(spec.socket, family="AF_UNIX", authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with lock:
+            conn.send(msg)
+
+    send(("hello", spec.role, spec.index, os.getpid()))
+    logging.getLogger("pulseloco").addHandler(_ForwardWarnings(send))
+    return conn, send
+
+
+def _worker_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    logging.getLogger("pulseloco.sync.store").setLevel(logging.WARNING)
+
+
+def _file_size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def publisher_worker(spec: WorkerSpec) -> None:
+    """The trainer: build the model, then answer the coordinator's publish/stats/stop requests."""
+    _worker_logging()
+    conn, send = _connect(spec)
+    import torch
+
+    from pulseloco.swarm import SwarmConfig, make_dht
+    from pulseloco.sync.publisher import Publisher
+    from pulseloco.sync.signing import load_private_key
+
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    model = build_model(spec.config, spec.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0)
+    vocab = int(model.config.vocab_size)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    num_elements = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
+    dht = make_dht(SwarmConfig(host_maddrs=[f"/ip4/{spec.host}/tcp/0"]))
+    publisher = Publisher(
+        dht, spec.run_id, load_private_key(spec.key_path), spec.store_dir, anchor_every=1 if spec.full else 10
+    )
+    store = Path(spec.store_dir)
+    send(
+        (
+            "ready",
+            {
+                "maddrs": [str(m) for m in dht.get_visible_maddrs()],
+                "num_params": sum(p.numel() for p in model.parameters()),
+                "num_elements": num_elements,
+                "threads": torch.get_num_threads(),
+            },
+        )
+    )
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "stats":
+                servicer = publisher.endpoint.servicer if publisher.endpoint else None
+                send(("stats", {"bytes_uploaded": publisher.bytes_uploaded, "uploads": servicer.num_uploads}))
+            elif msg[0] == "publish":
+                step_s = loss = None
+                if msg[1]:  # one optimizer step first
+                    t0 = time.perf_counter()
+                    ids = torch.randint(0, vocab, (BATCH_SIZE, SEQ_LEN), generator=gen)
+                    out = model(input_ids=ids, labels=ids)
+                    out.loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)  # frees the gradients while the version is published
+                    step_s, loss = time.perf_counter() - t0, float(out.loss)
+                t_call = time.time()
+                version = publisher.publish(model)
+                t_returned = time.time()
+                publisher.flush(timeout=900)
+                t_ready = time.time()
+                if publisher.version != version:
+                    raise RuntimeError(f"version {version} was not published: {publisher.last_error!r}")
+                send(
+                    (
+                        "published",
+                        {
+                            "version": version,
+                            "digest": publisher.digest,
+                            "t_call": t_call,
+                            "publish_call_s": t_returned - t_call,
+                            "encode_s": t_ready - t_call,
+                            "patch_bytes": _file_size(store / f"v{version:08d}.patch"),
+                            "anchor_bytes": _file_size(store / f"v{version:08d}.anchor"),
+                            "step_s": step_s,
+                            "loss": loss,
+                        },
+                    )
+                )
+    except EOFError:
+        logging.getLogger(__name__).warning("coordinator went away; stopping")
+    finally:
+        publisher.close(timeout=10)
+        dht.shutdown()
+
+
+class ProviderWaitSource:
+    """Workaround for a race in the library: wraps a subscriber's ``SwarmSource``.
+
+    The publisher stores the signed head in the DHT (blocking) and only then announces the versions it provides
+    (``return_future=True``, not awaited). A subscriber that sees the new head at once finds no provider listing
+    the version, and ``SwarmSource.fetch`` returns None without a warning: the subscriber then falls back to a full
+    anchor plus the patch chain (or, for the first version or in full-checkpoint mode, fails the update and retries
+    on the next poll). This wrapper asks again for up to ``wait`` seconds before giving up, and counts how often.
+    """
+
+    def __init__(self, inner: Any, wait: float) -> None:
+        self.inner = inner
+        self.wait = wait
+        self.retries = 0
+
+    def head(self) -> Any:
+        return self.inner.head()
+
+    def fetch(self, request: Any) -> Any:
+        deadline = time.monotonic() + self.wait
+        while True:
+            got = self.inner.fetch(request)
+            if got is not None or time.monotonic() >= deadline:
+                return got
+            self.retries += 1
+            time.sleep(0.05)
+
+
+def subscriber_worker(spec: WorkerSpec) -> None:
+    """A rollout worker: join the publisher's swarm, follow the run, report every version it holds."""
+    _worker_logging()
+    conn, send = _connect(spec)
+    import torch
+
+    from pulseloco.swarm import SwarmConfig, make_dht
+    from pulseloco.sync import state_digest
+    from pulseloco.sync.signing import load_public_key
+    from pulseloco.sync.subscriber import Subscriber
+
+    torch.set_num_threads(spec.threads or 1)
+    # Workaround: Subscriber.update on an empty dict adopts the anchor into a copy of the dict, so the caller's
+    # dict stays empty and every later update downloads the anchor again. Like a rollout worker holding a
+    # model, the subscriber gets zeroed BF16 tensors of the right names and shapes, which the anchor overwrites.
+    shapes = json.loads(Path(spec.shapes_path).read_text())
+    state = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}
+    msg = conn.recv()
+    if msg[0] != "join":
+        return
+    dht = make_dht(SwarmConfig(initial_peers=msg[1], host_maddrs=[f"/ip4/{spec.host}/tcp/0"]))
+    sub = Subscriber(
+        dht, spec.run_id, load_public_key(spec.key_path), full_checkpoints=spec.full, timeout=spec.fetch_timeout
+    )
+    if spec.relay_wait is not None:
+        sub.source.relay_wait = spec.relay_wait
+    source = ProviderWaitSource(sub.source, spec.provider_wait) if spec.provider_wait > 0 else None
+    if source is not None:
+        sub.source = source
+    if spec.full:
+        # Workaround: the relay keeps its last 16 objects in memory whatever their size; in this mode they are
+        # full checkpoints (16 x 2 bytes per parameter). Only the newest is ever requested here.
+        sub._relay.capacity = 1
+
+    def on_update(report: Any) -> None:
+        t_hold = time.time()
+        with sub.lock:
+            digest = state_digest(state)  # the tensors this worker holds, not the subscriber's bookkeeping
+        send(
+            (
+                "holds",
+                {
+                    "version": report.version,
+                    "t": t_hold,
+                    "digest": digest,
+                    "reported_digest": report.digest,
+                    "bytes_received": report.bytes_received,
+                    "path": report.path,
+                    "update_s": report.seconds,
+                    "provider_retries": source.retries if source is not None else 0,
+                },
+            )
+        )
+
+    send(("joined", {}))
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "follow":
+                sub.follow(state, on_update, interval=spec.poll)
+    except EOFError:
+        logging.getLogger(__name__).warning("coordinator went away; stopping")
+    finally:
+        sub.close()
+        dht.shutdown()
+
+
+# --------------------------------------------------------------------------------------------------
+# Network namespaces
+# --------------------------------------------------------------------------------------------------
+
+
+def _run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
+
+
+class NetNS:
+    """A private network: a hub namespace with a bridge, and one namespace per peer with a rate-limited veth.
+
+    Peer ``i`` gets address 10.77.0.(10+i) in namespace ``<prefix>p<i>``; its veth is limited by ``tc tbf`` at
+    ``rate`` on both ends (the peer's egress is its uplink, the hub end's egress its downlink). All links are
+    created inside these namespaces, so deleting them removes everything.
+    """
+
+    def __init__(self, num_peers: int, rate: str) -> None:
+        self.prefix = f"plbs{os.getpid() % 100000}"
+        self.hub = f"{self.prefix}h"
+        self.rate = rate
+        self.names: list[str] = []
+        self.num_peers = num_peers
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        if os.geteuid() != 0:
+            return "needs root with ip netns and tc"
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            return "needs root with ip netns and tc"
+        return None
+
+    def peer_ns(self, index: int) -> str:
+        return f"{self.prefix}p{index}"
+
+    def host(self, index: int) -> str:
+        return f"{SUBNET}.{PUBLISHER_HOST_INDEX + index}"
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self.names.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def setup(self) -> None:
+        tbf = ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
+        self._add_ns(self.hub)
+        _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
+        _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+        for i in range(self.num_peers):
+            ns = self.peer_ns(i)
+            self._add_ns(ns)
+            hub_end = f"v{i}"
+            _run(["ip", "-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            _run(["ip", "-n", self.hub, "link", "set", hub_end, "master", "br0"])
+            _run(["ip", "-n", self.hub, "link", "set", hub_end, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", hub_end, "root", *tbf])
+            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf])
+        # the bridge needs a moment to forward; check the path from the publisher to the last peer
+        for _ in range(50):
+            probe = subprocess.run(
+                ["ip", "netns", "exec", self.peer_ns(0), "ping", "-c", "1", "-W", "1", self.host(self.num_peers - 1)],
+                capture_output=True,
+                timeout=10,
+                check=False,
+            )
+            if probe.returncode == 0 or shutil.which("ping") is None:
+                break
+            time.sleep(0.2)
+
+    def teardown(self) -> None:
+        """Kill whatever still runs inside the namespaces, then delete them (idempotent)."""
+        with self._lock:
+            names, self.names = self.names, []
+        for name in reversed(names):
+            with contextlib.suppress(Exception):
+                pids = subprocess.run(
+                    ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10, check=False
+                ).stdout.split()
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30, check=False)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory (the machine is shared: a case that would not fit is skipped, never left to the OOM killer)
+# --------------------------------------------------------------------------------------------------
+
+GB = 1e9
+MEMORY_MARGIN = 2 * GB
+"""Memory left for everything else on the machine when deciding whether a case fits."""
+
+
+def mem_available() -> float | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is no /proc)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def estimate_memory(num_elements: int, n_subs: int, mode: str) -> float:
+    """Peak bytes of one case, from measurements of this script (USS of each process and its helpers).
+
+    With F = one BF16 copy: the trainer and publisher about 1.2 GB + 10 F (FP32 weights and AdamW moments,
+    BF16 snapshots, the anchor being encoded) plus one F per payload it serves at once (the store reads the
+    whole object per request). A subscriber about 0.7 GB (torch, its DHT process, libp2p daemon) + its state
+    and relay copy (2 F); receiving a checkpoint adds about 2.5 F at once (the chunks and their join, the decoded
+    anchor, the backup kept until the update verifies). In full mode every subscriber receives a checkpoint per
+    version at about the same time; with patches only during the warm-up, which runs one subscriber at a time.
+    """
+    f = 2 * num_elements
+    if mode == "full":
+        return 1.2 * GB + 10 * f + n_subs * f + n_subs * (0.7 * GB + 4.5 * f)
+    return 1.2 * GB + 12 * f + n_subs * (0.7 * GB + 2 * f) + 2.5 * f
+
+
+# --------------------------------------------------------------------------------------------------
+# Coordinator
+# --------------------------------------------------------------------------------------------------
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class Hub:
+    """The coordinator's end of the worker connections: one reader thread per worker feeding one queue."""
+
+    def __init__(self, path: str, authkey: bytes) -> None:
+        self.listener = Listener(path, family="AF_UNIX", authkey=authkey)
+        self.messages: queue.Queue[tuple[str, int, tuple]] = queue.Queue()
+        self.conns: dict[tuple[str, int], Connection] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._accept, name="hub-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn = self.listener.accept()
+            except Exception:  # closed, or a client that failed authentication
+                continue
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            hello = conn.recv()
+        except (EOFError, OSError):
+            return
+        if not (isinstance(hello, tuple) and hello[0] == "hello"):
+            return
+        who = (hello[1], int(hello[2]))
+        with self._lock:
+            self.conns[who] = conn
+        self.messages.put((who[0], who[1], hello))
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                self.messages.put((who[0], who[1], ("eof",)))
+                return
+            self.messages.put((who[0], who[1], msg))
+
+    def send(self, role: str, index: int, msg: tuple) -> None:
+        with self._lock:
+            conn = self.conns[(role, index)]
+        conn.send(msg)
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self.listener.close()
+
+
+@dataclass
+class Worker:
+    role: str
+    index: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class VersionResult:
+    version: int
+    counted: bool  # False for the initial anchor (warm-up)
+    t_call: float
+    publish_call_s: float
+    encode_s: float
+    step_s: float | None
+    loss: float | None
+    patch_bytes: int | None
+    anchor_bytes: int | None
+    object_bytes: int  # what subscribers fetch per version in this mode: the patch, or the full checkpoint
+    publisher_digest: str
+    latency_s: float  # publish call -> last subscriber holds the version
+    first_latency_s: float
+    mean_latency_s: float
+    upload_bytes: int
+    uploads: int
+    digests_match: bool
+    subscribers: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class CaseResult:
+    condition: str
+    subscribers: int
+    mode: str
+    num_params: int
+    num_elements: int
+    full_bf16_bytes: int
+    versions: list[VersionResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def counted(self) -> list[VersionResult]:
+        return [v for v in self.versions if v.counted]
+
+    @property
+    def all_digests_match(self) -> bool:
+        return bool(self.versions) and all(v.digests_match for v in self.versions)
+
+    def summary(self) -> dict[str, Any]:
+        vs = self.counted()
+        if not vs:
+            return {}
+        mean_obj = statistics.mean(v.object_bytes for v in vs)
+        mean_up = statistics.mean(v.upload_bytes for v in vs)
+        return {
+            "versions": len(vs),
+            "mean_object_bytes": mean_obj,
+            "ratio_vs_full_bf16": mean_obj / self.full_bf16_bytes,
+            "mean_upload_bytes": mean_up,
+            "upload_x_object": mean_up / mean_obj,
+            "max_upload_x_object": max(v.upload_bytes / v.object_bytes for v in vs),
+            "mean_encode_s": statistics.mean(v.encode_s for v in vs),
+            "mean_latency_s": statistics.mean(v.latency_s for v in vs),
+            "median_latency_s": statistics.median(v.latency_s for v in vs),
+            "max_latency_s": max(v.latency_s for v in vs),
+            "all_digests_match": all(v.digests_match for v in vs),
+            "digests_matched": sum(v.digests_match for v in vs),
+            "mean_received_bytes": statistics.mean(h["bytes_received"] for v in vs for h in v.subscribers),
+            # subscriber updates that did not take the mode's path (a patch, or a checkpoint in full mode)
+            "off_path_updates": sum(
+                h["path"] != ("anchor" if self.mode == "full" else "patch") for v in vs for h in v.subscribers
+            ),
+            "provider_retries": self.provider_retries,
+        }
+
+    @property
+    def provider_retries(self) -> int:
+        """Times the ProviderWaitSource workaround asked again (summed over subscribers, whole case)."""
+        last: dict[int, int] = {}
+        for v in self.versions:
+            for h in v.subscribers:
+                last[h["index"]] = h.get("provider_retries", 0)
+        return sum(last.values())
+
+
+class Coordinator:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        from pulseloco.sync.signing import generate_key, save_keypair
+
+        self.args = args
+        self.workdir = workdir
+        self.authkey = os.urandom(16)
+        self.hub = Hub(str(workdir / "hub.sock"), self.authkey)
+        self.key_path, self.pub_path = save_keypair(generate_key(), workdir / "publisher.key")
+        self.workers: list[Worker] = []
+        self.case_counter = 0
+        config = "small" if args.small else "default"
+        self.shapes_path = workdir / f"shapes-{config}.json"
+        shapes = state_shapes(config)
+        self.num_elements = sum(math.prod(shape) for shape in shapes.values())
+        self.shapes_path.write_text(json.dumps(shapes))
+
+    def close(self) -> None:
+        self.stop_workers()
+        self.hub.close()
+
+    # ---- workers -----------------------------------------------------------------------------------------
+
+    def start_worker(self, spec: WorkerSpec, netns: NetNS | None) -> Worker:
+        spec_path = self.workdir / f"case{self.case_counter}-{spec.role}{spec.index}.json"
+        spec_path.write_text(json.dumps(asdict(spec)))
+        log_path = spec_path.with_suffix(".log")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--role", spec.role, "--spec", str(spec_path)]
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns.peer_ns(spec.index), *cmd]
+        env = {
+            **os.environ,
+            AUTHKEY_ENV: self.authkey.hex(),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        }
+        with open(log_path, "wb") as logf:
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
+            )
+        worker = Worker(spec.role, spec.index, proc, log_path)
+        self.workers.append(worker)
+        return worker
+
+    def stop_workers(self) -> None:
+        """Ask every worker to stop, wait (bounded), then kill each one's process group (started by us)."""
+        for w in self.workers:
+            if w.proc.poll() is None:
+                with contextlib.suppress(Exception):
+                    self.hub.send(w.role, w.index, ("stop",))
+        deadline = time.monotonic() + STOP_TIMEOUT
+        for w in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            signalled = False
+            for w in self.workers:
+                # each worker leads its own process group, which also holds its DHT process and libp2p daemon
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(w.proc.pid, sig)
+                    signalled = True
+            if not signalled:
+                break
+            if sig == signal.SIGTERM:
+                time.sleep(1.0)
+        for w in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=5)
+        if self.workers:
+            log(f"stopped {len(self.workers)} workers in {time.monotonic() - deadline + STOP_TIMEOUT:.1f} s")
+        self.workers = []
+        with self.hub._lock:
+            self.hub.conns.clear()
+        while True:  # drop messages of the finished case
+            try:
+                self.hub.messages.get_nowait()
+            except queue.Empty:
+                break
+
+    def _check_alive(self) -> None:
+        for w in self.workers:
+            code = w.proc.poll()
+            if code is not None:
+                raise WorkerFailed(f"{w.role} {w.index} exited with code {code}; log {w.log_path}:\n{w.tail()}")
+
+    def next_message(self, deadline: float, what: str, case: CaseResult | None) -> tuple[str, int, tuple]:
+        """The next message from any worker; warnings are collected into ``case``. Raises on timeout/death."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                tails = "\n".join(f"--- {w.role} {w.index} ({w.log_path}):\n{w.tail(15)}" for w in self.workers)
+                raise TimeoutError(f"timed out waiting for {what}\n{tails}")
+            try:
+                role, index, msg = self.hub.messages.get(timeout=min(1.0, remaining))
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if msg[0] == "warning":
+                if case is not None:
+                    case.warnings.append(f"{role}{index}: {msg[1]}")
+                continue
+            if msg[0] == "eof":
+                self._check_alive()
+                time.sleep(1.0)
+                self._check_alive()
+                raise WorkerFailed(f"{role} {index} closed its connection")
+            return role, index, msg
+
+    def request(self, msg: tuple, reply: str, timeout: float, case: CaseResult) -> dict[str, Any]:
+        """Send ``msg`` to the publisher and wait for its ``reply``; only warnings may arrive meanwhile."""
+        self.hub.send("publisher", 0, msg)
+        deadline = time.monotonic() + timeout
+        while True:
+            role, index, got = self.next_message(deadline, f"publisher reply {reply}", case)
+            if role == "publisher" and got[0] == reply:
+                return got[1]
+            raise WorkerFailed(f"unexpected message from {role} {index} while waiting for {reply}: {got[0]}")
+
+    # ---- one case ----------------------------------------------------------------------------------------
+
+    def run_case(self, condition: str, netns: NetNS | None, n_subs: int, mode: str) -> CaseResult:
+        args = self.args
+        self.case_counter += 1
+        full = mode == "full"
+        run_id = f"bench-{os.getpid()}-{self.case_counter}-{condition}-{n_subs}-{mode}"
+        store_dir = self.workdir / f"store{self.case_counter}"
+        started = time.perf_counter()
+        common = dict(
+            socket=str(self.workdir / "hub.sock"),
+            run_id=run_id,
+            config="small" if args.small else "default",
+            full=full,
+            seed=args.seed,
+            poll=args.poll,
+            fetch_timeout=args.fetch_timeout,
+            provider_wait=args.provider_wait,
+            relay_wait=args.relay_wait,
+        )
+
+        def host(i: int) -> str:
+            return netns.host(i) if netns is not None else "127.0.0.1"
+
+        try:
+            self.start_worker(
+                WorkerSpec(
+                    role="publisher",
+                    index=0,
+                    host=host(0),
+                    key_path=str(self.key_path),
+                    store_dir=str(store_dir),
+                    lr=args.lr,
+                    **common,
+                ),
+                netns,
+            )
+            for i in range(1, n_subs + 1):
+                self.start_worker(
+                    WorkerSpec(
+                        role="subscriber",
+                        index=i,
+                        host=host(i),
+                        key_path=str(self.pub_path),
+                        shapes_path=str(self.shapes_path),
+                        **common,
+                    ),
+                    netns,
+                )
+            deadline = time.monotonic() + STARTUP_TIMEOUT
+            info: dict[str, Any] | None = None
+            hellos: set[int] = set()
+            while info is None or len(hellos) < n_subs:
+                role, index, msg = self.next_message(deadline, "workers to start", None)
+                if role == "publisher" and msg[0] == "ready":
+                    info = msg[1]
+                elif role == "subscriber" and msg[0] == "hello":
+                    hellos.add(index)
+            case = CaseResult(
+                condition=condition,
+                subscribers=n_subs,
+                mode=mode,
+                num_params=info["num_params"],
+                num_elements=info["num_elements"],
+                full_bf16_bytes=2 * info["num_elements"],
+            )
+            for i in range(1, n_subs + 1):
+                self.hub.send("subscriber", i, ("join", info["maddrs"]))
+            joined: set[int] = set()
+            while len(joined) < n_subs:
+                role, index, msg = self.next_message(deadline, "subscribers to join", case)
+                if role == "subscriber" and msg[0] == "joined":
+                    joined.add(index)
+            log(
+                f"{condition} subscribers={n_subs} mode={mode}: {n_subs + 1} peers up "
+                f"({info['num_params'] / 1e6:.1f}M params, trainer threads={info['threads']})"
+            )
+            uploaded = self.request(("stats",), "stats", 60, case)
+            for k in range(args.versions + 1):
+                result = self.one_version(case, step=k > 0, uploaded_before=uploaded, n_subs=n_subs)
+                uploaded = {"bytes_uploaded": result[1], "uploads": result[2]}
+                v = result[0]
+                case.versions.append(v)
+                log(
+                    f"{condition} subscribers={n_subs} mode={mode} v{v.version}{'' if v.counted else ' (initial)'}: "
+                    f"{v.object_bytes / 1e6:.3f} MB ({v.object_bytes / case.full_bf16_bytes:.4f} of BF16), "
+                    f"upload {v.upload_bytes / 1e6:.3f} MB ({v.upload_bytes / v.object_bytes:.2f}x), "
+                    f"encode {v.encode_s:.2f} s, last subscriber {v.latency_s:.2f} s, "
+                    f"digests {'ok' if v.digests_match else 'MISMATCH'}"
+                )
+        finally:
+            self.stop_workers()
+            shutil.rmtree(store_dir, ignore_errors=True)
+        case.seconds = time.perf_counter() - started
+        return case
+
+    def one_version(
+        self, case: CaseResult, *, step: bool, uploaded_before: dict[str, int], n_subs: int
+    ) -> tuple[VersionResult, int, int]:
+        """Publish one version (after an optimizer step if ``step``) and wait until every subscriber holds it.
+
+        The initial version (``step=False``) is the warm-up: subscribers start following one at a time, each
+        after the previous one holds it, so that only one of them holds a checkpoint in flight at once (memory).
+        Returns the result and the publisher's upload counters afterwards.
+        """
+        self.hub.send("publisher", 0, ("publish", step))
+        deadline = time.monotonic() + self.args.version_timeout
+        pub: dict[str, Any] | None = None
+        reports: dict[int, dict[str, Any]] = {}
+        if not step:
+            self.hub.send("subscriber", 1, ("follow",))
+        # Subscribers may hold the version before the publisher's own reply (it comes after ``flush``).
+        while pub is None or len(reports) < n_subs:
+            role, index, msg = self.next_message(deadline, "the publisher and all subscribers to hold a version", case)
+            if role == "publisher" and msg[0] == "published":
+                pub = msg[1]
+            elif role == "subscriber" and msg[0] == "holds":
+                if index in reports:
+                    raise WorkerFailed(f"subscriber {index} reports two versions for one publish: {msg[1]['version']}")
+                reports[index] = msg[1]
+                if not step and index < n_subs:
+                    self.hub.send("subscriber", index + 1, ("follow",))
+            else:
+                raise WorkerFailed(f"unexpected message from {role} {index}: {msg[0]}")
+        version = pub["version"]
+        holds: dict[int, dict[str, Any]] = {}
+        for index, report in reports.items():
+            if report["version"] != version:
+                raise WorkerFailed(f"subscriber {index} reports version {report['version']}, expected {version}")
+            holds[index] = {"index": index, "latency_s": report["t"] - pub["t_call"], **report}
+        stats = self.request(("stats",), "stats", 60, case)
+        latencies = [h["latency_s"] for h in holds.values()]
+        full = case.mode == "full"
+        object_bytes = pub["anchor_bytes"] if (full or not step) else pub["patch_bytes"]
+        if object_bytes is None:
+            raise WorkerFailed(f"version {version} has no {'anchor' if full else 'patch'} in the store")
+        result = VersionResult(
+            version=version,
+            counted=step,
+            t_call=pub["t_call"],
+            publish_call_s=pub["publish_call_s"],
+            encode_s=pub["encode_s"],
+            step_s=pub["step_s"],
+            loss=pub["loss"],
+            patch_bytes=pub["patch_bytes"],
+            anchor_bytes=pub["anchor_bytes"],
+            object_bytes=object_bytes,
+            publisher_digest=pub["digest"],
+            latency_s=max(latencies),
+            first_latency_s=min(latencies),
+            mean_latency_s=statistics.mean(latencies),
+            upload_bytes=stats["bytes_uploaded"] - uploaded_before["bytes_uploaded"],
+            uploads=stats["uploads"] - uploaded_before["uploads"],
+            digests_match=all(
+                h["digest"] == pub["digest"] and h["reported_digest"] == pub["digest"] for h in holds.values()
+            ),
+            subscribers=[holds[i] for i in sorted(holds)],
+        )
+        return result, stats["bytes_uploaded"], stats["uploads"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+
+def format_table(cases: list[CaseResult]) -> str:
+    cols: list[tuple[str, int, Any]] = [
+        ("subs", 4, lambda c, s: str(c.subscribers)),
+        ("mode", 7, lambda c, s: c.mode),
+        ("versions", 8, lambda c, s: str(s["versions"])),
+        ("MB/version", 10, lambda c, s: f"{s['mean_object_bytes'] / 1e6:.3f}"),
+        ("vs_full_bf16", 12, lambda c, s: f"{s['ratio_vs_full_bf16']:.5f}"),
+        ("upload_MB/v", 11, lambda c, s: f"{s['mean_upload_bytes'] / 1e6:.3f}"),
+        ("upload_x_obj", 12, lambda c, s: f"{s['upload_x_object']:.2f}"),
+        ("max_x_obj", 9, lambda c, s: f"{s['max_upload_x_object']:.2f}"),
+        ("encode_s", 8, lambda c, s: f"{s['mean_encode_s']:.2f}"),
+        ("latency_mean_s", 14, lambda c, s: f"{s['mean_latency_s']:.2f}"),
+        ("latency_max_s", 13, lambda c, s: f"{s['max_latency_s']:.2f}"),
+        ("recv_MB/sub", 11, lambda c, s: f"{s['mean_received_bytes'] / 1e6:.3f}"),
+        ("off_path", 8, lambda c, s: str(s["off_path_updates"])),
+        ("digests", 7, lambda c, s: f"{s['digests_matched']}/{s['versions']}"),
+    ]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w, _)) in enumerate(zip(cells, cols)))
+
+    lines = [line([name for name, _, _ in cols]), ""]
+    lines[1] = "-" * len(lines[0])
+    prev = None
+    for c in cases:
+        s = c.summary()
+        if not s:
+            continue
+        if prev is not None and c.subscribers != prev:
+            lines.append("")
+        prev = c.subscribers
+        lines.append(line([fn(c, s) for _, _, fn in cols]))
+    return "\n".join(lines)
+
+
+def summarize(cases: list[CaseResult]) -> list[dict[str, Any]]:
+    """Patches vs full checkpoints for each (condition, subscriber count) measured in both modes."""
+    out = []
+    by = {(c.condition, c.subscribers, c.mode): c for c in cases}
+    for (cond, n, mode), patches in by.items():
+        full = by.get((cond, n, "full"))
+        if mode != "patches" or full is None or not patches.counted() or not full.counted():
+            continue
+        p, f = patches.summary(), full.summary()
+        out.append(
+            {
+                "condition": cond,
+                "subscribers": n,
+                "patches_mean_latency_s": p["mean_latency_s"],
+                "full_mean_latency_s": f["mean_latency_s"],
+                "latency_speedup": f["mean_latency_s"] / p["mean_latency_s"],
+                "max_latency_speedup": f["max_latency_s"] / p["max_latency_s"],
+                "bytes_ratio": p["mean_object_bytes"] / f["mean_object_bytes"],
+                "upload_ratio": p["mean_upload_bytes"] / f["mean_upload_bytes"],
+            }
+        )
+    return out
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def rate_label(rate: str) -> str:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
+    if not m:
+        return rate
+    return f"{m.group(1)} {m.group(2).upper()}bit/s" if m.group(2) else f"{m.group(1)} bit/s"
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def _worker_main(role: str, spec_path: str) -> int:
+    spec = WorkerSpec(**json.loads(Path(spec_path).read_text()))
+    if role == "publisher":
+        publisher_worker(spec)
+    else:
+        subscriber_worker(spec)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--versions", type=int, default=10, help="measured versions per case (after the initial anchor)")
+    ap.add_argument("--subscribers", type=parse_ints, default=[1, 8], help="subscriber counts (comma list)")
+    ap.add_argument("--small", action="store_true", help="~5M-parameter model instead of ~122M (smoke run)")
+    ap.add_argument("--no-netns", action="store_true", help="loopback only: skip the rate-limited namespaces")
+    ap.add_argument("--rate", default="100mbit", help="tc rate of every link in the namespace condition")
+    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="subset of patches,full")
+    ap.add_argument("--lr", type=float, default=LR, help="AdamW learning rate")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--poll", type=float, default=0.05, help="subscribers' follow interval in seconds")
+    ap.add_argument("--fetch-timeout", type=float, default=600.0, help="subscribers' per-update fetch timeout")
+    ap.add_argument(
+        "--provider-wait",
+        type=float,
+        default=2.0,
+        help="workaround: seconds a subscriber waits for a provider record of a new head (0: library as is)",
+    )
+    ap.add_argument(
+        "--relay-wait",
+        type=float,
+        default=None,
+        help="override SwarmSource.relay_wait: seconds a subscriber turned away by a busy publisher waits before "
+        "looking for relays again (default: the library's)",
+    )
+    ap.add_argument("--version-timeout", type=float, default=1800.0, help="bound on one version's distribution")
+    ap.add_argument(
+        "--no-memory-check",
+        action="store_true",
+        help="run cases whose estimated peak memory exceeds MemAvailable minus a margin (default: skip them)",
+    )
+    ap.add_argument("--json", metavar="PATH", help="also write every measurement as JSON to PATH")
+    ap.add_argument("--role", choices=("publisher", "subscriber"), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role:
+        return _worker_main(args.role, args.spec)
+    if set(args.modes) - set(MODES) or not args.modes:
+        ap.error(f"--modes must be a subset of {','.join(MODES)}")
+    if args.versions < 1 or not args.subscribers or min(args.subscribers) < 1:
+        ap.error("--versions and --subscribers must be positive")
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    t_start = time.perf_counter()
+    load_at_start = os.getloadavg()[0]
+    conditions: list[dict[str, Any]] = [{"name": "loopback", "rate": None, "skipped": None}]
+    netns: NetNS | None = None
+    netns_label = rate_label(args.rate)
+    if args.no_netns:
+        conditions.append({"name": netns_label, "rate": args.rate, "skipped": "--no-netns"})
+    else:
+        reason = NetNS.unavailable_reason()
+        if reason is None:
+            netns = NetNS(max(args.subscribers) + 1, args.rate)
+            atexit.register(netns.teardown)
+            try:
+                netns.setup()
+            except Exception as exc:  # no CAP_NET_ADMIN in a container, missing tbf, ...
+                netns.teardown()
+                netns, reason = None, f"namespace setup failed: {exc}"
+        conditions.append({"name": netns_label, "rate": args.rate, "skipped": reason})
+        if reason is not None:
+            log(f"{netns_label}: skipped ({reason})")
+
+    workdir = Path(tempfile.mkdtemp(prefix="bsync"))  # short: AF_UNIX paths are limited to ~100 bytes
+    cases: list[CaseResult] = []
+    skipped_cases: list[dict[str, Any]] = []
+    coordinator = Coordinator(args, workdir)
+    failed, exit_code = False, 1
+    try:
+        for cond in conditions:
+            if cond["skipped"] is not None:
+                continue
+            ns = netns if cond["rate"] else None
+            for n in args.subscribers:
+                for mode in args.modes:
+                    need, available = estimate_memory(coordinator.num_elements, n, mode), mem_available()
+                    if not args.no_memory_check and available is not None and need > available - MEMORY_MARGIN:
+                        reason = (
+                            f"needs about {need / GB:.1f} GB, {available / GB:.1f} GB available and "
+                            f"{MEMORY_MARGIN / GB:.0f} GB kept free (--no-memory-check to run anyway)"
+                        )
+                        skipped_cases.append(
+                            {"condition": cond["name"], "subscribers": n, "mode": mode, "reason": reason}
+                        )
+                        log(f"{cond['name']} subscribers={n} mode={mode}: skipped: {reason}")
+                        continue
+                    cases.append(coordinator.run_case(cond["name"], ns, n, mode))
+    except (WorkerFailed, TimeoutError) as exc:
+        failed = True
+        log(f"benchmark failed: {exc}")
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, SIGHUP: clean up, then report what completed
+        failed, exit_code = True, 130
+        log("interrupted")
+    finally:
+        coordinator.close()
+        if netns is not None:
+            netns.teardown()
+        if not failed:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            log(f"worker logs kept in {workdir}")
+
+    elapsed = time.perf_counter() - t_start
+    summary = summarize(cases)
+    first = cases[0] if cases else None
+    model = "small" if args.small else "default"
+    if first is not None:
+        print(
+            f"pulseloco PULSESync benchmark: model={model} ({first.num_params / 1e6:.1f}M params, full BF16 copy "
+            f"{first.full_bf16_bytes / 1e6:.1f} MB), AdamW lr={args.lr:g}, {args.versions} versions per case "
+            f"(+1 initial anchor, not counted), load average {os.getloadavg()[0]:.2f} (at start {load_at_start:.2f})"
+        )
+    print(
+        "patches: Publisher defaults (anchor every 10 versions, publisher serves each version at most twice before "
+        "sending subscribers to relays); full: anchor_every=1 + Subscriber(full_checkpoints=True), same transport."
+    )
+    print(
+        "MB/version: what a subscriber fetches per version (patch or checkpoint file); upload_x_obj: publisher upload "
+        "per version / that size; encode_s: publish() -> stored and announced; latency: publish() -> last subscriber "
+        "holds the version (digest checked against the publisher's); recv_MB/sub: bytes a subscriber actually "
+        "received per version; off_path: subscriber updates that fell back to another path (anchor + chain)."
+    )
+    if args.provider_wait > 0:
+        print(
+            f"Workaround active: subscribers wait up to {args.provider_wait:g} s for the publisher's provider record "
+            "of a new head (a race in the library; --provider-wait 0 measures the library as is)."
+        )
+    for cond in conditions:
+        print()
+        if cond["skipped"] is not None:
+            print(f"{cond['name']}: skipped ({cond['skipped']})")
+            continue
+        mine = [c for c in cases if c.condition == cond["name"]]
+        title = "loopback (127.0.0.1)" if cond["rate"] is None else f"{cond['name']} links (tc tbf, network namespaces)"
+        print(title)
+        print(format_table(mine))
+        for sk in skipped_cases:
+            if sk["condition"] == cond["name"]:
+                print(f"  {sk['subscribers']} subscriber(s) {sk['mode']}: skipped ({sk['reason']})")
+        for s in summary:
+            if s["condition"] == cond["name"]:
+                print(
+                    f"  {s['subscribers']} subscriber(s): patches reach the last subscriber "
+                    f"{s['latency_speedup']:.1f}x sooner than full checkpoints on average "
+                    f"({s['patches_mean_latency_s']:.2f} s vs {s['full_mean_latency_s']:.2f} s; "
+                    f"{s['max_latency_speedup']:.1f}x on the max), {1 / s['bytes_ratio']:.0f}x fewer bytes per "
+                    f"version, publisher upload {1 / s['upload_ratio']:.0f}x lower"
+                )
+        for c in mine:
+            initial = next((v for v in c.versions if not v.counted), None)
+            if c.warnings or c.provider_retries:
+                print(
+                    f"  {c.subscribers} subscriber(s) {c.mode}: {len(c.warnings)} warning(s) from the library, "
+                    f"{c.provider_retries} provider-record retries (workaround)"
+                )
+            if initial is not None and c.mode == "patches":
+                print(
+                    f"  {c.subscribers} subscriber(s): initial anchor ({initial.object_bytes / 1e6:.1f} MB) reached "
+                    f"all subscribers, one after the other, {initial.latency_s:.2f} s after publish (not counted)"
+                )
+    if failed:
+        print("\nThe benchmark did not finish; the tables show the cases that completed.")
+    print(f"\nTotal time {elapsed:.0f}s")
+    if args.json:
+        out = {
+            "config": {
+                "model": model,
+                "model_config": MODEL_CONFIGS[model],
+                "lr": args.lr,
+                "versions": args.versions,
+                "subscribers": args.subscribers,
+                "modes": args.modes,
+                "seed": args.seed,
+                "poll_s": args.poll,
+                "provider_wait_s": args.provider_wait,
+                "relay_wait_s": args.relay_wait,
+                "fetch_timeout_s": args.fetch_timeout,
+                "batch_size": BATCH_SIZE,
+                "seq_len": SEQ_LEN,
+                "rate": args.rate,
+            },
+            "conditions": conditions,
+            "cases": [
+                {
+                    **{k: v for k, v in asdict(c).items() if k != "versions"},
+                    "all_digests_match": c.all_digests_match,
+                    "summary": c.summary(),
+                    "versions": [asdict(v) for v in c.versions],
+                }
+                for c in cases
+            ],
+            "skipped_cases": skipped_cases,
+            "summary": summary,
+            "completed": not failed,
+            "elapsed_s": elapsed,
+            "load_average": {"start": load_at_start, "end": os.getloadavg()[0]},
+        }
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return exit_code if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
