@@ -310,6 +310,12 @@ def test_forged_head_record_unknown_run_and_oversized_payloads_are_refused(
         publish_versions(pub, trainer, 1, expected)
         assert peer.sub.update(peer.model) == 3 and bf16_digest(peer.model) == expected[3]
 
+        # a provider record lists every version a provider holds (publishers keep up to anchors x anchor_every)
+        held = list(range(1, 301)) + [1, 100, 200]
+        peer.sub.endpoint.announce_provider(held, publisher=False, ttl=120, timeout=10)
+        listed = peer.sub.endpoint.get_providers()[peer.sub.endpoint.peer_id.to_base58()]["versions"]
+        assert listed == list(range(1, 301))
+
         # a run nobody publishes: no head, nothing changes
         ghost = Subscriber(peer.dht, "no-such-run", key.public_key(), relay=False, timeout=5)
         try:

@@ -85,7 +85,9 @@ class Publisher:
         values: patch value mode, ``absolute`` (default) or ``delta``.
         max_uploads_per_version: how often the publisher serves the newest patch (or anchor) before sending subscribers
             to relays (others that hold it); a subscriber that finds no relay asks again with ``force``.
-        head_ttl: lifetime in seconds of the head record in the DHT (re-announced every ``head_ttl / 3``).
+        head_ttl: lifetime in seconds of the head record in the DHT.
+        provider_ttl: lifetime in seconds of this publisher's provider record (short, so that subscribers soon
+            stop asking a publisher that is gone); both records are re-announced every third of the shorter.
 
     Raises :class:`ConfigError` for bad arguments and when the store cannot be resumed (a chain that does
     not verify under this key).
@@ -120,6 +122,7 @@ class Publisher:
         self.max_uploads_per_version = max_uploads_per_version
         self.head_ttl = head_ttl
         self.provider_ttl = provider_ttl
+        self._announce_every = min(head_ttl, provider_ttl) / 3
         self._key = signing_key
         self._public_key = signing_key.public_key()
         self.store = VersionStore(store_dir)
@@ -242,8 +245,8 @@ class Publisher:
         while True:
             with self._cond:
                 while self._pending is None and not self._closed:
-                    self._cond.wait(timeout=max(1.0, self.head_ttl / 3))
-                    if self._pending is None and time.monotonic() - last_announce > self.head_ttl / 3:
+                    self._cond.wait(timeout=max(1.0, self._announce_every))
+                    if self._pending is None and time.monotonic() - last_announce > self._announce_every:
                         break
                 if self._closed and self._pending is None:
                     return
@@ -327,10 +330,11 @@ class Publisher:
         )
         self._head_envelope = sign_envelope(self._key, env)
         if self.endpoint is not None:
+            # providers first: a subscriber that sees the new head must find who serves it
+            held = self.store.list("patch") + self.store.list("anchor")
+            self.endpoint.announce_provider(held, publisher=True, ttl=self.provider_ttl, timeout=10.0)
             if not self.endpoint.store_head(self._head_envelope, self.head_ttl):
                 logger.warning("DHT did not accept the head record version=%d", self._version)
-            held = self.store.list("patch") + self.store.list("anchor")
-            self.endpoint.announce_provider(held, publisher=True, ttl=self.head_ttl)
 
     # ---- serving -----------------------------------------------------------------------------------------
 

@@ -50,6 +50,8 @@ __all__ = [
 T = TypeVar("T")
 #: Payload chunk size on the stream, well below hivemind's 4 MiB message limit.
 CHUNK_BYTES = 1 << 20
+#: Bound on the versions one provider record lists (a few kB in the DHT).
+_MAX_ANNOUNCED_VERSIONS = 1024
 
 
 @dataclass(frozen=True)
@@ -213,16 +215,24 @@ class SwarmEndpoint:
             return None
         return env if env.kind == "head" else None
 
-    def announce_provider(self, versions: list[int], *, publisher: bool, ttl: float) -> None:
-        """Say in the DHT that this peer serves ``versions`` (hint only)."""
-        value = {"versions": sorted(versions)[-64:], "publisher": publisher}
-        self.dht.store(
+    def announce_provider(
+        self, versions: list[int], *, publisher: bool, ttl: float, timeout: float | None = None
+    ) -> None:
+        """Say in the DHT that this peer serves ``versions`` (hint only); wait up to ``timeout`` s if given."""
+        # every version a publisher keeps (retention bounds them) so that late joiners find old anchors; deduplicated
+        value = {"versions": sorted(set(versions))[-_MAX_ANNOUNCED_VERSIONS:], "publisher": publisher}
+        future = self.dht.store(
             self.providers_key,
             value,
             expiration_time=get_dht_time() + ttl,
             subkey=self.peer_id.to_base58(),
             return_future=True,
         )
+        if timeout is not None:
+            try:
+                future.result(timeout)
+            except TimeoutError:
+                logger.warning("DHT did not store the provider record within %.1f s", timeout)
 
     def get_providers(self, *, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
         """Peers announcing objects for this run: ``{peer_id_base58: {"versions": [...], "publisher": bool}}``."""
