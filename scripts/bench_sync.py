@@ -984,6 +984,19 @@ def summarize(cases: list[CaseResult]) -> list[dict[str, Any]]:
     return out
 
 
+def library_revision() -> dict[str, Any]:
+    """The commit the library was imported from and its uncommitted files (results depend on both)."""
+
+    def git(*cmd: str) -> str:
+        try:
+            proc = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted": git("status", "--short", "pulseloco").splitlines()}
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -1058,6 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, on_signal)
     t_start = time.perf_counter()
     load_at_start = os.getloadavg()[0]
+    revision = library_revision()
     conditions: list[dict[str, Any]] = [{"name": "loopback", "rate": None, "skipped": None}]
     netns: NetNS | None = None
     netns_label = rate_label(args.rate)
@@ -1194,6 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch_size": BATCH_SIZE,
                 "seq_len": SEQ_LEN,
                 "rate": args.rate,
+                "library": revision,
             },
             "conditions": conditions,
             "cases": [
