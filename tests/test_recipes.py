@@ -221,3 +221,16 @@ def test_bad_configurations_end_with_one_line(runs: list[Run], tmp_path: Path) -
         assert len(errors) == 1 and expected in errors[0], text
         assert errors[0].startswith(("pretrain.py: error: ", "grpo.py: error: ")), text
     assert "--initial-peers" in started[-1][0].text()  # says what to check
+
+
+@pytest.mark.parametrize("path", sorted((RECIPES / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_file_loads(path: Path) -> None:
+    sys.path.insert(0, str(RECIPES))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(RECIPES))
+    config = common.load_config(["--config", str(path)], prog="test", description="", sections=tuple(common.SECTIONS))
+    assert config.model.num_parameters(common.ByteTokenizer.vocab_size) > 0
+    total = config.grpo.sft_steps + config.grpo.steps
+    assert config.pretrain.steps % config.swarm.inner_steps == 0 and total % config.swarm.inner_steps == 0
