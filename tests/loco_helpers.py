@@ -92,6 +92,10 @@ class PeerConfig:
     state_out: str | None = None
     linger: float = 2.0
     identity_path: str | None = None
+    join_late: bool = False
+    """Wait for another peer's ``announce_round`` before joining (``start_delay`` then also applies)."""
+    announce_round: int | None = None
+    """After completing this round, let late peers join."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -127,7 +131,7 @@ def _make_malicious() -> None:
     averaging.encode_sparse = evil  # type: ignore[assignment]
 
 
-def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None) -> None:
+def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_event: Any = None) -> None:
     """Body of a peer process: join, train ``num_rounds`` outer rounds, put a report on ``results``.
 
     Peers given a ``start_barrier`` begin training together, so that a slow start (process and DHT startup on a
@@ -135,6 +139,8 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None) -> Non
     """
     logging.basicConfig(level=logging.WARNING, format=f"peer{config.index} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
+    if config.join_late and late_event is not None:
+        late_event.wait(timeout=120)
     time.sleep(config.start_delay)
     import hivemind
 
@@ -185,6 +191,8 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None) -> Non
         opt.matchmaker.form_group = form_group_then_die
     target = opt.round + config.num_rounds
     while opt.round < target:
+        if late_event is not None and config.announce_round is not None and opt.round > config.announce_round:
+            late_event.set()
         tokens = batch(config.index, opt.round * config.inner_steps + opt.local_step)
         loss = inner_step(model, inner_optimizer, tokens)
         round_before = opt.round

@@ -47,10 +47,11 @@ def run_swarm(configs: list[PeerConfig], num_reports: int | None = None) -> list
     """
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    on_time = [config for config in configs if config.start_delay == 0]
+    on_time = [config for config in configs if config.start_delay == 0 and not config.join_late]
     barrier = ctx.Barrier(len(on_time))
+    late_event = ctx.Event()
     procs = [
-        ctx.Process(target=run_peer, args=(config, results, barrier if config.start_delay == 0 else None))
+        ctx.Process(target=run_peer, args=(config, results, barrier if config in on_time else None, late_event))
         for config in configs
     ]
     for proc in procs:
@@ -188,7 +189,11 @@ def test_late_joiner_catches_up_and_then_matches(initial_peers: list[str]) -> No
         matchmaking_time=1.5,
         linger=4.0,
     )
-    configs = [replace(base, index=0), replace(base, index=1), replace(base, index=2, num_rounds=4, start_delay=5.0)]
+    configs = [
+        replace(base, index=0, announce_round=1),
+        replace(base, index=1),
+        replace(base, index=2, num_rounds=4, join_late=True),
+    ]
     reports = run_swarm(configs)
     early, late = reports[0], reports[2]
     assert late["joined_at_round"] > 0  # downloaded the swarm's state at construction

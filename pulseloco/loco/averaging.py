@@ -405,6 +405,11 @@ class SparseAverager(ServicerBase):
             return None
         if reply is None:
             return None
+        if reply.get("size") != size:
+            logger.warning(
+                "fetch cut short round=%d owner=%s received=%d declared=%s", round_index, owner, size, reply.get("size")
+            )
+            return None
         return reply, b"".join(parts)
 
     async def _exchange(
