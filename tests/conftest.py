@@ -59,13 +59,6 @@ def _kill_and_reap(procs: list[psutil.Process], reason: str) -> None:
     psutil.wait_procs(alive, timeout=_TERMINATE_GRACE_S)
 
 
-def _is_torch_shm_manager(proc: psutil.Process) -> bool:
-    try:
-        return "torch_shm_manager" in " ".join(proc.cmdline())
-    except psutil.Error:
-        return False
-
-
 @pytest.fixture(autouse=True)
 def reap_children_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test, kill and reap the processes it started and left running.
@@ -83,4 +76,5 @@ def reap_children_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
 def reap_children_at_exit() -> Iterator[None]:
     """At the end of the session, kill and reap every process still descending from pytest."""
     yield
-    _kill_and_reap([proc for proc in _descendants() if not _is_torch_shm_manager(proc)], reason="end of test session")
+    # multiprocessing's helpers exit with pytest (their pipes close), and ignore SIGTERM (5 s of waiting)
+    _kill_and_reap([proc for proc in _descendants() if not _is_mp_helper(proc)], reason="end of test session")

@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -128,6 +129,14 @@ def wait_until_provider_lists(endpoint: Any, peer_id: str, version: int, timeout
 # ---- worker processes ----------------------------------------------------------------------------------------
 
 
+def close_all(workers: Sequence[WorkerProcess], timeout: float = 30.0) -> None:
+    """Close workers in parallel: ask every one to leave the swarm, then wait for each."""
+    for worker in workers:
+        worker.begin_close()
+    for worker in workers:
+        worker.close(timeout)
+
+
 class WorkerProcess:
     """A ``spawn`` process running ``target(conn, *args)``; :meth:`call` sends a request and waits for the answer.
 
@@ -138,6 +147,7 @@ class WorkerProcess:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.name = name
+        self._closing = False
         self.process = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=False)
         self.process.start()
         child_conn.close()
@@ -157,12 +167,19 @@ class WorkerProcess:
         self.send(*request)
         return self.receive(timeout)
 
+    def begin_close(self) -> None:
+        """Ask the worker to leave the swarm and exit (once)."""
+        if not self._closing and not self.conn.closed:
+            self._closing = True
+            with contextlib.suppress(OSError, ValueError):
+                self.conn.send(("close",))
+
     def close(self, timeout: float = 15.0) -> None:
-        """Ask the worker to leave the swarm and exit; kill it if it does not within ``timeout``. Idempotent."""
+        """:meth:`begin_close`, then wait for the worker to exit; kill it after ``timeout``. Idempotent."""
         if self.conn.closed:
             return
-        with contextlib.suppress(OSError, EOFError, BrokenPipeError):
-            self.conn.send(("close",))
+        self.begin_close()
+        with contextlib.suppress(OSError, EOFError):
             if self.conn.poll(timeout):
                 self.conn.recv()
         self.process.join(timeout)
@@ -187,7 +204,10 @@ def _serve_requests(conn: Any, handlers: Mapping[str, Callable[..., Any]]) -> No
 
             conn.send(("error", f"{exc!r}\n{traceback.format_exc()}"))
         if command == "close":
-            return
+            # everything is shut down: skip the interpreter's finalization, seconds of GC on a loaded machine
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def _worker_logging() -> None:
@@ -197,8 +217,9 @@ def _worker_logging() -> None:
 def subscriber_worker(conn: Any, initial_peers: list[str], run_id: str, public_pem: bytes, options: dict) -> None:
     """A rollout worker in its own process: joins the swarm on ``start`` and updates its model on ``update``.
 
-    ``options``: ``dtype`` of the worker's model (``bfloat16`` updates the model in place; ``float32`` goes
-    through the subscriber's BF16 shadow), other keys go to :class:`Subscriber`.
+    ``options``: ``model`` is ``bfloat16`` (a transformers model updated in place), ``float32`` (a transformers
+    model updated through the subscriber's BF16 shadow) or ``dict`` (an empty state dict that adopts the
+    publisher's tensors, as ``pulseloco sync follow`` does); other keys go to :class:`Subscriber`.
     """
     _worker_logging()
     torch.set_num_threads(1)
@@ -206,8 +227,8 @@ def subscriber_worker(conn: Any, initial_peers: list[str], run_id: str, public_p
     from pulseloco.sync.subscriber import Subscriber
 
     options = dict(options)
-    dtype = getattr(torch, options.pop("dtype", "bfloat16"))
-    model = tiny_model(seed=1234, dtype=dtype)  # other weights than the trainer's: an anchor must replace them
+    kind = options.pop("model", "bfloat16")
+    model: Any = {} if kind == "dict" else tiny_model(seed=1234, dtype=getattr(torch, kind))  # not the trainer's
     state: dict[str, Any] = {}
 
     def start() -> str:

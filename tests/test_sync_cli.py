@@ -3,6 +3,7 @@ operator runs them, on a real swarm on 127.0.0.1 (a bootstrap DHT in the test pr
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import stat
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 from sync_helpers import (
     FOLLOW_LINE,
@@ -103,9 +105,9 @@ def test_sync_commands_report_configuration_errors(
 
 @pytest.mark.timeout(150)
 def test_serve_and_follow_across_a_publisher_restart(bootstrap, tmp_path: Path, keypair: tuple[Path, Path]) -> None:
-    """A trainer writes a store; ``sync serve`` publishes it, two ``sync follow`` processes print every version
-    with the trainer's digest. ``sync serve`` is stopped and started again on the same store: the followers
-    continue by patch (the chain goes on) and exit at ``--until-version``."""
+    """A trainer writes a store; ``sync serve`` publishes it, a ``sync follow`` process prints every version with
+    the trainer's digest. ``sync serve`` is stopped and started again on the same store: the follower continues
+    by patch (the chain goes on) and exits at ``--until-version``."""
     private, public = keypair
     key = load_private_key(private)
     store = tmp_path / "store"
@@ -125,23 +127,18 @@ def test_serve_and_follow_across_a_publisher_restart(bootstrap, tmp_path: Path, 
     serve_cmd += ["--poll", "0.2", "--initial-peers", *peers]
     follow_cmd = [*CLI, "sync", "follow", "--run-id", RUN, "--public-key", str(public), "--initial-peers", *peers]
     follow_cmd += ["--interval", "0.2", "--timeout", "30", "--until-version", "8"]
-    logs = [open(tmp_path / f"{name}.log", "w") for name in ("serve1", "serve2", "follow1", "follow2")]  # noqa: SIM115
+    logs = [open(tmp_path / f"{name}.log", "w") for name in ("serve1", "serve2", "follow")]  # noqa: SIM115
     try:
         publish()
-        with (
-            popen(serve_cmd, stderr=logs[0]) as serve,
-            popen(follow_cmd, stderr=logs[2]) as f1,
-            popen(follow_cmd, stderr=logs[3]) as f2,
-        ):
-            serving, followers = LineReader(serve), [LineReader(f1), LineReader(f2)]
+        with popen(serve_cmd, stderr=logs[0]) as serve, popen(follow_cmd, stderr=logs[2]) as follower:
+            serving, reader = LineReader(serve), LineReader(follower)
             serving.wait_for(r"^serving run=cli-test at /ip4/127\.0\.0\.1/")
             serving.wait_for(rf"^version=1 digest={expected[1]}$")
             for v in range(1, 5):
                 if v > 1:
                     publish()
                     serving.wait_for(rf"^version={v} digest={expected[v]}$")
-                for reader in followers:
-                    reader.wait_for(rf"^{v} \d+ \d+ [\d.]+ {expected[v]} \d+ \w+$")
+                reader.wait_for(rf"^{v} \d+ \d+ [\d.]+ {expected[v]} \d+ \w+$")
             serve.send_signal(signal.SIGTERM)
             assert serve.wait(30) == 0
 
@@ -152,23 +149,21 @@ def test_serve_and_follow_across_a_publisher_restart(bootstrap, tmp_path: Path, 
                 restarted.wait_for(rf"^version=7 digest={expected[7]}$")
                 publish()
                 restarted.wait_for(rf"^version=8 digest={expected[8]}$")
-                for proc, reader in zip((f1, f2), followers):
-                    reader.wait_for(rf"^8 \d+ \d+ [\d.]+ {expected[8]} \d+ \w+$")
-                    assert proc.wait(30) == 0  # --until-version 8
-                    reader.join()
+                reader.wait_for(rf"^8 \d+ \d+ [\d.]+ {expected[8]} \d+ \w+$")
+                assert follower.wait(30) == 0  # --until-version 8
+                reader.join()
                 serve2.send_signal(signal.SIGTERM)
                 assert serve2.wait(30) == 0
     finally:
         writer.close()
         for log in logs:
             log.close()
-    for reader in followers:
-        lines = follow_lines(reader)
-        assert [v for v, _, _ in lines][:4] == [1, 2, 3, 4] and lines[-1][0] == 8
-        assert all(digest == expected[v] for v, digest, _ in lines)
-        assert lines[0][2] == "anchor"
-        assert all(path in ("patch", "squash", "chain") for v, _, path in lines[1:]), lines  # never a new anchor
-        assert reader.lines[0] == "version changed bytes seconds digest lag path"
+    lines = follow_lines(reader)
+    assert [v for v, _, _ in lines][:4] == [1, 2, 3, 4] and lines[-1][0] == 8
+    assert all(digest == expected[v] for v, digest, _ in lines)
+    assert lines[0][2] == "anchor"
+    assert all(path in ("patch", "squash", "chain") for v, _, path in lines[1:]), lines  # never a new anchor
+    assert reader.lines[0] == "version changed bytes seconds digest lag path"
 
 
 @pytest.mark.timeout(150)
@@ -216,8 +211,15 @@ def test_a_follower_killed_mid_update_restarts_from_a_consistent_state(
             reader.wait_for(r"^[34] \d+ \d+ [\d.]+ [0-9a-f]{32} \d+ \w+$")
             follower_ready.set()
             reader.wait_for(r"^([6-9]|1\d) \d+ \d+ [\d.]+ [0-9a-f]{32} \d+ \w+$")
-            first.send_signal(signal.SIGKILL)  # while the trainer keeps publishing
+            # SIGKILL while the trainer keeps publishing. The follower's DHT process and libp2p daemon outlive it
+            # (orphans, out of the reaper's sight): end them too, as a supervisor restarting a worker would.
+            orphans = psutil.Process(first.pid).children(recursive=True)
+            first.send_signal(signal.SIGKILL)
             first.wait(30)
+            for orphan in orphans:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    orphan.kill()
+            psutil.wait_procs(orphans, timeout=10)
             killed_during_publishing = thread.is_alive()
         thread.join(timeout=60)
         assert not thread.is_alive() and not errors, errors

@@ -18,6 +18,7 @@ from sync_helpers import (
     Trainer,
     WorkerProcess,
     bf16_digest,
+    close_all,
     maddrs,
     rogue_provider_worker,
     start_dht,
@@ -76,16 +77,16 @@ def test_three_subscribers_follow_twenty_versions_of_a_training_model(bootstrap,
     """Publisher + three subscriber processes over 20 AdamW versions.
 
     A follows every version (BF16 model, patched in place); B (FP32 model, through the BF16 shadow) misses
-    versions 6-9 and catches up by one squashed patch; C joins at version 13 with nothing and restores the
-    newest anchor plus patches. The publisher is restarted (new process-level DHT peer, same store) before
+    versions 6-9 and catches up by one squashed patch; C joins at version 13 with an empty state dict and
+    restores the newest anchor plus patches. The publisher is restarted (new process-level DHT peer, same store) before
     version 18 and continues the chain. With ``max_uploads_per_version=1`` the second and third subscriber get
     each patch from a relay, so the publisher uploads at most two patches per version.
     """
     peers = maddrs(bootstrap)
     pem = public_pem(key)
     a = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30}, name="sub-A")
-    b = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30, "dtype": "float32"}, name="sub-B")
-    c = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30}, name="sub-C")
+    b = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30, "model": "float32"}, name="sub-B")
+    c = WorkerProcess(subscriber_worker, peers, RUN, pem, {"timeout": 30, "model": "dict"}, name="sub-C")
     workers = {"A": a, "B": b, "C": c}
     store = tmp_path / "store"
     options = dict(anchor_every=5, keep_anchors=2, max_uploads_per_version=1)
@@ -145,8 +146,7 @@ def test_three_subscribers_follow_twenty_versions_of_a_training_model(bootstrap,
         relayed = sum(results[name][20]["relay_bytes_uploaded"] for name in workers)
         assert relayed > 0, "no subscriber served another one"
     finally:
-        for w in workers.values():
-            w.close()
+        close_all(list(workers.values()))
         if pub is not None:
             pub.close()
         if pub_dht is not None:
@@ -160,11 +160,10 @@ def test_three_subscribers_follow_twenty_versions_of_a_training_model(bootstrap,
 def rogues():
     """Rogue provider processes, spawned at once for the module (their imports take seconds); a test starts the
     ones it uses and closes them (their DHT peers are the test's processes)."""
-    procs = {mode: WorkerProcess(rogue_provider_worker, mode, name=f"rogue-{mode}") for mode in ("corrupt", "forged")}
-    procs["stall"] = WorkerProcess(rogue_provider_worker, "stall", name="rogue-stall")
+    modes = ("corrupt", "forged", "stall")
+    procs = {mode: WorkerProcess(rogue_provider_worker, mode, name=f"rogue-{mode}") for mode in modes}
     yield procs
-    for proc in procs.values():
-        proc.close()
+    close_all(list(procs.values()))
 
 
 def publish_versions(pub: Publisher, trainer: Trainer, count: int, expected: dict[int, str]) -> None:
@@ -227,8 +226,7 @@ def test_corrupted_and_forged_objects_from_relays_are_rejected_and_recovered(
         # every object of versions 1-4 was first offered by each rogue: anchor 1 and patches 2, 3, 4
         assert rogues["corrupt"].call("served") >= 4 and rogues["forged"].call("served") >= 4
     finally:
-        rogues["corrupt"].close()
-        rogues["forged"].close()
+        close_all([rogues["corrupt"], rogues["forged"]])
         if peer is not None:
             peer.close()
         pub.close()
@@ -311,7 +309,7 @@ def test_forged_head_record_unknown_run_and_oversized_payloads_are_refused(
         assert peer.sub.update(peer.model) == 3 and bf16_digest(peer.model) == expected[3]
 
         # a provider record lists every version a provider holds (publishers keep up to anchors x anchor_every)
-        held = list(range(1, 301)) + [1, 100, 200]
+        held = [*range(1, 301), 1, 100, 200]
         peer.sub.endpoint.announce_provider(held, publisher=False, ttl=120, timeout=10)
         listed = peer.sub.endpoint.get_providers()[peer.sub.endpoint.peer_id.to_base58()]["versions"]
         assert listed == list(range(1, 301))
@@ -352,8 +350,8 @@ def test_follow_keeps_a_model_current_in_the_background(bootstrap, key, tmp_path
         peer.sub.follow(peer.model, on_update=on_update, interval=0.1)
         for _ in range(5):
             publish_versions(pub, trainer, 1, expected)
-            deadline = time.monotonic() + 30
-            while peer.sub.version != pub.version and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30  # until on_update has seen the new version
+            while not (reports and reports[-1].version == pub.version) and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert peer.sub.version == pub.version
         assert [r.version for r in reports] == [1, 2, 3, 4, 5]
