@@ -361,3 +361,38 @@ def test_follow_keeps_a_model_current_in_the_background(bootstrap, key, tmp_path
             peer.close()
         pub.close()
         pub_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_relay_serves_only_the_squash_that_was_asked_for(
+    bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """R caught up from version 1 to 5 with a squashed patch (1 -> 5) and relays it; S, at version 2, asks for
+    the squash 2 -> 5 and must get that one (from the publisher), not R's, which is for another base."""
+    peers = maddrs(bootstrap)
+    run = RUN + "-squash"
+    pub_dht = start_dht(peers)
+    pub = Publisher(pub_dht, run, key, tmp_path / "store", anchor_every=10)
+    r = s = None
+    try:
+        trainer, expected = Trainer(), {}
+        r, s = InProcessPeer(peers, run, key, timeout=20), InProcessPeer(peers, run, key, timeout=20)
+        publish_versions(pub, trainer, 1, expected)
+        assert r.sub.update(r.model) == 1
+        publish_versions(pub, trainer, 1, expected)
+        assert s.sub.update(s.model) == 2
+        publish_versions(pub, trainer, 3, expected)
+        report = r.sub.update_report(r.model)
+        assert report is not None and (report.version, report.path) == (5, "squash")
+        wait_until_provider_lists(s.sub.endpoint, r.sub.endpoint.peer_id.to_base58(), 5)
+        with caplog.at_level(logging.WARNING, logger="pulseloco"):
+            report = s.sub.update_report(s.model)
+        assert report is not None and (report.version, report.path) == (5, "squash")
+        assert bf16_digest(s.model) == bf16_digest(r.model) == expected[5]
+        assert not [m for m in caplog.messages if "failed" in m], caplog.messages
+    finally:
+        for p in (r, s):
+            if p is not None:
+                p.close()
+        pub.close()
+        pub_dht.shutdown()

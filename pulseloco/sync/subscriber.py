@@ -198,20 +198,22 @@ class _Relay:
     """Objects this subscriber holds, served to other subscribers (recent ones in memory)."""
 
     def __init__(self, capacity: int = 16) -> None:
-        self.objects: OrderedDict[tuple[str, int], tuple[bytes, bytes]] = OrderedDict()
+        self.objects: OrderedDict[tuple[str, int], tuple[bytes, bytes, int | None]] = OrderedDict()
         self.capacity = capacity
         self.lock = threading.Lock()
 
-    def add(self, kind: str, version: int, envelope: bytes, payload: bytes) -> None:
+    def add(self, kind: str, version: int, envelope: bytes, payload: bytes, base_version: int | None = None) -> None:
         with self.lock:
-            self.objects[(kind, version)] = (envelope, payload)
+            self.objects[(kind, version)] = (envelope, payload, base_version)
             while len(self.objects) > self.capacity:
                 self.objects.popitem(last=False)
 
     def provide(self, request: FetchRequest) -> Provided:
         with self.lock:
             found = self.objects.get((request.kind, request.version))
-        return Provided("ok", *found) if found else Provided("missing")
+        if found is None or (request.kind == "squash" and found[2] != request.base_version):
+            return Provided("missing")  # a squash from another base is no use to the asker
+        return Provided("ok", found[0], found[1])
 
     def versions(self) -> list[int]:
         with self.lock:
@@ -331,7 +333,7 @@ class Subscriber:
 
     def _keep(self, obj: Fetched) -> None:
         """Remember an applied object: served to other subscribers, and kept in the mirror directory."""
-        self._relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload)
+        self._relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload, obj.envelope.base_version)
         if self.mirror is not None:
             # squashed patches are kept as the patch of their version: restore walks envelopes' base versions
             kind = "anchor" if obj.kind == "anchor" else "patch"
@@ -439,7 +441,8 @@ class Subscriber:
             if keep:
                 self._keep(obj)
             else:
-                self._relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload)
+                env = obj.envelope
+                self._relay.add(obj.kind, env.version, obj.envelope_blob, obj.payload, env.base_version)
         return changed
 
     def _walk_back(self, version: int, stop: int | None) -> list[Fetched] | None:

@@ -311,10 +311,14 @@ class SwarmEndpoint:
         if provided.status != "ok":
             return provided.status
         env = verify_envelope(key, provided.envelope, run_id=self.run_id)
-        if env.kind != request.kind or env.version != request.version:
+        if (
+            env.kind != request.kind
+            or env.version != request.version
+            or (request.kind == "squash" and env.base_version != request.base_version)
+        ):
             raise UnauthorizedError(
-                f"provider {peer_id} answered a request for {request.kind} v{request.version} "
-                f"with {env.kind} v{env.version}"
+                f"provider {peer_id} answered a request for {request.kind} v{request.base_version}->"
+                f"v{request.version} with {env.kind} v{env.base_version}->v{env.version}"
             )
         if len(provided.payload) != env.size or hashlib.sha256(provided.payload).hexdigest() != env.sha256:
             raise UnauthorizedError(
