@@ -612,3 +612,18 @@ def test_mirror_restores_the_last_complete_version_after_a_crash(key, tmp_path: 
         assert other.restore(untouched) is None and bf16_digest(untouched) == before
     finally:
         pub.close()
+
+
+def test_full_checkpoint_baseline_fetches_every_version_as_an_anchor(key, tmp_path: Path) -> None:
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path / "store", anchor_every=1, keep_anchors=2)
+    try:
+        sub = Subscriber.from_directory(tmp_path / "store", key.public_key(), run_id=RUN, full_checkpoints=True)
+        model = tiny_model(seed=4, dtype=torch.bfloat16)
+        for _ in range(3):
+            publish(pub, trainer, 1, expected)
+            report = sub.update_report(model)
+            assert report is not None and report.path == "anchor" and bf16_digest(model) == expected[pub.version]
+            assert report.bytes_received == len(pub.store.read("anchor", pub.version)[1])
+    finally:
+        pub.close()

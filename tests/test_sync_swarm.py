@@ -396,3 +396,30 @@ def test_a_relay_serves_only_the_squash_that_was_asked_for(
                 p.close()
         pub.close()
         pub_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_publisher_over_its_upload_budget_serves_when_no_relay_appears(bootstrap, key, tmp_path: Path) -> None:
+    """With ``max_uploads_per_version=1`` and subscribers that do not relay, the second one is told ``busy``,
+    waits for a relay that never comes, and is then served with ``force``."""
+    peers = maddrs(bootstrap)
+    run = RUN + "-budget"
+    pub_dht = start_dht(peers)
+    pub = Publisher(pub_dht, run, key, tmp_path / "store", max_uploads_per_version=1)
+    sub_dht = start_dht(peers)
+    subs = [Subscriber(sub_dht, run, key.public_key(), relay=False, timeout=20) for _ in range(2)]
+    try:
+        trainer, expected = Trainer(), {}
+        models = [tiny_model(seed=s, dtype=torch.bfloat16) for s in (1, 2)]
+        for _ in range(2):
+            publish_versions(pub, trainer, 1, expected)
+            for sub, model in zip(subs, models):
+                assert sub.update(model) == pub.version and bf16_digest(model) == expected[pub.version]
+        anchor, patch = len(pub.store.read("anchor", 1)[1]), len(pub.store.read("patch", 2)[1])
+        assert pub.bytes_uploaded == 2 * anchor + 2 * patch
+    finally:
+        for sub in subs:
+            sub.close()
+        sub_dht.shutdown()
+        pub.close()
+        pub_dht.shutdown()
