@@ -177,22 +177,27 @@ def test_a_follower_killed_mid_update_restarts_from_a_consistent_state(
     key = load_private_key(private)
     peers = maddrs(bootstrap)
     pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, RUN + "-kill", key, tmp_path / "store", anchor_every=4, keep_anchors=3)
+    pub = Publisher(pub_dht, RUN + "-kill", key, tmp_path / "store", anchor_every=4, keep_anchors=10)
     trainer, expected = Trainer(), {}
-    last = 14
-    stop, follower_ready = threading.Event(), threading.Event()
+    stop, follower_ready, killed = threading.Event(), threading.Event(), threading.Event()
     errors: list[BaseException] = []
 
     def trainer_loop() -> None:
+        """Publish a version every ~0.1 s, until three versions after the follower was killed."""
         try:
-            for _ in range(last):
+            until = None
+            while until is None or pub.version < until:
                 if pub.version is not None:
                     trainer.step()
                 v = pub.publish(trainer.model)
                 assert pub.flush(timeout=30) == v
                 expected[v] = trainer.digest()
-                if v == 4 and not follower_ready.wait(60):  # versions 5-14 go out while the follower is killed
+                if v == 4 and not follower_ready.wait(60):
                     raise AssertionError("the follower did not reach version 3")
+                if until is None and killed.is_set():
+                    until = v + 3
+                if v >= 40:
+                    raise AssertionError("the follower was not killed by version 40")
                 if stop.wait(0.1):
                     return
         except BaseException as exc:
@@ -215,16 +220,17 @@ def test_a_follower_killed_mid_update_restarts_from_a_consistent_state(
             # (orphans, out of the reaper's sight): end them too, as a supervisor restarting a worker would.
             orphans = psutil.Process(first.pid).children(recursive=True)
             first.send_signal(signal.SIGKILL)
+            killed_during_publishing = thread.is_alive()
+            killed.set()
             first.wait(30)
             for orphan in orphans:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     orphan.kill()
             psutil.wait_procs(orphans, timeout=10)
-            killed_during_publishing = thread.is_alive()
         thread.join(timeout=60)
         assert not thread.is_alive() and not errors, errors
-        assert pub.version == last
         assert killed_during_publishing
+        last = pub.version
 
         with popen([*follow_cmd, "--until-version", str(last)], stderr=logs[1]) as second:
             reader2 = LineReader(second)
@@ -246,6 +252,7 @@ def test_a_follower_killed_mid_update_restarts_from_a_consistent_state(
     finally:
         stop.set()
         follower_ready.set()
+        killed.set()
         if thread.is_alive():
             thread.join(timeout=30)
         pub.close()
