@@ -46,6 +46,8 @@ from pulseloco.sync.subscriber import Subscriber
 
 RUN = "store-test"
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def envelope(**overrides) -> Envelope:
     fields = dict(

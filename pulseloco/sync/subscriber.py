@@ -293,7 +293,9 @@ class Subscriber:
 
     # ---- applying ----------------------------------------------------------------------------------------
 
-    def _target_state(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _target_state(
+        self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]
+    ) -> MutableMapping[str, torch.Tensor]:
         """The BF16 state patches are applied to: the model's own tensors when they are BF16, else a shadow."""
         state = _float_state(model)
         if all(t.dtype == torch.bfloat16 for t in state.values()):
