@@ -36,7 +36,7 @@ def test_unknown_command_is_a_usage_error() -> None:
     result = _run([str(_CONSOLE_SCRIPT), "no-such-command"])
     assert result.returncode == 2
     assert result.stdout == ""
-    assert "error: unknown command 'no-such-command' (choose from: version)" in result.stderr
+    assert "error: unknown command 'no-such-command' (choose from: dht, keygen, sync, version)" in result.stderr
     assert "Traceback" not in result.stderr
 
 
