@@ -276,7 +276,8 @@ def test_forged_head_record_unknown_run_and_oversized_payloads_are_refused(
     peers = maddrs(bootstrap)
     run = RUN + "-head"
     pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, run, key, tmp_path / "store", head_ttl=600)
+    # records announced every 200 s: no re-announcement overwrites the stranger's record before the test reads it
+    pub = Publisher(pub_dht, run, key, tmp_path / "store", head_ttl=600, provider_ttl=600)
     peer = None
     try:
         trainer, expected = Trainer(), {}
