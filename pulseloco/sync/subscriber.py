@@ -195,7 +195,8 @@ class SwarmSource:
 
 
 class _Relay:
-    """Objects this subscriber holds, served to other subscribers (recent ones in memory)."""
+    """Objects this subscriber holds, served to other subscribers: the recent patches in memory and at most one
+    anchor (a full BF16 copy)."""
 
     def __init__(self, capacity: int = 16) -> None:
         self.objects: OrderedDict[tuple[str, int], tuple[bytes, bytes, int | None]] = OrderedDict()
@@ -204,6 +205,9 @@ class _Relay:
 
     def add(self, kind: str, version: int, envelope: bytes, payload: bytes, base_version: int | None = None) -> None:
         with self.lock:
+            if kind == "anchor":  # a full copy of the model: keep only the newest one in memory
+                for key in [k for k in self.objects if k[0] == "anchor"]:
+                    del self.objects[key]
             self.objects[(kind, version)] = (envelope, payload, base_version)
             while len(self.objects) > self.capacity:
                 self.objects.popitem(last=False)
