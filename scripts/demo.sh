@@ -1,6 +1,174 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/_setup.sh), then runs the codec benchmark on a real model update and prints a table.
-# Arguments go to scripts/bench_codec.py (see its --help).
+# Sets up .venv (scripts/_setup.sh), then runs a small PULSELoCo + PULSESync swarm on 127.0.0.1 and prints a table.
+#
+#   scripts/demo.sh                       the swarm demo (about 2-3 minutes on 2 CPU cores)
+#   scripts/demo.sh --out DIR             put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
+#   scripts/demo.sh --steps N --sft-steps M   GRPO steps (default 272) and warm-up steps (default: the tiny
+#                                         config's 48) per peer; their sum must be a multiple of swarm.inner_steps
+#   scripts/demo.sh --timeout S           stop everything after S seconds (default 900)
+#   scripts/demo.sh --codec [ARGS]        the codec benchmark instead: scripts/bench_codec.py ARGS
+#                                         (e.g. --codec --small for a quick run; see scripts/bench_codec.py --help)
+#
+# What runs, all on 127.0.0.1, each in its own process group:
+#   1. a bootstrap node: `pulseloco dht`
+#   2. two PULSELoCo GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/tiny.yaml
+#      --strategy pulseloco`; peer 0 publishes each consensus version with PULSESync, signed with a key made by
+#      `pulseloco keygen` in a temporary directory (removed on exit, never written to the repo)
+#   3. one rollout worker: `recipes/rollout_worker.py`, following the published versions until the last one
+# Then scripts/demo_report.py reads the metrics and prints rounds, loss and reward, bytes sent against what DiLoCo
+# and DDP would have sent, patch bytes against full BF16 checkpoints, and whether every digest matched.
+# Everything started is stopped on exit, Ctrl-C or SIGTERM. Needs no stdin; exits non-zero if a process failed
+# or a digest did not match.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
-exec "$PYTHON" scripts/bench_codec.py "$@"
+
+if [[ "${1:-}" == "--codec" ]]; then
+    shift
+    exec "$PYTHON" scripts/bench_codec.py "$@"
+fi
+
+OUT="runs/demo-$(date +%Y%m%d)"
+STEPS=272  # with the tiny config's 48 warm-up steps: 40 outer rounds of 8, 34 of them at the RL learning rate
+SFT_STEPS=""
+TIMEOUT=900
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --out) OUT="$2"; shift 2 ;;
+        --steps) STEPS="$2"; shift 2 ;;
+        --sft-steps) SFT_STEPS="$2"; shift 2 ;;
+        --timeout) TIMEOUT="$2"; shift 2 ;;
+        -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "demo.sh: error: unknown option $1 (see scripts/demo.sh --help)" >&2; exit 2 ;;
+    esac
+done
+
+CONFIG=recipes/configs/tiny.yaml
+RUN_ID="demo-$$"
+config_value() {  # $1: section.key of the tiny config
+    "$PYTHON" -c 'import sys, yaml; s, k = sys.argv[2].split("."); print(yaml.safe_load(open(sys.argv[1]))[s][k])' \
+        "$CONFIG" "$1"
+}
+SFT_STEPS="${SFT_STEPS:-$(config_value grpo.sft_steps)}"
+INNER_STEPS="$(config_value swarm.inner_steps)"
+if (( (STEPS + SFT_STEPS) % INNER_STEPS )); then
+    echo "demo.sh: error: --steps + --sft-steps ($((STEPS + SFT_STEPS))) must be a multiple of $INNER_STEPS" >&2
+    exit 2
+fi
+ROUNDS=$(( (STEPS + SFT_STEPS) / INNER_STEPS ))
+LAST_VERSION=$(( ROUNDS + 1 ))  # version 1 is the initial model, then one per outer round
+
+# Idempotent: the output directory is recreated (metrics files are appended to, so old ones must go).
+rm -rf "$OUT"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+KEYS="$(mktemp -d "${TMPDIR:-/tmp}/pulseloco-demo-keys.XXXXXX")"
+
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+PGIDS=()
+
+stop_all() {
+    local pgid
+    for pgid in "${PGIDS[@]}"; do kill -TERM -- "-$pgid" 2>/dev/null || true; done
+    for _ in $(seq 50); do
+        local alive=0
+        for pgid in "${PGIDS[@]}"; do kill -0 -- "-$pgid" 2>/dev/null && alive=1; done
+        (( alive )) || break
+        sleep 0.2
+    done
+    for pgid in "${PGIDS[@]}"; do kill -KILL -- "-$pgid" 2>/dev/null || true; done
+    PGIDS=()
+}
+on_exit() {
+    local rc=$?
+    trap - EXIT INT TERM
+    stop_all
+    rm -rf "$KEYS"
+    exit "$rc"
+}
+trap on_exit EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+say() { echo "[demo $(date +%H:%M:%S)] $*" >&2; }
+
+# start NAME CMD...: run CMD in a new session (its own process group, so that stop_all reaches its children:
+# accelerate's worker process, hivemind's DHT process and libp2p daemon), output to $OUT/NAME.log, no stdin.
+start() {
+    local name="$1"
+    shift
+    setsid "$@" >"$OUT/$name.log" 2>&1 </dev/null &
+    PGIDS+=("$!")
+    eval "PID_$name=$!"
+}
+
+# wait_for_line NAME REGEX SECONDS: print the first match of REGEX in NAME's log (extended regex).
+wait_for_line() {
+    local name="$1" regex="$2" deadline=$((SECONDS + $3)) pid_var="PID_$1"
+    while (( SECONDS < deadline )); do
+        if grep -m1 -oE "$regex" "$OUT/$name.log" 2>/dev/null; then return 0; fi
+        kill -0 "${!pid_var}" 2>/dev/null || break
+        sleep 0.5
+    done
+    say "error: $name did not print /$regex/; last lines of $OUT/$name.log:"
+    tail -n 20 "$OUT/$name.log" >&2
+    return 1
+}
+
+# wait_exit NAME DEADLINE: wait until NAME exits or SECONDS reaches DEADLINE; returns its exit code (124: timeout).
+wait_exit() {
+    local pid_var="PID_$1"
+    local pid="${!pid_var}"
+    while kill -0 "$pid" 2>/dev/null && (( SECONDS < $2 )); do sleep 1; done
+    if kill -0 "$pid" 2>/dev/null; then
+        say "error: $1 still running after the ${TIMEOUT}s budget (--timeout); stopping it"
+        return 124
+    fi
+    local rc=0
+    wait "$pid" || rc=$?
+    return "$rc"
+}
+
+BEGIN=$SECONDS
+DEADLINE=$((SECONDS + TIMEOUT))
+say "output: $OUT"
+pulseloco keygen --out "$KEYS/publisher" >"$OUT/keygen.log"
+
+start bootstrap pulseloco dht --host-maddrs /ip4/127.0.0.1/tcp/0
+BOOTSTRAP="$(wait_for_line bootstrap '/ip4/127\.0\.0\.1/tcp/[0-9]+/p2p/[A-Za-z0-9]+' 120)"
+say "bootstrap node: $BOOTSTRAP"
+
+LAUNCH=(accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no)
+PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --strategy pulseloco --run-id "$RUN_ID" --initial-peers "$BOOTSTRAP"
+    --target-group-size 2 --matchmaking-time 60 --sft-steps "$SFT_STEPS" --steps "$STEPS")
+# peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
+start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --peer-index 0 --output-dir "$OUT/peer0" --linger 20 \
+    --publish --signing-key "$KEYS/publisher"
+start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --peer-index 1 --output-dir "$OUT/peer1" --linger 5
+start worker "$PYTHON" recipes/rollout_worker.py --config "$CONFIG" --run-id "$RUN_ID" \
+    --initial-peers "$BOOTSTRAP" --public-key "$KEYS/publisher.pub" --until-version "$LAST_VERSION" \
+    --max-seconds "$TIMEOUT" --output-dir "$OUT/worker"
+say "started 2 PULSELoCo GRPO peers ($SFT_STEPS warm-up + $STEPS GRPO steps = $ROUNDS rounds each) and a rollout" \
+    "worker (until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
+
+failed=()
+for name in peer0 peer1 worker; do
+    rc=0
+    wait_exit "$name" "$DEADLINE" || rc=$?
+    if (( rc != 0 )); then
+        failed+=("$name")
+        say "error: $name exited with $rc; last lines of $OUT/$name.log:"
+        tail -n 15 "$OUT/$name.log" >&2
+    else
+        say "$name finished"
+    fi
+done
+stop_all
+say "all processes stopped after $((SECONDS - BEGIN)) s"
+
+report_rc=0
+"$PYTHON" scripts/demo_report.py "$OUT" --seconds "$((SECONDS - BEGIN))" --json "$OUT/report.json" || report_rc=$?
+if (( ${#failed[@]} )); then
+    say "failed: ${failed[*]} (logs in $OUT)"
+    exit 1
+fi
+exit "$report_rc"
