@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import queue
-import re
 import shutil
 import signal
 import statistics
@@ -50,6 +49,8 @@ from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
+
+from netns import NetNS, rate_label  # scripts/netns.py (scripts/ is on sys.path when run as a script)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,8 +83,6 @@ LR = 3e-6
 BATCH_SIZE = 2
 SEQ_LEN = 64
 MODES = ("patches", "full")
-SUBNET = "10.77.0"
-PUBLISHER_HOST_INDEX = 10
 AUTHKEY_ENV = "BENCH_SYNC_AUTHKEY"
 STARTUP_TIMEOUT = 300.0  # importing torch/transformers/hivemind in 9 processes on 2 shared cores is slow
 STOP_TIMEOUT = 30.0
@@ -367,95 +366,6 @@ def subscriber_worker(spec: WorkerSpec) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Network namespaces
-# --------------------------------------------------------------------------------------------------
-
-
-def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
-
-
-class NetNS:
-    """A private network: a hub namespace with a bridge, and one namespace per peer with a rate-limited veth.
-
-    Peer ``i`` gets address 10.77.0.(10+i) in namespace ``<prefix>p<i>``; its veth is limited by ``tc tbf`` at
-    ``rate`` on both ends (the peer's egress is its uplink, the hub end's egress its downlink). All links are
-    created inside these namespaces, so deleting them removes everything.
-    """
-
-    def __init__(self, num_peers: int, rate: str) -> None:
-        self.prefix = f"plbs{os.getpid() % 100000}"
-        self.hub = f"{self.prefix}h"
-        self.rate = rate
-        self.names: list[str] = []
-        self.num_peers = num_peers
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def unavailable_reason() -> str | None:
-        if os.geteuid() != 0:
-            return "needs root with ip netns and tc"
-        if shutil.which("ip") is None or shutil.which("tc") is None:
-            return "needs root with ip netns and tc"
-        return None
-
-    def peer_ns(self, index: int) -> str:
-        return f"{self.prefix}p{index}"
-
-    def host(self, index: int) -> str:
-        return f"{SUBNET}.{PUBLISHER_HOST_INDEX + index}"
-
-    def _add_ns(self, name: str) -> None:
-        _run(["ip", "netns", "add", name])
-        self.names.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-
-    def setup(self) -> None:
-        tbf = ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
-        self._add_ns(self.hub)
-        _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
-        _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
-        for i in range(self.num_peers):
-            ns = self.peer_ns(i)
-            self._add_ns(ns)
-            hub_end = f"v{i}"
-            _run(["ip", "-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", "eth0", "netns", ns])
-            _run(["ip", "-n", self.hub, "link", "set", hub_end, "master", "br0"])
-            _run(["ip", "-n", self.hub, "link", "set", hub_end, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", hub_end, "root", *tbf])
-            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf])
-        # the bridge needs a moment to forward; check the path from the publisher to the last peer
-        for _ in range(50):
-            probe = subprocess.run(
-                ["ip", "netns", "exec", self.peer_ns(0), "ping", "-c", "1", "-W", "1", self.host(self.num_peers - 1)],
-                capture_output=True,
-                timeout=10,
-                check=False,
-            )
-            if probe.returncode == 0 or shutil.which("ping") is None:
-                break
-            time.sleep(0.2)
-
-    def teardown(self) -> None:
-        """Kill whatever still runs inside the namespaces, then delete them (idempotent)."""
-        with self._lock:
-            names, self.names = self.names, []
-        for name in reversed(names):
-            with contextlib.suppress(Exception):
-                pids = subprocess.run(
-                    ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10, check=False
-                ).stdout.split()
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30, check=False)
-
-
 # --------------------------------------------------------------------------------------------------
 # Memory (the machine is shared: a case that would not fit is skipped, never left to the OOM killer)
 # --------------------------------------------------------------------------------------------------
@@ -999,13 +909,6 @@ def library_revision() -> dict[str, Any]:
 
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
-
-
-def rate_label(rate: str) -> str:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg]?)bit", rate.lower())
-    if not m:
-        return rate
-    return f"{m.group(1)} {m.group(2).upper()}bit/s" if m.group(2) else f"{m.group(1)} bit/s"
 
 
 # --------------------------------------------------------------------------------------------------
