@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv (scripts/_setup.sh), then runs a small PULSELoCo + PULSESync swarm on 127.0.0.1 and prints a table.
 #
-#   scripts/demo.sh                       the swarm demo (about 2-3 minutes on 2 CPU cores)
+#   scripts/demo.sh                       the swarm demo (about 1.5 minutes on 2 idle CPU cores; more with --steps)
 #   scripts/demo.sh --out DIR             put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
 #   scripts/demo.sh --steps N --sft-steps M   GRPO steps (default 272) and warm-up steps (default: the tiny
 #                                         config's 48) per peer; their sum must be a multiple of swarm.inner_steps
