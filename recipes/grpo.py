@@ -196,6 +196,7 @@ def training_function(config: RecipeConfig) -> None:
     grpo, swarm = config.grpo, config.swarm
     total_steps = grpo.sft_steps + grpo.steps
     common.check_steps_fit_rounds(swarm, total_steps, "grpo.sft_steps + grpo.steps")
+    common.check_steps_fit_rounds(swarm, grpo.sft_steps, "grpo.sft_steps")
     if len(f"{grpo.max_operand}+{grpo.max_operand}=") + grpo.max_new_tokens > config.model.max_position_embeddings:
         raise ConfigError("model.max_position_embeddings is too small for the prompts plus grpo.max_new_tokens")
     accelerator = common.make_accelerator(config.train)
@@ -242,6 +243,10 @@ def training_function(config: RecipeConfig) -> None:
     model.train()
     for step in range(start, total_steps):
         warmup = step < grpo.sft_steps
+        if step == grpo.sft_steps and isinstance(strategy, common.SwarmPeer):
+            # The warm-up's outer momentum (pretraining-sized steps) would move every weight for dozens of RL
+            # rounds; every peer drops it at this same round boundary.
+            strategy.loco.reset_outer_momentum()
         lr = grpo.sft_lr if warmup else grpo.lr
         for group in inner_optimizer.param_groups:
             group["lr"] = lr

@@ -217,6 +217,19 @@ class PulseLoCo:
         self._round_start = time.monotonic()
         return metrics
 
+    def reset_outer_momentum(self) -> None:
+        """Zero the outer optimizer's momentum, for a change of training phase (for example from a supervised
+        warm-up at a pretraining learning rate to RL, whose pseudo-gradients are hundreds of times smaller and
+        would otherwise be swamped by the warm-up's momentum for dozens of rounds).
+
+        Every peer must call it at the same round boundary, so ``theta`` stays identical across the swarm.
+        Raises :class:`RuntimeError` in the middle of a round.
+        """
+        if self.local_step != 0:
+            raise RuntimeError(f"reset_outer_momentum in the middle of a round (inner step {self.local_step})")
+        if self.outer_optimizer.momentum_N is not None:
+            self.outer_optimizer.momentum_N.zero_()
+
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: global parameters, outer optimizer (momentum), residual, inner
         optimizer, round and inner-step counters. Saved between rounds, the model itself is ``theta``; saved
