@@ -169,3 +169,18 @@ def test_bad_configuration_raises_config_error(kwargs: dict, field: str) -> None
     model = make_model(0)
     with pytest.raises(ConfigError, match=field):
         PulseLoCo(model, make_inner_optimizer(model, 1e-4), **kwargs)
+
+
+def test_reset_outer_momentum_between_rounds_only() -> None:
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-3)
+    opt = PulseLoCo(model, inner, inner_steps=H, selector="dense")
+    _train(opt, model, inner, 2)
+    assert opt.outer_optimizer.momentum_N is not None and opt.outer_optimizer.momentum_N.any()
+    theta = opt.theta_N.clone()
+    opt.reset_outer_momentum()
+    assert not opt.outer_optimizer.momentum_N.any()
+    assert _bits_equal(opt.theta_N, theta)  # only the momentum changes
+    opt.step(loss=inner_step(model, inner, batch(0, 99)))
+    with pytest.raises(RuntimeError, match="middle of a round"):
+        opt.reset_outer_momentum()
