@@ -122,7 +122,8 @@ class SwarmSource:
 
     Every request has a timeout; a provider that stalls, answers garbage or fails authentication is logged
     and the next one is tried. When only the publisher holds an object and it is over its upload budget,
-    the source waits ``relay_wait`` seconds for a relay to appear, then asks the publisher with ``force``.
+    the source polls up to ``relay_wait`` seconds for a relay to appear, then asks relays first and the
+    publisher with ``force``.
     """
 
     def __init__(
@@ -188,10 +189,22 @@ class SwarmSource:
                 return None
             if waited_for_relay:
                 time.sleep(0.2)
-            time.sleep(min(self.relay_wait, max(0.0, deadline - time.monotonic())))
+            else:  # poll for a relay that holds it (the first subscribers announce within a second or so)
+                relay_deadline = min(deadline, time.monotonic() + self.relay_wait)
+                while time.monotonic() < relay_deadline and not self._new_relay(request, set(relays), me):
+                    time.sleep(0.2)
             waited_for_relay = True
         logger.warning("no provider served request=%s within %.1f s", request, self.timeout)
         return None
+
+    def _new_relay(self, request: FetchRequest, known: set[str], me: str) -> bool:
+        """Whether a relay other than ``known`` now announces the requested version."""
+        for peer, info in self.endpoint.get_providers(timeout=min(5.0, self.timeout)).items():
+            if peer in known or peer == me or info["publisher"]:
+                continue
+            if request.kind == "squash" or request.version in info["versions"]:
+                return True
+        return False
 
 
 class _Relay:
