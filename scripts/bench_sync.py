@@ -507,6 +507,7 @@ class CaseResult:
     versions: list[VersionResult] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    library: dict[str, Any] = field(default_factory=dict)  # revision when the workers started (it may change)
 
     def counted(self) -> list[VersionResult]:
         return [v for v in self.versions if v.counted]
@@ -563,6 +564,7 @@ class Coordinator:
         self.key_path, self.pub_path = save_keypair(generate_key(), workdir / "publisher.key")
         self.workers: list[Worker] = []
         self.case_counter = 0
+        self.current_case: CaseResult | None = None  # the case being measured; kept when it fails halfway
         config = "small" if args.small else "default"
         self.shapes_path = workdir / f"shapes-{config}.json"
         shapes = state_shapes(config)
@@ -734,7 +736,9 @@ class Coordinator:
                 num_params=info["num_params"],
                 num_elements=info["num_elements"],
                 full_bf16_bytes=2 * info["num_elements"],
+                library=library_revision(),
             )
+            self.current_case = case
             for i in range(1, n_subs + 1):
                 self.hub.send("subscriber", i, ("join", info["maddrs"]))
             joined: set[int] = set()
@@ -1095,6 +1099,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nThe benchmark did not finish; the tables show the cases that completed.")
     print(f"\nTotal time {elapsed:.0f}s")
     if args.json:
+        incomplete = coordinator.current_case
+        if not failed or any(c is incomplete for c in cases):
+            incomplete = None
         out = {
             "config": {
                 "model": model,
@@ -1124,6 +1131,8 @@ def main(argv: list[str] | None = None) -> int:
                 for c in cases
             ],
             "skipped_cases": skipped_cases,
+            # versions measured before a failure or interruption (not in the tables)
+            "incomplete_case": asdict(incomplete) if incomplete is not None else None,
             "summary": summary,
             "completed": not failed,
             "elapsed_s": elapsed,
