@@ -264,7 +264,10 @@ class SwarmEndpoint:
             stub.rpc_fetch(runtime_pb2.ExpertRequest(metadata=request.encode(self.run_id))), chunk_timeout
         )
         iterator = stream.__aiter__()
-        first = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
+        try:
+            first = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
+        except StopAsyncIteration:
+            raise PayloadError(f"provider {peer} closed the stream without answering") from None
         try:
             head = json.loads(first.metadata)
             status, size = str(head["status"]), int(head["size"])
