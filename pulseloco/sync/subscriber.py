@@ -123,7 +123,8 @@ class SwarmSource:
     Every request has a timeout; a provider that stalls, answers garbage or fails authentication is logged
     and the next one is tried. When only the publisher holds an object and it is over its upload budget,
     the source polls up to ``relay_wait`` seconds for a relay to appear, then asks relays first and the
-    publisher with ``force``.
+    publisher with ``force``. Polling makes a long ``relay_wait`` cheap when relays appear; it must exceed the
+    time the first relays need to download the object, or the publisher ends up serving everyone.
     """
 
     def __init__(
@@ -134,7 +135,7 @@ class SwarmSource:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         timeout: float = 60.0,
         chunk_timeout: float = 10.0,
-        relay_wait: float = 2.0,
+        relay_wait: float = 10.0,
     ) -> None:
         self.endpoint = endpoint
         self.key = public_key
