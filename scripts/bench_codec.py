@@ -35,42 +35,15 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import zstandard
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+from bench_models import MODEL_CONFIGS, build_model  # scripts/ is on sys.path when run as a script
 
 State = dict[str, torch.Tensor]
 
-MODEL_CONFIGS: dict[str, dict[str, Any]] = {
-    # ~122M parameters; Qwen2 is the Llama architecture with q/k/v biases.
-    "default": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=2048,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    ),
-    # ~7M parameters: a quick smoke run (tests).
-    "small": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=688,
-        vocab_size=8000,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    ),
-}
-MIN_DEFAULT_PARAMS = 100_000_000
 BATCH_SIZE = 2
 SEQ_LEN = 64
 CODECS = ("pulseloco-abs", "pulseloco-delta", "naive", "authors")
@@ -86,18 +59,6 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------------------
-
-
-def build_model(config_name: str, seed: int) -> PreTrainedModel:
-    """Build a randomly initialised FP32 Qwen2ForCausalLM from one of MODEL_CONFIGS, seeded."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIGS[config_name]))
-    num_params = sum(p.numel() for p in model.parameters())
-    if config_name == "default" and num_params < MIN_DEFAULT_PARAMS:
-        raise RuntimeError(f"default model has {num_params} parameters, expected >= {MIN_DEFAULT_PARAMS}")
-    return model.float().train()
 
 
 def bf16_state(model: torch.nn.Module) -> State:

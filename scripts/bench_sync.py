@@ -50,35 +50,11 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from netns import NetNS, rate_label  # scripts/netns.py (scripts/ is on sys.path when run as a script)
+from bench_models import MODEL_CONFIGS, build_model, state_shapes  # scripts/ is on sys.path when run as a script
+from netns import NetNS, rate_label
 
 REPO = Path(__file__).resolve().parents[1]
 
-MODEL_CONFIGS: dict[str, dict[str, Any]] = {
-    # ~122M parameters (the same model as scripts/bench_codec.py); Qwen2 is Llama with q/k/v biases.
-    "default": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=2048,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    ),
-    # ~5M parameters: a quick smoke run (tests).
-    "small": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=688,
-        vocab_size=4000,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    ),
-}
-MIN_DEFAULT_PARAMS = 100_000_000
 LR = 3e-6
 BATCH_SIZE = 2
 SEQ_LEN = 64
@@ -96,29 +72,6 @@ def log(msg: str) -> None:
 # --------------------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------------------
-
-
-def build_model(config_name: str, seed: int) -> Any:
-    """A randomly initialised FP32 Qwen2ForCausalLM from MODEL_CONFIGS, seeded."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIGS[config_name]))
-    num_params = sum(p.numel() for p in model.parameters())
-    if config_name == "default" and num_params < MIN_DEFAULT_PARAMS:
-        raise RuntimeError(f"default model has {num_params} parameters, expected >= {MIN_DEFAULT_PARAMS}")
-    return model.float().train()
-
-
-def state_shapes(config_name: str) -> dict[str, list[int]]:
-    """Names and shapes of the model's floating state dict (what a publisher publishes), without weights."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIGS[config_name]))
-    return {name: list(t.shape) for name, t in model.state_dict().items() if t.is_floating_point()}
 
 
 # --------------------------------------------------------------------------------------------------

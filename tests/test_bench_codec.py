@@ -22,6 +22,8 @@ SCRIPT = REPO / "scripts" / "bench_codec.py"
 
 
 def _load_bench() -> ModuleType:
+    if str(SCRIPT.parent) not in sys.path:  # as when run as a script: it imports its sibling bench_models
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("bench_codec", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
