@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pulseloco import __version__
 from pulseloco.errors import ConfigError, PatchError, PulseLocoError
@@ -38,6 +39,20 @@ def _add_swarm_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR", help="addresses others dial")
     group.add_argument("--identity", default=None, help="peer identity file (keeps the peer id across restarts)")
     group.add_argument("--client-mode", action="store_true", help="behind NAT: connect out only, serve nothing")
+    group.add_argument(
+        "--use-auto-relay",
+        action="store_true",
+        help="behind NAT: reserve a slot on a relay (the initial peers, or --relays) and be reachable through it",
+    )
+    group.add_argument(
+        "--relays", nargs="*", default=[], metavar="MADDR", help="relays for --use-auto-relay (default: initial peers)"
+    )
+    group.add_argument(
+        "--no-relay",
+        dest="use_relay",
+        action="store_false",
+        help="neither use relayed connections nor serve as a relay (public peers relay for NAT'd ones by default)",
+    )
     group.add_argument("--swarm-key", default=None, help="shared swarm key file: only its holders can join")
 
 
@@ -51,6 +66,9 @@ def _make_dht(args: argparse.Namespace):  # -> hivemind.DHT, imported lazily to 
             announce_maddrs=args.announce_maddrs,
             identity_path=args.identity,
             client_mode=args.client_mode,
+            use_relay=args.use_relay,
+            use_auto_relay=args.use_auto_relay,
+            relays=args.relays,
             swarm_key_path=args.swarm_key,
         )
     )
@@ -66,14 +84,14 @@ def _cmd_dht(args: argparse.Namespace) -> int:
         print(f"wrote a new swarm key to {new_swarm_key(args.swarm_key)}; give it to every peer", flush=True)
     dht = _make_dht(args)
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
-    key_flag = f" --swarm-key {args.swarm_key}" if args.swarm_key else ""
+    key_flag = f" --swarm_key {args.swarm_key}" if args.swarm_key else ""
     print(f"bootstrap peer id: {dht.peer_id}", flush=True)
     for maddr in maddrs:
         print(f"multiaddr: {maddr}", flush=True)
     print("join with:", flush=True)
     print(
-        f"  accelerate launch recipes/grpo.py --config recipes/configs/tiny.yaml --strategy pulseloco "
-        f"--initial-peers {maddrs[0] if maddrs else 'MADDR'}{key_flag}",
+        f"  accelerate launch recipes/grpo.py --config recipes/configs/grpo-tiny.yaml --model_name_or_path MODEL_DIR "
+        f"--initial_peers {maddrs[0] if maddrs else 'MADDR'}{key_flag}",
         flush=True,
     )
     stop = threading.Event()
@@ -93,7 +111,7 @@ def _add_dht_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    """Write a new Ed25519 signing key (mode 0600) and its public half (``.pub``)."""
+    """Write a new Ed25519 signing key (mode 0600) and its public half (``.pub``), creating missing directories."""
     from pulseloco.sync.signing import generate_key, public_key_fingerprint, save_keypair
 
     key = generate_key()
@@ -105,7 +123,27 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def _add_keygen_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="path of the private key; the public key goes to OUT.pub")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="path of the private key, e.g. keys/publisher (missing directories are created; keys/ is in "
+        ".gitignore); the public key goes to OUT.pub",
+    )
+
+
+def _check_store(path: str, create: bool) -> None:
+    """Refuse a ``--store`` that is not an existing directory unless ``create``: a mistyped path would otherwise
+    serve a new, empty store forever. Raises :class:`ConfigError`."""
+    store = Path(path)
+    if store.is_dir():
+        return
+    if store.exists():
+        raise ConfigError(f"--store {path} is not a directory")
+    if not create:
+        raise ConfigError(
+            f"store directory {path} does not exist: check --store (the directory the trainer's publisher writes), "
+            "or pass --create-store to serve an empty store that a publisher fills later"
+        )
 
 
 def _cmd_sync_serve(args: argparse.Namespace) -> int:
@@ -114,8 +152,13 @@ def _cmd_sync_serve(args: argparse.Namespace) -> int:
     from pulseloco.sync.signing import load_private_key
 
     key = load_private_key(args.key)
+    _check_store(args.store, args.create_store)
     dht = _make_dht(args)
-    publisher = Publisher(dht, args.run_id, key, args.store, max_uploads_per_version=args.max_uploads_per_version)
+    try:
+        publisher = Publisher(dht, args.run_id, key, args.store, max_uploads_per_version=args.max_uploads_per_version)
+    except BaseException:  # a store that does not resume: leave no DHT process behind
+        dht.shutdown()
+        raise
     for maddr in dht.get_visible_maddrs():
         print(f"serving run={args.run_id} at {maddr}", flush=True)
     print(f"version={publisher.version} digest={publisher.digest}", flush=True)
@@ -133,7 +176,12 @@ def _cmd_sync_serve(args: argparse.Namespace) -> int:
 
 
 def _add_sync_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--store", required=True, help="version store directory")
+    parser.add_argument("--store", required=True, help="version store directory; it must exist (see --create-store)")
+    parser.add_argument(
+        "--create-store",
+        action="store_true",
+        help="create --store if it does not exist (to start serving before the trainer writes its first version)",
+    )
     parser.add_argument("--run-id", required=True, help="run id announced in the DHT")
     parser.add_argument("--key", required=True, help="the publisher's private key (from `pulseloco keygen`)")
     parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks for new versions")
@@ -168,11 +216,9 @@ def _cmd_sync_follow(args: argparse.Namespace) -> int:
                 logger.warning("update failed: %s", exc)
                 report = None
             if report is not None:
-                head = subscriber.source.head()
-                lag = max(0, head.version - report.version) if head is not None else 0
                 print(
                     f"{report.version} {report.num_changed} {report.bytes_received} {report.seconds:.3f} "
-                    f"{report.digest} {lag} {report.path}",
+                    f"{report.digest} {report.lag} {report.path}",
                     flush=True,
                 )
             # also when already there (restored from --out at or past it): then there is no report
@@ -192,6 +238,56 @@ def _add_sync_follow_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between checks for a new version")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for one update")
     parser.add_argument("--until-version", type=int, default=None, help="exit once this version is reached")
+    _add_swarm_options(parser)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """Print what the DHT says about a run (:mod:`pulseloco.status`); 0 agree, 1 digests disagree, 2 bad
+    arguments or the swarm cannot be joined (one line on stderr). Joins in client mode; shuts its DHT down."""
+    from pulseloco.status import EXIT_CANNOT_JOIN, collect_status, render_text, to_json
+    from pulseloco.sync.signing import load_public_key
+
+    try:
+        if not args.initial_peers:
+            raise ConfigError("--initial-peers is required: the multiaddr of any peer of the swarm")
+        if not (args.timeout > 0 and args.probe_timeout >= 0):
+            raise ConfigError("--timeout must be positive and --probe-timeout not negative")
+        if not args.run_id or any(c.isspace() for c in args.run_id):
+            raise ConfigError(f"--run-id must be non-empty without spaces, got {args.run_id!r}")
+        key = load_public_key(args.public_key) if args.public_key else None
+        args.client_mode = True  # reads only: nothing to serve, and it works from behind NAT
+        dht = _make_dht(args)
+    except ConfigError as exc:
+        print(f"pulseloco: error: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_JOIN
+    try:
+        report = collect_status(
+            dht,
+            args.run_id,
+            sync_run_id=args.sync_run_id,
+            public_key=key,
+            timeout=args.timeout,
+            probe_timeout=args.probe_timeout or None,
+        )
+    finally:
+        dht.shutdown()
+    print(to_json(report) if args.json else render_text(report), flush=True)
+    return report.exit_code
+
+
+def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-id", default="pulseloco", help="the PULSELoCo run id (default: %(default)s)")
+    parser.add_argument(
+        "--sync-run-id",
+        default=None,
+        help="the PULSESync run (default: RUN_ID.policy as the recipes publish, then RUN_ID)",
+    )
+    parser.add_argument("--public-key", default=None, help="the publisher's public key: verify the head record")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each DHT lookup")
+    parser.add_argument(
+        "--probe-timeout", type=float, default=3.0, help="seconds each provider has to answer the probe; 0: no probe"
+    )
     _add_swarm_options(parser)
 
 
@@ -220,6 +316,7 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[a
     "keygen": (_cmd_keygen, "make an Ed25519 signing key for publishing", _add_keygen_arguments),
     "sync": (_cmd_version, "PULSESync: serve or follow weight versions", _add_sync_arguments),
     "dht": (_cmd_dht, "run a bootstrap node and print how others join", _add_dht_arguments),
+    "status": (_cmd_status, "show the run's peers, digests and PULSESync head from the DHT", _add_status_arguments),
 }
 """Command name -> (handler, one-line help, argument builder). A new command adds one row here."""
 

@@ -2,8 +2,19 @@
 
 A peer with a public address listens on ``host_maddrs`` (for example ``/ip4/0.0.0.0/tcp/31337``) and tells
 others ``announce_maddrs``; volunteers behind NAT join with ``initial_peers`` only and run in ``client_mode``
-(they connect out and use relays; they serve nothing). A persistent ``identity_path`` keeps the peer id (and so
-the bootstrap multiaddr) stable across restarts.
+(they connect out; they serve nothing). A persistent ``identity_path`` keeps the peer id (and so the bootstrap
+multiaddr) stable across restarts.
+
+Reachable through a relay (``use_auto_relay``): a volunteer behind NAT reserves a slot on a circuit relay (by
+default its initial peers; every public hivemind peer with ``use_relay`` serves as one) and is then reachable
+at ``/ip4/RELAY/tcp/PORT/p2p/RELAY_ID/p2p-circuit/p2p/ITS_ID``: other peers can open streams to it, so it can
+own shards and relay PULSESync objects although nobody can dial it directly. Measured in network namespaces
+behind iptables MASQUERADE (``tests/test_nat.py``): left to libp2p's defaults, hivemind's daemon looks for relay
+candidates in its DHT and waits about 3 minutes (go-libp2p autorelay's boot delay, for 4 candidates) before it
+reserves a slot with the one it knows; given the relays as static relays (daemon flags ``-trustedRelays``
+with ``-relayDiscovery=0``, and reachability forced private, since AutoNAT needs several public peers to
+decide) it holds a relay address as soon as the DHT has started. :func:`is_reachable` says whether a running
+DHT can be dialed by others (server mode, or a relay address).
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import hmac
 import logging
 import os
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +42,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SwarmConfig",
     "SwarmKeyValidator",
+    "is_reachable",
     "load_swarm_key",
     "make_dht",
     "new_swarm_key",
@@ -143,9 +156,14 @@ class SwarmConfig:
     client_mode: bool = False
     """Connect out only (behind NAT); the peer serves no DHT requests or shards."""
     use_relay: bool = True
-    """Allow relayed connections (needed to reach peers behind NAT)."""
+    """Allow relayed connections (needed to reach peers behind NAT) and serve as a relay for others."""
     use_auto_relay: bool = False
-    """Look for relays automatically (for a client behind NAT)."""
+    """Behind NAT: reserve a slot on a relay (``relays``, default the initial peers) and be reachable through
+    it; needs ``use_relay`` and a relay to use."""
+    relays: list[str] = field(default_factory=list)
+    """Relays for ``use_auto_relay`` (multiaddrs with ``/p2p/ID``); empty: the initial peers."""
+    relay_wait: float = 15.0
+    """With ``use_auto_relay``: seconds :func:`make_dht` waits for a relay reservation (warns if none)."""
     startup_timeout: float = 30.0
     """Seconds to wait for the DHT to start and reach the initial peers."""
     swarm_key_path: str | None = None
@@ -155,16 +173,86 @@ class SwarmConfig:
         self.initial_peers = parse_maddrs(self.initial_peers, "initial_peers")
         self.host_maddrs = parse_maddrs(self.host_maddrs, "host_maddrs")
         self.announce_maddrs = parse_maddrs(self.announce_maddrs, "announce_maddrs")
+        self.relays = parse_maddrs(self.relays, "relays")
         if self.startup_timeout <= 0:
             raise ConfigError(f"startup_timeout must be positive, got {self.startup_timeout}")
+        if not self.relay_wait >= 0:
+            raise ConfigError(f"relay_wait must be a non-negative number of seconds, got {self.relay_wait}")
         if self.client_mode and not self.initial_peers:
             raise ConfigError("client_mode needs initial_peers: a peer behind NAT cannot start a swarm")
+        if self.use_auto_relay and not self.use_relay:
+            raise ConfigError("use_auto_relay needs use_relay: relayed connections are how others reach this peer")
+        if self.use_auto_relay and not self.auto_relays():
+            raise ConfigError(
+                "use_auto_relay needs a relay: give initial_peers (/p2p/PEER_ID multiaddrs; public peers relay) "
+                "or relays"
+            )
+        for maddr in self.relays if self.use_auto_relay else []:
+            if "/p2p/" not in maddr:
+                raise ConfigError(f"relays: {maddr!r} has no /p2p/PEER_ID part; a relay is dialed by its peer id")
+        if self.relays and not self.use_auto_relay:
+            raise ConfigError("relays is set but use_auto_relay is not: relays are only used with use_auto_relay")
+
+    def auto_relays(self) -> list[str]:
+        """The relays ``use_auto_relay`` reserves a slot on: ``relays``, or the initial peers with a peer id."""
+        return list(self.relays) or [m for m in self.initial_peers if "/p2p/" in m]
+
+
+_STATIC_RELAYS_INSTALLED = False
+
+
+def _install_static_relays() -> None:
+    """Make hivemind's daemon treat ``trusted_relays`` as static relays (idempotent).
+
+    ``hivemind.P2P.create`` passes ``trusted_relays`` as p2pd's ``-trustedRelays`` but never
+    ``-relayDiscovery=0``, so the daemon feeds them to go-libp2p's autorelay as discovery candidates, which
+    waits about 3 minutes for 4 of them before reserving with fewer. With discovery off, the daemon uses them as
+    static relays and reserves at once. Only daemons started with ``-autoRelay`` and ``-trustedRelays`` (which
+    only :func:`make_dht` with ``use_auto_relay`` passes here) are affected; hivemind's DHT forks its process,
+    so the patch made here reaches the daemon it starts.
+    """
+    global _STATIC_RELAYS_INSTALLED
+    if _STATIC_RELAYS_INSTALLED:
+        return
+    from hivemind.p2p import P2P
+
+    original = P2P._make_process_args
+
+    def make_process_args(*args: object, **kwargs: object) -> list[str]:
+        if kwargs.get("autoRelay") and kwargs.get("trustedRelays"):
+            kwargs["relayDiscovery"] = False
+        return original(*args, **kwargs)
+
+    P2P._make_process_args = staticmethod(make_process_args)
+    _STATIC_RELAYS_INSTALLED = True
+
+
+def is_reachable(dht: hivemind.DHT) -> bool:
+    """Whether other peers can open streams to ``dht``'s peer: it runs in server mode (it was told to listen
+    where others can dial), or it holds a relay address (``/p2p-circuit``, from ``use_auto_relay``).
+
+    A client-mode peer without a relay address is behind NAT as far as anyone can tell: it must not offer to
+    serve anything. Errors asking the DHT process for its addresses count as not reachable (logged).
+    """
+    if not dht.client_mode:
+        return True
+    try:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    except Exception as exc:  # the DHT process is gone or stuck: we cannot vouch for reachability
+        logger.warning("cannot read this peer's addresses (%r); treating it as unreachable", exc)
+        return False
+    return any("/p2p-circuit" in m for m in maddrs)
 
 
 def make_dht(config: SwarmConfig) -> hivemind.DHT:
     """Start a DHT process for ``config``.
 
-    Raises :class:`ConfigError` with what to check when the daemon cannot start or no initial peer answers.
+    With ``use_auto_relay`` the daemon reserves a slot on ``config.auto_relays()`` (static relays, reachability
+    forced private) and the DHT is returned once it holds a relay address; a daemon without one after
+    ``config.relay_wait`` s is restarted once (go-libp2p backs a failed relay off for an hour), and a peer still
+    without one is returned with a warning (it is then unreachable, see :func:`is_reachable`). Raises
+    :class:`ConfigError` with what to check when the daemon cannot start or no initial peer
+    answers.
     """
     kwargs: dict = {
         "host_maddrs": config.host_maddrs,
@@ -173,13 +261,40 @@ def make_dht(config: SwarmConfig) -> hivemind.DHT:
         "use_auto_relay": config.use_auto_relay,
         "startup_timeout": config.startup_timeout,
     }
+    if config.use_auto_relay:
+        _install_static_relays()
+        kwargs["trusted_relays"] = config.auto_relays()
+        kwargs["force_reachability"] = "private"
     if config.announce_maddrs:
         kwargs["announce_maddrs"] = config.announce_maddrs
     if config.identity_path:
         kwargs["identity_path"] = config.identity_path
     validators = [SwarmKeyValidator(load_swarm_key(config.swarm_key_path))] if config.swarm_key_path else []
+    attempts = _RELAY_ATTEMPTS if config.use_auto_relay else 1
+    for attempt in range(1, attempts + 1):
+        dht = _start_dht(config, validators, kwargs)
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        if not config.use_auto_relay:
+            break
+        maddrs = _wait_for_relay_address(dht, config, last=attempt == attempts)
+        if any("/p2p-circuit" in m for m in maddrs) or attempt == attempts:
+            break
+        # go-libp2p backs a relay that refused (or timed out) off for an hour: only a new daemon asks again
+        logger.warning("no relay reservation within %.0f s; restarting the DHT to ask again", config.relay_wait)
+        dht.shutdown()
+        kwargs["check_if_identity_free"] = False  # the identity was ours a moment ago
+    logger.info("joined swarm peer_id=%s maddrs=%s", dht.peer_id, maddrs)
+    return dht
+
+
+_RELAY_ATTEMPTS = 2
+"""DHT starts :func:`make_dht` makes with ``use_auto_relay`` until one holds a relay reservation."""
+
+
+def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwargs: dict) -> hivemind.DHT:
+    """One ``hivemind.DHT`` start; raises :class:`ConfigError` with a hint when it fails."""
     try:
-        dht = hivemind.DHT(
+        return hivemind.DHT(
             initial_peers=config.initial_peers or None, start=True, record_validators=validators, **kwargs
         )
     except Exception as exc:  # hivemind surfaces daemon and bootstrap failures as assorted exceptions
@@ -189,5 +304,25 @@ def make_dht(config: SwarmConfig) -> hivemind.DHT:
             else "check --host-maddrs (address in use? not a local address?)"
         )
         raise ConfigError(f"could not join the swarm: {exc}; {hint}") from None
-    logger.info("joined swarm peer_id=%s maddrs=%s", dht.peer_id, [str(m) for m in dht.get_visible_maddrs()])
-    return dht
+
+
+def _wait_for_relay_address(dht: hivemind.DHT, config: SwarmConfig, *, last: bool) -> list[str]:
+    """Poll the daemon's addresses until one is a relay address (``/p2p-circuit``), for at most
+    ``config.relay_wait`` s; after the ``last`` attempt a peer still without one is logged as unreachable (a
+    warning naming the relays), not raised: it can still train in client mode. Returns the last addresses read."""
+    deadline = time.monotonic() + config.relay_wait
+    while True:
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        if any("/p2p-circuit" in m for m in maddrs):
+            return maddrs
+        if time.monotonic() >= deadline:
+            if not last:
+                return maddrs
+            logger.warning(
+                "no relay reservation within %.0f s on %s: this peer is not reachable through a relay, so it serves "
+                "nothing (check that the relays run with relaying on, the default, and are reachable from here)",
+                config.relay_wait,
+                config.auto_relays(),
+            )
+            return maddrs
+        time.sleep(0.2)

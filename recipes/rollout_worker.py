@@ -1,108 +1,163 @@
-"""A rollout worker: follows the GRPO trainers' published versions (PULSESync) and scores samples with them.
+"""A rollout worker: follows the GRPO trainers' published versions (PULSESync), generates and scores with them.
 
-    python recipes/rollout_worker.py --config recipes/configs/tiny.yaml \\
-        --initial-peers MADDR_OF_A_TRAINER --public-key keys/publisher.pub [--until-version N]
+    python recipes/rollout_worker.py --model_name_or_path WARM_MODEL_DIR --run_id tiny \\
+        --initial_peers MADDR_OF_A_TRAINER --public_key keys/publisher.pub --output_dir runs/worker [--until_version N]
 
-It holds the policy in BF16, exactly as published: every version arrives as a sparse signed patch (or a
-squashed patch, or an anchor plus patches after a gap) and is verified by state digest before use. For each
-new version it prints and logs (``output_dir/metrics.jsonl``, event ``rollout``) the greedy exact-match reward on
-``rollout.num_prompts`` fixed problems and the digest of the weights it holds, which equals the digest the
-publisher announced (and logged as event ``publish``).
+``model_name_or_path`` is the policy's starting checkpoint (the trainers' ``--model_name_or_path``): it gives the
+tokenizer and the tensor names and shapes; the weights then come from the publisher, held in BF16 exactly as
+published. Every version arrives as a signed sparse patch (or a squashed patch, or an anchor plus patches after
+a gap) and is verified by state digest before use. For each new version the worker prints one line and appends
+one JSON line to ``<output_dir>/rollouts.jsonl``: version, greedy exact-match reward on the held-out problems,
+changed elements, bytes received, seconds the update took, digest (equal to the one the publisher logged), path.
+
+The generation engine sits behind :class:`pulseloco.integrations.rollout.RolloutEngine` (``--engine
+transformers`` today; a vLLM engine plugs in at the same seam).
 """
 
 from __future__ import annotations
 
-import random
+import json
+import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import common
-from common import ConfigError, RecipeConfig
+import tasks
 
-SECTIONS = ("model", "train", "swarm", "grpo", "rollout")
+PROG = "rollout_worker.py"
+ENGINES = ("transformers",)
 
 
-def worker_function(config: RecipeConfig) -> None:
-    import signal
+@dataclass(kw_only=True)
+class WorkerArguments:
+    """What the worker loads, whom it trusts, and how long it runs."""
 
-    import torch
-    from grpo import make_problems, policy_run_id, score_policy
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The policy's starting checkpoint (the trainers' --model_name_or_path)."}
+    )
+    engine: str = field(default="transformers", metadata={"help": f"Generation engine: {', '.join(ENGINES)}."})
+    public_key: str | None = field(
+        default=None, metadata={"help": "The publisher's public key (the .pub written by `pulseloco keygen`)."}
+    )
+    output_dir: str = field(default="runs/worker", metadata={"help": "rollouts.jsonl goes here."})
+    task: str | None = field(
+        default=None, metadata={"help": "add or sub (recipes/tasks.py); default: the warm model's, else add."}
+    )
+    max_operand: int | None = field(
+        default=None, metadata={"help": "Operands 0..max_operand; default: what the warm model was taught, else 99."}
+    )
+    num_prompts: int = field(default=64, metadata={"help": "Held-out prompts scored greedily per version."})
+    max_new_tokens: int = field(default=6, metadata={"help": "Longest completion."})
+    interval: float = field(default=1.0, metadata={"help": "Seconds between checks for a new version."})
+    until_version: int | None = field(default=None, metadata={"help": "Exit once this version is reached."})
+    max_seconds: float = field(default=0.0, metadata={"help": "Exit after this many seconds; 0: no limit."})
+    update_timeout: float = field(default=60.0, metadata={"help": "Seconds one update may take."})
+    wait_warning: float = field(
+        default=60.0, metadata={"help": "Say what the worker waits for when no version arrived after this long."}
+    )
+
+    def __post_init__(self) -> None:
+        tasks.TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        for name in ("num_prompts", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("interval", "update_timeout", "wait_warning"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pulseloco.integrations.args import SwarmArguments
+
+    args, swarm = common.parse_args((WorkerArguments, SwarmArguments), argv, PROG)
+    if not args.model_name_or_path:
+        raise common.ConfigError("--model_name_or_path is required: the trainers' starting checkpoint")
+    if not args.public_key:
+        raise common.ConfigError("--public_key is required: the publisher's .pub file (from `pulseloco keygen`)")
+    if not swarm.initial_peers:
+        raise common.ConfigError("--initial_peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
+    swarm_config = swarm.swarm_config()
 
     from pulseloco.errors import PatchError
+    from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.swarm import make_dht
     from pulseloco.sync.signing import load_public_key
     from pulseloco.sync.subscriber import Subscriber
 
-    rollout, swarm = config.rollout, config.swarm
-    if not rollout.public_key:
-        raise ConfigError("--public-key is required: the publisher's .pub file (from `pulseloco keygen`)")
-    if not swarm.initial_peers:
-        raise ConfigError("--initial-peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
-    public_key = load_public_key(rollout.public_key)
-    accelerator = common.make_accelerator(config.train)
-    tokenizer = common.make_tokenizer("bytes")
-    model = common.build_model(config.model, tokenizer.vocab_size, seed=config.train.seed, dtype=torch.bfloat16)
-    model = model.to(accelerator.device).eval()
-    dht = common.join_swarm(accelerator, swarm)
-    subscriber = Subscriber(dht, policy_run_id(swarm.run_id), public_key, timeout=rollout.update_timeout)
-    metrics = common.MetricsLog(
-        Path(config.train.output_dir), enabled=accelerator.is_main_process, tensorboard=config.train.tensorboard
+    public_key = load_public_key(args.public_key)
+    engine = TransformersEngine.from_pretrained(args.model_name_or_path)
+    dht = make_dht(swarm_config)
+    subscriber = Subscriber(dht, swarm.policy_run_id, public_key, timeout=args.update_timeout)
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    log = output / "rollouts.jsonl"
+    log.unlink(missing_ok=True)  # one run per directory: records of an earlier run would mix with these
+    problems = tasks.eval_problems(
+        tasks.spec_for_model(args.model_name_or_path, args.task, args.max_operand), args.num_prompts
     )
-    problems = make_problems(random.Random(12345), rollout.num_prompts, config.grpo)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    deadline = time.monotonic() + rollout.max_seconds if rollout.max_seconds else None
-    print(f"rollout: following run_id={policy_run_id(swarm.run_id)}", flush=True)
+    started = time.monotonic()
+    deadline = started + args.max_seconds if args.max_seconds else None
+    warned = False
+    print(f"rollout: following run_id={swarm.policy_run_id} engine={args.engine}", flush=True)
     try:
         while not stop.is_set():
             try:
-                report = subscriber.update_report(model)
+                report = subscriber.update_report(engine.weights())
             except PatchError as exc:  # keeps the last complete version; the next check retries
                 print(f"rollout: update failed, retrying: {exc}", flush=True)
                 report = None
             if report is not None:
+                engine.weights_updated()
                 with subscriber.lock:
-                    reward = score_policy(model, tokenizer, problems, config.grpo.max_new_tokens)
+                    completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
+                reward = tasks.score(completions, problems)
+                record = {
+                    "version": report.version,
+                    "reward": reward,
+                    "digest": report.digest,
+                    "num_changed": report.num_changed,
+                    "bytes_received": report.bytes_received,
+                    "seconds_update": round(report.seconds, 4),
+                    "path": report.path,
+                    "time": round(time.time(), 3),
+                }
+                with log.open("a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(record) + "\n")
                 print(
                     f"rollout: version={report.version} reward={reward:.3f} digest={report.digest} "
                     f"changed={report.num_changed} bytes={report.bytes_received} path={report.path}",
                     flush=True,
                 )
-                metrics.write(
-                    "rollout",
-                    step=report.version,
-                    version=report.version,
-                    reward=reward,
-                    digest=report.digest,
-                    num_changed=report.num_changed,
-                    bytes_received=report.bytes_received,
-                    seconds_update=report.seconds,
-                    path=report.path,
-                )
-                if rollout.until_version is not None and report.version >= rollout.until_version:
+                if args.until_version is not None and report.version >= args.until_version:
                     break
+            elif subscriber.version is None and not warned and time.monotonic() - started > args.wait_warning:
+                warned = True
+                print(
+                    f"rollout: no version of run_id={swarm.policy_run_id} after {args.wait_warning:.0f} s; a trainer "
+                    f"must run with --publish and --run_id {swarm.run_id} in the swarm of --initial_peers",
+                    flush=True,
+                )
             if deadline is not None and time.monotonic() > deadline:
-                if rollout.until_version is not None:
-                    raise ConfigError(
-                        f"version {rollout.until_version} did not arrive within rollout.max_seconds="
-                        f"{rollout.max_seconds:g} (holding version {subscriber.version}); check --initial-peers "
-                        "and that a trainer runs with --publish"
+                if args.until_version is not None:
+                    raise common.ConfigError(
+                        f"version {args.until_version} did not arrive within --max_seconds {args.max_seconds:g} "
+                        f"(holding version {subscriber.version}); check --initial_peers and that a trainer runs "
+                        f"with --publish --run_id {swarm.run_id}"
                     )
                 break
-            stop.wait(rollout.interval)
+            stop.wait(args.interval)
     finally:
-        metrics.close()
         subscriber.close()
         dht.shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
-    config = common.load_config(argv, prog="rollout_worker.py", description=__doc__.split("\n")[0], sections=SECTIONS)
-    common.setup_logging(config.train)
-    worker_function(config)
-
-
 if __name__ == "__main__":
-    common.run_recipe("rollout_worker.py", lambda: main(sys.argv[1:]))
+    common.run_recipe(PROG, lambda: main(sys.argv[1:]))

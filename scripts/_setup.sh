@@ -5,11 +5,11 @@
 # Sets for the caller: REPO_ROOT, VENV, PYTHON (the venv's python); puts .venv/bin first on PATH; cds to REPO_ROOT.
 #
 # Environment knobs:
-#   PULSELOCO_PYTHON       interpreter that creates .venv (default: python3.11 if present, else python3; >= 3.10)
+#   PULSELOCO_PYTHON       interpreter that creates .venv (default: python3.11 if present, else python3; >= 3.11)
 #   PULSELOCO_TORCH_SPEC   torch requirement installed before everything else (default: torch==2.13.0).
 #     torch goes first so that pip keeps it when it resolves `torch>=2.2` from pyproject.toml. Where no local
-#     wheel is configured pip fetches it from PyPI, which on Linux is the large CUDA build; for the CPU build
-#     point PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index before the first run.
+#     wheel is configured pip fetches it from PyPI, which on Linux is the large CUDA build; for the CPU build run
+#     `export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu` before the first run.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,8 +34,8 @@ _setup_quiet() {
     rm -f "$log"
 }
 
-_setup_python_ok() {  # $1: an interpreter; true if it runs and is Python >= 3.10
-    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1
+_setup_python_ok() {  # $1: an interpreter; true if it runs and is Python >= 3.11
+    "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1
 }
 
 _setup_pick_python() {
@@ -53,9 +53,9 @@ _setup_pick_python() {
 if [[ ! -x "$PYTHON" ]]; then
     if ! base_python="$(_setup_pick_python)"; then
         if [[ -n "${PULSELOCO_PYTHON:-}" ]]; then
-            _setup_die "PULSELOCO_PYTHON=$PULSELOCO_PYTHON is not a runnable Python >= 3.10"
+            _setup_die "PULSELOCO_PYTHON=$PULSELOCO_PYTHON is not a runnable Python >= 3.11"
         fi
-        _setup_die "pulseloco needs Python >= 3.10; python3.11 and python3 are missing or older" \
+        _setup_die "pulseloco needs Python >= 3.11 (TRL does); python3.11 and python3 are missing or older" \
             "(python3: $(python3 --version 2>&1 || true)). Install one or set PULSELOCO_PYTHON."
     fi
     _setup_say "creating .venv with $base_python ($("$base_python" --version 2>&1))"
@@ -63,7 +63,7 @@ if [[ ! -x "$PYTHON" ]]; then
         || _setup_die "'$base_python -m venv' failed (on Debian/Ubuntu: apt-get install python3-venv)"
     _setup_quiet "$PYTHON" -m pip install --quiet --no-input --upgrade pip
 fi
-_setup_python_ok "$PYTHON" || _setup_die "$VENV has Python < 3.10 or is broken; remove it and rerun"
+_setup_python_ok "$PYTHON" || _setup_die "$VENV has Python < 3.11 or is broken; remove it and rerun"
 
 # The stamp names pyproject.toml's content and this checkout's path (an editable install points at a path).
 stamp_want="$("$PYTHON" -c 'import hashlib, sys

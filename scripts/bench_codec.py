@@ -12,7 +12,7 @@ Inputs:
 
 Codecs: pulseloco absolute and delta (`make_patch`), and two baselines implemented here
 (``naive``: flat int32 indices + BF16 values + zstd-1; ``authors``: the PULSE authors' production
-codec as DESIGN.md section 4 describes it, per-tensor 2-D row/column gaps narrowed to u8/u16 + raw BF16
+codec as docs/design.md section 6.2 describes it, per-tensor 2-D row/column gaps narrowed to u8/u16 + raw BF16
 values + zstd-1). Every codec is timed as encode (diff + pack) and apply (decode + scatter into a copy of
 the base), as a ratio to ``torch.clone`` of the same state timed in the same run (interleaved with the
 measured calls; glibc malloc is told to keep freed memory so that page faults do not dominate, see

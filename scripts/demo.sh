@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
-# Sets up .venv (scripts/_setup.sh), then runs a small PULSELoCo + PULSESync swarm on 127.0.0.1 and prints a table.
+# Sets up .venv (scripts/_setup.sh), makes or reuses a small warm model, then runs a PULSELoCo + PULSESync GRPO
+# swarm on 127.0.0.1 with TRL's GRPOTrainer and prints a table.
 #
-#   scripts/demo.sh                       the swarm demo (about 1.5 minutes on 2 idle CPU cores; more with --steps)
-#   scripts/demo.sh --out DIR             put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
-#   scripts/demo.sh --steps N --sft-steps M   GRPO steps (default 272) and warm-up steps (default: the tiny
-#                                         config's 48) per peer; their sum must be a multiple of swarm.inner_steps
-#   scripts/demo.sh --timeout S           stop everything after S seconds (default 900)
-#   scripts/demo.sh --codec [ARGS]        the codec benchmark instead: scripts/bench_codec.py ARGS
-#                                         (e.g. --codec --small for a quick run; see scripts/bench_codec.py --help)
+#   scripts/demo.sh                   the swarm demo (first run: about 3 minutes more to make the warm model)
+#   scripts/demo.sh --out DIR         put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
+#   scripts/demo.sh --steps N         GRPO optimizer steps per peer (default 160; a multiple of 8, the inner steps)
+#   scripts/demo.sh --timeout S       stop everything after S seconds (default 900)
+#   scripts/demo.sh --codec [ARGS]    the codec benchmark instead: scripts/bench_codec.py ARGS
+#                                     (for example --codec --small for a quick run)
 #
 # What runs, all on 127.0.0.1, each in its own process group:
+#   0. scripts/warm_model.py --size demo: a small Llama pretrained on local text, then taught the task's format
+#      (cached under ~/.cache/pulseloco, or $PULSELOCO_CACHE; later runs reuse it)
 #   1. a bootstrap node: `pulseloco dht`
-#   2. two PULSELoCo GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/tiny.yaml
+#   2. two GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/grpo-tiny.yaml
 #      --strategy pulseloco`; peer 0 publishes each consensus version with PULSESync, signed with a key made by
 #      `pulseloco keygen` in a temporary directory (removed on exit, never written to the repo)
 #   3. one rollout worker: `recipes/rollout_worker.py`, following the published versions until the last one
-# Then scripts/demo_report.py reads the metrics and prints rounds, loss and reward, bytes sent against what DiLoCo
-# and DDP would have sent, patch bytes against full BF16 checkpoints, and whether every digest matched.
-# Everything started is stopped on exit, Ctrl-C or SIGTERM. Needs no stdin; exits non-zero if a process failed
-# or a digest did not match.
+# Then scripts/demo_report.py prints the reward before and after, bytes sent against DiLoCo and DDP, patch bytes
+# against full BF16 checkpoints, and whether every digest matched. Everything started is stopped on exit,
+# Ctrl-C or SIGTERM. Needs no stdin; exits non-zero if a process failed or a digest did not match.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 
@@ -28,34 +29,27 @@ if [[ "${1:-}" == "--codec" ]]; then
 fi
 
 OUT="runs/demo-$(date +%Y%m%d)"
-STEPS=272  # with the tiny config's 48 warm-up steps: 40 outer rounds of 8, 34 of them at the RL learning rate
-SFT_STEPS=""
+STEPS=160
 TIMEOUT=900
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --out) OUT="$2"; shift 2 ;;
         --steps) STEPS="$2"; shift 2 ;;
-        --sft-steps) SFT_STEPS="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
-        -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "demo.sh: error: unknown option $1 (see scripts/demo.sh --help)" >&2; exit 2 ;;
     esac
 done
 
-CONFIG=recipes/configs/tiny.yaml
+CONFIG=recipes/configs/grpo-tiny.yaml
 RUN_ID="demo-$$"
-config_value() {  # $1: section.key of the tiny config
-    "$PYTHON" -c 'import sys, yaml; s, k = sys.argv[2].split("."); print(yaml.safe_load(open(sys.argv[1]))[s][k])' \
-        "$CONFIG" "$1"
-}
-SFT_STEPS="${SFT_STEPS:-$(config_value grpo.sft_steps)}"
-INNER_STEPS="$(config_value swarm.inner_steps)"
-if (( (STEPS + SFT_STEPS) % INNER_STEPS )); then
-    echo "demo.sh: error: --steps + --sft-steps ($((STEPS + SFT_STEPS))) must be a multiple of $INNER_STEPS" >&2
+INNER_STEPS=8
+if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || (( STEPS == 0 || STEPS % INNER_STEPS )); then
+    echo "demo.sh: error: --steps must be a positive multiple of $INNER_STEPS, got $STEPS" >&2
     exit 2
 fi
-ROUNDS=$(( (STEPS + SFT_STEPS) / INNER_STEPS ))
-LAST_VERSION=$(( ROUNDS + 1 ))  # version 1 is the initial model, then one per outer round
+ROUNDS=$(( STEPS / INNER_STEPS ))
+LAST_VERSION=$(( ROUNDS + 1 ))  # version 1 is the starting model, then one per outer round
 
 # Idempotent: the output directory is recreated (metrics files are appended to, so old ones must go).
 rm -rf "$OUT"
@@ -131,24 +125,32 @@ wait_exit() {
 BEGIN=$SECONDS
 DEADLINE=$((SECONDS + TIMEOUT))
 say "output: $OUT"
+say "warm model: making or reusing it (scripts/warm_model.py --size demo; about 3 minutes the first time)"
+"$PYTHON" scripts/warm_model.py --size demo >"$OUT/warm_model.log" 2>&1 || {
+    say "error: scripts/warm_model.py failed; last lines of $OUT/warm_model.log:"; tail -n 20 "$OUT/warm_model.log" >&2
+    exit 1
+}
+MODEL="$(tail -n 1 "$OUT/warm_model.log" | sed -n 's/^warm model: //p')"
+[[ -n "$MODEL" && -d "$MODEL" ]] || { say "error: no model directory in $OUT/warm_model.log"; exit 1; }
+say "warm model: $MODEL"
 pulseloco keygen --out "$KEYS/publisher" >"$OUT/keygen.log"
 
 start bootstrap pulseloco dht --host-maddrs /ip4/127.0.0.1/tcp/0
 BOOTSTRAP="$(wait_for_line bootstrap '/ip4/127\.0\.0\.1/tcp/[0-9]+/p2p/[A-Za-z0-9]+' 120)"
 say "bootstrap node: $BOOTSTRAP"
 
-LAUNCH=(accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no)
-PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --strategy pulseloco --run-id "$RUN_ID" --initial-peers "$BOOTSTRAP"
-    --target-group-size 2 --matchmaking-time 60 --sft-steps "$SFT_STEPS" --steps "$STEPS")
+LAUNCH=(accelerate launch -q --config_file recipes/accelerate_configs/single_process.yaml)
+PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --strategy pulseloco --run_id "$RUN_ID"
+    --initial_peers "$BOOTSTRAP" --target_group_size 2 --matchmaking_time 60 --max_steps "$STEPS")
 # peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
-start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --peer-index 0 --output-dir "$OUT/peer0" --linger 20 \
-    --publish --signing-key "$KEYS/publisher"
-start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --peer-index 1 --output-dir "$OUT/peer1" --linger 5
-start worker "$PYTHON" recipes/rollout_worker.py --config "$CONFIG" --run-id "$RUN_ID" \
-    --initial-peers "$BOOTSTRAP" --public-key "$KEYS/publisher.pub" --until-version "$LAST_VERSION" \
-    --max-seconds "$TIMEOUT" --output-dir "$OUT/worker"
-say "started 2 PULSELoCo GRPO peers ($SFT_STEPS warm-up + $STEPS GRPO steps = $ROUNDS rounds each) and a rollout" \
-    "worker (until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
+start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 0 --output_dir "$OUT/peer0" --linger 20 \
+    --publish --signing_key "$KEYS/publisher"
+start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 1 --output_dir "$OUT/peer1" --linger 5
+start worker "$PYTHON" recipes/rollout_worker.py --model_name_or_path "$MODEL" --run_id "$RUN_ID" \
+    --initial_peers "$BOOTSTRAP" --public_key "$KEYS/publisher.pub" --until_version "$LAST_VERSION" \
+    --max_seconds "$TIMEOUT" --output_dir "$OUT/worker"
+say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) and a rollout worker (until version" \
+    "$LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
 
 failed=()
 for name in peer0 peer1 worker; do

@@ -3,12 +3,14 @@
 
     python scripts/demo_report.py runs/demo-20260101 [--seconds S] [--json PATH]
 
-Reads ``RUN_DIR/peer*/metrics.jsonl`` (GRPO trainer peers; the one with ``publish`` events is the publisher, its
-version store is ``RUN_DIR/peerN/versions``) and ``RUN_DIR/worker/metrics.jsonl`` (the rollout worker), and prints:
+Reads, per GRPO trainer peer ``RUN_DIR/peer*/``: ``pulseloco_rounds.jsonl`` (PulseLoCo's rounds),
+``trainer_state.json`` (TRL's logs), ``grpo_eval.json`` (held-out greedy reward before and after) and, for the
+publisher, ``pulsesync_versions.jsonl`` and its version store ``versions/``; and ``RUN_DIR/worker/rollouts.jsonl``
+(the rollout worker). It prints:
 
-* per peer: outer rounds, the last warm-up (SFT) loss, the last GRPO step's sampled reward, the greedy reward at the
-  end, the bytes it sent, and what DiLoCo and DDP would have sent for the same run:
-  DiLoCo all-reduces the dense FP32 pseudo-gradient once per round, DDP the FP32 gradients once per inner step;
+* per peer: steps, outer rounds, the sampled GRPO reward (first and last log), the held-out greedy reward before
+  and after, the bytes it sent, and what DiLoCo and DDP would have sent for the same run:
+  DiLoCo all-reduces the dense FP32 pseudo-gradient once per round, DDP the FP32 gradients once per optimizer step;
   a ring all-reduce sends ``2 (W - 1) / W * 4 * params`` bytes per worker (``4 * params`` with W = 2 workers);
 * PULSESync: the version store's patches against full BF16 checkpoints (``2 * params`` bytes, the store's anchor
   size), and what the rollout worker received against one full checkpoint per version;
@@ -38,10 +40,6 @@ def read_events(path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:  # a line cut short by a killed process
                 continue
     return records
-
-
-def of(events: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
-    return [e for e in events if e.get("event") == kind]
 
 
 def human(num_bytes: float) -> str:
@@ -84,41 +82,40 @@ def phase_bytes(rounds: list[dict[str, Any]], num_params: int, num_workers: int,
     }
 
 
-def peer_summary(name: str, events: list[dict[str, Any]], num_workers: int) -> dict[str, Any]:
-    start = of(events, "start")
-    steps = of(events, "step")
-    rounds = of(events, "round")
-    done = of(events, "done")
-    evals = of(events, "eval")
-    num_params = start[0]["num_params"] if start else 0
-    config = start[0]["config"] if start else {}
-    inner_steps = config.get("swarm", {}).get("inner_steps") or 1
-    sft_steps = config.get("grpo", {}).get("sft_steps", 0)
-    sft = [s for s in steps if s.get("phase") == "sft"]
-    grpo = [s for s in steps if s.get("phase") == "grpo" and s.get("reward") is not None]
-    sft_rounds = [r for r in rounds if r["step"] <= sft_steps]
-    grpo_rounds = [r for r in rounds if r["step"] > sft_steps]
-    phases = {
-        "warm-up": phase_bytes(sft_rounds, num_params, num_workers, len(sft_rounds) * inner_steps),
-        "grpo": phase_bytes(grpo_rounds, num_params, num_workers, len(grpo_rounds) * inner_steps),
-        "total": phase_bytes(rounds, num_params, num_workers, len(rounds) * inner_steps),
-    }
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def peer_summary(peer_dir: Path, num_workers: int) -> dict[str, Any]:
+    """One GRPO trainer's rounds (pulseloco_rounds.jsonl), TRL's logs (trainer_state.json) and its held-out
+    greedy reward before and after training (grpo_eval.json)."""
+    rounds = read_events(peer_dir / "pulseloco_rounds.jsonl")
+    state = read_json(peer_dir / "trainer_state.json")
+    evaluation = read_json(peer_dir / "grpo_eval.json")
+    sampled = [e["reward"] for e in state.get("log_history", []) if "reward" in e]
+    num_params = rounds[0]["numel"] if rounds else 0
+    steps = int(state.get("global_step", 0))
+    inner_steps = steps // len(rounds) if rounds else None
     return {
-        "name": name,
-        "finished": bool(done),
+        "name": peer_dir.name,
+        "finished": bool(evaluation),
         "num_params": num_params,
         "inner_steps": inner_steps,
-        "sft_lr": config.get("grpo", {}).get("sft_lr"),
-        "grpo_lr": config.get("grpo", {}).get("lr"),
+        "steps": steps,
         "rounds": len(rounds),
         "num_peers": [r["num_peers"] for r in rounds],
-        "sft_loss": sft[-1]["loss"] if sft else None,
-        "grpo_reward": grpo[-1]["reward"] if grpo else None,
-        "greedy_reward": evals[-1].get("reward") if evals else None,
-        "bytes_sent_total": done[-1]["bytes_sent_total"] if done else None,
-        "phases": phases,
+        "sampled_reward_first": sampled[0] if sampled else None,
+        "sampled_reward_last": sampled[-1] if sampled else None,
+        "greedy_reward_before": evaluation.get("reward_before"),
+        "greedy_reward_after": evaluation.get("reward_after"),
+        "bytes": phase_bytes(rounds, num_params, num_workers, steps),
+        "density_first": rounds[0]["density"] if rounds else None,
+        "density_last": rounds[-1]["density"] if rounds else None,
         "theta_digests": [r["theta_digest"] for r in rounds],
-        "seconds": done[-1]["seconds"] if done else None,
+        "seconds": evaluation.get("seconds"),
     }
 
 
@@ -141,63 +138,59 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
 
 def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, Any], bool]:
     peer_dirs = sorted(p for p in run_dir.glob("peer*") if p.is_dir())
-    peer_events = {p.name: read_events(p / "metrics.jsonl") for p in peer_dirs}
-    worker_events = read_events(run_dir / "worker" / "metrics.jsonl")
+    worker_events = read_events(run_dir / "worker" / "rollouts.jsonl")
     num_workers = len(peer_dirs)
-    peers = [peer_summary(name, events, num_workers) for name, events in peer_events.items()]
+    peers = [peer_summary(p, num_workers) for p in peer_dirs]
     ok = bool(peers) and all(p["finished"] for p in peers)
     out: list[str] = []
     num_params = max((p["num_params"] for p in peers), default=0)
     h = next((p["inner_steps"] for p in peers if p["inner_steps"]), None)
     took = f", {seconds:.0f} s" if seconds is not None else ""
     out.append(
-        f"PULSELoCo GRPO demo: {num_workers} trainer peers + 1 rollout worker on 127.0.0.1, "
+        f"PULSELoCo GRPO demo (TRL GRPOTrainer): {num_workers} trainer peers + 1 rollout worker on 127.0.0.1, "
         f"{num_params / 1e6:.2f}M parameters, H={h}{took}"
     )
     out.append("")
     rows = [
-        [p["name"] + ("" if p["finished"] else " (unfinished)"), str(p["rounds"]), fmt(p["sft_loss"]),
-         fmt(p["grpo_reward"]), fmt(p["greedy_reward"])]
+        [p["name"] + ("" if p["finished"] else " (unfinished)"), str(p["steps"]), str(p["rounds"]),
+         f"{fmt(p['sampled_reward_first'])} -> {fmt(p['sampled_reward_last'])}",
+         f"{fmt(p['greedy_reward_before'])} -> {fmt(p['greedy_reward_after'])}"]
         for p in peers
     ]  # fmt: skip
-    out.append(table(["peer", "rounds", "sft loss", "grpo reward", "greedy reward"], rows))
-    out.append("(sft loss: last warm-up step; grpo reward: last GRPO step, sampled; greedy: 64 fixed problems)")
+    out.append(table(["peer", "steps", "rounds", "sampled reward (first -> last log)", "greedy reward"], rows))
+    out.append("(greedy reward: held-out problems of recipes/tasks.py before and after GRPO, the consensus model)")
     out.append("")
     rows = []
     for p in peers:
-        lrs = {"warm-up": p["sft_lr"], "grpo": p["grpo_lr"], "total": None}
-        for phase, b in p["phases"].items():
-            if not b["rounds"]:
-                continue
-            label = f"{phase} (lr {lrs[phase]:g})" if lrs[phase] is not None else phase
-            rows.append(
-                [p["name"], label, str(b["rounds"]), fmt(b["density"], ".4f"), human(b["bytes_sent"]),
-                 f"{human(b['diloco_bytes'])} ({ratio(b['diloco_bytes'], b['bytes_sent'])})",
-                 f"{human(b['ddp_bytes'])} ({ratio(b['ddp_bytes'], b['bytes_sent'])})"]
-            )  # fmt: skip
-    header = ["peer", "phase", "rounds", "density", "bytes sent", "DiLoCo would send", "DDP would send"]
+        b = p["bytes"]
+        if not b["rounds"]:
+            continue
+        rows.append(
+            [p["name"], str(b["rounds"]), f"{fmt(p['density_first'], '.4f')} -> {fmt(p['density_last'], '.4f')}",
+             human(b["bytes_sent"]), f"{human(b['diloco_bytes'])} ({ratio(b['diloco_bytes'], b['bytes_sent'])})",
+             f"{human(b['ddp_bytes'])} ({ratio(b['ddp_bytes'], b['bytes_sent'])})"]
+        )  # fmt: skip
+    header = ["peer", "rounds", "density (first -> last)", "bytes sent", "DiLoCo would send", "DDP would send"]
     out.append(table(header, rows))
     out.append(
-        f"(DiLoCo: dense FP32 pseudo-gradient all-reduced once per round; DDP: FP32 gradients once per inner step; "
-        f"ring all-reduce among {num_workers}: {2 * (num_workers - 1) / max(num_workers, 1) * 4:g} bytes x params)"
+        f"(DiLoCo: dense FP32 pseudo-gradient all-reduced once per round; DDP: FP32 gradients once per optimizer "
+        f"step; ring all-reduce among {num_workers}: {2 * (num_workers - 1) / max(num_workers, 1) * 4:g} bytes x "
+        "params; pulseloco: bytes measured on the wire, indices and FP32 values plus headers)"
     )
 
     # PULSESync
-    publisher = next((p for p in peer_dirs if of(peer_events[p.name], "publish")), None)
+    publisher = next((p for p in peer_dirs if (p / "pulsesync_versions.jsonl").exists()), None)
     published: dict[int, str] = {}
     sync: dict[str, Any] = {}
     if publisher is None:
         out.append("\nPULSESync: no peer published a version")
         ok = False
     else:
-        published = {e["version"]: e["digest"] for e in of(peer_events[publisher.name], "publish")}
+        published = {e["version"]: e["digest"] for e in read_events(publisher / "pulsesync_versions.jsonl")}
         store = store_summary(publisher / "versions")
         full = max(store["anchors"].values(), default=2 * num_params)
         patches = store["patches"]
-        # version v holds the model after v - 1 rounds (version 1 is the initial model)
-        sft_steps = max((p["phases"]["warm-up"]["rounds"] for p in peers), default=0) * (h or 1)
-        grpo_patches = [size for v, size in patches.items() if (v - 1) * (h or 1) > sft_steps]
-        rollouts = of(worker_events, "rollout")
+        rollouts = worker_events
         paths = sorted({r["path"] for r in rollouts})
         received = sum(r["bytes_received"] for r in rollouts)
         sync = {"publisher": publisher.name, "versions": sorted(published), "full_checkpoint_bytes": full, **store,
@@ -207,11 +200,9 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
             f"{len(store['anchors'])} anchors and {len(patches)} patches (retention may have pruned older ones)"
         )
         sync_rows = []
-        for label, sizes in (("one version (mean patch)", list(patches.values())),
-                             ("one GRPO-phase version (mean patch)", grpo_patches)):  # fmt: skip
-            if sizes:
-                mean_patch = sum(sizes) / len(sizes)
-                sync_rows.append([label, human(mean_patch), human(full), ratio(full, mean_patch)])
+        if patches:
+            mean_patch = sum(patches.values()) / len(patches)
+            sync_rows.append(["one version (mean patch)", human(mean_patch), human(full), ratio(full, mean_patch)])
         if rollouts:
             full_total = full * len(rollouts)
             sync_rows.append(
@@ -227,7 +218,7 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
     num_rounds = min((len(t) for t in theta), default=0)
     rounds_match = sum(len({t[i] for t in theta}) == 1 for i in range(num_rounds))
     theta_ok = num_rounds > 0 and rounds_match == num_rounds and len({len(t) for t in theta}) == 1
-    rollouts = of(worker_events, "rollout")
+    rollouts = worker_events
     versions_match = sum(published.get(r["version"]) == r["digest"] for r in rollouts)
     last_version = max(published, default=None)
     worker_ok = bool(rollouts) and versions_match == len(rollouts) and rollouts[-1]["version"] == last_version

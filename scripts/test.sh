@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Lint and test pulseloco: sets up .venv (scripts/_setup.sh), runs ruff, then pytest.
+# Lint and test pulseloco: sets up .venv (scripts/_setup.sh), runs ruff, mypy, then pytest.
 # Arguments go to pytest, e.g. `scripts/test.sh -k cli -x`.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
@@ -10,6 +10,9 @@ for dir in pulseloco tests scripts recipes; do
 done
 echo "[test] ruff check ${lint_dirs[*]}" >&2
 ruff check --quiet "${lint_dirs[@]}"
+
+echo "[test] mypy" >&2
+"$VENV/bin/mypy"  # pinned in the test extra; settings (packages = pulseloco) in pyproject.toml
 
 echo "[test] pytest" >&2
 rc=0

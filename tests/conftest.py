@@ -10,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -78,3 +81,34 @@ def reap_children_at_exit() -> Iterator[None]:
     yield
     # multiprocessing's helpers exit with pytest (their pipes close), and ignore SIGTERM (5 s of waiting)
     _kill_and_reap([proc for proc in _descendants() if not _is_mp_helper(proc)], reason="end of test session")
+
+
+@pytest.fixture(scope="session")
+def tiny_warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory of a tiny warm model (``scripts/warm_model.py --size tiny``), built once per test session in
+    a temporary cache (about half a minute on two CPU cores); its cache is ``path.parent.parent``."""
+    cache = tmp_path_factory.mktemp("pulseloco-cache")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "warm_model.py"
+    # The build starts from a killed build's leftovers (a half-written model directory without the completion
+    # marker, a stale temporary directory), so that tests/test_warm_model.py checks that they are rebuilt and
+    # removed without a second build; the build's stdout is kept in ``build.log`` for it.
+    sys.path.insert(0, str(script.parent))
+    import warm_model
+
+    name = f"warm-tiny-{warm_model.SIZES['tiny'].digest()}"
+    (cache / "models" / name).mkdir(parents=True)
+    (cache / "models" / name / "config.json").write_text("{not json")
+    (cache / "models" / f".{name}.tmp-killed").mkdir()
+    result = subprocess.run(
+        [sys.executable, str(script), "--size", "tiny", "--cache-dir", str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        check=False,
+    )
+    assert result.returncode == 0, f"warm_model.py failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    (cache / "build.log").write_text(result.stdout)
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("warm model: "), f"unexpected last line {last!r}"
+    return Path(last.removeprefix("warm model: "))

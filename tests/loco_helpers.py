@@ -96,6 +96,8 @@ class PeerConfig:
     """Wait for another peer's ``announce_round`` before joining (``start_delay`` then also applies)."""
     announce_round: int | None = None
     """After completing this round, let late peers join."""
+    faults: dict[int, str] = field(default_factory=dict)
+    """Faults to inject, by round (see :func:`_inject_faults`)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -131,6 +133,113 @@ def _make_malicious() -> None:
     averaging.encode_sparse = evil  # type: ignore[assignment]
 
 
+def _stall(seconds: float) -> None:
+    """Stop this whole process (every thread: the training loop and the averager's event loop) for ``seconds``,
+    as a swapping or preempted machine does; a shell child sends SIGCONT. The DHT process and the libp2p
+    daemon keep running, as they would on a real machine whose Python process stalls."""
+    import subprocess
+
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
+    """Faults by round, each a real failure of this process or of its network behaviour:
+
+    - ``stall:S``: the process stops for S seconds when it starts fetching the shard sums (its parts pushed);
+    - ``cut_fetch``: as a shard owner, end the sum's stream without a message for one member (the largest
+      peer id other than its own) on every attempt, while serving the others;
+    - ``alone``: its DHT view fails at the start of the round: it forms a group of itself alone.
+    """
+    from pulseloco.loco.matchmaking import Group
+
+    averager, matchmaker = opt.averager, opt.matchmaker
+    original_fetch, original_form = averager._fetch, matchmaker.form_group
+    stalled: set[int] = set()
+
+    async def fetch(owner: str, header: dict[str, Any], deadline: float) -> Any:
+        fault = faults.get(header["round"], "")
+        if fault.startswith("stall:") and header["round"] not in stalled:
+            stalled.add(header["round"])
+            _stall(float(fault.split(":")[1]))
+        return await original_fetch(owner, header, deadline)
+
+    def form_group(round_index: int, expiration: float) -> Any:
+        if faults.get(round_index) == "alone":
+            me = averager.peer_id
+            return Group(round=round_index, members=(me,), servers=(me,))
+        return original_form(round_index, expiration)
+
+    averager._fetch = fetch
+    matchmaker.form_group = form_group
+
+
+def _patch_owner_faults(faults: dict[int, str]) -> None:
+    """The owner-side faults of :func:`_inject_faults`, patched into this process's ``SparseAverager`` class
+    before construction (hivemind registers the ``rpc_*`` handlers when the averager starts)."""
+    import asyncio
+    import functools
+    import json
+
+    from pulseloco.loco.averaging import SparseAverager
+
+    original = SparseAverager.rpc_fetch
+
+    @functools.wraps(original)
+    async def rpc_fetch(self: Any, request: Any, context: Any) -> Any:
+        header = json.loads(request.metadata or b"{}")
+        if faults.get(header.get("round")) == "cut_fetch":
+            shard = self._owned_shard(header["round"], header["group"])
+            if shard is not None:
+                await asyncio.wait_for(shard.done.wait(), timeout=30)
+                if context.remote_id.to_base58() == max((shard.expected or frozenset()) - {self.peer_id}):
+                    return  # the stream ends before its first message
+        async for message in original(self, request, context):
+            yield message
+
+    SparseAverager.rpc_fetch = rpc_fetch  # type: ignore[method-assign]
+
+
+def _record_ledger(opt: Any, report: dict[str, Any]) -> None:
+    """An outside ledger: every pseudo-gradient this peer produced (``produced``), and every change its own
+    rounds made to theta (``transitions``: digest before, digest after, and the sum of contributions applied:
+    the average times the number of contributions each shard counted). Downloads change no sums, so walking
+    the transitions back from a final digest gives what that theta's lineage counted."""
+    from pulseloco.loco.outer import NesterovOuterOptimizer
+    from pulseloco.loco.validation import theta_digest
+
+    produced = torch.zeros(opt.numel)
+    report["transitions"] = []
+    report["initial_digest"] = theta_digest(opt.theta_N)
+    flatten, all_reduce, outer_step = opt._flatten_local, opt.averager.all_reduce, NesterovOuterOptimizer.step
+    last_sum: list[torch.Tensor] = []
+
+    def flatten_and_record() -> torch.Tensor:
+        local = flatten()
+        produced.add_(opt.theta_N - local)
+        report["produced"] = produced.numpy().tobytes()
+        return local
+
+    def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor) -> Any:
+        result = all_reduce(group, indices_K, values_K)
+        sum_N = torch.zeros(opt.numel)
+        sum_N[result.indices_K] = result.average_K
+        for (start, stop), names in zip(result.bounds, result.accepted):
+            sum_N[start:stop] *= len(names) if names else 0
+        last_sum[:] = [sum_N]
+        return result
+
+    def step_and_record(self: Any, theta_N: torch.Tensor, pseudo_gradient_N: torch.Tensor) -> None:
+        before = theta_digest(theta_N)
+        outer_step(self, theta_N, pseudo_gradient_N)
+        applied = last_sum.pop() if last_sum else torch.zeros(opt.numel)
+        report["transitions"].append((before, theta_digest(theta_N), applied.numpy().tobytes()))
+
+    opt._flatten_local = flatten_and_record
+    opt.averager.all_reduce = all_reduce_and_record
+    NesterovOuterOptimizer.step = step_and_record  # type: ignore[method-assign]  (this peer process only)
+
+
 def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_event: Any = None) -> None:
     """Body of a peer process: join, train ``num_rounds`` outer rounds, put a report on ``results``.
 
@@ -156,6 +265,8 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     inner_optimizer = make_inner_optimizer(model, config.inner_lr)
     if config.malicious:
         _make_malicious()
+    if "cut_fetch" in config.faults.values():
+        _patch_owner_faults(config.faults)
     opt = PulseLoCo(
         model,
         inner_optimizer,
@@ -179,6 +290,10 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     print(f"peer{config.index} ready t={time.time():.1f}", flush=True)
     report: dict[str, Any] = {"index": config.index, "peer_id": opt.peer_id, "joined_at_round": joined_at_round}
     report["rounds"] = []
+    if config.faults:
+        _inject_faults(opt, config.faults)
+    if opt.averager is not None:
+        _record_ledger(opt, report)
     if config.die_in_round is not None:
         original = opt.matchmaker.form_group
 
@@ -209,6 +324,9 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
                     "num_rejected": m.num_rejected,
                     "num_returned": m.num_returned,
                     "repaired": m.repaired,
+                    "complete": m.complete,
+                    "num_contributors": m.num_contributors,
+                    "num_reconciled": m.num_reconciled,
                     "num_sent": m.num_sent,
                     "bytes_sent": m.bytes_sent,
                     "seconds_sync": m.seconds_sync,
@@ -217,6 +335,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
             )
     # Plain bytes: a tensor would travel as shared memory that must outlive this process.
     report["theta"] = opt.theta_N.numpy().tobytes()
+    report["residual"] = opt.residual_N.numpy().tobytes()
     report["final_round"] = opt.round
     if config.state_out is not None:
         torch.save(opt.state_dict(), config.state_out)

@@ -273,8 +273,8 @@ def forge_object(
     """
     import json
 
+    from pulseloco.digest import state_digest
     from pulseloco.sync.anchor import anchor_bytes, load_anchor
-    from pulseloco.sync.digest import state_digest
     from pulseloco.sync.patch import apply_patch, make_patch
     from pulseloco.sync.signing import Envelope, sign_envelope
     from pulseloco.sync.store import VersionStore

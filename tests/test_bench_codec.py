@@ -118,7 +118,7 @@ def test_baselines_round_trip_edge_shapes(codec: str) -> None:
 
 
 def test_binary_entropy_bound() -> None:
-    # About 1.01 bytes per changed element at p = 1% (DESIGN.md section 4).
+    # About 1.01 bytes per changed element at p = 1% (docs/design.md section 6.2).
     p = 0.01
     assert bench.binary_entropy(p) / p / 8 == pytest.approx(1.01, abs=0.005)
     assert bench.binary_entropy(0.0) == 0.0

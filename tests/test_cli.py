@@ -15,9 +15,7 @@ _CONSOLE_SCRIPT = Path(sys.executable).parent / "pulseloco"
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False
-    )
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False)
 
 
 @pytest.mark.parametrize(
@@ -36,7 +34,7 @@ def test_unknown_command_is_a_usage_error() -> None:
     result = _run([str(_CONSOLE_SCRIPT), "no-such-command"])
     assert result.returncode == 2
     assert result.stdout == ""
-    assert "error: unknown command 'no-such-command' (choose from: dht, keygen, sync, version)" in result.stderr
+    assert "error: unknown command 'no-such-command' (choose from: dht, keygen, status, sync, version)" in result.stderr
     assert "Traceback" not in result.stderr
 
 

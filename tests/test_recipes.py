@@ -1,10 +1,8 @@
-"""Recipe smoke tests: real ``accelerate launch`` runs of recipes/ on the tiny config, on 127.0.0.1.
+"""Recipe smoke tests: real ``accelerate launch`` runs of recipes/ and of a user's TRL script, on 127.0.0.1, from
+a tiny warm model in Hugging Face format (``tiny_warm_model`` in tests/conftest.py).
 
-Each test starts the recipes as separate processes (several at once where they are independent, to keep the
-file to a few minutes on two CPU cores), waits for them with a timeout, and checks their metrics files:
-``ddp`` with two processes and a resume, single ``diloco`` and ``sparseloco`` peers, two ``pulseloco`` GRPO peers
-publishing to a rollout worker, and the one-line errors of bad configurations. Processes are killed and reaped
-on failure here and by tests/conftest.py.
+Each test starts its processes at once where they are independent (two CPU cores), waits for them with a
+timeout and checks what they wrote. Processes are killed and reaped on failure here and by tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -23,46 +22,34 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
-TINY = RECIPES / "configs" / "tiny.yaml"
+CONFIGS = RECIPES / "configs"
 ACCELERATE = [str(Path(sys.executable).parent / "accelerate"), "launch"]
-LAUNCH_FLAGS = ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-RUN_TIMEOUT_S = 240.0
-"""Upper bound for one recipe run (they take well under a minute on an idle two-core machine)."""
+SINGLE = ["--config_file", str(RECIPES / "accelerate_configs" / "single_process.yaml")]
+TWO_CPU = ["--config_file", str(RECIPES / "accelerate_configs" / "multi_process_cpu.yaml")]
+RUN_TIMEOUT_S = 300.0
+"""Upper bound for one run (well under a minute each on an idle two-core machine)."""
 
 
 class Run:
-    """A recipe process whose stdout and stderr go to a log file."""
+    """A process whose stdout and stderr go to a log file."""
 
     def __init__(self, argv: Sequence[str], log: Path, cwd: Path) -> None:
         self.log = log
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with log.open("wb") as fh:
             self.proc = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=env)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def wait_for_line(self, pattern: str, timeout: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = re.search(pattern, self.text())
-            if match:
-                return match
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        raise AssertionError(f"{self.log.name}: no line matching {pattern!r}; log:\n{self.text()[-3000:]}")
-
-    def wait(self, timeout: float = RUN_TIMEOUT_S) -> str:
-        """Wait for exit code 0; returns the log."""
+    def wait(self, timeout: float = RUN_TIMEOUT_S, code: int = 0) -> str:
+        """Wait for exit code ``code``; returns the log."""
         try:
-            code = self.proc.wait(timeout=timeout)
+            returned = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(
-                f"{self.log.name} did not finish in {timeout:.0f} s; log:\n{self.text()[-3000:]}"
-            ) from None
-        assert code == 0, f"{self.log.name} exited with {code}; log:\n{self.text()[-3000:]}"
+            raise AssertionError(f"{self.log.name} did not finish in {timeout:.0f} s:\n{self.text()[-3000:]}") from None
+        assert returned == code, f"{self.log.name} exited with {returned}:\n{self.text()[-3000:]}"
         return self.text()
 
     def kill(self) -> None:
@@ -80,160 +67,254 @@ def runs() -> Iterator[list[Run]]:
         run.kill()
 
 
-def launch(runs: list[Run], tmp_path: Path, name: str, recipe: str, *args: str, num_processes: int = 1) -> Run:
-    """``accelerate launch`` a recipe with the tiny config, output in ``tmp_path/name``."""
-    multi = ["--multi_gpu"] if num_processes > 1 else []
-    argv = [*ACCELERATE, *multi, "--num_processes", str(num_processes), *LAUNCH_FLAGS, str(RECIPES / recipe)]
-    argv += ["--config", str(TINY), "--output-dir", str(tmp_path / name), *args]
+@pytest.fixture
+def bootstrap() -> Iterator[str]:
+    """A DHT node on 127.0.0.1 that peers and workers join; yields its multiaddr."""
+    import hivemind
+
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        yield str(dht.get_visible_maddrs()[0])
+    finally:
+        dht.shutdown()
+
+
+def start(runs: list[Run], tmp_path: Path, name: str, argv: Sequence[str]) -> Run:
     run = Run(argv, tmp_path / f"{name}.log", tmp_path)
     runs.append(run)
     return run
 
 
-def metrics(tmp_path: Path, name: str, event: str) -> list[dict[str, Any]]:
-    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    return [record for record in map(json.loads, lines) if record["event"] == event]
+def grpo(model: Path, out: Path, *args: str, launch: Sequence[str] = SINGLE) -> list[str]:
+    argv = [*ACCELERATE, *launch, str(RECIPES / "grpo.py"), "--config", str(CONFIGS / "grpo-tiny.yaml")]
+    return [*argv, "--model_name_or_path", str(model), "--output_dir", str(out), *args]
 
 
-FAST_SWARM = ["--matchmaking-time", "3", "--target-group-size", "1", "--linger", "0"]
-"""A lone peer: form each round's group at once and leave right after the last round."""
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_ddp_two_processes_then_resume_in_one(runs: list[Run], tmp_path: Path) -> None:
-    launch(runs, tmp_path, "ddp", "pretrain.py", "--strategy", "ddp", "--steps", "8", num_processes=2).wait()
-    steps = metrics(tmp_path, "ddp", "step")
-    assert [s["step"] for s in steps] == [4, 8]
-    assert steps[-1]["bytes_sent_total"] > 0  # all-reduce estimate: zero with one process
-    assert all(s["loss"] > 0 for s in steps)
-    start = metrics(tmp_path, "ddp", "start")
-    assert start[0]["config"]["swarm"]["strategy"] == "ddp"
-    # Resume the 2-process run in one plain process (no launcher): same checkpoint, continues at step 8.
-    argv = [sys.executable, str(RECIPES / "pretrain.py"), "--config", str(TINY), "--output-dir", str(tmp_path / "ddp")]
-    resumed = Run([*argv, "--strategy", "ddp", "--steps", "12", "--resume"], tmp_path / "resume.log", tmp_path)
-    runs.append(resumed)
-    log = resumed.wait()
-    assert "steps 8->12" in log
-    steps = metrics(tmp_path, "ddp", "step")
-    assert [s["step"] for s in steps] == [4, 8, 12]
-    assert len(metrics(tmp_path, "ddp", "done")) == 2
-
-
-def test_diloco_and_sparseloco_single_peers(runs: list[Run], tmp_path: Path) -> None:
-    args = ["--steps", "16", *FAST_SWARM]
-    # The diloco peer is two processes of one launch: only the main one joins the swarm, the other follows it.
-    diloco = launch(
-        runs, tmp_path, "diloco", "pretrain.py", "--strategy", "diloco", "--run-id", "d", *args, num_processes=2
-    )
-    sparse = launch(runs, tmp_path, "sparseloco", "pretrain.py", "--strategy", "sparseloco", "--run-id", "s", *args)
-    for run in (diloco, sparse):
-        assert run.wait().count("swarm: multiaddr /ip4/127.0.0.1/tcp/") == 1
-    dense_rounds = metrics(tmp_path, "diloco", "round")
-    topk_rounds = metrics(tmp_path, "sparseloco", "round")
-    assert [r["round"] for r in dense_rounds] == [r["round"] for r in topk_rounds] == [0, 1]
-    assert all(r["density"] == 1.0 and r["num_peers"] == 1 for r in dense_rounds)
-    assert all(0 < r["density"] <= 0.06 for r in topk_rounds)  # topk_density 0.05 in tiny.yaml
-    for name in ("diloco", "sparseloco"):
-        assert metrics(tmp_path, name, "done")[0]["eval_loss"] < metrics(tmp_path, name, "step")[0]["loss"]
-
-
-def test_grpo_pulseloco_peers_publish_to_rollout_worker(runs: list[Run], tmp_path: Path) -> None:
-    import hivemind
-
+def test_grpo_peers_publish_to_rollout_worker(
+    runs: list[Run], tmp_path: Path, tiny_warm_model: Path, bootstrap: str
+) -> None:
     from pulseloco.cli import main as pulseloco_main
 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "publisher")]) == 0
-    bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    try:
-        initial_peers = [str(bootstrap.get_visible_maddrs()[0])]
-        # 16 warm-up + 16 GRPO steps = 4 rounds of 8; the first peer waits for the second (target group size 2).
-        swarm = ["--strategy", "pulseloco", "--run-id", "g", "--initial-peers", *initial_peers]
-        swarm += ["--target-group-size", "2", "--matchmaking-time", "60", "--sft-steps", "16", "--steps", "16"]
-        peer0 = launch(
-            runs, tmp_path, "peer0", "grpo.py", *swarm, "--peer-index", "0", "--linger", "8",
-            "--publish", "--signing-key", str(tmp_path / "publisher"),
-        )  # fmt: skip
-        peer1 = launch(runs, tmp_path, "peer1", "grpo.py", *swarm, "--peer-index", "1", "--linger", "5")
-        worker_argv = [sys.executable, str(RECIPES / "rollout_worker.py"), "--config", str(TINY)]
-        worker_argv += [
-            "--run-id",
-            "g",
-            "--initial-peers",
-            *initial_peers,
-            "--public-key",
-            str(tmp_path / "publisher.pub"),
-        ]
-        worker_argv += ["--until-version", "5", "--max-seconds", "200", "--output-dir", str(tmp_path / "worker")]
-        worker = Run(worker_argv, tmp_path / "worker.log", tmp_path)
-        runs.append(worker)
-        worker_log = worker.wait()
-        peer0.wait()
-        peer1.wait()
-    finally:
-        bootstrap.shutdown()
-    rounds = [metrics(tmp_path, name, "round") for name in ("peer0", "peer1")]
+    # 24 steps = 3 rounds of 8; each round waits for both peers (target group size 2).
+    swarm = ["--max_steps", "24", "--run_id", "g", "--initial_peers", bootstrap, "--target_group_size", "2"]
+    swarm += ["--matchmaking_time", "60", "--num_eval_prompts", "16"]
+    publish = ["--publish", "--signing_key", str(tmp_path / "publisher"), "--linger", "15"]
+    peer0 = start(runs, tmp_path, "peer0", grpo(tiny_warm_model, tmp_path / "peer0", *swarm, *publish))
+    peer1 = start(runs, tmp_path, "peer1", grpo(tiny_warm_model, tmp_path / "peer1", *swarm, "--seed", "1"))
+    worker_argv = [sys.executable, str(RECIPES / "rollout_worker.py"), "--model_name_or_path", str(tiny_warm_model)]
+    worker_argv += ["--run_id", "g", "--initial_peers", bootstrap, "--public_key", str(tmp_path / "publisher.pub")]
+    worker_argv += ["--until_version", "4", "--max_seconds", "240", "--output_dir", str(tmp_path / "worker")]
+    worker_argv += ["--num_prompts", "16", "--interval", "0.3"]
+    worker = start(runs, tmp_path, "worker", worker_argv)
+    worker_log = worker.wait()
+    peer0_log, _ = peer0.wait(), peer1.wait()
+
+    rounds = [read_jsonl(tmp_path / name / "pulseloco_rounds.jsonl") for name in ("peer0", "peer1")]
     for peer_rounds in rounds:
-        assert [r["round"] for r in peer_rounds] == [0, 1, 2, 3]
+        assert [r["round"] for r in peer_rounds] == [0, 1, 2]
         assert all(r["num_peers"] == 2 and r["bytes_sent"] > 0 for r in peer_rounds)
     assert [r["theta_digest"] for r in rounds[0]] == [r["theta_digest"] for r in rounds[1]]
-    rewards = [s["reward"] for s in metrics(tmp_path, "peer0", "step") if s["phase"] == "grpo"]
-    assert rewards and any(r > 0 for r in rewards)  # the warm-up made rewards non-zero
-    published = {p["version"]: p["digest"] for p in metrics(tmp_path, "peer0", "publish")}
-    assert max(published) == 5  # the initial model, then one version per round
-    rollouts = metrics(tmp_path, "worker", "rollout")
-    assert rollouts[-1]["version"] == 5 and rollouts[-1]["digest"] == published[5]
-    assert all(0.0 <= r["reward"] <= 1.0 for r in rollouts)
-    assert f"digest={published[5]}" in worker_log
+    assert any(r["num_sent"] > 0 for r in rounds[0])  # GRPO moved some weights visibly
+
+    published = {p["version"]: p["digest"] for p in read_jsonl(tmp_path / "peer0" / "pulsesync_versions.jsonl")}
+    assert sorted(published) == [1, 2, 3, 4]  # the starting weights, then one version per round
+    rollouts = read_jsonl(tmp_path / "worker" / "rollouts.jsonl")
+    assert rollouts[0]["path"] == "anchor" and rollouts[-1]["version"] == 4
+    for record in rollouts:
+        assert record["digest"] == published[record["version"]]
+        assert 0.0 <= record["reward"] <= 1.0
+    assert f"digest={published[4]}" in worker_log
+
+    # TRL's own logs and the recipe's before/after evaluation; the saved model is a model_name_or_path again.
+    history = json.loads((tmp_path / "peer0" / "trainer_state.json").read_text())["log_history"]
+    assert any("reward" in entry for entry in history)
+    evaluation = json.loads((tmp_path / "peer0" / "grpo_eval.json").read_text())
+    assert 0.0 <= evaluation["reward_before"] <= 1.0 and 0.0 <= evaluation["reward_after"] <= 1.0
+    assert "greedy_reward" in peer0_log
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "peer0")
+    AutoTokenizer.from_pretrained(tmp_path / "peer0")
 
 
-BAD_CONFIGURATIONS = [
-    (["--strategy", "allreduce"], "unknown strategy 'allreduce' (choose from ddp, diloco, pulseloco, sparseloco)"),
-    (["--stepz", "3"], "unknown option --stepz (did you mean --steps?)"),
-    (["--model.num-heads", "3"], "model.hidden_size (64) must be divisible by model.num_heads (3)"),
-    (["--steps", "ten"], "--steps: expected an integer, got 'ten'"),
-    (["--model.hidden-size", "65536", "--model.num-layers", "512", "--model.intermediate-size", "65536"],
-     "the model does not fit"),
-]  # fmt: skip
+def test_two_lines_make_a_users_trl_script_a_pulseloco_peer(
+    runs: list[Run], tmp_path: Path, tiny_warm_model: Path, bootstrap: str
+) -> None:
+    """The README's change to a TRL script, applied verbatim: an import and a ``callbacks=`` argument."""
+    source = (Path(__file__).parent / "assets" / "trl_grpo_script.py").read_text()
+    plain = "trainer = GRPOTrainer(model=model_dir, reward_funcs=reward_digits, args=args, train_dataset=dataset)"
+    assert plain in source
+    changed = source.replace("import sys\n", "import sys\n\nfrom pulseloco.integrations import PulseLoCoCallback\n")
+    changed = changed.replace(
+        plain,
+        plain[:-1] + f', callbacks=[PulseLoCoCallback(run_id="my-run", initial_peers=["{bootstrap}"])])',
+    )
+    script = tmp_path / "user_grpo.py"
+    script.write_text(changed)
+    launch = [*ACCELERATE, *SINGLE, str(script), str(tiny_warm_model)]
+    peers = [start(runs, tmp_path, f"user{i}", [*launch, str(tmp_path / f"u{i}"), str(i)]) for i in range(2)]
+    for peer in peers:
+        assert "pulseloco: peer_id=" in peer.wait()
+    # One outer round after 8 steps: different seeds, different samples, the same consensus weights.
+    from safetensors.torch import load_file
+
+    first, second = (load_file(tmp_path / f"u{i}" / "model.safetensors") for i in range(2))
+    original = load_file(tiny_warm_model / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all((first[k] == second[k]).all() for k in first)
+    assert any(not (first[k] == original[k]).all() for k in first)
 
 
-def test_bad_configurations_end_with_one_line(runs: list[Run], tmp_path: Path) -> None:
+def test_grpo_ddp_two_processes(runs: list[Run], tmp_path: Path, tiny_warm_model: Path) -> None:
+    """``--strategy ddp``: the Trainer's own data parallelism across the two processes of one launch."""
+    out = tmp_path / "ddp"
+    argv = grpo(
+        tiny_warm_model, out, "--strategy", "ddp", "--max_steps", "4", "--num_eval_prompts", "8", launch=TWO_CPU
+    )
+    log = start(runs, tmp_path, "ddp", argv).wait()
+    assert "processes=2" in log
+    assert not (out / "pulseloco_rounds.jsonl").exists()
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+    # A second run into the same directory is refused instead of mixing two runs.
+    again = start(runs, tmp_path, "again", [sys.executable, *grpo(tiny_warm_model, out)[len(ACCELERATE) + 2 :]])
+    assert "already holds a run" in again.wait(code=2)
+
+
+def _not_a_causal_lm(tmp_path: Path) -> Path:
+    from transformers import DistilBertConfig
+
+    path = tmp_path / "distilbert"
+    DistilBertConfig(dim=16, n_layers=1, n_heads=2, hidden_dim=32).save_pretrained(path)
+    return path
+
+
+def _too_big(tmp_path: Path, warm: Path) -> Path:
+    """A config (no weights needed) of a model far larger than this machine's memory, with a tokenizer."""
+    from transformers import AutoConfig
+
+    path = tmp_path / "huge"
+    shutil.copytree(warm, path)
+    config = AutoConfig.from_pretrained(warm)
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 8192, 28672, 200
+    config.save_pretrained(path)
+    return path
+
+
+def _grpo_module() -> Any:
+    """recipes/grpo.py as a module (its ``main`` raises what the script prints as one line)."""
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    import grpo as module
+
+    return module
+
+
+def test_bad_configurations_are_refused_with_one_line(tmp_path: Path, tiny_warm_model: Path) -> None:
+    """Each bad input raises the recipe's ConfigError (printed as one line by ``common.run_recipe``) before any
+    training or swarm traffic; checked in this process, the subprocess test below checks the printing."""
+    from pulseloco.errors import ConfigError
+
+    grpo_module = _grpo_module()
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_warm_model, no_tokenizer, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
     bad_yaml = tmp_path / "bad.yaml"
-    bad_yaml.write_text(TINY.read_text().replace("  seq_len: 64", "  seq_lenght: 64"))
-    cases = [*BAD_CONFIGURATIONS, (["--config", str(bad_yaml)], "unknown key 'pretrain.seq_lenght'")]
-    # Launched together: most fail before importing torch, all fail before training.
-    started = []
+    bad_yaml.write_text((CONFIGS / "grpo-tiny.yaml").read_text().replace("max_steps: 64", "max_stepz: 64"))
+    warm = ["--model_name_or_path", str(tiny_warm_model)]
+    cases = [
+        (["--max_stepz", "3", *warm], "unknown option(s)"),
+        (["--max_steps", "ten", *warm], "invalid int value: 'ten'"),
+        (["--max_steps", "12", *warm], "max_steps (12) must be a multiple of inner_steps (8)"),
+        (["--publish", *warm], "--publish needs --signing_key"),
+        (["--model_name_or_path", str(tmp_path / "missing")], "does not exist"),
+        (["--model_name_or_path", str(_not_a_causal_lm(tmp_path))], "not a causal language model"),
+        (["--model_name_or_path", str(no_tokenizer)], "has no usable tokenizer"),
+        (["--model_name_or_path", str(_too_big(tmp_path, tiny_warm_model))], "does not fit"),
+        ([], "--model_name_or_path is required"),
+        (["--config", str(bad_yaml), *warm], "max_stepz"),
+    ]
     for i, (args, expected) in enumerate(cases):
-        argv = [sys.executable, str(RECIPES / "pretrain.py"), "--output-dir", str(tmp_path / f"bad{i}"), *args]
-        started.append((Run(argv, tmp_path / f"bad{i}.log", tmp_path), expected))
-    # An unreachable bootstrap peer, through `accelerate launch -q` (without -q accelerate adds its own traceback).
+        out = tmp_path / f"bad{i}"
+        argv = ["--output_dir", str(out)]
+        if "--config" not in args:
+            argv += ["--config", str(CONFIGS / "grpo-tiny.yaml")]
+        with pytest.raises(ConfigError) as caught:
+            grpo_module.main([*argv, *args])
+        message = str(caught.value)
+        assert expected in message and "\n" not in message, (args, message)
+        assert not out.exists(), args  # refused before anything was written
+
+
+def test_bad_configurations_end_with_one_line(runs: list[Run], tmp_path: Path, tiny_warm_model: Path) -> None:
+    """As a user sees it: the script alone, and through `accelerate launch -q`, print the recipe's line and no
+    traceback (the launcher's included)."""
+    argv = [sys.executable, str(RECIPES / "grpo.py"), "--output_dir", str(tmp_path / "bad")]
+    argv += ["--config", str(CONFIGS / "grpo-tiny.yaml"), "--strategy", "allreduce"]
+    argv += ["--model_name_or_path", str(tiny_warm_model)]
+    started = [(start(runs, tmp_path, "bad", argv), "unknown strategy 'allreduce' (choose from ddp, diloco, pulseloco")]
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEJcUXx5K5pDjNoaNVZk4W8oFYp9ZdxPPB6ZAWWv1xZKw"
-    argv = [*ACCELERATE, "-q", "--num_processes", "1", *LAUNCH_FLAGS, str(RECIPES / "grpo.py"), "--config", str(TINY)]
-    argv += ["--strategy", "pulseloco", "--initial-peers", unreachable, "--startup-timeout", "10"]
-    argv += ["--output-dir", str(tmp_path / "unreachable")]
-    started.append((Run(argv, tmp_path / "unreachable.log", tmp_path), "could not join the swarm"))
-    runs.extend(run for run, _ in started)
+    argv = grpo(tiny_warm_model, tmp_path / "unreachable", "--initial_peers", unreachable, "--startup_timeout", "10")
+    argv.insert(len(ACCELERATE), "-q")
+    started.append((start(runs, tmp_path, "unreachable", argv), "could not join the swarm"))
     for run, expected in started:
         try:
-            code = run.proc.wait(timeout=RUN_TIMEOUT_S)
+            run.proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{run.log.name} did not exit; log:\n{run.text()[-2000:]}") from None
+            raise AssertionError(f"{run.log.name} did not exit:\n{run.text()[-2000:]}") from None
         text = run.text()
         lines = [line for line in text.splitlines() if line.strip()]
-        assert code != 0, text
+        assert run.proc.returncode == (2 if run.log.name == "bad.log" else 1), text  # accelerate exits 1
         assert "Traceback" not in text, text
         errors = [line for line in lines if ": error: " in line]
         assert len(errors) == 1 and expected in errors[0], text
-        assert errors[0].startswith(("pretrain.py: error: ", "grpo.py: error: ")), text
+        assert errors[0].startswith("grpo.py: error: "), text
     assert "--initial-peers" in started[-1][0].text()  # says what to check
 
 
-@pytest.mark.parametrize("path", sorted((RECIPES / "configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_config_file_loads(path: Path) -> None:
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("grpo*.yaml")), ids=lambda p: p.stem)
+def test_every_grpo_config_parses(path: Path) -> None:
     sys.path.insert(0, str(RECIPES))
     try:
         import common
+        import grpo as recipe
     finally:
         sys.path.remove(str(RECIPES))
-    config = common.load_config(["--config", str(path)], prog="test", description="", sections=tuple(common.SECTIONS))
-    assert config.model.num_parameters(common.ByteTokenizer.vocab_size) > 0
-    total = config.grpo.sft_steps + config.grpo.steps
-    assert config.pretrain.steps % config.swarm.inner_steps == 0 and total % config.swarm.inner_steps == 0
+    import torch
+    from trl import GRPOConfig, ModelConfig
+
+    from pulseloco.integrations.args import PulseLoCoArguments
+
+    argv = ["--config", str(path)]
+    if not torch.cuda.is_available():  # GPU configs train in bf16, which TrainingArguments refuses without a GPU
+        argv += ["--use_cpu", "true", "--bf16", "false"]
+    task, training, _, pulse = common.parse_args(
+        (recipe.TaskArguments, GRPOConfig, ModelConfig, PulseLoCoArguments), argv, "test"
+    )
+    assert training.max_steps % pulse.inner_steps == 0
+    assert task.num_eval_prompts >= 1
+
+
+def test_rollout_worker_says_what_it_waits_for(runs: list[Run], tmp_path: Path, tiny_warm_model: Path) -> None:
+    """A worker whose run never publishes names the run id and what must run, then gives up at max_seconds."""
+    from pulseloco.cli import main as pulseloco_main
+
+    assert pulseloco_main(["keygen", "--out", str(tmp_path / "k")]) == 0
+    import hivemind
+
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    try:
+        argv = [sys.executable, str(RECIPES / "rollout_worker.py"), "--model_name_or_path", str(tiny_warm_model)]
+        argv += ["--run_id", "nobody", "--initial_peers", str(dht.get_visible_maddrs()[0])]
+        argv += ["--public_key", str(tmp_path / "k.pub"), "--wait_warning", "2", "--max_seconds", "6"]
+        argv += ["--until_version", "1", "--output_dir", str(tmp_path / "w")]
+        started = time.monotonic()
+        text = start(runs, tmp_path, "worker", argv).wait(code=2)
+    finally:
+        dht.shutdown()
+    assert time.monotonic() - started < 120
+    assert re.search(r"no version of run_id=nobody\.policy after 2 s; a trainer must run with --publish", text)
+    assert "rollout_worker.py: error: version 1 did not arrive" in text

@@ -111,7 +111,7 @@ def test_dht_command_prints_join_line_and_stops_on_sigterm(tmp_path: Path) -> No
             if "accelerate launch" in line:
                 join_line = line
         assert maddr is not None and join_line is not None
-        assert f"--initial-peers {maddr}" in join_line
+        assert f"--initial_peers {maddr}" in join_line
         assert identity.exists()  # the peer id survives restarts
         peer = hivemind.DHT(initial_peers=[maddr], start=True)
         try:
@@ -124,3 +124,46 @@ def test_dht_command_prints_join_line_and_stops_on_sigterm(tmp_path: Path) -> No
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+BOOTSTRAP = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooWR6ceGd8vPzKn2EBaMo77EKuSSQ67t4LsrFS9xV5TZNeS"
+
+
+def test_auto_relay_configuration_errors_say_what_is_missing() -> None:
+    with pytest.raises(ConfigError, match="use_auto_relay needs a relay"):
+        SwarmConfig(use_auto_relay=True)
+    with pytest.raises(ConfigError, match="use_auto_relay needs use_relay"):
+        SwarmConfig(use_auto_relay=True, use_relay=False, initial_peers=[BOOTSTRAP])
+    with pytest.raises(ConfigError, match="relays is set but use_auto_relay is not"):
+        SwarmConfig(relays=[BOOTSTRAP])
+    with pytest.raises(ConfigError, match="has no /p2p/PEER_ID"):
+        SwarmConfig(use_auto_relay=True, initial_peers=[BOOTSTRAP], relays=["/ip4/1.2.3.4/tcp/1"])
+    with pytest.raises(ConfigError, match="relay_wait"):
+        SwarmConfig(relay_wait=-1)
+    assert SwarmConfig(use_auto_relay=True, initial_peers=[BOOTSTRAP]).auto_relays() == [BOOTSTRAP]
+
+
+def test_relay_options_reach_the_swarm_config_from_the_cli_and_the_recipes() -> None:
+    from pulseloco.cli import build_parser
+    from pulseloco.integrations.args import PulseLoCoArguments
+
+    args = build_parser().parse_args(
+        ["sync", "follow", "--run-id", "r", "--public-key", "k.pub", "--initial-peers", BOOTSTRAP, "--use-auto-relay"]
+    )
+    assert (args.use_auto_relay, args.use_relay, args.relays) == (True, True, [])
+    assert build_parser().parse_args(["dht", "--no-relay"]).use_relay is False
+    config = PulseLoCoArguments(initial_peers=[BOOTSTRAP], client_mode=True, use_auto_relay=True).swarm_config()
+    assert (config.use_auto_relay, config.use_relay, config.auto_relays()) == (True, True, [BOOTSTRAP])
+
+
+def test_a_client_mode_peer_without_a_relay_address_is_not_reachable() -> None:
+    from pulseloco.swarm import is_reachable
+
+    first = make_dht(SwarmConfig())
+    client = make_dht(SwarmConfig(initial_peers=[str(m) for m in first.get_visible_maddrs()], client_mode=True))
+    try:
+        assert is_reachable(first)
+        assert not is_reachable(client)
+    finally:
+        client.shutdown()
+        first.shutdown()

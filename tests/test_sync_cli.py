@@ -4,6 +4,7 @@ operator runs them, on a real swarm on 127.0.0.1 (a bootstrap DHT in the test pr
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import stat
 import subprocess
@@ -69,6 +70,66 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_refuses_to_overwri
     again = run([*CLI, "keygen", "--out", str(out)])
     assert again.returncode == 1 and "already exists" in again.stderr and "Traceback" not in again.stderr
     assert out.read_bytes() == before
+
+
+def test_keygen_creates_missing_directories_and_keys_dir_is_ignored_by_git(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "keys" / "team" / "publisher"
+    assert main(["keygen", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600
+    assert stat.S_IMODE(out.parent.stat().st_mode) & 0o077 == 0  # a directory made for keys: owner only
+    load_private_key(out)
+    assert (tmp_path / "keys" / "team" / "publisher.pub").is_file()
+
+    (tmp_path / "file").write_text("not a directory")
+    assert main(["keygen", "--out", str(tmp_path / "file" / "publisher")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot create the key directory" in err and "Traceback" not in err
+
+    repo = Path(__file__).resolve().parents[1]
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("no git checkout to check .gitignore against")
+    ignored = run(["git", "-C", str(repo), "check-ignore", "--no-index", "keys/publisher", "keys/publisher.pub"])
+    assert ignored.stdout.split() == ["keys/publisher", "keys/publisher.pub"], ignored
+
+
+def test_sync_serve_refuses_a_store_that_does_not_exist_unless_asked_to_create_it(
+    tmp_path: Path, keypair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    private, _ = keypair
+    typo = tmp_path / "stroe"
+    assert main(["sync", "serve", "--store", str(typo), "--run-id", RUN, "--key", str(private)]) == 1
+    err = capsys.readouterr().err
+    assert f"store directory {typo} does not exist" in err and "--create-store" in err
+    assert len(err.strip().splitlines()) == 1 and not typo.exists()
+
+    (tmp_path / "file").write_text("")
+    assert main(["sync", "serve", "--store", str(tmp_path / "file"), "--run-id", RUN, "--key", str(private)]) == 1
+    assert "is not a directory" in capsys.readouterr().err
+
+    assert main(["sync", "serve", "--help"]) == 0
+    assert "--create-store" in capsys.readouterr().out
+
+
+def test_sync_serve_reports_a_truncated_anchor_as_a_damaged_store(
+    tmp_path: Path, keypair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    private, _ = keypair
+    store = tmp_path / "store"
+    writer = Publisher(None, RUN, load_private_key(private), store)
+    trainer = Trainer()
+    writer.publish(trainer.model)
+    assert writer.flush(timeout=30) == 1
+    writer.close()
+    anchor = store / "v00000001.anchor"
+    anchor.write_bytes(anchor.read_bytes()[:1000])
+
+    argv = ["sync", "serve", "--store", str(store), "--run-id", RUN, "--key", str(private)]
+    assert main([*argv, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"]) == 1
+    err = capsys.readouterr().err
+    assert f"{anchor} is truncated" in err and "restore it from a good copy" in err, err
+    assert "use the key that wrote it" not in err and "Traceback" not in err
 
 
 def test_sync_commands_report_configuration_errors(

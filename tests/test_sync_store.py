@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import stat
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,8 @@ from pulseloco.sync.signing import (
     verify_envelope,
 )
 from pulseloco.sync.store import VersionStore
-from pulseloco.sync.subscriber import Subscriber
+from pulseloco.sync.subscriber import DirectorySource, Fetched, Head, Subscriber
+from pulseloco.sync.transport import FetchRequest
 
 RUN = "store-test"
 
@@ -629,3 +632,179 @@ def test_full_checkpoint_baseline_fetches_every_version_as_an_anchor(key, tmp_pa
             assert report.bytes_received == len(pub.store.read("anchor", pub.version)[1])
     finally:
         pub.close()
+
+
+def test_mirror_restore_checks_each_payload_against_its_signed_sha256(
+    key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Mirrored bytes that differ from the signed ones are refused, with the file named, even where no later check
+    would notice: an anchor whose safetensors metadata was altered still holds the same tensors."""
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path / "store", anchor_every=3)
+    mirror = tmp_path / "mirror"
+    try:
+        publish(pub, trainer, 4, expected)  # anchors 1 and 4
+        first = Subscriber.from_directory(tmp_path / "store", key.public_key(), run_id=RUN, mirror_dir=mirror)
+        assert first.update({}) == 4
+    finally:
+        pub.close()
+    anchor = mirror / "v00000004.anchor"
+    good = anchor.read_bytes()
+    assert good.count(RUN.encode()) == 1  # in the safetensors header's metadata, outside every tensor
+    anchor.write_bytes(good.replace(RUN.encode(), RUN[::-1].encode()))
+    assert state_digest(load_anchor(anchor.read_bytes())) == expected[4]  # the tensors still match their digest
+
+    empty = tmp_path / "empty-store"
+    VersionStore(empty)
+    second = Subscriber.from_directory(empty, key.public_key(), run_id=RUN, mirror_dir=mirror)
+    restored: dict[str, torch.Tensor] = {}
+    caplog.set_level(logging.WARNING, logger="pulseloco.sync.subscriber")
+    assert second.restore(restored) is None and not restored and second.version is None
+    assert f"{anchor} is corrupt" in caplog.text and "SHA-256" in caplog.text
+
+    anchor.write_bytes(good[:-10])  # cut short
+    caplog.clear()
+    assert second.restore(restored) is None and not restored
+    assert f"{anchor} is truncated" in caplog.text
+
+    anchor.write_bytes(good)
+    assert second.restore(restored) == 4 and state_digest(restored) == expected[4]
+
+
+def test_update_report_lag_counts_versions_published_while_it_ran(key, tmp_path: Path) -> None:
+    """``lag`` is how far the head read after the update is ahead of the version the update reached."""
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path / "store", anchor_every=10)
+    try:
+        publish(pub, trainer, 2, expected)
+        source = DirectorySource(tmp_path / "store", key.public_key(), RUN)
+        stale = source.head()  # the head a subscriber saw when it started updating
+        publish(pub, trainer, 3, expected)  # versions 3-5 land meanwhile
+    finally:
+        pub.close()
+
+    class StartedEarlier:
+        """The directory's source, whose first head() answer is from before versions 3-5."""
+
+        def __init__(self) -> None:
+            self.first = True
+
+        def head(self) -> Head | None:
+            if self.first:
+                self.first = False
+                return stale
+            return source.head()
+
+        def fetch(self, request: FetchRequest) -> Fetched | None:
+            return source.fetch(request)
+
+    sub = Subscriber(None, RUN, key.public_key(), source=StartedEarlier())
+    state: dict[str, torch.Tensor] = {}
+    report = sub.update_report(state)
+    assert report is not None and (report.version, report.lag) == (2, 3)
+    report = sub.update_report(state)
+    assert report is not None and (report.version, report.lag, report.path) == (5, 0, "chain")
+    assert state_digest(state) == expected[5]
+
+
+def test_a_subscriber_without_a_head_says_once_what_it_waits_for(
+    key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    VersionStore(tmp_path / "store")
+    sub = Subscriber.from_directory(tmp_path / "store", key.public_key(), run_id="my-run", no_head_warning_after=0)
+    caplog.set_level(logging.WARNING, logger="pulseloco.sync.subscriber")
+    for _ in range(3):
+        assert sub.update_report({}) is None
+    waiting = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert len(waiting) == 1, waiting
+    assert "'my-run'" in waiting[0] and str(tmp_path / "store") in waiting[0] and "'<run_id>.policy'" in waiting[0]
+
+    patient = Subscriber.from_directory(tmp_path / "store", key.public_key(), run_id="my-run")  # default: 30 s
+    caplog.clear()
+    assert patient.update_report({}) is None and "waiting for" not in caplog.text
+
+
+# ---- the publisher serving its store -------------------------------------------------------------------------
+
+
+def test_publisher_upload_budget_holds_under_concurrent_requests_and_forgets_old_versions(key, tmp_path: Path) -> None:
+    """Requests arrive in the transport's executor threads at once: the newest version is still served at most
+    ``max_uploads_per_version`` times, and the counts of superseded versions are dropped."""
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path, anchor_every=10, max_uploads_per_version=2)
+    try:
+        publish(pub, trainer, 2, expected)
+
+        class SlowCounts(dict):
+            """Upload counts that are slow to read: widens any window between reading and writing a count."""
+
+            def get(self, *args):
+                value = super().get(*args)
+                time.sleep(0.05)  # another request's read lands here unless reading and counting are one step
+                return value
+
+        pub._uploads = SlowCounts()
+        barrier = threading.Barrier(6)
+        answers: list[str] = []
+
+        def ask() -> None:
+            barrier.wait(10)
+            answers.append(pub._provide(FetchRequest("patch", 2)).status)
+
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(answers) == ["busy"] * 4 + ["ok"] * 2
+        assert pub._provide(FetchRequest("patch", 2, force=True)).status == "ok"  # force is not budgeted
+        assert pub._provide(FetchRequest("patch", 1)).status == "missing"  # version 1 is an anchor only
+        assert pub._provide(FetchRequest("anchor", 1)).status == "ok"  # not the newest: not budgeted
+
+        for _ in range(3):
+            publish(pub, trainer, 1, expected)
+            assert pub._provide(FetchRequest("patch", pub.version)).status == "ok"
+        assert dict(pub._uploads) == {5: 1}
+    finally:
+        pub.close()
+
+
+def test_publisher_refuses_to_serve_bytes_that_no_longer_match_their_signature(
+    key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path, anchor_every=10, max_uploads_per_version=1)
+    try:
+        publish(pub, trainer, 4, expected)
+        patch3, patch4 = tmp_path / "v00000003.patch", tmp_path / "v00000004.patch"
+        good3, good4 = patch3.read_bytes(), patch4.read_bytes()
+        patch3.write_bytes(good3[:50] + bytes([good3[50] ^ 1]) + good3[51:])
+        patch4.write_bytes(good4[:-7])
+        caplog.set_level(logging.ERROR, logger="pulseloco.sync.publisher")
+
+        assert pub._provide(FetchRequest("patch", 3)).status == "missing"
+        assert f"{patch3} is corrupt" in caplog.text
+        assert pub._provide(FetchRequest("patch", 4)).status == "missing"
+        assert f"{patch4} is truncated" in caplog.text
+        assert pub._provide(FetchRequest("squash", 4, base_version=2)).status == "missing"  # not squashed either
+        assert pub._provide(FetchRequest("patch", 2)).status == "ok"
+
+        patch4.write_bytes(good4)  # a refused request did not use up the newest version's upload budget
+        served = pub._provide(FetchRequest("patch", 4))
+        assert (served.status, served.payload) == ("ok", good4)
+    finally:
+        pub.close()
+
+
+def test_a_damaged_store_is_reported_as_damaged_not_as_a_key_problem(key, tmp_path: Path) -> None:
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path, anchor_every=10)
+    publish(pub, trainer, 2, expected)
+    pub.close()
+    anchor = tmp_path / "v00000001.anchor"
+    anchor.write_bytes(anchor.read_bytes()[:1000])
+    with pytest.raises(ConfigError) as info:
+        Publisher(None, RUN, key, tmp_path)
+    message = str(info.value)
+    assert f"{anchor} is truncated" in message and "restore it from a good copy" in message
+    assert "use the key that wrote it" not in message

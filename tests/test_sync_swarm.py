@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 
+import hivemind
 import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
@@ -422,5 +423,34 @@ def test_publisher_over_its_upload_budget_serves_when_no_relay_appears(bootstrap
         for sub in subs:
             sub.close()
         sub_dht.shutdown()
+        pub.close()
+        pub_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_client_mode_subscriber_without_a_relay_address_does_not_announce(bootstrap, key, tmp_path: Path) -> None:
+    """A worker in client mode (behind NAT, no relay address) follows, but never appears in the provider record:
+    others would try it first for every version and fail. A server-mode worker next to it announces."""
+    peers = maddrs(bootstrap)
+    run = RUN + "-client-relay"
+    pub_dht = start_dht(peers)
+    pub = Publisher(pub_dht, run, key, tmp_path / "store")
+    client_dht = hivemind.DHT(start=True, initial_peers=peers, client_mode=True, startup_timeout=30)
+    client = Subscriber(client_dht, run, key.public_key(), timeout=20)
+    server = InProcessPeer(peers, run, key, timeout=20)
+    try:
+        trainer, expected = Trainer(), {}
+        publish_versions(pub, trainer, 2, expected)
+        model = tiny_model(seed=3, dtype=torch.bfloat16)
+        assert client.update(model) == 2 and bf16_digest(model) == expected[2]
+        assert server.sub.update(server.model) == 2
+        assert server.sub.announced and not client.announced
+        server_id = server.sub.endpoint.peer_id.to_base58()
+        wait_until_provider_lists(pub.endpoint, server_id, 2)
+        assert client.endpoint.peer_id.to_base58() not in pub.endpoint.get_providers()
+    finally:
+        server.close()
+        client.close()
+        client_dht.shutdown()
         pub.close()
         pub_dht.shutdown()

@@ -25,7 +25,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -242,7 +242,8 @@ def encode_payload(
     return body + xxhash.xxh3_64_digest(body)
 
 
-def _is_int(value: object, minimum: int = 0, maximum: int | None = None) -> bool:
+def _is_int(value: object, minimum: int = 0, maximum: int | None = None) -> TypeGuard[int]:
+    """Whether ``value`` is an int (not a bool) in ``minimum..maximum``; narrows it to int for mypy when true."""
     return (
         isinstance(value, int)
         and not isinstance(value, bool)

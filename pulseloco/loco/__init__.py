@@ -6,7 +6,9 @@ Modules, one concept each:
 - :mod:`~pulseloco.loco.outer`: the Nesterov outer optimizer;
 - :mod:`~pulseloco.loco.matchmaking`: DHT records (per-round groups, per-peer state digests);
 - :mod:`~pulseloco.loco.validation`: encoding and validation of untrusted sparse payloads;
-- :mod:`~pulseloco.loco.averaging`: the sparse reduce-scatter / all-gather and state transfer over libp2p;
+- :mod:`~pulseloco.loco.averaging`: the sparse reduce-scatter / all-gather over libp2p;
+- :mod:`~pulseloco.loco.state`: serving and downloading the global state (peers behind or disagreeing);
+- :mod:`~pulseloco.loco.ledger`: exactly-once bookkeeping of what each round counted;
 - :mod:`~pulseloco.loco.metrics`: per-round JSON-lines metrics;
 - :mod:`~pulseloco.loco.optimizer`: :class:`PulseLoCo`, which ties them together.
 """

@@ -3,9 +3,10 @@
 hivemind's ``DecentralizedAverager`` averages dense tensors of a fixed shape; PULSELoCo's contributions are
 sparse and of a different size on every peer. :class:`SparseAverager` builds the sparse all-reduce from
 hivemind's own parts: the DHT for matchmaking (:mod:`pulseloco.loco.matchmaking`), a ``ServicerBase`` with
-``rpc_*`` handlers over libp2p streams, and hivemind's ``ExpertRequest`` / ``ExpertResponse`` protobufs as
-envelopes (a JSON header in ``metadata``, payload bytes in ``tensors[0].buffer``, chunks of at most
-``chunk_bytes``, below the daemon's 4 MiB message limit).
+``rpc_*`` handlers over libp2p streams on a :class:`pulseloco.p2p.P2PHost`, and the stream protocol of
+:mod:`pulseloco.p2p` (a JSON header, then payload chunks of at most ``chunk_bytes``, in hivemind's
+``ExpertRequest`` / ``ExpertResponse`` protobufs). State transfer (serving and downloading the global state)
+is :mod:`pulseloco.loco.state`, mixed into :class:`SparseAverager`.
 
 One round, for a group whose server-mode members ``S_0 < S_1 < ...`` (sorted peer ids) each own a contiguous
 shard of the flat parameter space:
@@ -20,20 +21,32 @@ shard of the flat parameter space:
    computes bit-identical averages.
 
 A member's traffic grows with its own payload plus the (sparse) sums, not with the number of peers times the
-model. Failure behaviour: every remote wait has a deadline (``averaging_timeout`` for the whole exchange,
-``request_timeout`` per message); a shard whose owner is gone, or which refused this peer's part, is reported
-as not delivered so that the caller returns those entries to its residual; the round never raises because of a
-peer. Client-mode members push and fetch but own no shard and serve nothing.
+model. Client-mode members push and fetch but own no shard and serve nothing.
+
+Exactly once (docs/design.md, "Exactly-once contributions"). What a round counted is decided by the owners
+alone: shard ``j``'s sum contains exactly the contributions on its ``accepted`` list, fixed when the owner
+aggregates and sent with the sum. A member therefore derives delivery from the lists it fetched, never from push
+acknowledgements: its part of shard ``j`` is *counted* if and only if it fetched shard ``j`` and its id is on
+the list. Every member that fetched a shard applies the same sum and the same list, so an accepted
+contribution is in the theta of every peer that fetched that shard, and the sender keeps (returns to its
+residual) exactly the parts it cannot show were counted. A fetch that fails is retried after the deadline (the
+owner keeps its sums for ``_KEEP_ROUNDS`` rounds), which covers stalls and streams cut short. A shard that still
+cannot be fetched is *unknown*: the round is incomplete (``complete`` False), the shard is not applied and this
+peer's part of it is returned provisionally; the caller then repairs its theta from the swarm's majority and
+reconciles its residual with the accepted lists that come with the downloaded state
+(:meth:`pulseloco.loco.optimizer.PulseLoCo` keeps that ledger), so that a part the others counted is taken back
+out of the residual.
+
+Failure behaviour: every remote wait has a deadline (``averaging_timeout`` for the whole exchange,
+``request_timeout`` per message, one more ``request_timeout`` per retry); the round never raises because of a
+peer.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import random
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # hivemind's ServicerBase recognises streaming handlers by typing.AsyncIterator hints (their ``_name``); the
@@ -41,25 +54,25 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator  # noqa: UP035
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout
 
-from pulseloco.errors import PayloadError, StateDownloadError, SwarmError
-from pulseloco.loco.matchmaking import Group, PeerState
-from pulseloco.loco.runtime import BackgroundLoop
-from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers, theta_digest
+from pulseloco.errors import PayloadError, SwarmError
+from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.state import StateSnapshot, StateTransfer
+from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
+from pulseloco.p2p import CHUNK_BYTES, P2PHost, header_message, parse_header, read_stream, stream_messages
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AllReduceResult", "SparseAverager", "StateSnapshot", "shard_bounds"]
+__all__ = ["AllReduceResult", "SparseAverager", "shard_bounds"]
 
 CONTRIBUTION_NAME = "pseudo_gradient"
 AGGREGATE_NAME = "pseudo_gradient_sum"
-#: Largest payload chunk per protobuf message (hivemind's daemon refuses messages above 4 MiB).
-DEFAULT_CHUNK_BYTES = 1 << 20
 #: Owner-side rounds kept for late fetches before they are pruned.
 _KEEP_ROUNDS = 2
+#: Fetches of a shard's sum after the first one failed (each bounded by ``request_timeout``).
+_FETCH_RETRIES = 2
 
 
 def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
@@ -76,23 +89,14 @@ def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
 
 
 @dataclass(frozen=True)
-class StateSnapshot:
-    """The global state a server-mode peer serves to peers that are behind or disagree."""
-
-    round: int
-    digest: str
-    theta_N: torch.Tensor
-    momentum_N: torch.Tensor | None
-
-
-@dataclass(frozen=True)
 class AllReduceResult:
     """What one round of averaging produced on this peer.
 
     ``indices_K`` / ``average_K``: the averaged pseudo-gradient (global flat indices, FP32 values); entries not
-    listed are zero. ``returned_K``: one flag per entry this peer sent, True where it was not delivered or not
-    accepted (the caller puts those back into its residual). ``complete`` is False if any shard's average is
-    missing, so this peer's theta may differ from the others' (the digest check repairs that).
+    listed are zero. ``accepted``: per shard (``bounds``), the contributors its sum counted, or ``None`` where
+    the sum could not be fetched. ``returned_K``: one flag per entry this peer sent, True where its shard's list
+    does not show it counted (the caller puts those back into its residual). ``complete`` is False if any
+    shard's sum is missing, so this peer's theta may differ from the others' (the caller repairs and reconciles).
     """
 
     group: Group
@@ -104,6 +108,13 @@ class AllReduceResult:
     num_rejected: int
     bytes_sent: int
     bytes_received: int
+    accepted: tuple[tuple[str, ...] | None, ...] = ()
+    bounds: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_contributors(self) -> int:
+        """Contributions actually aggregated: the peers counted in at least one shard this peer fetched."""
+        return len({peer for shard in self.accepted if shard is not None for peer in shard})
 
 
 @dataclass
@@ -120,37 +131,26 @@ class _OwnedShard:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     all_fetched: asyncio.Event = field(default_factory=asyncio.Event)
     fetched: set[str] = field(default_factory=set)
+    awaiting: frozenset[str] | None = None
     header: dict[str, Any] | None = None
     payload: bytes = b""
     num_rejected: int = 0
 
 
-def _chunks(data: bytes, chunk_bytes: int) -> Iterable[bytes]:
-    for start in range(0, len(data), chunk_bytes):
-        yield data[start : start + chunk_bytes]
+def _refusal(reason: str) -> runtime_pb2.ExpertResponse:
+    """The one message of a refused stream (:func:`pulseloco.p2p.read_stream` reads it): ``ok`` False, the
+    ``reason`` and no payload."""
+    return header_message(runtime_pb2.ExpertResponse, {"ok": False, "reason": reason, "size": 0})
 
 
-def _parse_header(raw: bytes) -> dict[str, Any]:
-    try:
-        header = json.loads(raw.decode("utf-8")) if raw else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PayloadError(f"message header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise PayloadError("message header must be a JSON object")
-    return header
+class SparseAverager(StateTransfer):
+    """Sparse reduce-scatter / all-gather of one flat parameter space of ``numel`` entries over a hivemind DHT,
+    and the state transfer of :class:`~pulseloco.loco.state.StateTransfer`.
 
-
-def _response(header: dict[str, Any], data: bytes = b"") -> runtime_pb2.ExpertResponse:
-    tensors = [runtime_pb2.Tensor(buffer=data, dtype="uint8")] if data else []
-    return runtime_pb2.ExpertResponse(metadata=json.dumps(header).encode(), tensors=tensors)
-
-
-class SparseAverager(ServicerBase):
-    """Sparse reduce-scatter / all-gather of one flat parameter space of ``numel`` entries over a hivemind DHT.
-
-    Runs its RPC handlers on a private event loop in a background thread, on a replica of the DHT's P2P.
-    ``client_mode`` peers register no handlers: they neither own shards nor serve state. Construction raises
-    :class:`SwarmError` if the P2P replica cannot be set up within ``request_timeout`` seconds.
+    Runs its RPC handlers on a :class:`~pulseloco.p2p.P2PHost` (a private event loop in a background thread with
+    a replica of the DHT's P2P). ``client_mode`` peers register no handlers: they neither own shards nor serve
+    state. Construction raises :class:`SwarmError` if the P2P replica cannot be set up within
+    ``max(30, request_timeout)`` seconds.
     """
 
     def __init__(
@@ -163,7 +163,7 @@ class SparseAverager(ServicerBase):
         averaging_timeout: float,
         request_timeout: float,
         max_norm_ratio: float,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.dht = dht
         self.run_id = run_id
@@ -176,34 +176,40 @@ class SparseAverager(ServicerBase):
         self.namespace = f"{run_id}_loco"
         self._owned: dict[tuple[int, str], _OwnedShard] = {}
         self._traffic: dict[int, list[int]] = {}
+        self._aggregations: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._current_round = 0
         self._snapshot: StateSnapshot | None = None
-        self._runner = BackgroundLoop()
+        setup_timeout = max(30.0, request_timeout)
+        self._host = P2PHost(dht, name="pulseloco-loco", timeout=setup_timeout)
         try:
-            self.p2p: P2P = self._runner.run(self._setup(), timeout=max(30.0, request_timeout))
+            if not client_mode:
+                self._host.serve(self, self.namespace, timeout=setup_timeout)
         except BaseException:
-            self._runner.shutdown()
+            self._host.close()
             raise
-        self.peer_id: str = self.p2p.peer_id.to_base58()
-
-    async def _setup(self) -> P2P:
-        p2p = await self.dht.replicate_p2p()
-        if not self.client_mode:
-            await self.add_p2p_handlers(p2p, namespace=self.namespace)
-        return p2p
+        self.p2p: P2P = self._host.p2p
+        self.peer_id: str = self._host.peer_id.to_base58()
 
     def shutdown(self) -> None:
-        """Remove the handlers and stop the background loop (the DHT itself is the caller's)."""
+        """Remove the handlers, close the P2P replica and stop the background loop (the DHT itself is the
+        caller's); never raises."""
+        self._host.close(timeout=self.request_timeout)
 
-        async def _teardown() -> None:
-            if not self.client_mode:
-                await self.remove_p2p_handlers(self.p2p, namespace=self.namespace)
+    @property
+    def max_payload_bytes(self) -> int:
+        """Upper bound of one encoded part or sum: 12 bytes per entry (index and value, uncompressed) plus 1 MiB
+        of framing; anything larger is refused while it streams in."""
+        return 12 * self.numel + (1 << 20)
 
-        try:
-            self._runner.run(_teardown(), timeout=self.request_timeout)
-        except Exception as exc:  # the daemon may already be gone with the DHT
-            logger.debug("handler removal failed error=%r", exc)
-        self._runner.shutdown()
+    def _prune(self, round_index: int) -> None:
+        """Forget owner state and traffic counters of rounds older than ``_KEEP_ROUNDS`` (event-loop thread only:
+        the handlers iterate these dictionaries there)."""
+        for key in [k for k in self._owned if k[0] < round_index - _KEEP_ROUNDS]:
+            del self._owned[key]
+        for key in [k for k in self._aggregations if k[0] < round_index - _KEEP_ROUNDS]:
+            del self._aggregations[key]
+        for r in [r for r in self._traffic if r < round_index - _KEEP_ROUNDS]:
+            del self._traffic[r]
 
     # -- owner side ---------------------------------------------------------------------------------------
     def _count(self, round_index: int, sent: int = 0, received: int = 0) -> None:
@@ -241,31 +247,25 @@ class SparseAverager(ServicerBase):
     ) -> runtime_pb2.ExpertResponse:
         """Receive one member's part of this owner's shard (header first, then chunks)."""
         sender = context.remote_id.to_base58()
-        parts: list[bytes] = []
-        header: dict[str, Any] | None = None
-        size = 0
-        limit = 12 * self.numel + (1 << 20)
+
+        def count(header: dict[str, Any], message: runtime_pb2.ExpertRequest) -> None:
+            round_key = header.get("round")
+            self._count(round_key if isinstance(round_key, int) else -1, received=message.ByteSize())
+
         try:
-            async for message in aiter_with_timeout(requests, self.request_timeout):
-                if header is None:
-                    header = _parse_header(message.metadata)
-                for tensor in message.tensors:
-                    size += len(tensor.buffer)
-                    if size > limit:
-                        raise PayloadError(f"contribution exceeds {limit} bytes")
-                    parts.append(tensor.buffer)
-                round_key = header.get("round")
-                self._count(round_key if isinstance(round_key, int) else -1, received=message.ByteSize())
-        except (asyncio.TimeoutError, PayloadError) as exc:
+            header, payload = await read_stream(
+                requests, max_bytes=self.max_payload_bytes, timeout=self.request_timeout, on_message=count
+            )
+        except (TimeoutError, PayloadError) as exc:
             logger.warning("push refused sender=%s error=%r", sender, exc)
-            return _response({"ok": False, "reason": repr(exc)})
-        if header is None or not isinstance(header.get("round"), int) or not isinstance(header.get("group"), str):
-            return _response({"ok": False, "reason": "missing round or group"})
+            return header_message(runtime_pb2.ExpertResponse, {"ok": False, "reason": repr(exc)})
+        if not isinstance(header.get("round"), int) or not isinstance(header.get("group"), str):
+            return header_message(runtime_pb2.ExpertResponse, {"ok": False, "reason": "missing round or group"})
         shard = self._owned_shard(header["round"], header["group"])
-        reason = "round out of range" if shard is None else self._add_contribution(shard, sender, b"".join(parts))
+        reason = "round out of range" if shard is None else self._add_contribution(shard, sender, payload)
         if reason is not None:
             logger.info("push refused sender=%s round=%s reason=%s", sender, header["round"], reason)
-        return _response({"ok": reason is None, "reason": reason})
+        return header_message(runtime_pb2.ExpertResponse, {"ok": reason is None, "reason": reason})
 
     async def rpc_fetch(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -273,41 +273,40 @@ class SparseAverager(ServicerBase):
         """Stream this owner's summed shard for ``(round, group)`` once it is aggregated."""
         requester = context.remote_id.to_base58()
         try:
-            header = _parse_header(request.metadata)
+            header = parse_header(request.metadata)
         except PayloadError as exc:
-            yield _response({"ok": False, "reason": str(exc)})
+            yield _refusal(str(exc))
             return
         round_index, group_id = header.get("round"), header.get("group")
         shard = None
         if isinstance(round_index, int) and isinstance(group_id, str):
             shard = self._owned_shard(round_index, group_id)
         if shard is None:
-            yield _response({"ok": False, "reason": "unknown round or group"})
+            yield _refusal("unknown round or group")
             return
         try:
             await asyncio.wait_for(shard.done.wait(), timeout=self.averaging_timeout + self.request_timeout)
-        except asyncio.TimeoutError:
-            yield _response({"ok": False, "reason": "aggregation did not finish"})
+        except TimeoutError:
+            yield _refusal("aggregation did not finish")
             return
         if shard.expected is None or requester not in shard.expected or shard.header is None:
-            yield _response({"ok": False, "reason": "not a member of this group"})
+            yield _refusal("not a member of this group")
             return
-        first = _response(shard.header)
-        self._count(shard.round, sent=first.ByteSize())
-        yield first
-        for chunk in _chunks(shard.payload, self.chunk_bytes):
-            message = _response({}, chunk)
+        messages = stream_messages(
+            runtime_pb2.ExpertResponse, shard.header, [shard.payload], chunk_bytes=self.chunk_bytes
+        )
+        for message in messages:
             self._count(shard.round, sent=message.ByteSize())
             yield message
         shard.fetched.add(requester)
-        if shard.expected <= shard.fetched:
+        if shard.awaiting is not None and shard.awaiting <= shard.fetched:
             shard.all_fetched.set()
 
     async def _aggregate(self, shard: _OwnedShard, deadline: float) -> None:
         """Wait for the members' parts (until ``deadline``, loop time), validate and sum them."""
         try:
             await asyncio.wait_for(shard.all_arrived.wait(), timeout=max(0.0, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             missing = sorted((shard.expected or frozenset()) - shard.contributions.keys())
             logger.warning(
                 "averaging timeout: aggregating without parts round=%d missing=%s (raise averaging_timeout if "
@@ -357,11 +356,7 @@ class SparseAverager(ServicerBase):
         round_index = header["round"]
 
         async def _requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            first = runtime_pb2.ExpertRequest(uid="push", metadata=json.dumps(header).encode())
-            self._count(round_index, sent=first.ByteSize())
-            yield first
-            for chunk in _chunks(payload, self.chunk_bytes):
-                message = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=chunk, dtype="uint8")])
+            for message in stream_messages(runtime_pb2.ExpertRequest, header, [payload], chunk_bytes=self.chunk_bytes):
                 self._count(round_index, sent=message.ByteSize())
                 yield message
 
@@ -369,7 +364,7 @@ class SparseAverager(ServicerBase):
             stub = self.get_stub(self.p2p, PeerID.from_base58(owner), namespace=self.namespace)
             response = await asyncio.wait_for(stub.rpc_push(_requests()), timeout=max(0.1, deadline - time.monotonic()))
             self._count(round_index, received=response.ByteSize())
-            reply = _parse_header(response.metadata)
+            reply = parse_header(response.metadata)
         except Exception as exc:  # a vanished peer surfaces as daemon, handler or timeout errors
             logger.warning("push failed round=%d owner=%s error=%r", round_index, owner, exc)
             return False
@@ -379,47 +374,38 @@ class SparseAverager(ServicerBase):
 
     async def _fetch(self, owner: str, header: dict[str, Any], deadline: float) -> tuple[dict[str, Any], bytes] | None:
         round_index = header["round"]
-        request = runtime_pb2.ExpertRequest(uid="fetch", metadata=json.dumps(header).encode())
+        request = header_message(runtime_pb2.ExpertRequest, header)
         self._count(round_index, sent=request.ByteSize())
+
+        def count(_header: dict[str, Any], message: runtime_pb2.ExpertResponse) -> None:
+            self._count(round_index, received=message.ByteSize())
+
         try:
             stub = self.get_stub(self.p2p, PeerID.from_base58(owner), namespace=self.namespace)
             stream = await asyncio.wait_for(stub.rpc_fetch(request), timeout=self.request_timeout)
-            reply: dict[str, Any] | None = None
-            parts: list[bytes] = []
-            size = 0
-            # The owner answers only after aggregating, so the first message may take until the deadline.
+            # The owner answers only after aggregating, so the first message may take until the deadline; every
+            # later message gets as long (a stalled owner resuming mid-stream is not cut off sooner).
             first_timeout = max(0.1, deadline - time.monotonic()) + self.request_timeout
-            async for message in aiter_with_timeout(stream, first_timeout):
-                self._count(round_index, received=message.ByteSize())
-                if reply is None:
-                    reply = _parse_header(message.metadata)
-                    if not reply.get("ok"):
-                        raise SwarmError(f"owner refused: {reply.get('reason')}")
-                for tensor in message.tensors:
-                    size += len(tensor.buffer)
-                    if size > 12 * self.numel + (1 << 20):
-                        raise PayloadError("aggregate exceeds its size bound")
-                    parts.append(tensor.buffer)
-        except Exception as exc:
+            reply, payload = await read_stream(
+                stream, max_bytes=self.max_payload_bytes, timeout=first_timeout, on_message=count
+            )
+            if not reply.get("ok"):
+                raise SwarmError(f"owner refused: {reply.get('reason')}")
+        except Exception as exc:  # refusal, cut or oversized stream, vanished owner, timeout: retried by _collect
             logger.warning("fetch failed round=%d owner=%s error=%r", round_index, owner, exc)
             return None
-        if reply is None:
-            return None
-        if reply.get("size") != size:
-            logger.warning(
-                "fetch cut short round=%d owner=%s received=%d declared=%s", round_index, owner, size, reply.get("size")
-            )
-            return None
-        return reply, b"".join(parts)
+        return reply, payload
 
     async def _exchange(
         self, group: Group, parts: list[bytes], deadline: float
-    ) -> tuple[list[bool], list[tuple[dict[str, Any], bytes] | None], int]:
-        """Push ``parts`` (one per shard), aggregate the own shard, fetch every shard's sum."""
+    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], int, list[int]]:
+        """Push ``parts`` (one per shard), aggregate the own shard, fetch every shard's sum (retrying failed
+        fetches). Returns the sums (``None`` where none could be fetched), the own shard's rejections and this
+        round's traffic ``[sent, received]``."""
+        self._prune(group.round)
         base = {"round": group.round, "group": group.group_id}
         own_index = group.servers.index(self.peer_id) if self.peer_id in group.servers else None
         owned: _OwnedShard | None = None
-        aggregate_task = None
         if own_index is not None:
             owned = self._owned_shard(group.round, group.group_id)
             if owned is None:  # cannot happen: the current round is always in range
@@ -436,62 +422,92 @@ class SparseAverager(ServicerBase):
                 logger.warning("own part refused round=%d reason=%s", group.round, reason)
             if owned.expected <= owned.contributions.keys():
                 owned.all_arrived.set()
-            aggregate_task = asyncio.create_task(self._aggregate(owned, deadline))
+            # Its own task, not cancelled with this exchange: the other members fetch this sum even when this
+            # peer's wait is cut short (a stalled process resumes past its deadline).
+            self._aggregations[(group.round, group.group_id)] = asyncio.create_task(self._aggregate(owned, deadline))
 
         pushes = [
             self._push(owner, {**base, "shard": j}, parts[j], deadline)
             for j, owner in enumerate(group.servers)
             if j != own_index
         ]
-        pushed = await asyncio.gather(*pushes)
-        delivered = list(pushed)
-        if own_index is not None:
-            delivered.insert(own_index, True)
-
-        async def _own_result() -> tuple[dict[str, Any], bytes] | None:
-            assert aggregate_task is not None and owned is not None  # noqa: S101 - set above when own_index
-            await aggregate_task
-            owned.fetched.add(self.peer_id)
-            return (owned.header or {}), owned.payload
-
-        fetches = [
-            _own_result() if j == own_index else self._fetch(owner, {**base, "shard": j}, deadline)
-            for j, owner in enumerate(group.servers)
-        ]
-        results = list(await asyncio.gather(*fetches))
+        await asyncio.gather(*pushes)  # delivery is read from the sums' accepted lists, not from these replies
+        results = await self._collect(group, [None] * len(group.servers), deadline)
         num_rejected = 0
         if owned is not None:
             num_rejected = owned.num_rejected
             # Keep serving until every member that contributed has fetched (bounded by the deadline), so that a
-            # peer finishing first does not leave the others without its shard.
-            live = frozenset(owned.contributions) | {self.peer_id}
-            if not live <= owned.fetched:
+            # peer finishing first does not leave the others without its shard; later fetches are still served.
+            owned.awaiting = frozenset(owned.contributions) | {self.peer_id}
+            if owned.awaiting <= owned.fetched:
+                owned.all_fetched.set()
+            try:
+                await asyncio.wait_for(owned.all_fetched.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                logger.info(
+                    "not every member fetched round=%d missing=%s",
+                    group.round,
+                    sorted(owned.awaiting - owned.fetched),
+                )
+        return results, num_rejected, list(self._traffic.get(group.round, [0, 0]))
+
+    async def _collect(
+        self, group: Group, results: list[tuple[dict[str, Any], bytes] | None], deadline: float
+    ) -> list[tuple[dict[str, Any], bytes] | None]:
+        """Fill in the missing sums of ``results``: the own shard from its aggregation, the others by fetching,
+        once by ``deadline`` and up to ``_FETCH_RETRIES`` more times, each with a fresh ``request_timeout``."""
+        base = {"round": group.round, "group": group.group_id}
+
+        async def _one(j: int, owner: str) -> tuple[dict[str, Any], bytes] | None:
+            if owner == self.peer_id:
+                task = self._aggregations.get((group.round, group.group_id))
+                owned = self._owned.get((group.round, group.group_id))
+                if task is None or owned is None:
+                    return None
                 try:
                     await asyncio.wait_for(
-                        self._wait_fetched(owned, live), timeout=max(0.0, deadline - time.monotonic())
+                        asyncio.shield(task), timeout=max(self.request_timeout, deadline - time.monotonic())
                     )
-                except asyncio.TimeoutError:
-                    logger.info(
-                        "not every member fetched round=%d missing=%s", group.round, sorted(live - owned.fetched)
+                except TimeoutError:
+                    logger.warning("own aggregation did not finish round=%d", group.round)
+                    return None
+                owned.fetched.add(self.peer_id)
+                return (owned.header or {}), owned.payload
+            result = await self._fetch(owner, {**base, "shard": j}, deadline)
+            # Retries share one window of request_timeout after the deadline (or after now, for a peer that
+            # resumes from a stall past it): a dead owner costs at most that, a late fetcher gets the kept sum.
+            window_end = max(deadline, time.monotonic()) + self.request_timeout
+            for attempt in range(_FETCH_RETRIES):
+                remaining = window_end - time.monotonic()
+                if result is not None or remaining <= 0:
+                    break
+                logger.info("retrying fetch round=%d owner=%s attempt=%d", group.round, owner, attempt + 2)
+                try:
+                    result = await asyncio.wait_for(
+                        self._fetch(owner, {**base, "shard": j}, time.monotonic()), timeout=remaining
                     )
-        return delivered, results, num_rejected
+                except TimeoutError:
+                    logger.warning("fetch retry timed out round=%d owner=%s", group.round, owner)
+                if result is None:
+                    await asyncio.sleep(min(0.5, max(0.0, window_end - time.monotonic())))
+            return result
 
-    @staticmethod
-    async def _wait_fetched(owned: _OwnedShard, live: frozenset[str]) -> None:
-        while not live <= owned.fetched:
-            await asyncio.sleep(0.01)
+        missing = [j for j, result in enumerate(results) if result is None]
+        fetched = await asyncio.gather(*(_one(j, group.servers[j]) for j in missing))
+        filled = list(results)
+        for j, result in zip(missing, fetched):
+            filled[j] = result
+        return filled
 
     def all_reduce(self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor) -> AllReduceResult:
         """Average this peer's sparse entries (sorted global ``indices_K``, FP32 ``values_K``) with ``group``.
 
-        Never raises because of another peer: undelivered or refused entries are flagged in ``returned_K``.
-        Waits at most ``averaging_timeout`` plus twice ``request_timeout``.
+        Never raises because of another peer: entries of shards whose fetched accepted list does not show this
+        peer (or whose sum could not be fetched) are flagged in ``returned_K``. Waits at most
+        ``averaging_timeout`` plus twice ``request_timeout``, and one more ``request_timeout`` plus a second
+        to collect the sums again when that wait was cut short (a stalled process resuming past its deadline).
         """
         self._current_round = group.round
-        for key in [k for k in self._owned if k[0] < group.round - _KEEP_ROUNDS]:
-            del self._owned[key]
-        for r in [r for r in self._traffic if r < group.round - _KEEP_ROUNDS]:
-            del self._traffic[r]
         bounds = shard_bounds(self.numel, len(group.servers))
         stops = torch.tensor([stop for _, stop in bounds], dtype=torch.int64)
         cut = torch.searchsorted(indices_K, stops).tolist()
@@ -508,142 +524,60 @@ class SparseAverager(ServicerBase):
                 )
             )
         deadline = time.monotonic() + self.averaging_timeout
+        results: list[tuple[dict[str, Any], bytes] | None] = [None] * len(bounds)
+        num_rejected, traffic = 0, [0, 0]
         try:
-            delivered, results, num_rejected = self._runner.run(
+            results, num_rejected, traffic = self._host.run(
                 self._exchange(group, parts, deadline), timeout=self.averaging_timeout + 2 * self.request_timeout
             )
-        except SwarmError as exc:
-            logger.warning("averaging failed round=%d error=%s", group.round, exc)
-            delivered, results, num_rejected = [False] * len(bounds), [None] * len(bounds), 0
+        except (SwarmError, TimeoutError) as exc:  # this wait's timeout, or one the exchange let through
+            logger.warning("averaging cut short round=%d error=%s; collecting the sums again", group.round, exc)
+            try:
+                results = self._host.run(
+                    self._collect(group, results, time.monotonic()), timeout=self.request_timeout + 1.0
+                )
+            except (SwarmError, TimeoutError) as again:
+                logger.warning("collecting the sums failed round=%d error=%s", group.round, again)
         returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
         all_indices, all_average = [], []
+        accepted_lists: list[tuple[str, ...] | None] = []
         live_peers: set[str] = {self.peer_id}
-        complete = True
         for j, (start, stop) in enumerate(bounds):
-            ok = delivered[j]
             result = results[j]
+            accepted: tuple[str, ...] | None = None
             if result is not None:
                 reply, payload = result
-                accepted = reply.get("accepted")
+                names = reply.get("accepted")
                 try:
-                    if not isinstance(accepted, list) or not accepted or not all(isinstance(p, str) for p in accepted):
+                    if not isinstance(names, list) or not all(isinstance(p, str) for p in names):
                         raise PayloadError("aggregate header lacks its accepted contributors")
+                    if not set(names) <= set(group.members):
+                        raise PayloadError("aggregate counts peers outside the group")
                     sum_indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, stop - start)
+                    if not names and sum_K.numel():
+                        raise PayloadError("aggregate has values but no accepted contributors")
                 except PayloadError as exc:
                     logger.warning("aggregate rejected round=%d owner=%s error=%s", group.round, group.servers[j], exc)
-                    result = None
                 else:
-                    all_indices.append(sum_indices_K + start)
-                    all_average.append(sum_K / float(len(accepted)))
-                    live_peers.update(p for p in accepted if p in group.members)
+                    accepted = tuple(sorted(names))
+                    if accepted:  # every part refused: nothing counted in this shard
+                        all_indices.append(sum_indices_K + start)
+                        all_average.append(sum_K / float(len(accepted)))
+                    live_peers.update(accepted)
                     live_peers.add(group.servers[j])
-                    ok = ok and self.peer_id in accepted
-            if result is None:
-                complete = False
-                ok = False
-            if not ok:
+            accepted_lists.append(accepted)
+            if accepted is None or self.peer_id not in accepted:
                 returned_K[offsets[j] : offsets[j + 1]] = True
-        traffic = self._traffic.get(group.round, [0, 0])
         return AllReduceResult(
             group=group,
             indices_K=torch.cat(all_indices) if all_indices else torch.zeros(0, dtype=torch.int64),
             average_K=torch.cat(all_average) if all_average else torch.zeros(0, dtype=torch.float32),
             returned_K=returned_K,
-            complete=complete,
+            complete=all(a is not None for a in accepted_lists),
             live_peers=frozenset(live_peers),
             num_rejected=num_rejected,
             bytes_sent=traffic[0],
             bytes_received=traffic[1],
-        )
-
-    # -- state transfer ---------------------------------------------------------------------------------------
-    def set_snapshot(self, snapshot: StateSnapshot) -> None:
-        """Serve ``snapshot`` (tensors are not copied: pass tensors that will not be modified)."""
-        self._snapshot = snapshot
-
-    async def rpc_download_state(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stream the latest snapshot: header, then theta's bytes, then the momentum's bytes."""
-        snapshot = self._snapshot
-        if snapshot is None:
-            yield _response({"ok": False, "reason": "no state yet"})
-            return
-        has_momentum = snapshot.momentum_N is not None
-        yield _response(
-            {
-                "ok": True,
-                "round": snapshot.round,
-                "digest": snapshot.digest,
-                "numel": self.numel,
-                "momentum": has_momentum,
-            }
-        )
-        tensors = [snapshot.theta_N] + ([snapshot.momentum_N] if snapshot.momentum_N is not None else [])
-        for tensor in tensors:
-            data = tensor.detach().cpu().contiguous().numpy().tobytes()
-            for chunk in _chunks(data, self.chunk_bytes):
-                yield _response({}, chunk)
-
-    async def _download(self, peer: str) -> tuple[dict[str, Any], bytes]:
-        stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
-        stream = await asyncio.wait_for(
-            stub.rpc_download_state(runtime_pb2.ExpertRequest(uid="state")), self.request_timeout
-        )
-        header: dict[str, Any] | None = None
-        parts, size = [], 0
-        async for message in aiter_with_timeout(stream, self.request_timeout):
-            if header is None:
-                header = _parse_header(message.metadata)
-                if not header.get("ok"):
-                    raise SwarmError(f"peer refused: {header.get('reason')}")
-            for tensor in message.tensors:
-                size += len(tensor.buffer)
-                if size > 8 * self.numel:
-                    raise PayloadError("state exceeds twice the parameter size")
-                parts.append(tensor.buffer)
-        if header is None:
-            raise SwarmError("empty state stream")
-        return header, b"".join(parts)
-
-    def download_state(self, states: list[PeerState], accept: dict[int, str], *, num_retries: int = 3) -> StateSnapshot:
-        """Download the global state from a server-mode peer whose record is in ``accept`` (round -> digest).
-
-        The received state must have ``numel`` finite FP32 entries and a digest equal to both its header's and
-        the accepted digest of its round. Tries up to ``num_retries`` peers (newest rounds first, random among
-        equals); raises :class:`StateDownloadError` if none served a valid state. Never modifies local state.
-        """
-        candidates = [
-            s for s in states if s.peer_id != self.peer_id and not s.client_mode and accept.get(s.round) == s.digest
-        ]
-        random.shuffle(candidates)
-        candidates.sort(key=lambda s: -s.round)
-        errors = []
-        for state in candidates[:num_retries]:
-            try:
-                header, data = self._runner.run(
-                    self._download(state.peer_id), timeout=self.averaging_timeout + self.request_timeout
-                )
-                round_index, digest = header.get("round"), header.get("digest")
-                if not isinstance(round_index, int) or accept.get(round_index) != digest:
-                    raise PayloadError(f"served round {round_index} digest {digest} is not an accepted state")
-                has_momentum = bool(header.get("momentum"))
-                expected = 4 * self.numel * (2 if has_momentum else 1)
-                if len(data) != expected:
-                    raise PayloadError(f"state is {len(data)} bytes, expected {expected}")
-                flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
-                theta_N = flat[: self.numel].clone()
-                momentum_N = flat[self.numel :].clone() if has_momentum else None
-                if not bool(torch.isfinite(flat).all()):
-                    raise PayloadError("state carries non-finite values")
-                if theta_digest(theta_N) != digest:
-                    raise PayloadError("state does not match its digest")
-                logger.info("state downloaded peer=%s round=%d digest=%s", state.peer_id, round_index, digest)
-                return StateSnapshot(round=round_index, digest=digest, theta_N=theta_N, momentum_N=momentum_N)
-            except Exception as exc:  # any failure of one peer (timeout, daemon, bad bytes) moves on to the next
-                logger.warning("state download failed peer=%s error=%r", state.peer_id, exc)
-                errors.append(f"{state.peer_id}: {exc!r}")
-        raise StateDownloadError(
-            f"no peer served a valid state after {len(errors)} attempt(s) ({'; '.join(errors) or 'no candidates'}); "
-            "check that server-mode peers are reachable or raise request_timeout"
+            accepted=tuple(accepted_lists),
+            bounds=tuple(bounds),
         )

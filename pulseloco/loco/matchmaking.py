@@ -2,20 +2,32 @@
 
 Only small records go through the DHT; payloads travel over libp2p streams (:mod:`pulseloco.loco.averaging`).
 
-Group formation for round ``r`` (all keys are prefixed by the run id):
+Group formation for round ``r`` (all keys are prefixed by the run id): a registration set closed at a DHT-time
+deadline, then a check that every member computed the same group before any payload moves.
 
-1. every peer registers under ``{run_id}_loco_r{r}_peers`` (subkey: its peer id, value: its client mode);
-2. it gathers registrations until ``target_group_size`` peers are seen or ``matchmaking_time`` has passed;
-3. the leader, the smallest server-mode peer id it has seen, freezes the member list it sees and publishes
-   it under ``{run_id}_loco_r{r}_group``, unless a group was published already (the first group wins);
-4. every peer adopts the first published group (earliest expiration, then smallest leader id) containing it.
+1. every peer registers under ``{run_id}_loco_r{r}_peers`` (subkey: its peer id, value: its client mode and the
+   DHT time ``t`` of its registration);
+2. registration for the round closes ``matchmaking_time`` after the earliest registration: the members are the
+   registrations with ``t`` at or before the close. A peer reads registrations until the close has passed, or
+   until ``target_group_size`` members are seen. A peer that registered after the close sits the round out;
+3. every member publishes the member list it computed under ``{run_id}_loco_r{r}_view0`` and reads the
+   others' lists for at most ``request_timeout``. Equal lists make the group (members that published nothing
+   in time are left out: they died or stalled before the round began). If the others agree on a group without
+   this peer, it sits the round out. Differing lists (a registration some saw and others did not) are merged
+   and compared again under ``view1``, ``view2`` (:data:`VIEW_ATTEMPTS` in all); if they still differ, or the
+   merged group is not confirmed by every member, the peer sits the round out;
+4. a group needs a server-mode member to own shards; a group of client-mode peers only sits the round out and
+   says that one volunteer must be reachable.
 
-One group per round: a peer that registers after the group was frozen is not in it and sits the round out
-(its entries stay in its residual); the state records then tell it that it is behind, and it downloads the
-state. Views that still disagree (a DHT partition) are caught
-by the group id carried in every averaging request and, at worst, by the digest check after the round.
+Every peer applies the same rule to the same records, so peers whose views differ by a little (a registration
+seen late) still end with one group; a disagreement the views cannot settle is seen before any payload moves.
+A peer that sits a round out keeps its entries in its residual; the state records then tell it that it is
+behind, and it downloads the state. Views that still disagree (a DHT partition) are caught by the group id
+carried in every averaging request and, at worst, by the digest check after the round. DHT time is each
+peer's clock: registrations from a machine whose clock runs far ahead look late.
 
-State records live under ``{run_id}_loco_state``: subkey peer id, value ``{"round", "digest", "client"}``.
+State records live under ``{run_id}_loco_state``: subkey peer id, value ``{"round", "digest", "client",
+"complete"}``.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +45,10 @@ from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Group", "Matchmaker", "PeerState", "majority_digest"]
+__all__ = ["VIEW_ATTEMPTS", "Group", "Matchmaker", "PeerState", "majority_digest"]
+
+VIEW_ATTEMPTS = 3
+"""How many times members compare their views of a round's group before sitting the round out."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +62,6 @@ class Group:
     round: int
     members: tuple[str, ...]
     servers: tuple[str, ...]
-    leader: str
 
     @property
     def group_id(self) -> str:
@@ -63,12 +78,19 @@ class PeerState:
     round: int
     digest: str
     client_mode: bool
+    complete: bool = True
+    """False when the peer's last round missed some shard's sum (it applied only part of the round)."""
 
 
 def majority_digest(states: list[PeerState], round_index: int) -> str | None:
-    """The digest most peers report for ``round_index``; ties go to the smallest digest, so that every peer
-    reading the same records picks the same one. ``None`` if no peer reported that round."""
-    counts = collections.Counter(s.digest for s in states if s.round == round_index)
+    """The digest most peers report for ``round_index``, counting only peers whose round was complete when
+    any was (a peer that missed a shard holds a partial round and must not outvote the others); ties go to the
+    smallest digest, so that every peer reading the same records picks the same one. ``None`` if no peer
+    reported that round."""
+    voters = [s for s in states if s.round == round_index]
+    if any(s.complete for s in voters):
+        voters = [s for s in voters if s.complete]
+    counts = collections.Counter(s.digest for s in voters)
     if not counts:
         return None
     return min(counts, key=lambda d: (-counts[d], d))
@@ -139,86 +161,129 @@ class Matchmaker:
     def _key(self, round_index: int, what: str) -> str:
         return f"{self.run_id}_loco_r{round_index}_{what}"
 
-    def form_group(self, round_index: int, expiration: float) -> Group | None:
-        """Register for ``round_index`` and return the group this peer belongs to, or ``None`` if it was left
-        out (registered after the group was frozen) or no group was published within ``matchmaking_time +
-        request_timeout`` (leader gone). ``expiration`` is the DHT time after which the records may vanish."""
-        start = time.monotonic()
-        self._store(self._key(round_index, "peers"), self.peer_id, {"client": self.client_mode}, expiration)
-        seen: dict[str, bool] = {self.peer_id: self.client_mode}
-        while True:
-            for peer, (value, _) in self._get(self._key(round_index, "peers")).items():
-                if isinstance(value, dict) and isinstance(value.get("client"), bool):
-                    seen[peer] = value["client"]
-            if self.target_group_size is not None and len(seen) >= self.target_group_size:
-                break
-            if time.monotonic() - start >= self.matchmaking_time:
-                break
-            time.sleep(self.poll_interval)
-        servers = sorted(p for p, client in seen.items() if not client)
-        group_key = self._key(round_index, "group")
-        if servers and servers[0] == self.peer_id:
-            group, any_published = self._pick_group(round_index)
-            if group is not None:
-                return group
-            if any_published:
-                self._log_excluded(round_index)
-                return None
-            members = sorted(seen)
-            self._store(group_key, self.peer_id, {"members": members, "servers": servers}, expiration)
-            logger.debug("group frozen round=%d leader=%s num_peers=%d", round_index, self.peer_id, len(members))
-        deadline = start + self.matchmaking_time + self.request_timeout
-        while True:
-            group, any_published = self._pick_group(round_index)
-            if group is not None:
-                return group
-            if any_published:
-                self._log_excluded(round_index)
-                return None
-            if time.monotonic() >= deadline:
-                logger.warning(
-                    "no group for round=%d within %.1fs: sitting this round out (the leader may be gone; raise "
-                    "matchmaking_time if peers often miss rounds)",
-                    round_index,
-                    self.matchmaking_time + self.request_timeout,
-                )
-                return None
-            time.sleep(self.poll_interval)
-
-    def _log_excluded(self, round_index: int) -> None:
-        logger.warning(
-            "round=%d group was frozen without this peer (it registered late): sitting this round out; its "
-            "entries stay in the residual and the state is downloaded if the others move ahead",
-            round_index,
-        )
-
-    def _pick_group(self, round_index: int) -> tuple[Group | None, bool]:
-        """The first published group containing this peer (earliest expiration, then smallest leader id), and
-        whether any well-formed group was published for the round."""
-        published = []
-        any_published = False
-        for leader, (value, expiration) in self._get(self._key(round_index, "group")).items():
+    def _registrations(self, round_index: int) -> dict[str, tuple[bool, float]]:
+        """Peer id -> (client mode, DHT time of registration) of the well-formed registrations seen."""
+        seen = {}
+        for peer, (value, _) in self._get(self._key(round_index, "peers")).items():
             if not isinstance(value, dict):
                 continue
-            members, servers = value.get("members"), value.get("servers")
-            if not (isinstance(members, list) and isinstance(servers, list)):
-                continue
-            if not all(isinstance(p, str) for p in members + servers) or not set(servers) <= set(members):
-                continue
-            if not servers:
-                continue
-            any_published = True
-            if self.peer_id in members:
-                published.append((expiration, leader, tuple(sorted(members)), tuple(sorted(servers))))
-        if not published:
-            return None, any_published
-        _, leader, members, servers = min(published)
-        return Group(round=round_index, members=members, servers=servers, leader=leader), True
+            client, registered = value.get("client"), value.get("t")
+            if isinstance(client, bool) and isinstance(registered, (int, float)) and math.isfinite(registered):
+                seen[peer] = (client, float(registered))
+        return seen
+
+    def form_group(self, round_index: int, expiration: float) -> Group | None:
+        """Register for ``round_index`` and return the group every member agreed on, or ``None`` when this peer
+        sits the round out: it registered after the registration closed, no member is in server mode, or the
+        members' views still disagreed after :data:`VIEW_ATTEMPTS` attempts. Never raises for DHT failures
+        (they are logged and look like peers not seen). Takes at most ``matchmaking_time`` plus
+        ``VIEW_ATTEMPTS * request_timeout`` seconds (plus the DHT calls' own timeouts).
+
+        ``expiration`` is the DHT time after which the round's records may vanish.
+        """
+        me, registered = self.peer_id, get_dht_time()
+        self._store(self._key(round_index, "peers"), me, {"client": self.client_mode, "t": registered}, expiration)
+        seen: dict[str, tuple[bool, float]] = {me: (self.client_mode, registered)}
+        while True:
+            seen.update(self._registrations(round_index))
+            closes = min(t for _, t in seen.values()) + self.matchmaking_time
+            if registered > closes:
+                logger.warning(
+                    "round=%d registration closed %.1fs before this peer registered: sitting this round out; its "
+                    "entries stay in the residual and the state is downloaded if the others move ahead",
+                    round_index,
+                    registered - closes,
+                )
+                return None
+            members = {p: client for p, (client, t) in seen.items() if t <= closes}
+            if self.target_group_size is not None and len(members) >= self.target_group_size:
+                break
+            if get_dht_time() >= closes + self.poll_interval:  # this read started after the close
+                break
+            time.sleep(max(0.0, min(self.poll_interval, closes + self.poll_interval - get_dht_time())))
+        return self._agree(round_index, members, expiration)
+
+    def _agree(self, round_index: int, members: dict[str, bool], expiration: float) -> Group | None:
+        """The view check: every member publishes the member list it computed and reads the others'. Equal views
+        give the group (members that published no view within ``request_timeout`` are left out: they died or
+        stalled before the round began); differing views are merged and checked again."""
+        me = self.peer_id
+        for attempt in range(VIEW_ATTEMPTS):
+            key = self._key(round_index, f"view{attempt}")
+            self._store(key, me, {"members": members}, expiration)
+            deadline = time.monotonic() + self.request_timeout
+            while True:
+                views = {me: members}
+                for peer, (value, _) in self._get(key).items():
+                    view = value.get("members") if isinstance(value, dict) else None
+                    if (
+                        peer in members
+                        and isinstance(view, dict)
+                        and all(isinstance(p, str) and isinstance(c, bool) for p, c in view.items())
+                    ):
+                        views[peer] = view
+                if set(views) >= set(members) or time.monotonic() >= deadline:
+                    break
+                time.sleep(self.poll_interval)
+            others = [view for peer, view in views.items() if peer != me]
+            if others and all(view == others[0] and me not in view for view in others):
+                logger.warning(
+                    "round=%d: the other members agreed on a group without this peer (it was seen too late): "
+                    "sitting this round out; its entries stay in the residual",
+                    round_index,
+                )
+                return None
+            if all(view == members for view in views.values()):
+                if attempt and len(views) < len(members):
+                    logger.warning(
+                        "round=%d: %d member(s) did not confirm the merged group within %.1fs (they went on with "
+                        "another): sitting this round out; its entries stay in the residual",
+                        round_index,
+                        len(members) - len(views),
+                        self.request_timeout,
+                    )
+                    return None
+                agreed = {p: members[p] for p in views}
+                servers = sorted(p for p, client in agreed.items() if not client)
+                if not servers:
+                    logger.warning(
+                        "round=%d: every peer of the group is in client mode (%d peer(s)), and client-mode peers "
+                        "cannot receive connections, so nobody can own a shard: sitting this round out. At least "
+                        "one volunteer must be reachable: run it with --use_auto_relay (reachable through the "
+                        "bootstrap peer as a relay), or forward a TCP port PORT on its router to it and run it "
+                        "without --client_mode, with --host_maddrs /ip4/0.0.0.0/tcp/PORT --announce_maddrs "
+                        "/ip4/PUBLIC_IP/tcp/PORT",
+                        round_index,
+                        len(agreed),
+                    )
+                    return None
+                if attempt:
+                    logger.info("round=%d views agreed after %d retries", round_index, attempt)
+                return Group(round=round_index, members=tuple(sorted(agreed)), servers=tuple(servers))
+            merged = dict(members)
+            for view in views.values():
+                merged.update(view)
+            logger.info(
+                "round=%d views disagree (%d distinct among %d members): retrying with %d members",
+                round_index,
+                len({tuple(sorted(v)) for v in views.values()}),
+                len(views),
+                len(merged),
+            )
+            members = merged
+        logger.warning(
+            "round=%d: the members' views of the group still disagreed after %d attempts (a partitioned DHT?): "
+            "sitting this round out; its entries stay in the residual",
+            round_index,
+            VIEW_ATTEMPTS,
+        )
+        return None
 
     # -- state records --------------------------------------------------------------------------------------
-    def publish_state(self, round_index: int, digest: str) -> None:
-        """Announce this peer's latest completed round and the digest of its global parameters."""
-        value = {"round": int(round_index), "digest": digest, "client": self.client_mode}
+    def publish_state(self, round_index: int, digest: str, complete: bool = True) -> None:
+        """Announce this peer's latest completed round, the digest of its global parameters and whether that
+        round applied every shard."""
+        value = {"round": int(round_index), "digest": digest, "client": self.client_mode, "complete": complete}
         self._store(f"{self.run_id}_loco_state", self.peer_id, value, get_dht_time() + self.state_ttl)
 
     def read_states(self) -> list[PeerState]:
@@ -228,8 +293,14 @@ class Matchmaker:
             if not isinstance(value, dict):
                 continue
             round_index, digest, client = value.get("round"), value.get("digest"), value.get("client")
-            if isinstance(round_index, int) and isinstance(digest, str) and isinstance(client, bool):
-                states.append(PeerState(peer, round_index, digest, client))
+            complete = value.get("complete", True)
+            if (
+                isinstance(round_index, int)
+                and isinstance(digest, str)
+                and isinstance(client, bool)
+                and isinstance(complete, bool)
+            ):
+                states.append(PeerState(peer, round_index, digest, client, complete))
         return states
 
     def wait_for_states(self, round_index: int, peers: set[str], timeout: float) -> list[PeerState]:

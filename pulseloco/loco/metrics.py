@@ -26,7 +26,8 @@ class RoundMetrics:
     round: int
     """Index of the outer round (0 for the first)."""
     num_peers: int
-    """Size of the averaging group, this peer included (1 when it averaged alone or the round failed)."""
+    """Size of the averaging group, this peer included (1 when it averaged alone or without a swarm, 0 when it
+    sat the round out)."""
     num_sent: int
     """Entries this peer selected and sent."""
     numel: int
@@ -51,6 +52,14 @@ class RoundMetrics:
     """xxh3-128 digest of the global parameters after the round."""
     repaired: bool
     """True if this peer downloaded the global state from a peer during the round."""
+    num_contributors: int = 0
+    """Contributions the round actually aggregated: peers counted in at least one shard this peer fetched
+    (``num_peers`` counts group members, whether or not their parts arrived)."""
+    complete: bool = True
+    """False if some shard's sum could not be fetched (that shard was not applied; the digest check repairs)."""
+    num_reconciled: int = 0
+    """Entries moved into or out of the residual to match a downloaded state's ledger (docs/design.md,
+    "Exactly-once contributions"): each one a contribution that would otherwise be counted twice or lost."""
 
     def to_json(self) -> str:
         """One line of JSON."""

@@ -4,7 +4,11 @@
                     outer_lr=0.7, outer_momentum=0.9, selector="pulse")   # or "dense", "topk"
     loss.backward(); opt.step(); opt.zero_grad()
 
-Every ``inner_steps`` calls to :meth:`PulseLoCo.step` run one outer round (DESIGN.md section 2), in named
+A training loop that steps its own optimizer (a ``transformers.Trainer``) passes ``inner_optimizer=None`` and calls
+:meth:`PulseLoCo.count_inner_step` after each optimizer step instead; :class:`pulseloco.integrations.PulseLoCoCallback`
+does exactly that. Both run the same round.
+
+Every ``inner_steps`` calls to :meth:`PulseLoCo.step` run one outer round (docs/design.md section 2), in named
 phases: pseudo-gradient (``theta - theta_local``) and signal (``residual + pseudo_gradient``); catch up (download
 the state if the swarm is ahead); select (pulse / dense / topk, with error feedback); average over the swarm
 (:class:`~pulseloco.loco.averaging.SparseAverager`); return undelivered entries to the residual; outer step
@@ -20,6 +24,7 @@ at construction.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import os
@@ -31,12 +36,15 @@ import torch
 from hivemind.utils import get_dht_time
 
 from pulseloco.errors import ConfigError, StateDownloadError, TensorMismatchError
-from pulseloco.loco.averaging import AllReduceResult, SparseAverager, StateSnapshot
+from pulseloco.loco.averaging import AllReduceResult, SparseAverager
+from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
 from pulseloco.loco.metrics import MetricsWriter, RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.selection import SELECTORS, make_selector
+from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
+from pulseloco.swarm import is_reachable
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +64,16 @@ class PulseLoCo:
     Args (all but the first two are keyword-only):
         model: the local model; its trainable parameters (in ``model.parameters()`` order, tied parameters
             once) form the flat parameter space.
-        inner_optimizer: steps the local model; its state is kept across rounds (as in DiLoCo).
+        inner_optimizer: steps the local model; its state is kept across rounds (as in DiLoCo). ``None`` when
+            the caller steps its own optimizer and reports each step with :meth:`count_inner_step`.
         dht: a running ``hivemind.DHT``, or ``None`` to train alone (each round averages over one peer).
         run_id: peers with the same ``run_id`` average together; a prefix of every DHT key.
         inner_steps: H, inner steps per outer round.
         outer_lr, outer_momentum: the Nesterov outer optimizer's settings.
         selector: ``"pulse"`` (compute-visible gate), ``"dense"`` (DiLoCo) or ``"topk"`` (chunked top-k).
         topk_density, topk_chunk_size: settings of the ``topk`` selector.
-        client_mode: join without serving shards or state (behind NAT); default: the DHT's client mode.
+        client_mode: join without serving shards or state (behind NAT); default: whether the DHT is unreachable
+            (:func:`pulseloco.swarm.is_reachable`: client mode without a relay address).
         matchmaking_time: seconds to gather peers for a round's group.
         target_group_size: stop gathering as soon as this many peers registered (``None``: always wait
             ``matchmaking_time``).
@@ -84,7 +94,7 @@ class PulseLoCo:
     def __init__(
         self,
         model: torch.nn.Module,
-        inner_optimizer: torch.optim.Optimizer,
+        inner_optimizer: torch.optim.Optimizer | None,
         *,
         dht: Any | None = None,
         run_id: str = "pulseloco",
@@ -144,13 +154,18 @@ class PulseLoCo:
         self.last_metrics: RoundMetrics | None = None
         self._losses: list[float] = []
         self._round_start = time.monotonic()
+        self._round_listeners: list[Callable[[PulseLoCo, RoundMetrics | None], None]] = []
+        self._rounds_alone = 0
         self._distributed, rank = _distributed()
         self.is_main_process = rank == 0
         self.averager: SparseAverager | None = None
         self.matchmaker: Matchmaker | None = None
+        self.ledger = Ledger("")
+        self._num_reconciled = 0
+        self._complete = True
         if dht is not None and self.is_main_process:
-            if client_mode is None:
-                client_mode = bool(dht.client_mode)
+            if client_mode is None:  # a client-mode DHT holding a relay address can own shards through the relay
+                client_mode = not is_reachable(dht)
             self.averager = SparseAverager(
                 dht,
                 run_id=run_id,
@@ -169,6 +184,7 @@ class PulseLoCo:
                 target_group_size=target_group_size,
                 request_timeout=request_timeout,
             )
+            self.ledger = Ledger(self.averager.peer_id)
             self._catch_up()
             self._publish()
         self._broadcast_theta()
@@ -182,24 +198,50 @@ class PulseLoCo:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the inner optimizer's gradients."""
-        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+        self._require_inner_optimizer("zero_grad").zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None, *, loss: float | torch.Tensor | None = None) -> Any:
         """One inner step; every ``inner_steps``-th call also runs an outer round.
 
         ``closure`` is passed to the inner optimizer as in ``torch.optim``; ``loss`` (or the closure's result)
-        is averaged into the round's metrics.
+        is averaged into the round's metrics. Raises :class:`RuntimeError` without an inner optimizer.
         """
-        result = self.inner_optimizer.step(closure) if closure is not None else self.inner_optimizer.step()
-        recorded = result if loss is None else loss
-        if isinstance(recorded, torch.Tensor):
-            recorded = float(recorded.detach())
-        if isinstance(recorded, float | int):
-            self._losses.append(float(recorded))
+        optimizer = self._require_inner_optimizer("step")
+        result = optimizer.step(closure) if closure is not None else optimizer.step()
+        self.count_inner_step(result if loss is None else loss)
+        return result
+
+    def count_inner_step(self, loss: float | torch.Tensor | None = None) -> RoundMetrics | None:
+        """Record one inner optimizer step taken by the caller; every ``inner_steps``-th call runs the outer round
+        and returns its metrics (on the main process; ``None`` otherwise and between rounds).
+
+        For loops that step their own optimizer (a ``transformers.Trainer``): call it once per *applied*
+        optimizer step, after the step, so that gradient accumulation and skipped steps count as the optimizer
+        saw them. Every process of a ``torch.distributed`` group must call it the same number of times.
+        """
+        if isinstance(loss, torch.Tensor):
+            loss = float(loss.detach())
+        if isinstance(loss, float | int):
+            self._losses.append(float(loss))
         self.local_step += 1
         if self.local_step >= self.inner_steps:
             self.outer_step()
-        return result
+            return self.last_metrics if self.is_main_process else None
+        return None
+
+    def add_round_listener(self, listener: Callable[[PulseLoCo, RoundMetrics | None], None]) -> None:
+        """Call ``listener(self, metrics)`` on every process after each outer round, once the local model holds
+        the new ``theta`` (``metrics`` is ``None`` on processes other than the main one). A listener that raises
+        propagates out of :meth:`step` / :meth:`count_inner_step`."""
+        self._round_listeners.append(listener)
+
+    def _require_inner_optimizer(self, what: str) -> torch.optim.Optimizer:
+        if self.inner_optimizer is None:
+            raise RuntimeError(
+                f"PulseLoCo.{what}() needs an inner optimizer; this instance was built with inner_optimizer=None, "
+                "so step your optimizer yourself and call count_inner_step() after each step"
+            )
+        return self.inner_optimizer
 
     def outer_step(self) -> RoundMetrics | None:
         """Run one outer round now (``step`` calls this every ``inner_steps`` inner steps)."""
@@ -215,6 +257,8 @@ class PulseLoCo:
         self.local_step = 0
         self._losses = []
         self._round_start = time.monotonic()
+        for listener in self._round_listeners:
+            listener(self, metrics)
         return metrics
 
     def reset_outer_momentum(self) -> None:
@@ -232,34 +276,44 @@ class PulseLoCo:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: global parameters, outer optimizer (momentum), residual, inner
-        optimizer, round and inner-step counters. Saved between rounds, the model itself is ``theta``; saved
-        mid-round, also save ``model.state_dict()``."""
-        return {
+        optimizer (when this instance owns one), round and inner-step counters. Saved between rounds, the model
+        itself is ``theta``; saved mid-round, also save ``model.state_dict()``."""
+        state = {
             "round": self.round,
             "local_step": self.local_step,
             "selector": self.selector.name,
             "theta_N": self.theta_N.detach().clone(),
             "residual_N": self.residual_N.detach().clone(),
             "outer_optimizer": self.outer_optimizer.state_dict(),
-            "inner_optimizer": self.inner_optimizer.state_dict(),
         }
+        if self.inner_optimizer is not None:
+            state["inner_optimizer"] = self.inner_optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` and reset the model to the restored ``theta``.
+        """Restore from :meth:`state_dict` and, between rounds, reset the model to the restored ``theta``.
 
         Raises :class:`TensorMismatchError` (a :class:`ValueError`) for tensors of the wrong size or dtype and
-        :class:`ConfigError` for a missing entry, before changing anything.
+        :class:`ConfigError` for a missing entry or another selector, before changing anything.
         """
-        for key in ("round", "local_step", "theta_N", "residual_N", "outer_optimizer", "inner_optimizer"):
+        required = ["round", "local_step", "theta_N", "residual_N", "outer_optimizer"]
+        if self.inner_optimizer is not None:
+            required.append("inner_optimizer")
+        for key in required:
             if key not in state:
                 raise ConfigError(f"state_dict lacks {key!r}")
+        if state.get("selector", self.selector.name) != self.selector.name:
+            raise ConfigError(
+                f"state_dict was saved with selector {state['selector']!r}, this PulseLoCo uses {self.selector.name!r}"
+            )
         for key in ("theta_N", "residual_N"):
             tensor = state[key]
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.shape != (self.numel,):
                 raise TensorMismatchError(f"state_dict[{key!r}] must be a flat FP32 tensor of {self.numel} entries")
         outer = NesterovOuterOptimizer(self.outer_optimizer.lr, self.outer_optimizer.momentum)
         outer.load_state_dict(state["outer_optimizer"], numel=self.numel)
-        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        if self.inner_optimizer is not None:
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.outer_optimizer = outer
         self.round = int(state["round"])
         self.local_step = int(state["local_step"])
@@ -278,6 +332,24 @@ class PulseLoCo:
             self.averager.shutdown()
             self.averager = None
             self.matchmaker = None
+
+    def _warn_if_alone(self, metrics: RoundMetrics) -> None:
+        """Say so when rounds average over this peer alone (a wrong ``run_id`` or ``initial_peers`` looks
+        exactly like this: every round waits ``matchmaking_time`` and sends nothing)."""
+        if self.matchmaker is None or metrics.num_peers != 1 or self.matchmaker.target_group_size == 1:
+            self._rounds_alone = 0
+            return
+        self._rounds_alone += 1
+        if self._rounds_alone in (1, 10) or self._rounds_alone % 100 == 0:
+            logger.warning(
+                "round=%d: no other peer of run_id=%r joined (%d round(s) alone in a row); this peer averages "
+                "with itself and sends nothing. Check that the other peers use the same run_id and reach one of "
+                "your initial peers; to train alone without the %.0f s wait per round, set target_group_size=1",
+                metrics.round,
+                self.matchmaker.run_id,
+                self._rounds_alone,
+                self.matchmaker.matchmaking_time,
+            )
 
     # -- phases -----------------------------------------------------------------------------------------------
     def _flatten_local(self) -> torch.Tensor:
@@ -308,9 +380,10 @@ class PulseLoCo:
                 digest=digest,
                 theta_N=self.theta_N.detach().cpu().clone(),
                 momentum_N=None if momentum is None else momentum.detach().cpu().clone(),
+                ledger=dict(self.ledger.entries),
             )
         )
-        self.matchmaker.publish_state(self.round, digest)
+        self.matchmaker.publish_state(self.round, digest, self._complete)
 
     def _catch_up(self, states: list[PeerState] | None = None) -> bool:
         """Download the state if server-mode peers are ahead, or if this peer's digest is not the majority's
@@ -321,12 +394,15 @@ class PulseLoCo:
         if states is None:
             states = self.matchmaker.read_states()
         own_digest = theta_digest(self.theta_N)
-        own = PeerState(str(self.peer_id), self.round, own_digest, self.averager.client_mode)
+        own = PeerState(str(self.peer_id), self.round, own_digest, self.averager.client_mode, self._complete)
         votes = [s for s in states if s.peer_id != own.peer_id] + [own]
         # Rounds some other server-mode peer can serve, with the digest most peers report for each.
         servable = {s.round for s in votes if not s.client_mode and s.peer_id != own.peer_id}
         accept = {r: d for r in servable if (d := majority_digest(votes, r)) is not None}
-        newest = max((r for r in accept if r > self.round), default=None)
+        # Jump ahead only to a round at least as many peers report as this peer's own: a peer that averaged alone
+        # and raced ahead (a group of one while the DHT failed it) must not drag the majority along.
+        voters = collections.Counter(s.round for s in votes)
+        newest = max((r for r in accept if r > self.round and voters[r] >= voters[self.round]), default=None)
         if newest is not None:
             wanted = {newest: accept[newest]}
         elif self.round in accept and accept[self.round] != own_digest:
@@ -343,12 +419,14 @@ class PulseLoCo:
         if snapshot.momentum_N is not None:
             self.outer_optimizer.momentum_N = snapshot.momentum_N.to(self.device)
         self.round = snapshot.round
+        self._complete = True  # the swarm's majority state
+        self._num_reconciled += self.ledger.reconcile(snapshot.ledger, snapshot.round, self.residual_N)
         self._publish()
         return True
 
     def _average(self, signal_N: torch.Tensor) -> tuple[AllReduceResult | None, int, torch.Tensor, torch.Tensor]:
-        """Select and average; returns the result (None without swarm averaging), the number of peers, and the
-        selected indices and values."""
+        """Select and average; returns the result (None without swarm averaging), the number of peers (0 when it
+        sat the round out), and the selected indices and values."""
         selection = self.selector.select(self.theta_N, signal_N)
         self.residual_N = selection.residual_N
         indices_K, values_K = selection.indices_K, selection.values_K
@@ -358,18 +436,31 @@ class PulseLoCo:
         group = self.matchmaker.form_group(self.round, expiration)
         if group is None:
             self.residual_N[indices_K] = values_K
-            return None, 1, indices_K[:0], values_K[:0]
-        result = self.averager.all_reduce(group, indices_K.cpu(), values_K.cpu())
+            self.ledger.record(self.round, LedgerEntry(None), None)
+            return None, 0, indices_K[:0], values_K[:0]  # sat the round out: in no group
+        indices_cpu, values_cpu = indices_K.cpu(), values_K.cpu()
+        result = self.averager.all_reduce(group, indices_cpu, values_cpu)
         if bool(result.returned_K.any()):
             returned = result.returned_K.to(indices_K.device)
             # Those entries were zero in the residual (they were selected), so this restores them exactly.
             self.residual_N[indices_K[returned]] = values_K[returned]
+        stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
+        offsets = [0, *torch.searchsorted(indices_cpu, stops).tolist()]
+        counted = [names is not None and self.averager.peer_id in names for names in result.accepted]
+        self.ledger.record(
+            self.round,
+            LedgerEntry(group.group_id, result.accepted),
+            Pending(group.group_id, indices_cpu.clone(), values_cpu.clone(), offsets, counted),
+        )
         return result, len(group.members), indices_K, values_K
 
     def _outer_round(self, seconds_inner: float, start: float) -> RoundMetrics:
         pseudo_gradient_N = self.theta_N - self._flatten_local()
         signal_N = self.residual_N + pseudo_gradient_N
+        self._num_reconciled = 0
         repaired = self._catch_up()
+        if repaired:  # the reconciliation corrected the residual: the signal is built from the corrected one
+            signal_N = self.residual_N + pseudo_gradient_N
         round_index = self.round
         result, num_peers, indices_K, values_K = self._average(signal_N)
         num_sent = int(indices_K.numel())
@@ -378,10 +469,22 @@ class PulseLoCo:
             average_N[indices_K] = values_K
             self.outer_optimizer.step(self.theta_N, average_N)
         elif result is not None and result.indices_K.numel() + int(result.complete) > 0:
+            if not result.complete:
+                missing = [result.group.servers[j] for j, names in enumerate(result.accepted) if names is None]
+                logger.warning(
+                    "round=%d incomplete: no sum from owner(s) %s; applying the %d shard(s) fetched, the digest "
+                    "check then repairs from the majority and reconciles the residual",
+                    round_index,
+                    missing,
+                    len(result.accepted) - len(missing),
+                )
             average_N = torch.zeros_like(self.theta_N)
             average_N[result.indices_K.to(self.device)] = result.average_K.to(self.device)
             self.outer_optimizer.step(self.theta_N, average_N)
         self.round = round_index + 1
+        # A peer that sat the round out (no group) applied nothing: its record must not outvote the peers that
+        # averaged (three peers left out would otherwise make two that averaged download the stale state).
+        self._complete = result.complete if result is not None else self.averager is None
         if self.averager is not None and self.matchmaker is not None:
             self._publish()
             waiting = set(result.live_peers) - {str(self.peer_id)} if result is not None else set()
@@ -404,6 +507,9 @@ class PulseLoCo:
             loss=sum(self._losses) / len(self._losses) if self._losses else None,
             theta_digest=digest,
             repaired=repaired,
+            num_contributors=result.num_contributors if result is not None else int(self.averager is None),
+            complete=result.complete if result is not None else True,
+            num_reconciled=self._num_reconciled,
         )
         logger.info(
             "outer round=%d num_peers=%d num_sent=%d density=%.4g bytes_sent=%d seconds_sync=%.2f digest=%s",
@@ -415,6 +521,7 @@ class PulseLoCo:
             metrics.seconds_sync,
             digest,
         )
+        self._warn_if_alone(metrics)
         self.last_metrics = metrics
         if self.metrics_writer is not None:
             self.metrics_writer.write(metrics)

@@ -6,7 +6,7 @@ values there, and the new residual (the signal everywhere else, zero at sent ent
 invariant ``sent + residual == signal`` holds exactly, element by element, for every rule: a sent entry
 carries the raw FP32 signal (never a rounded change) and the residual keeps exactly what was not sent.
 
-Rules (DESIGN.md section 2):
+Rules (docs/design.md section 2.2):
 
 - ``pulse``: the compute-visibility gate. An entry fires when applying the signal would change the BF16 bit
   pattern of the parameter: ``bits(bf16(theta)) != bits(bf16(theta - signal))``.

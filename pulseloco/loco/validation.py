@@ -15,8 +15,8 @@ import statistics
 import torch
 
 from pulseloco.codec import SparseTensor, decode_payload, encode_payload
+from pulseloco.digest import state_digest
 from pulseloco.errors import NonFiniteValuesError, TensorMismatchError
-from pulseloco.sync.digest import state_digest
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ __all__ = ["decode_sparse", "encode_sparse", "screen_outliers", "theta_digest"]
 
 
 def theta_digest(theta_N: torch.Tensor) -> str:
-    """xxh3-128 digest of the flat global parameters (:func:`pulseloco.sync.digest.state_digest`)."""
+    """xxh3-128 digest of the flat global parameters (:func:`pulseloco.digest.state_digest`)."""
     return state_digest({"theta": theta_N})
 
 

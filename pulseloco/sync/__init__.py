@@ -5,7 +5,7 @@ Public API::
     from pulseloco.sync import make_patch, apply_patch, state_digest, squash
 """
 
-from pulseloco.sync.digest import state_digest
+from pulseloco.digest import state_digest
 from pulseloco.sync.patch import PATCH_VALUE_MODES, PatchInfo, apply_patch, make_patch, squash
 
 __all__ = ["PATCH_VALUE_MODES", "PatchInfo", "apply_patch", "make_patch", "squash", "state_digest"]

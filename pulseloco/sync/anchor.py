@@ -10,8 +10,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from pulseloco.digest import state_digest
 from pulseloco.errors import DigestMismatchError, PayloadError
-from pulseloco.sync.digest import state_digest
 
 logger = logging.getLogger(__name__)
 

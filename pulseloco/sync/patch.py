@@ -20,8 +20,8 @@ import torch
 
 from pulseloco.codec import DEFAULT_MAX_ELEMENTS, SparseTensor, decode_payload, encode_payload, peek_header
 from pulseloco.codec.bits import bit_format, changed_indices, modular_delta
+from pulseloco.digest import state_digest
 from pulseloco.errors import DigestMismatchError, PatchError, StalePatchError, TensorMismatchError
-from pulseloco.sync.digest import state_digest
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import hivemind
@@ -24,11 +24,11 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulseloco.codec import peek_header
-from pulseloco.errors import ConfigError, PayloadError
+from pulseloco.digest import state_digest
+from pulseloco.errors import ConfigError, PatchError, PayloadError, UnauthorizedError
 from pulseloco.sync.anchor import anchor_bytes, load_anchor
-from pulseloco.sync.digest import state_digest
 from pulseloco.sync.patch import apply_patch, make_patch, squash
-from pulseloco.sync.signing import Envelope, sign_envelope, verify_envelope
+from pulseloco.sync.signing import Envelope, check_payload, sign_envelope, verify_envelope
 from pulseloco.sync.store import VersionStore
 from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
 
@@ -88,9 +88,15 @@ class Publisher:
         head_ttl: lifetime in seconds of the head record in the DHT.
         provider_ttl: lifetime in seconds of this publisher's provider record (short, so that subscribers soon
             stop asking a publisher that is gone); both records are re-announced every third of the shorter.
+        on_published: called as ``on_published(version, digest, patch_bytes)`` from the publisher's thread once
+            a version is in the store (``patch_bytes`` 0 for the first, anchor-only version); an exception it
+            raises is logged and does not undo the version.
 
     Raises :class:`ConfigError` for bad arguments and when the store cannot be resumed (a chain that does
-    not verify under this key).
+    not verify under this key, or a truncated or corrupt file: the message names it).
+
+    Serving: every object is checked against its signed size and SHA-256 before it is served; one whose bytes
+    on disk no longer match is refused (the asker tries another provider) and logged with its file name.
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class Publisher:
         max_uploads_per_version: int = 2,
         head_ttl: float = 600.0,
         provider_ttl: float = 30.0,
+        on_published: Callable[[int, str, int], None] | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -123,6 +130,7 @@ class Publisher:
         self.head_ttl = head_ttl
         self.provider_ttl = provider_ttl
         self._announce_every = min(head_ttl, provider_ttl) / 3
+        self._on_published = on_published
         self._key = signing_key
         self._public_key = signing_key.public_key()
         self.store = VersionStore(store_dir)
@@ -137,6 +145,10 @@ class Publisher:
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
         self._busy = False
         self._closed = False
+        # Serving runs in the transport's executor threads: the upload counts and the squash cache are shared
+        # between them under this lock. Only the newest version's count matters (the budget applies to it), so
+        # older counts are dropped as the head moves on.
+        self._serve_lock = threading.Lock()
         self._uploads: dict[int, int] = {}
         self._squash_cache: OrderedDict[tuple[int, int], tuple[bytes, bytes]] = OrderedDict()
         self._head_envelope: bytes | None = None
@@ -174,17 +186,21 @@ class Publisher:
             return
         try:
             anchor, patches = self.store.chain_to(latest)
-            env_blob, blob = self.store.read("anchor", anchor)
-            env = verify_envelope(self._public_key, env_blob, run_id=self.run_id)
+            env, _, blob = self._read_verified("anchor", anchor)
             state = load_anchor(blob, expected_digest=env.digest)
             for v in patches:
-                env_blob, blob = self.store.read("patch", v)
-                verify_envelope(self._public_key, env_blob, run_id=self.run_id)
+                _, _, blob = self._read_verified("patch", v)
                 apply_patch(state, blob)
-        except (PayloadError, FileNotFoundError) as exc:
+        except UnauthorizedError as exc:
             raise ConfigError(
                 f"cannot resume the version store {self.store.path}: {exc}; use the key that wrote it, "
                 "or a new --store directory"
+            ) from None
+        except (PayloadError, PatchError, FileNotFoundError) as exc:
+            raise ConfigError(
+                f"cannot resume the version store {self.store.path}: {exc}. The store is damaged (a file truncated "
+                "or overwritten, e.g. by a full disk or a copy cut short): restore it from a good copy, or start "
+                "a new --store directory"
             ) from None
         self._base, self._version, self._digest = state, latest, state_digest(state)
         self._anchor_version = anchor
@@ -296,7 +312,7 @@ class Publisher:
                 written.append(kind)
         except OSError:
             for kind in written:  # roll back: the store keeps the previous head
-                path = self.store.path / f"v{version:08d}.{kind}"
+                path = self.store.object_path(kind, version)
                 Path(str(path) + ".env").unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
             raise
@@ -306,10 +322,16 @@ class Publisher:
             self._anchor_version = version
             self.store.prune(self.keep_anchors)
         num_changed = peek_header(objects[0][1]).num_changed if objects[0][0] == "patch" else -1
+        patch_bytes = len(objects[0][1]) if objects[0][0] == "patch" else 0
+        if self._on_published is not None:
+            try:
+                self._on_published(version, digest, patch_bytes)
+            except Exception:  # a reporting hook must not fail a version that is already stored
+                logger.exception("on_published hook failed version=%d", version)
         logger.info(
             "published version=%d patch_bytes=%d changed=%d anchor=%s seconds=%.3f",
             version,
-            len(objects[0][1]) if objects[0][0] == "patch" else 0,
+            patch_bytes,
             num_changed,
             new_anchor,
             time.perf_counter() - started,
@@ -338,36 +360,78 @@ class Publisher:
 
     # ---- serving -----------------------------------------------------------------------------------------
 
+    def _read_verified(self, kind: str, version: int) -> tuple[Envelope, bytes, bytes]:
+        """``(envelope, envelope bytes, payload)`` of a stored object, checked against this publisher's key and
+        the payload's signed size and SHA-256.
+
+        Raises :class:`FileNotFoundError` if absent, :class:`UnauthorizedError` for an envelope this key did not
+        sign, :class:`PayloadError` (naming the file) for a malformed envelope or a truncated or corrupt payload.
+        """
+        env_blob, payload = self.store.read(kind, version)
+        path = self.store.object_path(kind, version)
+        try:
+            env = verify_envelope(self._public_key, env_blob, run_id=self.run_id)
+        except UnauthorizedError as exc:
+            raise UnauthorizedError(f"{path}.env: {exc}") from None
+        except PayloadError as exc:
+            raise PayloadError(f"{path}.env: {exc}") from None
+        check_payload(env, payload, str(path))
+        return env, env_blob, payload
+
     def _provide(self, request: FetchRequest) -> Provided:
-        """Answer a fetch: patch and anchor objects from the store, squashed patches made and signed on demand."""
+        """Answer a fetch: patch and anchor objects from the store, squashed patches made and signed on demand.
+
+        Called from the transport's executor threads. Never raises: an object that is absent, or whose bytes on
+        disk no longer match its signed SHA-256 (logged as an error with the file name), is answered ``missing``;
+        the newest version past its upload budget is answered ``busy`` unless the request says ``force``.
+        """
+        reserved = False
         try:
             if request.kind in ("patch", "anchor"):
                 if not self.store.has(request.kind, request.version):
                     return Provided("missing")
                 if request.version == self._version and not request.force:
-                    served = self._uploads.get(request.version, 0)
-                    if served >= self.max_uploads_per_version:
+                    if not self._reserve_upload(request.version):
                         return Provided("busy")
-                    self._uploads[request.version] = served + 1
-                env_blob, payload = self.store.read(request.kind, request.version)
+                    reserved = True
+                _, env_blob, payload = self._read_verified(request.kind, request.version)
+                reserved = False
                 return Provided("ok", env_blob, payload)
             if request.kind == "squash" and request.base_version is not None:
                 return self._provide_squash(request.base_version, request.version)
-        except (OSError, PayloadError) as exc:
+        except PayloadError as exc:  # corrupt or foreign bytes in the store: never serve them
+            logger.error("refusing to serve request=%s: %s", request, exc)
+        except (OSError, PatchError) as exc:
             logger.warning("cannot serve request=%s error=%s", request, exc)
+        finally:
+            if reserved:  # nothing was served: give the upload back
+                with self._serve_lock:
+                    self._uploads[request.version] = max(0, self._uploads.get(request.version, 1) - 1)
         return Provided("missing")
+
+    def _reserve_upload(self, version: int) -> bool:
+        """Count one upload of ``version`` if it is within the budget; forget counts of older versions."""
+        with self._serve_lock:
+            served = self._uploads.get(version, 0)
+            if served >= self.max_uploads_per_version:
+                return False
+            self._uploads[version] = served + 1
+            for old in [v for v in self._uploads if v < version]:
+                del self._uploads[old]
+            return True
 
     def _provide_squash(self, base: int, version: int) -> Provided:
         key = (base, version)
-        if key in self._squash_cache:
-            return Provided("ok", *self._squash_cache[key])
+        with self._serve_lock:
+            cached = self._squash_cache.get(key)
+        if cached is not None:
+            return Provided("ok", *cached)
         chain: list[bytes] = []
         v = version
         while v != base:
             if not self.store.has("patch", v):
                 return Provided("missing")
-            env_blob, payload = self.store.read("patch", v)
-            env = verify_envelope(self._public_key, env_blob)
+            env, _, payload = self._read_verified("patch", v)
             chain.append(payload)
             if env.base_version is None or env.base_version < base:
                 return Provided("missing")
@@ -378,9 +442,10 @@ class Publisher:
         header = peek_header(payload)
         env = _envelope(self.run_id, "squash", version, base, header.result_digest, header.base_digest, payload)
         result = (sign_envelope(self._key, env), payload)
-        self._squash_cache[key] = result
-        while len(self._squash_cache) > 8:
-            self._squash_cache.popitem(last=False)
+        with self._serve_lock:
+            self._squash_cache[key] = result
+            while len(self._squash_cache) > 8:
+                self._squash_cache.popitem(last=False)
         return Provided("ok", *result)
 
     def close(self, timeout: float = 60.0) -> None:

@@ -12,6 +12,7 @@ Key files: the private key is PKCS#8 PEM written with mode 0600; the public key 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import os
@@ -24,16 +25,18 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from pulseloco.errors import ConfigError, PayloadError, UnauthorizedError
+from pulseloco.errors import ChecksumError, ConfigError, PayloadError, TruncatedPayloadError, UnauthorizedError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ENVELOPE_KINDS",
     "Envelope",
+    "check_payload",
     "generate_key",
     "load_private_key",
     "load_public_key",
+    "parse_envelope_unverified",
     "public_key_fingerprint",
     "save_keypair",
     "sign_envelope",
@@ -75,7 +78,8 @@ def generate_key() -> Ed25519PrivateKey:
 def save_keypair(key: Ed25519PrivateKey, path: str | os.PathLike[str]) -> tuple[Path, Path]:
     """Write ``path`` (private key, mode 0600) and ``path.pub`` (public key); refuse to overwrite.
 
-    Raises :class:`ConfigError` if either file exists.
+    Missing parent directories are created (mode 0700, so that only the owner lists the keys).
+    Raises :class:`ConfigError` if either file exists or a directory or file cannot be written.
     """
     private_path = Path(path)
     public_path = private_path.with_name(private_path.name + ".pub")
@@ -85,12 +89,24 @@ def save_keypair(key: Ed25519PrivateKey, path: str | os.PathLike[str]) -> tuple[
     private_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(private_pem)
-    public_path.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+    try:
+        private_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the key directory {private_path.parent}: {exc.strerror}") from None
+    try:
+        fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(private_pem)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the key {private_path}: {exc.strerror}") from None
+    try:
+        public_path.write_bytes(public_pem)
+    except OSError as exc:
+        private_path.unlink(missing_ok=True)  # no private key without its public half
+        raise ConfigError(f"cannot write the public key {public_path}: {exc.strerror}") from None
     return private_path, public_path
 
 
@@ -111,10 +127,13 @@ def load_private_key(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
 
 def load_public_key(path_or_pem: str | os.PathLike[str] | bytes) -> Ed25519PublicKey:
     """Read an Ed25519 public key from a PEM file path or PEM bytes. Raises :class:`ConfigError`."""
-    try:
-        pem = path_or_pem if isinstance(path_or_pem, bytes) else Path(path_or_pem).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read public key {path_or_pem}: {exc.strerror}") from None
+    if isinstance(path_or_pem, bytes):
+        pem = path_or_pem
+    else:
+        try:
+            pem = Path(path_or_pem).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read public key {path_or_pem}: {exc.strerror}") from None
     try:
         key = serialization.load_pem_public_key(pem)
     except (ValueError, TypeError) as exc:
@@ -126,8 +145,6 @@ def load_public_key(path_or_pem: str | os.PathLike[str] | bytes) -> Ed25519Publi
 
 def public_key_fingerprint(key: Ed25519PublicKey) -> str:
     """Short hex fingerprint of a public key, for logs and the DHT."""
-    import hashlib
-
     raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()[:16]
 
@@ -167,6 +184,29 @@ def _check_fields(fields: object) -> Envelope:
     return Envelope(**fields)
 
 
+def _load_outer(blob: bytes) -> dict[str, Any]:
+    """The JSON object around an envelope's fields; :class:`PayloadError` if too large or not a JSON object."""
+    if len(blob) > MAX_ENVELOPE_BYTES:
+        raise PayloadError(f"envelope of {len(blob)} bytes exceeds {MAX_ENVELOPE_BYTES}")
+    try:
+        outer = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PayloadError(f"envelope is not JSON: {exc}") from None
+    if not isinstance(outer, dict):
+        raise UnauthorizedError("envelope carries no signature")
+    return outer
+
+
+def parse_envelope_unverified(blob: bytes) -> Envelope:
+    """The fields of an envelope WITHOUT checking its signature, for display when no public key is at hand
+    (``pulseloco status``); anyone can write such a record, so never act on what this returns.
+
+    Raises :class:`PayloadError` when the bytes are not a well-formed envelope (too large, not JSON, fields of
+    the wrong set or type) and :class:`UnauthorizedError` when they are JSON but not an envelope object.
+    """
+    return _check_fields(_load_outer(blob).get("fields"))
+
+
 def verify_envelope(key: Ed25519PublicKey, blob: bytes, *, run_id: str | None = None) -> Envelope:
     """Parse and verify a signed envelope.
 
@@ -174,13 +214,8 @@ def verify_envelope(key: Ed25519PublicKey, blob: bytes, *, run_id: str | None = 
     or signed by another publisher) or the envelope is for another ``run_id``; :class:`PayloadError` when
     the bytes are not an envelope at all.
     """
-    if len(blob) > MAX_ENVELOPE_BYTES:
-        raise PayloadError(f"envelope of {len(blob)} bytes exceeds {MAX_ENVELOPE_BYTES}")
-    try:
-        outer = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise PayloadError(f"envelope is not JSON: {exc}") from None
-    if not isinstance(outer, dict) or not isinstance(outer.get("sig"), str):
+    outer = _load_outer(blob)
+    if not isinstance(outer.get("sig"), str):
         raise UnauthorizedError("envelope carries no signature")
     envelope = _check_fields(outer.get("fields"))
     try:
@@ -193,3 +228,18 @@ def verify_envelope(key: Ed25519PublicKey, blob: bytes, *, run_id: str | None = 
     if run_id is not None and envelope.run_id != run_id:
         raise UnauthorizedError(f"envelope is for run {envelope.run_id!r}, expected {run_id!r}")
     return envelope
+
+
+def check_payload(envelope: Envelope, payload: bytes, where: str) -> None:
+    """Check ``payload`` against the size and SHA-256 its (already verified) ``envelope`` signs.
+
+    ``where`` names the object in the error (a file path, a peer). Raises :class:`TruncatedPayloadError` when the
+    payload is shorter than the signed size and :class:`ChecksumError` when its bytes differ from the signed ones
+    (corrupted on disk or in transit, or replaced).
+    """
+    if len(payload) < envelope.size:
+        raise TruncatedPayloadError(
+            f"{where} is truncated: {len(payload)} of the {envelope.size} bytes its signed envelope records"
+        )
+    if len(payload) != envelope.size or hashlib.sha256(payload).hexdigest() != envelope.sha256:
+        raise ChecksumError(f"{where} is corrupt: its bytes do not match the SHA-256 its signed envelope records")

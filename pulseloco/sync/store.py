@@ -17,6 +17,7 @@ The store holds bytes and envelopes; it does not verify signatures (readers do, 
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -57,6 +58,11 @@ class VersionStore:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         return self.path / f"v{version:08d}.{kind}"
 
+    def object_path(self, kind: str, version: int) -> Path:
+        """The payload file of an object (its envelope is the same name plus ``.env``), for messages and
+        rollbacks; the file need not exist. Raises :class:`ValueError` for an unknown ``kind``."""
+        return self._file(kind, version)
+
     def _atomic_write(self, target: Path, data: bytes) -> None:
         tmp = target.with_name(target.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -96,7 +102,8 @@ class VersionStore:
         path = self._file(kind, version)
         return path.with_name(path.name + ".env").read_bytes()
 
-    def list(self, kind: str) -> list[int]:
+    # ``builtins.list``: inside the class body ``list`` names the method below, not the type
+    def list(self, kind: str) -> builtins.list[int]:
         """Sorted versions of READY objects of ``kind``."""
         out = []
         for entry in os.scandir(self.path):
@@ -110,7 +117,7 @@ class VersionStore:
         versions = self.list("anchor") + self.list("patch")
         return max(versions) if versions else None
 
-    def chain_to(self, version: int) -> tuple[int, list[int]]:
+    def chain_to(self, version: int) -> tuple[int, builtins.list[int]]:
         """The newest anchor at or below ``version`` and the patch versions that lead from it to ``version``.
 
         Raises :class:`PayloadError` if there is no such anchor or the chain has a gap.
@@ -124,7 +131,7 @@ class VersionStore:
             raise PayloadError(f"store {self.path} has no patch for version {version}")
         return anchor, patches
 
-    def prune(self, keep_anchors: int) -> list[Path]:
+    def prune(self, keep_anchors: int) -> builtins.list[Path]:
         """Delete anchors older than the newest ``keep_anchors`` and patches at or before the oldest kept anchor.
 
         Envelopes are removed first, so a reader never sees a READY object without its payload.

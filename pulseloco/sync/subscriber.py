@@ -7,12 +7,14 @@ every step is verified by state digest; a digest mismatch falls back to an ancho
 atomically under a lock, so a reader holding :attr:`Subscriber.lock` never sees half-applied weights.
 
 A subscriber on the swarm is also a relay: it serves the objects it holds and says so in the DHT, so the
-publisher's upload does not grow with the number of workers.
+publisher's upload does not grow with the number of workers. It says so only while others can reach it
+(:func:`pulseloco.swarm.is_reachable`: a server-mode peer, or one holding a relay address from
+``use_auto_relay``): a client-mode worker behind NAT that announced itself would be tried first by every other
+subscriber, fail ("routing: not found") and send them all back to the publisher.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -33,10 +35,12 @@ from pulseloco.errors import (
     PayloadError,
     StalePatchError,
     TensorMismatchError,
+    UnauthorizedError,
 )
+from pulseloco.swarm import is_reachable
 from pulseloco.sync.anchor import load_anchor
 from pulseloco.sync.patch import apply_patch
-from pulseloco.sync.signing import Envelope, verify_envelope
+from pulseloco.sync.signing import Envelope, check_payload, public_key_fingerprint, verify_envelope
 from pulseloco.sync.store import VersionStore
 from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
 
@@ -59,7 +63,14 @@ class Head:
 
 @dataclass(frozen=True)
 class UpdateReport:
-    """One completed :meth:`Subscriber.update`: what moved and how long it took."""
+    """One completed :meth:`Subscriber.update`: what moved and how long it took.
+
+    ``version``: the version the model holds now (the head read when the update started); ``previous``: the one it
+    held before (None for none). ``num_changed`` elements changed, ``bytes_received`` payload bytes fetched over
+    ``seconds``. ``digest``: the state digest now held. ``lag``: how many versions the newest head, read again once
+    the update finished, is ahead of ``version`` (versions published while the update ran; 0 when it is current
+    or no head is readable then). ``path``: how it got there (patch, squash, chain or anchor).
+    """
 
     version: int
     previous: int | None
@@ -111,8 +122,7 @@ class DirectorySource:
             return None
         env_blob, payload = self.store.read(request.kind, request.version)
         env = verify_envelope(self.key, env_blob, run_id=self.run_id)
-        if env.sha256 != hashlib.sha256(payload).hexdigest():
-            raise PayloadError(f"{request.kind} v{request.version} in {self.store.path} fails its signed SHA-256")
+        check_payload(env, payload, str(self.store.object_path(request.kind, request.version)))
         return Fetched(env, env_blob, payload, request.kind)
 
 
@@ -249,12 +259,15 @@ class Subscriber:
         dht: a running hivemind DHT (or None with ``source=``; see :meth:`from_directory`).
         run_id: the run to follow.
         public_key: the publisher's Ed25519 public key; anything not signed by it is rejected.
-        relay: serve held objects to other subscribers (default True on the swarm).
+        relay: serve held objects to other subscribers (default True on the swarm); announced in the DHT only
+            while this peer is reachable (server mode, or a relay address), otherwise logged once and skipped.
         mirror_dir: optional directory where received objects are kept (atomically); a subscriber restarted
             on it restores its last complete version without the network.
         full_checkpoints: the comparison baseline: fetch the full BF16 anchor of every version (the publisher
             must use ``anchor_every=1``) instead of patches, over the same transport and relays.
         max_payload_bytes, timeout: limits for one object and one update.
+        no_head_warning_after: seconds without any head (nothing published yet, or the wrong run id or key)
+            after which one warning says what this subscriber is waiting for; once per wait.
 
     Errors: :meth:`update` raises :class:`pulseloco.errors.PatchError` only when no provider can bring the
     model to a verified version; the model then still holds its previous complete version.
@@ -273,8 +286,12 @@ class Subscriber:
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         timeout: float = 60.0,
         provider_ttl: float = 30.0,
+        no_head_warning_after: float = 30.0,
     ) -> None:
         self.run_id = run_id
+        self.no_head_warning_after = no_head_warning_after
+        self._no_head_since: float | None = None
+        self._no_head_warned = False
         self.key = public_key
         self.lock = threading.RLock()
         self.version: int | None = None
@@ -283,6 +300,8 @@ class Subscriber:
         self._relay = _Relay()
         self._shadow: dict[str, torch.Tensor] | None = None
         self.endpoint: SwarmEndpoint | None = None
+        self._dht = dht
+        self._unreachable_logged = False
         if source is None:
             if dht is None:
                 raise ValueError("give a DHT or a source")
@@ -359,11 +378,28 @@ class Subscriber:
             self.mirror.write(kind, obj.envelope.version, obj.payload, obj.envelope_blob)
             self.mirror.prune(2)
 
+    def _read_mirrored(self, mirror: VersionStore, kind: str, version: int) -> Fetched:
+        """An object from the mirror directory, authenticated like one from the network: envelope signature,
+        then the payload's size and SHA-256 against the signed ones. Raises :class:`PayloadError` (naming the
+        file) or :class:`FileNotFoundError`."""
+        env_blob, payload = mirror.read(kind, version)
+        path = mirror.object_path(kind, version)
+        try:
+            env = verify_envelope(self.key, env_blob, run_id=self.run_id or None)
+        except UnauthorizedError as exc:
+            raise UnauthorizedError(f"{path}.env: {exc}") from None
+        except PayloadError as exc:
+            raise PayloadError(f"{path}.env: {exc}") from None
+        check_payload(env, payload, str(path))
+        return Fetched(env, env_blob, payload, "anchor" if kind == "anchor" else env.kind)
+
     def restore(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> int | None:
         """Bring ``model`` to the newest complete version in the mirror directory, without the network.
 
-        Returns that version, or None when the mirror is empty or does not verify (then nothing changed and
-        :meth:`update` starts from an anchor). Objects left half-written by a killed process are ignored.
+        Every mirrored object is checked like one from the network (signature, then the payload's signed size
+        and SHA-256). Returns that version, or None when the mirror is empty or does not verify (a warning names
+        the file that failed; nothing changed and :meth:`update` starts from an anchor). Objects left
+        half-written by a killed process are ignored.
         """
         if self.mirror is None or self.mirror.latest() is None:
             return None
@@ -373,16 +409,12 @@ class Subscriber:
                 chain: list[Fetched] = []
                 v: int | None = self.mirror.latest()
                 while v is not None and not self.mirror.has("anchor", v):
-                    env_blob, payload = self.mirror.read("patch", v)
-                    env = verify_envelope(self.key, env_blob, run_id=self.run_id or None)
-                    chain.append(Fetched(env, env_blob, payload, env.kind))
-                    v = env.base_version
+                    got = self._read_mirrored(self.mirror, "patch", v)
+                    chain.append(got)
+                    v = got.envelope.base_version
                 if v is None:
                     raise PayloadError("mirror chain does not reach an anchor")
-                env_blob, payload = self.mirror.read("anchor", v)
-                anchor = Fetched(
-                    verify_envelope(self.key, env_blob, run_id=self.run_id or None), env_blob, payload, "anchor"
-                )
+                anchor = self._read_mirrored(self.mirror, "anchor", v)
                 result = self._apply_objects(target, anchor, chain[::-1], keep=False)
             except (PatchError, PayloadError, FileNotFoundError) as exc:
                 logger.warning("mirror %s does not restore (%s); starting from the swarm", self.mirror.path, exc)
@@ -400,10 +432,13 @@ class Subscriber:
         return report.version if report is not None else self.version
 
     def update_report(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> UpdateReport | None:
-        """Like :meth:`update`, returning an :class:`UpdateReport` (None when already current)."""
+        """Like :meth:`update`, returning an :class:`UpdateReport` (None when already current or nothing is
+        published yet)."""
         head = self.source.head()
         if head is None:
+            self._note_no_head()
             return None
+        self._no_head_since, self._no_head_warned = None, False
         with self.lock:
             if self.version == head.version and self.digest == head.digest:
                 return None
@@ -428,17 +463,18 @@ class Subscriber:
                     )
                 received, changed, path = received + result[0], result[1], result[2]
             self._sync_model(model, target)
-            report = UpdateReport(
-                version=head.version,
-                previous=previous,
-                num_changed=changed,
-                bytes_received=received,
-                seconds=time.perf_counter() - started,
-                digest=self.digest,
-                lag=0,
-                path=path,
-            )
-        if self.endpoint is not None and self.endpoint.servicer is not None:
+            seconds, digest = time.perf_counter() - started, self.digest
+        report = UpdateReport(
+            version=head.version,
+            previous=previous,
+            num_changed=changed,
+            bytes_received=received,
+            seconds=seconds,
+            digest=digest,
+            lag=self._lag(head.version),
+            path=path,
+        )
+        if self.endpoint is not None and self.endpoint.servicer is not None and self._reachable():
             self.endpoint.announce_provider(self._relay.versions(), publisher=False, ttl=self.provider_ttl)
         logger.info(
             "updated version=%d previous=%s changed=%d bytes=%d seconds=%.3f path=%s",
@@ -450,6 +486,58 @@ class Subscriber:
             path,
         )
         return report
+
+    def _reachable(self) -> bool:
+        """Whether other peers can reach this subscriber's relay (checked before every announcement: a relay
+        address can arrive, or go, after start). The first refusal is logged with what to change."""
+        reachable = self._dht is not None and is_reachable(self._dht)
+        if not reachable and not self._unreachable_logged:
+            self._unreachable_logged = True
+            logger.info(
+                "not announcing this subscriber as a relay: it is in client mode without a relay address, so "
+                "nobody can reach it (join with use_auto_relay to relay through the initial peers)"
+            )
+        return reachable
+
+    @property
+    def announced(self) -> bool:
+        """Whether this subscriber announces itself as a relay (it relays and is reachable now)."""
+        return self.endpoint is not None and self.endpoint.servicer is not None and self._reachable()
+
+    def _lag(self, version: int) -> int:
+        """Versions the newest head (read now) is ahead of ``version``; 0 when no head is readable."""
+        try:
+            newest = self.source.head()
+        except (PayloadError, OSError) as exc:  # the update itself succeeded; only the lag is unknown
+            logger.debug("cannot read the head again for the lag: %s", exc)
+            return 0
+        return max(0, newest.version - version) if newest is not None else 0
+
+    def _note_no_head(self) -> None:
+        """Warn once per wait when no head has been readable for ``no_head_warning_after`` seconds."""
+        now = time.monotonic()
+        if self._no_head_since is None:
+            self._no_head_since = now
+        if self._no_head_warned or now - self._no_head_since < self.no_head_warning_after:
+            return
+        self._no_head_warned = True
+        if isinstance(self.source, SwarmSource):
+            where = (
+                f"a head record under DHT key {self.source.endpoint.head_key!r} signed by the key with fingerprint "
+                f"{public_key_fingerprint(self.key)}"
+            )
+        elif isinstance(self.source, DirectorySource):
+            where = f"a version in {self.source.store.path}"
+        else:
+            where = f"a head from {type(self.source).__name__}"
+        hint = "" if self.run_id.endswith(".policy") else " (the recipes publish under '<run_id>.policy')"
+        logger.warning(
+            "no version of run %r after %.0f s: waiting for %s; check the run id%s and the public key",
+            self.run_id,
+            now - self._no_head_since,
+            where,
+            hint,
+        )
 
     def _apply_chain(
         self, target: MutableMapping[str, torch.Tensor], objects: list[Fetched], *, keep: bool = True

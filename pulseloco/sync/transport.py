@@ -7,49 +7,48 @@ DHT records (small, with expirations; never payloads):
 - ``pulseloco:<run>:providers``: one subkey per peer that serves objects, with the range of versions it holds
   and whether it is the publisher. Unsigned hints: a wrong hint costs a failed request, never wrong weights.
 
-Payloads travel over a libp2p stream handler (``SyncServicer.rpc_fetch``, namespaced by run id): the first
-message carries a status and the signed envelope, the following ones chunks of the payload. The client
-bounds the total size, times out every chunk, and verifies the envelope and the payload's SHA-256 before
-handing anything back.
+Payloads travel over a libp2p stream handler (``SyncServicer.rpc_fetch``, namespaced by run id) in the stream
+protocol of :mod:`pulseloco.p2p`: the header carries a status and the signed envelope, the following messages
+chunks of the payload. The client bounds the total size, times out every message, and verifies the envelope and
+the payload's SHA-256 before handing anything back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import hashlib
 import json
 import logging
-import threading
 import time
 import typing
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from pulseloco.errors import PayloadError, PayloadSizeError, UnauthorizedError
+from pulseloco.errors import PayloadError, UnauthorizedError
+from pulseloco.p2p import P2PHost, read_stream, stream_messages
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES, Envelope, verify_envelope
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "CHUNK_BYTES",
+    "PROBE_KIND",
     "FetchRequest",
-    "LoopThread",
     "Provided",
     "SwarmEndpoint",
     "SyncServicer",
 ]
 
-T = TypeVar("T")
-#: Payload chunk size on the stream, well below hivemind's 4 MiB message limit.
-CHUNK_BYTES = 1 << 20
+#: The request kind of :meth:`SwarmEndpoint.probe`: no provider holds it, so every live one answers "missing".
+PROBE_KIND = "probe"
 #: Bound on the versions one provider record lists (a few kB in the DHT).
 _MAX_ANNOUNCED_VERSIONS = 1024
 
@@ -92,30 +91,6 @@ class Provided:
     payload: bytes = b""
 
 
-class LoopThread:
-    """An asyncio event loop in a daemon thread, for hivemind's async P2P API from synchronous code."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and wait for it; raises :class:`TimeoutError` after ``timeout`` s."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except TimeoutError:
-            future.cancel()
-            raise
-
-    def stop(self) -> None:
-        """Stop the loop and join the thread (bounded)."""
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
-
-
 class SyncServicer(ServicerBase):
     """Serves stored objects to subscribers. ``provide`` (called in an executor) returns :class:`Provided`.
 
@@ -130,7 +105,9 @@ class SyncServicer(ServicerBase):
 
     async def rpc_fetch(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> typing.AsyncIterator[averaging_pb2.DownloadData]:  # hivemind needs typing's alias for streams
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:  # hivemind needs typing's alias for streams
+        """Stream the requested object: a header with ``status`` (ok, missing, busy or error) and, when ok, the
+        base64 signed envelope, then the payload's chunks. Bad requests get an error status, never an exception."""
         try:
             run_id, req = FetchRequest.decode(request.metadata)
             if run_id != self.run_id:
@@ -138,33 +115,36 @@ class SyncServicer(ServicerBase):
             provided = await asyncio.get_running_loop().run_in_executor(None, self._provide, req)
         except PayloadError as exc:
             logger.warning("bad fetch request peer=%s error=%s", context.remote_id, exc)
-            yield averaging_pb2.DownloadData(metadata=json.dumps({"status": "error", "error": str(exc)}).encode())
+            for message in stream_messages(runtime_pb2.ExpertResponse, {"status": "error", "error": str(exc)}):
+                yield message
             return
-        head = {"status": provided.status, "size": len(provided.payload)}
-        if provided.status == "ok":
-            head["envelope"] = base64.b64encode(provided.envelope).decode()
-        yield averaging_pb2.DownloadData(metadata=json.dumps(head).encode())
         if provided.status != "ok":
+            for message in stream_messages(runtime_pb2.ExpertResponse, {"status": provided.status}):
+                yield message
             return
         self.num_uploads += 1
-        view = memoryview(provided.payload)
-        for start in range(0, len(view), CHUNK_BYTES):
-            chunk = bytes(view[start : start + CHUNK_BYTES])
-            self.bytes_uploaded += len(chunk)
-            yield averaging_pb2.DownloadData(metadata=chunk)
-        logger.debug("served kind=%s version=%d bytes=%d peer=%s", req.kind, req.version, len(view), context.remote_id)
-
-
-async def _daemon_listen_maddr(_dht: hivemind.DHT, node: hivemind.DHTNode) -> Any:
-    """Runs in the DHT process: where its P2P daemon listens for local clients."""
-    return node.p2p.daemon_listen_maddr
+        head = {"status": "ok", "envelope": base64.b64encode(provided.envelope).decode()}
+        for index, message in enumerate(stream_messages(runtime_pb2.ExpertResponse, head, [provided.payload])):
+            if index:
+                self.bytes_uploaded += len(message.metadata)
+            yield message
+        logger.debug(
+            "served kind=%s version=%d bytes=%d peer=%s",
+            req.kind,
+            req.version,
+            len(provided.payload),
+            context.remote_id,
+        )
 
 
 class SwarmEndpoint:
     """One process's PULSESync presence on a hivemind swarm: a P2P replica of the DHT's daemon, an optional
     servicer, and helpers for the DHT records.
 
-    Every remote operation takes a timeout and raises :class:`TimeoutError` or returns None when it passes.
+    Every remote operation takes a timeout; when it passes, the operation raises :class:`TimeoutError`
+    (payload transfers) or logs a warning and returns an empty answer (None, False or ``{}`` for DHT records).
+    DHT calls wait on hivemind's ``MPFuture``, a :class:`concurrent.futures.Future`, whose ``result(timeout)``
+    raises :class:`concurrent.futures.TimeoutError`; that is the class caught around those waits.
     """
 
     def __init__(self, dht: hivemind.DHT, run_id: str, *, name: str = "pulsesync") -> None:
@@ -172,34 +152,42 @@ class SwarmEndpoint:
         self.run_id = run_id
         self.head_key = f"pulseloco:{run_id}:head"
         self.providers_key = f"pulseloco:{run_id}:providers"
-        self._loop = LoopThread(f"{name}-p2p")
-        # A replica of our own, not dht.replicate_p2p(): that one is cached per DHT and bound to the loop that
-        # made it, so a second endpoint on the same DHT (a publisher restarted in-process) would reuse a replica
-        # the first one shut down.
-        daemon_maddr = dht.run_coroutine(_daemon_listen_maddr)
-        self.p2p: P2P = self._loop.run(P2P.replicate(daemon_maddr), timeout=30)
-        self.peer_id: PeerID = self.p2p.peer_id
+        self._host = P2PHost(dht, name=f"{name}-p2p")
+        self.p2p: P2P = self._host.p2p
+        self.peer_id: PeerID = self._host.peer_id
         self.servicer: SyncServicer | None = None
 
     def serve(self, provide: Callable[[FetchRequest], Provided]) -> SyncServicer:
-        """Register the fetch handler on this process's P2P replica."""
+        """Register the fetch handler on this process's P2P replica (raises :class:`TimeoutError` after 30 s)."""
         servicer = SyncServicer(self.run_id, provide)
-        self._loop.run(servicer.add_p2p_handlers(self.p2p, namespace=self.run_id), timeout=30)
+        self._host.serve(servicer, self.run_id)
         self.servicer = servicer
         return servicer
 
     # ---- DHT records -------------------------------------------------------------------------------------
 
-    def store_head(self, envelope: bytes, ttl: float) -> bool:
-        """Announce a signed head envelope; returns whether the DHT accepted it."""
-        return bool(self.dht.store(self.head_key, envelope, expiration_time=get_dht_time() + ttl))
+    def store_head(self, envelope: bytes, ttl: float, *, timeout: float = 10.0) -> bool:
+        """Announce a signed head envelope; returns whether the DHT accepted it within ``timeout`` s.
 
-    def get_head(self, key: Ed25519PublicKey, *, timeout: float = 10.0) -> Envelope | None:
-        """The newest head record that verifies under ``key``, or None. Forged records are logged, skipped."""
+        A store that does not finish in time is logged and counts as not accepted (it may still land later).
+        """
+        future = self.dht.store(self.head_key, envelope, expiration_time=get_dht_time() + ttl, return_future=True)
+        try:
+            return bool(future.result(timeout))
+        except concurrent.futures.TimeoutError:
+            logger.warning("DHT did not store the head record within %.1f s key=%s", timeout, self.head_key)
+            return False
+
+    def get_head_record(self, *, timeout: float = 10.0) -> bytes | None:
+        """The newest head record's bytes, NOT verified (callers verify; ``pulseloco status`` may only show it).
+
+        None when there is no record, when it is not bytes of at most ``MAX_ENVELOPE_BYTES`` (logged), or when
+        the lookup does not finish within ``timeout`` s (logged).
+        """
         future = self.dht.get(self.head_key, latest=True, return_future=True)
         try:
             found = future.result(timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:
             logger.warning("DHT lookup timed out key=%s timeout=%.1f", self.head_key, timeout)
             return None
         if found is None:
@@ -207,6 +195,13 @@ class SwarmEndpoint:
         value = found.value
         if not isinstance(value, bytes) or len(value) > MAX_ENVELOPE_BYTES:
             logger.warning("ignoring malformed head record run=%s", self.run_id)
+            return None
+        return value
+
+    def get_head(self, key: Ed25519PublicKey, *, timeout: float = 10.0) -> Envelope | None:
+        """The newest head record that verifies under ``key``, or None. Forged records are logged, skipped."""
+        value = self.get_head_record(timeout=timeout)
+        if value is None:
             return None
         try:
             env = verify_envelope(key, value, run_id=self.run_id)
@@ -231,7 +226,7 @@ class SwarmEndpoint:
         if timeout is not None:
             try:
                 future.result(timeout)
-            except TimeoutError:
+            except concurrent.futures.TimeoutError:
                 logger.warning("DHT did not store the provider record within %.1f s", timeout)
 
     def get_providers(self, *, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
@@ -239,7 +234,7 @@ class SwarmEndpoint:
         future = self.dht.get(self.providers_key, latest=True, return_future=True)
         try:
             found = future.result(timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:
             logger.warning("DHT lookup timed out key=%s timeout=%.1f", self.providers_key, timeout)
             return {}
         if found is None or not isinstance(found.value, dict):
@@ -259,37 +254,26 @@ class SwarmEndpoint:
     # ---- payload transfer --------------------------------------------------------------------------------
 
     async def _fetch(self, peer: PeerID, request: FetchRequest, max_bytes: int, chunk_timeout: float) -> Provided:
+        """Request ``request`` from ``peer`` and read the answer (see :func:`pulseloco.p2p.read_stream` for the
+        errors; a header without a status or with a bad envelope raises :class:`PayloadError`)."""
         stub = SyncServicer.get_stub(self.p2p, peer, namespace=self.run_id)
         stream = await asyncio.wait_for(
             stub.rpc_fetch(runtime_pb2.ExpertRequest(metadata=request.encode(self.run_id))), chunk_timeout
         )
-        iterator = stream.__aiter__()
         try:
-            first = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
-        except StopAsyncIteration:
-            raise PayloadError(f"provider {peer} closed the stream without answering") from None
+            head, payload = await read_stream(stream, max_bytes=max_bytes, timeout=chunk_timeout)
+        except PayloadError as exc:
+            raise type(exc)(f"provider {peer}: {exc}") from None
         try:
-            head = json.loads(first.metadata)
-            status, size = str(head["status"]), int(head["size"])
+            status = str(head["status"])
             envelope = base64.b64decode(head.get("envelope", ""), validate=True)
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise PayloadError(f"malformed response header from {peer}: {exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PayloadError(f"malformed response header from {peer}: {exc!r}") from None
+        if status == "error":
+            raise PayloadError(f"provider {peer} refused the request: {head.get('error')}")
         if status != "ok":
             return Provided(status)
-        if size > max_bytes:
-            raise PayloadSizeError(f"provider {peer} offers {size} bytes, above the limit of {max_bytes}")
-        parts: list[bytes] = []
-        received = 0
-        while received < size:
-            try:
-                msg = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
-            except StopAsyncIteration:
-                raise PayloadSizeError(f"provider {peer} ended the stream after {received} of {size} bytes") from None
-            received += len(msg.metadata)
-            if received > size:
-                raise PayloadSizeError(f"provider {peer} sent more than the {size} bytes it announced")
-            parts.append(msg.metadata)
-        return Provided("ok", envelope, b"".join(parts))
+        return Provided("ok", envelope, payload)
 
     def fetch(
         self,
@@ -310,7 +294,7 @@ class SwarmEndpoint:
         stalls.
         """
         peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(peer)
-        provided = self._loop.run(self._fetch(peer_id, request, max_bytes, chunk_timeout), timeout=timeout)
+        provided = self._host.run(self._fetch(peer_id, request, max_bytes, chunk_timeout), timeout=timeout)
         if provided.status != "ok":
             return provided.status
         env = verify_envelope(key, provided.envelope, run_id=self.run_id)
@@ -329,22 +313,42 @@ class SwarmEndpoint:
             )
         return env, provided.envelope, provided.payload
 
-    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
-        """Run a coroutine on this endpoint's loop."""
-        return self._loop.run(coro, timeout)  # type: ignore[arg-type]
+    async def _probe_one(self, peer: str, timeout: float) -> str | None:
+        try:
+            peer_id = PeerID.from_base58(peer)
+        except Exception as exc:  # base58 and multihash errors come as assorted types
+            return f"not a peer id ({exc})"
+        try:
+            # no provider holds this kind: a live handler answers "missing" at once and reads nothing from disk
+            await asyncio.wait_for(self._fetch(peer_id, FetchRequest(PROBE_KIND, 0), 0, timeout), timeout)
+        except TimeoutError:
+            return f"no answer within {timeout:.1f} s"
+        except Exception as exc:  # the daemon reports dial failures ("routing: not found", ...) as plain errors
+            lines = str(exc).strip().splitlines()
+            return f"{type(exc).__name__}: {lines[0] if lines else 'no detail'}"
+        return None
+
+    def probe(self, peers: list[str], *, timeout: float = 3.0) -> dict[str, str | None]:
+        """Whether each provider's fetch handler answers: ``{peer: None}`` if it answered within ``timeout`` s,
+        else ``{peer: why not}`` (one line: the dial error or the timeout).
+
+        One request per peer, all at once, for an object kind no provider holds: reaching the handler costs a
+        libp2p dial (direct or relayed) and a one-message answer, no payload and no upload budget. Never raises;
+        the whole probe ends within about ``timeout`` s.
+        """
+
+        async def probe_all() -> list[str | None]:
+            return list(await asyncio.gather(*(self._probe_one(p, timeout) for p in peers)))
+
+        try:
+            answers = self._host.run(probe_all(), timeout=timeout + 5.0)
+        except TimeoutError:
+            return {p: f"no answer within {timeout:.1f} s" for p in peers}
+        return dict(zip(peers, answers))
 
     def close(self) -> None:
-        """Remove handlers and stop the loop (bounded; errors are logged, not raised)."""
-        try:
-            if self.servicer is not None:
-                self._loop.run(self.servicer.remove_p2p_handlers(self.p2p, namespace=self.run_id), timeout=5)
-        except Exception as exc:  # shutting down: report, do not mask the caller's own exception
-            logger.debug("error removing handlers: %s", exc)
-        try:
-            self._loop.run(self.p2p.shutdown(), timeout=5)
-        except Exception as exc:
-            logger.debug("error closing the P2P replica: %s", exc)
-        self._loop.stop()
+        """Remove handlers, close the replica and stop the loop (bounded; errors are logged, not raised)."""
+        self._host.close()
 
 
 def now() -> float:

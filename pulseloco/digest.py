@@ -1,4 +1,5 @@
-"""State digests: xxh3-128 over a state's tensors in sorted-name order, with name, dtype and shape included.
+"""State digests, shared by PULSESync (patch digests) and PULSELoCo (`theta_digest`): xxh3-128 over a state's
+tensors in sorted-name order, with name, dtype and shape included.
 
 Two states have the same digest exactly when they have the same names, dtypes, shapes and bit patterns
 (up to hash collisions). xxh3 runs at memory speed, so a digest of a 7B BF16 state costs about as much as
@@ -26,7 +27,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy())
+    return t.view(torch.uint8).numpy().data
 
 
 def state_digest(state: Mapping[str, torch.Tensor]) -> str:

@@ -1,0 +1,220 @@
+"""The pulseloco options of a training script, as one dataclass for ``TrlParser`` / ``HfArgumentParser``.
+
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig, PulseLoCoArguments))
+    script_args, training_args, model_args, pulse_args = parser.parse_args_and_config()
+    trainer = GRPOTrainer(..., callbacks=pulse_args.callbacks(output_dir=training_args.output_dir))
+
+Every field is a command-line flag (``--strategy pulseloco``, ``--initial_peers MADDR``, ``--inner_steps 8``) and a
+key of the YAML ``--config`` file. Invalid values raise :class:`pulseloco.errors.ConfigError` naming the field,
+when the parser builds the dataclass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pulseloco.errors import ConfigError
+
+STRATEGIES: dict[str, str | None] = {"ddp": None, "diloco": "dense", "pulseloco": "pulse", "sparseloco": "topk"}
+"""Strategy -> PulseLoCo selector; ``ddp`` (``None``) is the Trainer's own data parallelism, no swarm."""
+
+
+def _help(text: str) -> dict[str, Any]:
+    return {"help": text}
+
+
+@dataclass(kw_only=True)
+class SwarmArguments:
+    """How a process joins the swarm (trainers and rollout workers alike)."""
+
+    run_id: str = field(
+        default="pulseloco",
+        metadata=_help("Peers with the same run_id average together; rollout workers follow `<run_id>.policy`."),
+    )
+    initial_peers: list[str] = field(
+        default_factory=list,
+        metadata=_help("Multiaddrs of peers in the swarm (printed by `pulseloco dht` or a peer); none: a new swarm."),
+    )
+    host_maddrs: list[str] = field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        metadata=_help("Addresses to listen on (/ip4/0.0.0.0/tcp/PORT for a publicly reachable peer)."),
+    )
+    announce_maddrs: list[str] = field(
+        default_factory=list, metadata=_help("Addresses others should dial (a public address behind forwarding).")
+    )
+    client_mode: bool = field(
+        default=False, metadata=_help("Behind NAT: connect out only and serve nothing (needs initial_peers).")
+    )
+    use_auto_relay: bool = field(
+        default=False,
+        metadata=_help(
+            "Behind NAT: reserve a slot on a relay (the initial peers, or --relays) and be reachable through it, "
+            "so that this peer can own shards and relay weights to rollout workers."
+        ),
+    )
+    relays: list[str] = field(
+        default_factory=list,
+        metadata=_help("Relays for --use_auto_relay (multiaddrs with /p2p/ID); none: the initial peers."),
+    )
+    use_relay: bool = field(
+        default=True,
+        metadata=_help("Allow relayed connections and serve as a relay (--use_relay false turns both off)."),
+    )
+    identity: str | None = field(
+        default=None, metadata=_help("Identity file that keeps the peer id and multiaddr across restarts.")
+    )
+    swarm_key: str | None = field(
+        default=None, metadata=_help("Swarm key file: only its holders write DHT records the others accept.")
+    )
+    startup_timeout: float = field(default=30.0, metadata=_help("Seconds to start the DHT and reach a peer."))
+
+    def __post_init__(self) -> None:
+        if not self.run_id or any(c.isspace() for c in self.run_id) or len(self.run_id) > 100:
+            raise ConfigError(f"run_id must be 1-100 characters without spaces, got {self.run_id!r}")
+        if not (self.startup_timeout > 0 and math.isfinite(self.startup_timeout)):
+            raise ConfigError(f"startup_timeout must be a positive number, got {self.startup_timeout}")
+
+    @property
+    def policy_run_id(self) -> str:
+        """The PULSESync run that rollout workers follow."""
+        return f"{self.run_id}.policy"
+
+    def swarm_config(self) -> Any:
+        """The :class:`pulseloco.swarm.SwarmConfig` of these options (raises :class:`ConfigError` for a bad
+        multiaddr)."""
+        from pulseloco.swarm import SwarmConfig
+
+        return SwarmConfig(
+            initial_peers=self.initial_peers,
+            host_maddrs=self.host_maddrs,
+            announce_maddrs=self.announce_maddrs,
+            identity_path=self.identity,
+            client_mode=self.client_mode,
+            use_relay=self.use_relay,
+            use_auto_relay=self.use_auto_relay,
+            relays=self.relays,
+            startup_timeout=self.startup_timeout,
+            swarm_key_path=self.swarm_key,
+        )
+
+
+@dataclass(kw_only=True)
+class PulseLoCoArguments(SwarmArguments):
+    """How this training run averages with its swarm and publishes versions to rollout workers."""
+
+    strategy: str = field(
+        default="pulseloco",
+        metadata=_help(
+            "ddp: the Trainer's own data parallelism across the processes of one `accelerate launch`, no swarm. "
+            "diloco / pulseloco / sparseloco: this launch is one swarm peer averaging every inner_steps optimizer "
+            "steps with the dense / pulse / topk selector."
+        ),
+    )
+    inner_steps: int = field(default=8, metadata=_help("H: optimizer steps per outer round."))
+    outer_lr: float = field(default=0.7, metadata=_help("Nesterov outer learning rate."))
+    outer_momentum: float = field(default=0.9, metadata=_help("Nesterov outer momentum, in [0, 1)."))
+    topk_density: float = field(default=0.01, metadata=_help("sparseloco: fraction of each chunk sent."))
+    topk_chunk_size: int = field(default=4096, metadata=_help("sparseloco: chunk size of the top-k selection."))
+    target_group_size: int | None = field(
+        default=None,
+        metadata=_help("Start a round as soon as this many peers registered (1: train alone without waiting)."),
+    )
+    matchmaking_time: float = field(default=15.0, metadata=_help("Seconds to gather peers for a round."))
+    averaging_timeout: float = field(default=60.0, metadata=_help("Seconds a round's exchange may take."))
+    request_timeout: float = field(default=10.0, metadata=_help("Seconds for one DHT operation or message."))
+    linger: float = field(
+        default=5.0,
+        metadata=_help("Seconds to stay in the swarm after training, so that slower peers and workers finish."),
+    )
+    publish: bool = field(
+        default=False, metadata=_help("Publish every outer round's weights to rollout workers with PULSESync.")
+    )
+    signing_key: str | None = field(
+        default=None, metadata=_help("The publisher's private key (`pulseloco keygen --out PATH`); with --publish.")
+    )
+    store_dir: str | None = field(
+        default=None, metadata=_help("Version store of the publisher; default: <output_dir>/versions.")
+    )
+    anchor_every: int = field(default=10, metadata=_help("A full BF16 anchor every this many versions."))
+    publish_every: int = field(
+        default=0,
+        metadata=_help("Publish every N optimizer steps instead of every outer round (needed with --strategy ddp)."),
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"strategy: unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})")
+        for name in ("inner_steps", "topk_chunk_size", "anchor_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("outer_lr", "matchmaking_time", "averaging_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number, got {value}")
+        if not (self.linger >= 0 and math.isfinite(self.linger)):
+            raise ConfigError(f"linger must be >= 0 seconds, got {self.linger}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0 < self.topk_density <= 1:
+            raise ConfigError(f"topk_density must be in (0, 1], got {self.topk_density}")
+        if self.target_group_size is not None and self.target_group_size < 1:
+            raise ConfigError(f"target_group_size must be at least 1, got {self.target_group_size}")
+        if self.publish_every < 0:
+            raise ConfigError(f"publish_every must be >= 0, got {self.publish_every}")
+        if self.publish and not self.signing_key:
+            raise ConfigError("--publish needs --signing_key PATH (make one with `pulseloco keygen --out PATH`)")
+        if self.publish and self.selector is None and not self.publish_every:
+            raise ConfigError("--publish with --strategy ddp has no outer rounds: set --publish_every N (steps)")
+
+    @property
+    def selector(self) -> str | None:
+        """The PulseLoCo selector of the strategy (``None`` for ``ddp``)."""
+        return STRATEGIES[self.strategy]
+
+    def callbacks(self, *, output_dir: str | Path | None = None) -> list[Any]:
+        """The Trainer callbacks of these options: a :class:`PulseLoCoCallback` for swarm strategies and a
+        :class:`PulseSyncCallback` with ``--publish``; none for plain ``ddp``. Round metrics go to
+        ``<output_dir>/pulseloco_rounds.jsonl`` and published versions to ``<output_dir>/pulsesync_versions.jsonl``
+        when ``output_dir`` is given."""
+        from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback
+
+        out = Path(output_dir) if output_dir is not None else None
+        callbacks: list[Any] = []
+        loco = None
+        if self.selector is not None:
+            loco = PulseLoCoCallback(
+                swarm=self.swarm_config(),
+                run_id=self.run_id,
+                inner_steps=self.inner_steps,
+                selector=self.selector,
+                outer_lr=self.outer_lr,
+                outer_momentum=self.outer_momentum,
+                topk_density=self.topk_density,
+                topk_chunk_size=self.topk_chunk_size,
+                matchmaking_time=self.matchmaking_time,
+                target_group_size=self.target_group_size,
+                averaging_timeout=self.averaging_timeout,
+                request_timeout=self.request_timeout,
+                linger=self.linger,
+                metrics_path=None if out is None else out / "pulseloco_rounds.jsonl",
+            )
+            callbacks.append(loco)
+        if self.publish:
+            store = Path(self.store_dir) if self.store_dir else (out or Path(".")) / "versions"
+            callbacks.append(
+                PulseSyncCallback(
+                    signing_key=self.signing_key,
+                    run_id=self.policy_run_id,
+                    store_dir=store,
+                    anchor_every=self.anchor_every,
+                    every=self.publish_every or "round",
+                    swarm=None if loco is not None else self.swarm_config(),
+                    linger=self.linger,
+                    metrics_path=None if out is None else out / "pulsesync_versions.jsonl",
+                )
+            )
+        return callbacks

@@ -1,0 +1,104 @@
+"""Rollout engines: what a rollout worker generates with, and the seam where PULSESync updates its weights.
+
+A :class:`RolloutEngine` holds the policy's BF16 weights in checkpoint coordinates (the names and shapes of the
+trainer's ``state_dict``), which a :class:`pulseloco.sync.subscriber.Subscriber` patches in place, atomically
+and verified by digest; then :meth:`RolloutEngine.weights_updated` tells the engine that those tensors changed
+(an engine that keeps its own repacked copy reloads them there), and :meth:`RolloutEngine.generate` samples with
+them. :class:`TransformersEngine` is the baseline: the BF16 weights *are* the model's parameters, so there is
+nothing to reload. A vLLM engine implements the same three methods.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RolloutEngine", "TransformersEngine"]
+
+
+class RolloutEngine(Protocol):
+    """Generates with a policy whose weights PULSESync keeps current."""
+
+    def weights(self) -> MutableMapping[str, torch.Tensor]:
+        """The BF16 weights in checkpoint coordinates, patched in place by the subscriber."""
+        ...
+
+    def weights_updated(self) -> None:
+        """Called after the subscriber changed :meth:`weights` (a complete, verified version)."""
+        ...
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None = None) -> list[str]:
+        """One completion per prompt (greedy when ``temperature`` is ``None``), without special tokens."""
+        ...
+
+
+class TransformersEngine:
+    """Generation with a ``transformers`` causal LM (the baseline rollout engine; also what the recipes score
+    with). A rollout worker holds the model in BF16, exactly as published.
+
+    Args:
+        model: a causal LM; :meth:`weights` are its floating-point state-dict tensors.
+        tokenizer: its tokenizer (left padding is set for batched generation).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.tokenizer.padding_side = "left"
+        self._weights = {
+            name: t
+            for name, t in self.model.state_dict().items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        }
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, *, device: torch.device | str = "cpu") -> TransformersEngine:
+        """Load the policy's starting checkpoint (Hugging Face format) in BF16; the publisher's first anchor
+        replaces its weights anyway, but tensor names and shapes must match the trainer's.
+
+        Raises :class:`pulseloco.errors.ConfigError` when the checkpoint cannot be loaded (see
+        :func:`pulseloco.integrations.models.load_causal_lm`).
+        """
+        model = load_causal_lm(model_name_or_path, dtype=torch.bfloat16, bytes_per_parameter=2, device=device)
+        tokenizer = load_tokenizer(model_name_or_path)
+        return cls(model.eval(), tokenizer)
+
+    def weights(self) -> MutableMapping[str, torch.Tensor]:
+        return self._weights
+
+    def weights_updated(self) -> None:
+        """Nothing to do: :meth:`weights` are views of the model's own parameters."""
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None = None) -> list[str]:
+        if not prompts:
+            return []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
+        finally:
+            self.model.train(was_training)
+
+    def _generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None) -> list[str]:
+        batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = batch.to(self.model.device)
+        sampling: dict[str, Any] = {"do_sample": False}
+        if temperature:
+            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        out = self.model.generate(
+            **batch,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            **sampling,
+        )
+        completions = out[:, batch["input_ids"].shape[1] :]
+        return [str(text) for text in self.tokenizer.batch_decode(completions, skip_special_tokens=True)]

@@ -1,0 +1,411 @@
+"""``transformers.TrainerCallback``s that make any Trainer (TRL's ``GRPOTrainer``, ``SFTTrainer``, a plain ``Trainer``)
+a PULSELoCo swarm peer that publishes its versions to rollout workers with PULSESync.
+
+    from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback
+
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...,
+                          callbacks=[PulseLoCoCallback(run_id="my-run", initial_peers=["/ip4/.../p2p/..."]),
+                                     PulseSyncCallback(signing_key="keys/publisher")])
+
+:class:`PulseLoCoCallback` drives a :class:`pulseloco.PulseLoCo` with ``inner_optimizer=None``: the Trainer keeps
+stepping its own optimizer (whose state is kept across rounds, as in DiLoCo) and the callback counts each applied
+optimizer step (after gradient accumulation; steps the gradient scaler skipped do not count), running the outer
+round after every ``inner_steps``-th one. The round is the one :class:`~pulseloco.PulseLoCo` runs for plain
+PyTorch loops. Under ``accelerate launch`` with several processes only the main process joins the swarm; the
+others receive ``theta`` by broadcast. Its state is saved as ``pulseloco.pt`` in every Trainer checkpoint and
+restored when the Trainer resumes from one.
+
+:class:`PulseSyncCallback` publishes the consensus weights as a new version after every outer round (or every
+``every`` optimizer steps without PULSELoCo), plus the starting weights as the first version.
+
+Failure behaviour: bad arguments raise :class:`~pulseloco.errors.ConfigError` at construction; a swarm that cannot
+be joined raises :class:`~pulseloco.errors.ConfigError` on every process at the start of training; resuming from
+a checkpoint without ``pulseloco.pt`` raises :class:`~pulseloco.errors.ConfigError` before any step. The swarm
+itself never fails a step (see :class:`pulseloco.PulseLoCo`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from pulseloco.errors import ConfigError, PulseLocoError
+from pulseloco.loco.optimizer import PulseLoCo, _distributed
+from pulseloco.loco.selection import SELECTORS
+from pulseloco.swarm import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STATE_FILE", "PulseLoCoCallback", "PulseSyncCallback"]
+
+STATE_FILE = "pulseloco.pt"
+"""PulseLoCo's state (theta, residual, outer momentum, counters) inside each Trainer checkpoint directory."""
+
+_CALLBACK_OF_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, PulseLoCoCallback] = weakref.WeakKeyDictionary()
+"""The PulseLoCoCallback driving a model, so that a PulseSyncCallback on the same Trainer can find its rounds."""
+
+
+def _is_main_process() -> bool:
+    return _distributed()[1] == 0
+
+
+def _join_swarm(config: SwarmConfig) -> Any:
+    """Start a DHT on the main process; every process raises the same :class:`ConfigError` if that fails."""
+    from pulseloco.swarm import make_dht
+
+    dht, error = None, None
+    distributed, rank = _distributed()
+    if rank == 0:
+        try:
+            dht = make_dht(config)
+        except PulseLocoError as exc:
+            error = str(exc)
+    if distributed:
+        box = [error]
+        torch.distributed.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise ConfigError(error)
+    if dht is not None:
+        for maddr in dht.get_visible_maddrs():
+            print(f"swarm: multiaddr {maddr}", flush=True)
+    return dht
+
+
+class _JsonLines:
+    """Appends records to a JSON-lines file from any thread."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def write(self, **record: Any) -> None:
+        line = json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":"))
+        with self._lock, self.path.open("a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+
+class PulseLoCoCallback(TrainerCallback):
+    """Turns the Trainer it is given to into a PULSELoCo peer.
+
+    Args (keyword-only):
+        dht: a running ``hivemind.DHT`` to use (on the main process; ignored elsewhere). Without one, the
+            callback starts its own on the main process from ``swarm`` (or ``initial_peers``) when training
+            begins, and shuts it down when training ends.
+        swarm: how to join (:class:`pulseloco.swarm.SwarmConfig`: initial peers, listen addresses, client mode,
+            identity, swarm key).
+        initial_peers: shorthand for ``swarm=SwarmConfig(initial_peers=...)``; none starts a new swarm.
+        run_id, inner_steps, selector, and the other keyword arguments: as :class:`pulseloco.PulseLoCo`
+            (``outer_lr``, ``outer_momentum``, ``topk_density``, ``topk_chunk_size``, ``matchmaking_time``,
+            ``target_group_size``, ``averaging_timeout``, ``request_timeout``, ``metrics_path``, ...).
+        linger: seconds to stay in the swarm after training, so that slower peers can still fetch this peer's
+            shards and state, and rollout workers its last version.
+
+    Attributes:
+        loco: the :class:`pulseloco.PulseLoCo` (``None`` before training begins).
+        dht: the DHT in use on the main process (``None`` elsewhere and before training begins).
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: Any | None = None,
+        swarm: SwarmConfig | None = None,
+        initial_peers: list[str] | None = None,
+        run_id: str = "pulseloco",
+        inner_steps: int = 8,
+        selector: str = "pulse",
+        linger: float = 0.0,
+        **pulseloco_kwargs: Any,
+    ) -> None:
+        if inner_steps < 1:
+            raise ConfigError(f"inner_steps must be at least 1, got {inner_steps}")
+        if selector not in SELECTORS:
+            raise ConfigError(f"selector must be one of {SELECTORS}, got {selector!r}")
+        if swarm is not None and initial_peers is not None:
+            raise ConfigError("give swarm= or initial_peers=, not both")
+        if linger < 0:
+            raise ConfigError(f"linger must be >= 0 seconds, got {linger}")
+        self.swarm = swarm if swarm is not None else SwarmConfig(initial_peers=list(initial_peers or []))
+        self.run_id = run_id
+        self.inner_steps = inner_steps
+        self.selector = selector
+        self.linger = linger
+        self.pulseloco_kwargs = pulseloco_kwargs
+        self.loco: PulseLoCo | None = None
+        self.dht: Any | None = dht
+        self._owns_dht = dht is None
+        self._before_close: list[Any] = []
+        self._after_linger: list[Any] = []
+        self._closed = False
+
+    # -- Trainer events -------------------------------------------------------------------------------------
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model = kwargs.get("model")
+        if model is None:
+            raise ConfigError("PulseLoCoCallback needs the Trainer's model (transformers passes it to callbacks)")
+        if self.loco is not None:
+            raise ConfigError("PulseLoCoCallback drives one training run; give each Trainer.train() a new callback")
+        if self._owns_dht:
+            self.dht = _join_swarm(self.swarm)
+        elif not _is_main_process():
+            self.dht = None
+        self.loco = PulseLoCo(
+            model,
+            None,
+            dht=self.dht,
+            run_id=self.run_id,
+            inner_steps=self.inner_steps,
+            selector=self.selector,
+            **self.pulseloco_kwargs,
+        )
+        _CALLBACK_OF_MODEL[model] = self
+        if state.global_step > 0:
+            self._resume(args, state)
+        if self.loco.peer_id is not None:
+            print(
+                f"pulseloco: peer_id={self.loco.peer_id} run_id={self.run_id} selector={self.selector} "
+                f"inner_steps={self.inner_steps} round={self.loco.round}",
+                flush=True,
+            )
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.loco is None:
+            return
+        # accelerate's optimizer wrapper says when the gradient scaler skipped the step (inf/nan gradients):
+        # the weights did not move, so it is no inner step.
+        if getattr(kwargs.get("optimizer"), "step_was_skipped", False):
+            return
+        self.loco.count_inner_step()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.loco is None or not state.is_world_process_zero:
+            return
+        directory = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
+        if not directory.is_dir():
+            logger.warning("no checkpoint directory %s to save PulseLoCo's state into", directory)
+            return
+        tmp = directory / (STATE_FILE + ".tmp")
+        torch.save(self.loco.state_dict(), tmp)
+        os.replace(tmp, directory / STATE_FILE)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    def add_close_hooks(self, before_linger: Any, after_linger: Any) -> None:
+        """When training ends, run ``before_linger()`` before this peer lingers (a publisher's flush, so that its
+        last version is stored) and ``after_linger()`` after it, while the DHT is still up (closing the
+        publisher, which served that version to rollout workers during the linger)."""
+        self._before_close.append(before_linger)
+        self._after_linger.append(after_linger)
+
+    def close(self) -> None:
+        """Run the before-linger hooks, linger, run the after-linger hooks, leave the swarm and stop the DHT
+        this callback started. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for hook in self._before_close:
+            hook()
+        if self.loco is not None and self.dht is not None and self.linger > 0:
+            time.sleep(self.linger)
+        for hook in self._after_linger:
+            hook()
+        if self.loco is not None:
+            self.loco.shutdown()
+        if self._owns_dht and self.dht is not None:
+            self.dht.shutdown()
+
+    def _resume(self, args: TrainingArguments, state: TrainerState) -> None:
+        """Load ``pulseloco.pt`` of the checkpoint the Trainer resumed from."""
+        assert self.loco is not None  # noqa: S101 (called right after the PulseLoCo is built)
+        resumed = args.resume_from_checkpoint
+        if isinstance(resumed, str) and Path(resumed).is_dir():
+            directory = Path(resumed)
+        else:
+            directory = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
+        path = directory / STATE_FILE
+        if not path.is_file():
+            raise ConfigError(
+                f"resuming at step {state.global_step}, but {path} does not exist: the checkpoint was not saved "
+                "by a Trainer with PulseLoCoCallback; start a new output_dir or resume from a checkpoint that has it"
+            )
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch.load raises many types for a damaged file
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+        self.loco.load_state_dict(saved)
+        logger.info("resumed PulseLoCo round=%d local_step=%d from %s", self.loco.round, self.loco.local_step, path)
+
+
+class PulseSyncCallback(TrainerCallback):
+    """Publishes the Trainer's model to rollout workers with PULSESync.
+
+    Args:
+        publisher: a ready :class:`pulseloco.sync.publisher.Publisher` (main process only; ``None`` elsewhere).
+            Without one, give ``signing_key``: the callback then makes a publisher on the main process when
+            training begins, over the DHT of the :class:`PulseLoCoCallback` on the same Trainer (or ``dht``, or
+            one it starts from ``swarm``), and closes it when training ends.
+        every: ``"round"`` to publish after every outer round of the :class:`PulseLoCoCallback` driving the same
+            model (the consensus ``theta``), or a number of optimizer steps.
+        signing_key: the publisher's Ed25519 private key, or a path to it (``pulseloco keygen --out PATH``).
+        run_id: the PULSESync run (default: ``<PulseLoCo run_id>.policy``).
+        store_dir: the version store (default: ``<output_dir>/versions``).
+        anchor_every: a full BF16 anchor every this many versions.
+        dht, swarm: the DHT to publish on, or how to start one, when there is no PulseLoCoCallback.
+        linger: seconds to keep serving after training, when this callback started the DHT.
+        metrics_path: append one JSON line per stored version (``version``, ``digest``, ``patch_bytes``).
+        flush_timeout: seconds to wait at the end for the last version to be encoded and stored.
+    """
+
+    def __init__(
+        self,
+        publisher: Any | None = None,
+        *,
+        every: str | int = "round",
+        signing_key: Any | None = None,
+        run_id: str | None = None,
+        store_dir: str | os.PathLike[str] | None = None,
+        anchor_every: int = 10,
+        dht: Any | None = None,
+        swarm: SwarmConfig | None = None,
+        linger: float = 0.0,
+        metrics_path: str | os.PathLike[str] | None = None,
+        flush_timeout: float = 120.0,
+    ) -> None:
+        if every != "round" and not (isinstance(every, int) and every >= 1):
+            raise ConfigError(f"every must be 'round' or a positive number of optimizer steps, got {every!r}")
+        if publisher is not None and signing_key is not None:
+            raise ConfigError("give publisher= or signing_key=, not both")
+        if anchor_every < 1:
+            raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
+        if isinstance(signing_key, str | os.PathLike):
+            from pulseloco.sync.signing import load_private_key
+
+            signing_key = load_private_key(signing_key)  # fails here, with a clear message, not mid-training
+        self.publisher = publisher
+        self.every = every
+        self.signing_key = signing_key
+        self.run_id = run_id
+        self.store_dir = store_dir
+        self.anchor_every = anchor_every
+        self.dht = dht
+        self.swarm = swarm
+        self.linger = linger
+        self.flush_timeout = flush_timeout
+        self.metrics = _JsonLines(metrics_path) if metrics_path is not None else None
+        self._model: torch.nn.Module | None = None
+        self._owned_dht: Any | None = None
+        self._owns_publisher = False
+        self._closed = False
+        self._attached = False
+        self._step = 0
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._model = kwargs.get("model")
+        if self._model is None:
+            raise ConfigError("PulseSyncCallback needs the Trainer's model (transformers passes it to callbacks)")
+        self._step = state.global_step
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Set up at the first step: by then every callback's on_train_begin has run, whatever their order, so a
+        # PulseLoCoCallback driving this model exists (and its DHT).
+        if self._attached or self._model is None:
+            return
+        self._attached = True
+        loco = _CALLBACK_OF_MODEL.get(self._model)
+        if loco is not None and loco.loco is None:
+            loco = None
+        if self.every == "round" and loco is None:
+            raise ConfigError(
+                "PulseSyncCallback(every='round') needs a PulseLoCoCallback on the same Trainer; without "
+                "PULSELoCo, publish every N optimizer steps with every=N"
+            )
+        if self.publisher is None and self.signing_key is not None:
+            self._make_publisher(args, loco)
+        if loco is not None:
+            if self.every == "round":
+                assert loco.loco is not None  # noqa: S101 (checked above)
+                loco.loco.add_round_listener(lambda _loco, _metrics: self._publish("round"))
+            loco.add_close_hooks(self.flush, self.close)  # serve the last version while the peer lingers
+        self._publish("start")
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._step = state.global_step
+        if isinstance(self.every, int) and state.global_step % self.every == 0:
+            self._publish("step")
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+
+    def flush(self) -> None:
+        """Wait (``flush_timeout``) until the last queued version is stored and announced."""
+        if self.publisher is None or self._closed:
+            return
+        try:
+            self.publisher.flush(timeout=self.flush_timeout)
+        except TimeoutError:
+            logger.warning("the last version was still being encoded after %.0f s", self.flush_timeout)
+
+    def close(self) -> None:
+        """Flush and, for a publisher this callback made, close it and the DHT it started (after lingering).
+        Idempotent."""
+        if self._closed or self.publisher is None:
+            return
+        self.flush()
+        self._closed = True
+        if self._owns_publisher:
+            if self._owned_dht is not None and self.linger > 0:
+                time.sleep(self.linger)
+            self.publisher.close()
+            if self._owned_dht is not None:
+                self._owned_dht.shutdown()
+
+    def _make_publisher(self, args: TrainingArguments, loco: PulseLoCoCallback | None) -> None:
+        if not _is_main_process() or self.signing_key is None:
+            return
+        from pulseloco.sync.publisher import Publisher
+
+        dht = self.dht
+        if dht is None and loco is not None:
+            dht = loco.dht
+        if dht is None:
+            self._owned_dht = dht = _join_swarm(self.swarm or SwarmConfig())
+        run_id = self.run_id or (f"{loco.run_id}.policy" if loco is not None else "pulseloco.policy")
+        store = Path(self.store_dir) if self.store_dir is not None else Path(str(args.output_dir)) / "versions"
+        self.publisher = Publisher(
+            dht, run_id, self.signing_key, store, anchor_every=self.anchor_every, on_published=self._record
+        )
+        self._owns_publisher = True
+        print(f"pulsesync: publishing run_id={run_id} store={store}", flush=True)
+
+    def _record(self, version: int, digest: str, patch_bytes: int) -> None:
+        if self.metrics is not None:
+            self.metrics.write(event="publish", version=version, digest=digest, patch_bytes=patch_bytes)
+
+    def _publish(self, why: str) -> None:
+        if self.publisher is None or self._model is None or self._closed:
+            return
+        version = self.publisher.publish(self._model)
+        logger.info("queued version=%d step=%d reason=%s", version, self._step, why)

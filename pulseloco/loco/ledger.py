@@ -1,0 +1,162 @@
+"""Which contributions a theta contains, and how a peer's residual follows the theta it ends up with.
+
+A round's sums count exactly the contributions on their owners' ``accepted`` lists
+(:mod:`pulseloco.loco.averaging`). A :class:`Ledger` keeps, for the last ``keep_rounds`` rounds of the lineage of
+a peer's ``theta``, the group id and the accepted list of every shard (``None`` for a shard that was not
+applied). It travels with the state a peer serves, so a peer that replaces its theta by a downloaded one also
+learns what that theta counted.
+
+The peer also keeps its own recent contributions (``Pending``: the entries it sent, split by shard, and whether
+it assumed each shard counted them). :meth:`Ledger.reconcile` compares that assumption with an adopted ledger and
+corrects the residual by exactly the difference: a part the adopted theta counted but the peer had returned
+to its residual is taken out again (otherwise it would be sent, and counted, twice); a part the peer thought
+counted but the adopted theta lacks goes back in (otherwise it would be lost). Corrections are additive, so
+they stay exact even after the residual has changed in later rounds.
+
+Invariant (docs/design.md, "Exactly-once contributions"): for every round in the ledger's window, each entry a
+peer selected is either counted by the theta it holds, or in its residual, never both and never neither.
+Rounds older than the window cannot be reconciled; that is logged (a peer that fell that far behind).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pulseloco.errors import PayloadError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_KEEP_ROUNDS", "Ledger", "LedgerEntry", "Pending"]
+
+DEFAULT_KEEP_ROUNDS = 8
+"""Rounds of history kept (and served with the state): how long two lineages may diverge (or a peer fall
+behind) and still be reconciled exactly. The own contributions kept for it cost 12 bytes per sent entry per
+round of CPU memory."""
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What one round applied to a theta: ``group`` is ``None`` when the round averaged nothing."""
+
+    group: str | None
+    accepted: tuple[tuple[str, ...] | None, ...] = ()
+
+    def counted(self, group: str, shard: int, peer: str) -> bool:
+        """Whether this round counted ``peer``'s part of ``shard`` in group ``group``."""
+        if self.group != group or shard >= len(self.accepted):
+            return False
+        names = self.accepted[shard]
+        return names is not None and peer in names
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group, "accepted": [None if a is None else list(a) for a in self.accepted]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LedgerEntry:
+        """Parse one entry received from a peer; raises :class:`PayloadError` for anything malformed."""
+        if not isinstance(data, dict):
+            raise PayloadError("ledger entry must be an object")
+        group, accepted = data.get("group"), data.get("accepted", [])
+        if group is not None and not isinstance(group, str):
+            raise PayloadError("ledger group must be a string or null")
+        if not isinstance(accepted, list) or len(accepted) > 4096:
+            raise PayloadError("ledger accepted lists must be a list (at most 4096 shards)")
+        shards: list[tuple[str, ...] | None] = []
+        for names in accepted:
+            if names is None:
+                shards.append(None)
+            elif isinstance(names, list) and len(names) <= 4096 and all(isinstance(n, str) for n in names):
+                shards.append(tuple(names))
+            else:
+                raise PayloadError("ledger accepted list must be a list of peer ids or null")
+        return cls(group, tuple(shards))
+
+
+@dataclass
+class Pending:
+    """This peer's contribution in one round: sorted global ``indices_K`` and ``values_K`` it sent, the shard
+    ``offsets`` into them (``len(offsets) == num_shards + 1``), and whether it assumed each shard counted it."""
+
+    group: str
+    indices_K: torch.Tensor
+    values_K: torch.Tensor
+    offsets: list[int]
+    counted: list[bool]
+
+
+class Ledger:
+    """The ledger of one peer's theta and its own pending contributions (see the module docstring)."""
+
+    def __init__(self, peer_id: str, keep_rounds: int = DEFAULT_KEEP_ROUNDS) -> None:
+        self.peer_id = peer_id
+        self.keep_rounds = keep_rounds
+        self.entries: dict[int, LedgerEntry] = {}
+        self.pending: dict[int, Pending] = {}
+
+    def record(self, round_index: int, entry: LedgerEntry, pending: Pending | None) -> None:
+        """What this peer's own round ``round_index`` applied, and what it sent in it."""
+        self.entries[round_index] = entry
+        if pending is not None:
+            self.pending[round_index] = pending
+        for old in [r for r in self.entries if r <= round_index - self.keep_rounds]:
+            del self.entries[old]
+        for old in [r for r in self.pending if r <= round_index - self.keep_rounds]:
+            del self.pending[old]
+
+    def to_json(self) -> dict[str, Any]:
+        """The entries, for the state this peer serves (JSON object keys are strings)."""
+        return {str(r): e.to_json() for r, e in sorted(self.entries.items())}
+
+    @staticmethod
+    def parse(data: Any) -> dict[int, LedgerEntry]:
+        """Entries received with a state; raises :class:`PayloadError` for anything malformed."""
+        if not isinstance(data, dict) or len(data) > 64:
+            raise PayloadError("ledger must be an object of at most 64 rounds")
+        entries = {}
+        for key, value in data.items():
+            try:
+                round_index = int(key)
+            except (TypeError, ValueError):
+                raise PayloadError(f"ledger round {key!r} is not an integer") from None
+            entries[round_index] = LedgerEntry.from_json(value)
+        return entries
+
+    def reconcile(self, adopted: dict[int, LedgerEntry], state_round: int, residual_N: torch.Tensor) -> int:
+        """Adopt the ledger of a downloaded state of round ``state_round`` (it holds rounds ``< state_round``)
+        and correct ``residual_N`` in place for every pending round it covers. Returns the number of entries
+        moved into or out of the residual; rounds it does not cover are logged and dropped."""
+        moved = 0
+        for round_index, pending in sorted(self.pending.items()):
+            if round_index >= state_round:
+                entry: LedgerEntry | None = LedgerEntry(None)  # the adopted theta predates this round
+            else:
+                entry = adopted.get(round_index)
+            if entry is None:
+                logger.warning(
+                    "cannot reconcile round=%d: the adopted state's ledger does not reach back to it (the residual "
+                    "keeps this peer's own view of that round)",
+                    round_index,
+                )
+                continue
+            for shard, counted in enumerate(pending.counted):
+                now = entry.counted(pending.group, shard, self.peer_id)
+                if now == counted:
+                    continue
+                start, stop = pending.offsets[shard], pending.offsets[shard + 1]
+                indices_K = pending.indices_K[start:stop].to(residual_N.device)
+                values_K = pending.values_K[start:stop].to(residual_N.device)
+                if now:  # counted by the adopted theta, but this peer had returned it: take it back out
+                    residual_N.index_add_(0, indices_K, -values_K)
+                else:  # this peer thought it counted, the adopted theta lacks it: keep it
+                    residual_N.index_add_(0, indices_K, values_K)
+                pending.counted[shard] = now
+                moved += stop - start
+        self.entries = {r: e for r, e in adopted.items() if r < state_round}
+        self.pending = {r: p for r, p in self.pending.items() if r < state_round}
+        if moved:
+            logger.info("residual reconciled with the adopted state round=%d entries=%d", state_round, moved)
+        return moved

@@ -1,0 +1,267 @@
+"""What PULSELoCo and PULSESync share about hivemind's libp2p layer.
+
+- :class:`BackgroundLoop`: an asyncio event loop in a daemon thread, so that synchronous code (the training
+  loop, a publisher's worker, a subscriber) runs hivemind's async P2P calls with a timeout on every wait;
+- :class:`P2PHost`: that loop plus a P2P client ("replica") of the DHT's daemon bound to it, and the
+  ``ServicerBase`` handlers served on it; its :meth:`P2PHost.close` removes the handlers, closes the replica
+  and stops the loop, so a component restarted in-process on the same DHT starts clean;
+- :func:`stream_messages` / :func:`read_stream`: the one stream protocol of both paths (docs/design.md
+  section 3.4): a first message whose ``metadata`` is a JSON object header carrying the payload's ``size``,
+  then the payload in chunks of at most :data:`CHUNK_BYTES`, one per message ``metadata``. The reader bounds
+  the declared and the received size, times out every message and checks that the stream holds exactly the
+  declared bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from typing import Any, Protocol, TypeVar
+
+from hivemind.p2p import P2P, PeerID, ServicerBase
+
+from pulseloco.errors import PayloadError, PayloadSizeError, SwarmError, TruncatedPayloadError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CHUNK_BYTES",
+    "BackgroundLoop",
+    "P2PHost",
+    "SwarmTimeoutError",
+    "daemon_listen_maddr",
+    "header_message",
+    "parse_header",
+    "read_stream",
+    "replicate_p2p",
+    "stream_messages",
+]
+
+T = TypeVar("T")
+#: Largest payload chunk per protobuf message (hivemind's daemon refuses messages above 4 MiB).
+CHUNK_BYTES = 1 << 20
+
+
+class SwarmTimeoutError(SwarmError, TimeoutError):
+    """A wait on the swarm ran past its timeout; the coroutine waited for was cancelled.
+
+    Both a :class:`SwarmError` (PULSELoCo's averaging catches those) and a :class:`TimeoutError` (PULSESync's
+    callers catch those), so each path keeps its own handling of a stalled peer.
+    """
+
+
+class BackgroundLoop:
+    """An asyncio event loop running in a daemon thread until :meth:`shutdown`."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the loop and wait at most ``timeout`` seconds for its result.
+
+        When this wait runs out, the coroutine is cancelled and :class:`SwarmTimeoutError` is raised; whatever
+        the coroutine raises itself (an ``asyncio`` timeout of its own included) propagates unchanged.
+        """
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own timeout, not this wait's
+                raise
+            future.cancel()
+            raise SwarmTimeoutError(f"swarm operation did not finish within {timeout:.1f}s") from None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Cancel the loop's tasks, stop it and join its thread (each step bounded by ``timeout`` seconds).
+
+        Never raises: tasks that do not stop in time are logged and left to the daemon thread.
+        """
+        if not self.loop.is_running():
+            return
+
+        async def _cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self.loop).result(timeout=timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+            logger.warning("background loop tasks did not stop cleanly error=%r", exc)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=timeout)
+
+
+async def _daemon_listen_maddr(_dht: Any, node: Any) -> Any:
+    """Runs in the DHT process: where its P2P daemon listens for local clients."""
+    return node.p2p.daemon_listen_maddr
+
+
+def daemon_listen_maddr(dht: Any) -> Any:
+    """The multiaddr on which ``dht``'s P2P daemon listens for clients (a blocking call into the DHT process).
+
+    Raises whatever ``hivemind.DHT.run_coroutine`` raises when the DHT is not running.
+    """
+    return dht.run_coroutine(_daemon_listen_maddr)
+
+
+async def replicate_p2p(dht: Any) -> P2P:
+    """A new P2P client of ``dht``'s daemon, bound to the running event loop.
+
+    Not ``dht.replicate_p2p()``: that one is cached per DHT and bound to the loop that made it, so a second
+    component on the same DHT (a PulseLoCo or publisher restarted in-process) would inherit a replica whose
+    loop the first one stopped. Call it on the loop that will use the replica; :class:`P2PHost` closes it.
+    """
+    return await P2P.replicate(daemon_listen_maddr(dht))
+
+
+class P2PHost:
+    """A :class:`BackgroundLoop` with a replica of ``dht``'s P2P daemon on it, and the handlers it serves.
+
+    Construction raises :class:`SwarmTimeoutError` when the replica is not up within ``timeout`` seconds (the
+    loop is stopped again), or whatever the DHT raises when it is not running. The DHT itself is the
+    caller's; :meth:`close` ends only what this host started.
+    """
+
+    def __init__(self, dht: Any, *, name: str, timeout: float = 30.0) -> None:
+        self.loop = BackgroundLoop(name)
+        try:
+            self.p2p: P2P = self.loop.run(replicate_p2p(dht), timeout=timeout)
+        except BaseException:
+            self.loop.shutdown()
+            raise
+        self.peer_id: PeerID = self.p2p.peer_id
+        self._served: list[tuple[ServicerBase, str]] = []
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """:meth:`BackgroundLoop.run` on this host's loop (the replica's)."""
+        return self.loop.run(coro, timeout)
+
+    def serve(self, servicer: ServicerBase, namespace: str, *, timeout: float = 30.0) -> None:
+        """Register ``servicer``'s ``rpc_*`` handlers under ``namespace`` on the replica.
+
+        Raises :class:`SwarmTimeoutError` after ``timeout`` seconds, or the daemon's error.
+        """
+        self.run(servicer.add_p2p_handlers(self.p2p, namespace=namespace), timeout=timeout)
+        self._served.append((servicer, namespace))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Remove the served handlers, close the replica and stop the loop, each bounded by ``timeout``.
+
+        Never raises (the daemon may already be gone with the DHT): failures are logged at debug level.
+        """
+        for servicer, namespace in self._served:
+            try:
+                self.run(servicer.remove_p2p_handlers(self.p2p, namespace=namespace), timeout=timeout)
+            except Exception as exc:  # shutting down: report, do not mask the caller's own exception
+                logger.debug("error removing handlers namespace=%s error=%r", namespace, exc)
+        self._served.clear()
+        try:
+            self.run(self.p2p.shutdown(), timeout=timeout)
+        except Exception as exc:
+            logger.debug("error closing the P2P replica error=%r", exc)
+        self.loop.shutdown(timeout)
+
+
+class Message(Protocol):
+    """A hivemind protobuf message with a ``metadata`` bytes field (``ExpertRequest``, ``ExpertResponse``)."""
+
+    metadata: bytes
+
+    def ByteSize(self) -> int: ...  # protobuf's name
+
+
+M = TypeVar("M", bound=Message)
+
+
+def parse_header(raw: bytes) -> dict[str, Any]:
+    """Decode a JSON object header; raises :class:`PayloadError` when it is not one (empty bytes give ``{}``)."""
+    try:
+        header = json.loads(raw.decode("utf-8")) if raw else {}
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PayloadError(f"message header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise PayloadError("message header must be a JSON object")
+    return header
+
+
+def header_message(message_type: Callable[..., M], header: dict[str, Any]) -> M:
+    """One message of ``message_type`` whose ``metadata`` is ``header`` as JSON (a unary request or reply)."""
+    return message_type(metadata=json.dumps(header).encode())
+
+
+def stream_messages(
+    message_type: Callable[..., M],
+    header: dict[str, Any],
+    payload: Sequence[bytes | memoryview] = (),
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[M]:
+    """The messages that send ``header`` and the concatenation of ``payload``'s buffers: first the header with
+    ``size`` set to the payload's total length, then chunks of at most ``chunk_bytes`` (buffers are not
+    joined; a chunk never spans two). Read them with :func:`read_stream`."""
+    size = sum(len(buffer) for buffer in payload)
+    yield header_message(message_type, {**header, "size": size})
+    for buffer in payload:
+        view = memoryview(buffer).cast("B")
+        for start in range(0, len(view), chunk_bytes):
+            yield message_type(metadata=bytes(view[start : start + chunk_bytes]))
+
+
+async def read_stream(
+    messages: AsyncIterator[M],
+    *,
+    max_bytes: int,
+    timeout: float,
+    first_timeout: float | None = None,
+    on_message: Callable[[dict[str, Any], M], None] | None = None,
+) -> tuple[dict[str, Any], bytes]:
+    """Read one :func:`stream_messages` stream to its end: ``(header, payload)``.
+
+    Waits at most ``first_timeout`` (default ``timeout``) seconds for the header and ``timeout`` seconds for
+    every later message, end of stream included; ``on_message(header, message)`` sees every message once the
+    header is known (for traffic counters). Raises :class:`TimeoutError` when a wait runs out,
+    :class:`PayloadError` when the stream is empty or its header is not a JSON object with an integer
+    ``size``, :class:`PayloadSizeError` when ``size`` exceeds ``max_bytes`` (before any chunk is read) or more
+    bytes arrive than declared, :class:`TruncatedPayloadError` when the stream ends early.
+    """
+    iterator = messages.__aiter__()
+    try:
+        first = await asyncio.wait_for(iterator.__anext__(), timeout if first_timeout is None else first_timeout)
+    except StopAsyncIteration:
+        raise PayloadError("the stream ended without a header") from None
+    header = parse_header(first.metadata)
+    if on_message is not None:
+        on_message(header, first)
+    size = header.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise PayloadError(f"stream header has no valid size: {size!r}")
+    if size > max_bytes:
+        raise PayloadSizeError(f"stream declares {size} bytes, above the limit of {max_bytes}")
+    parts: list[bytes] = []
+    received = 0
+    while True:
+        try:
+            message = await asyncio.wait_for(iterator.__anext__(), timeout)
+        except StopAsyncIteration:
+            break
+        if on_message is not None:
+            on_message(header, message)
+        received += len(message.metadata)
+        if received > size:
+            raise PayloadSizeError(f"stream carries more than the {size} bytes its header declares")
+        parts.append(message.metadata)
+    if received < size:
+        raise TruncatedPayloadError(f"stream ended after {received} of {size} bytes")
+    return header, b"".join(parts)

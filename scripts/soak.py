@@ -1,0 +1,836 @@
+#!/usr/bin/env python
+"""Churn soak of PULSELoCo and PULSESync on loopback, checked against an exact outside ledger.
+
+A supervisor starts a bootstrap hivemind DHT on 127.0.0.1 and ``--peers`` PULSELoCo peer processes (the last one
+sends poisoned payloads, ``--client-peers`` before it run in client mode), plus a PULSESync publisher and two
+``pulseloco sync follow`` subscribers. While the swarm trains ``--rounds`` outer rounds with the dense selector,
+a schedule (fractions of the run, see :func:`schedule`) SIGKILLs peers (one right after it pushed its
+contribution) and restarts them, lets one join late, stalls peers mid-fetch with SIGSTOP/SIGCONT (once shorter
+and once longer than the averaging timeout), and kills and restarts a subscriber.
+
+Every peer records what it produced, what it sent, what each round aggregated (the accepted contributor list of
+every shard) and its residual (files under ``--out``). At the end the supervisor checks:
+
+- **digests**: after every round, every peer that completed it (every shard's sum applied, or repaired) and
+  holds the same round holds the same digest;
+- **exactly once** (the ledger): walking the final theta's lineage back to the initial weights gives, for every
+  contribution, the shards that counted it. For each honest peer process, what it produced minus what the
+  lineage counted of its contributions must equal its residual (its last contribution for a killed process).
+  A contribution counted twice or lost shows up as a difference;
+- **processes**: no peer, DHT or ``p2pd`` process is left once everything was asked to stop;
+- **PULSESync**: every version a subscriber printed has the publisher's digest, and both end on the last one.
+- **status**: ``pulseloco status`` (:func:`pulseloco.status.collect_status`), read at the end, finds every live peer
+  agreeing and the PULSESync head verified.
+
+It prints a table (rounds, group splits, diverged rounds, peers left out, repairs, downloads, double counts, digest
+disagreements, leaked processes, sync mismatches) and, with ``--json``, writes it. Exit code 0 when every check
+passed, 1 otherwise.
+
+    .venv/bin/python scripts/soak.py                                  # 6 peers, 50 rounds (about 10 minutes)
+    .venv/bin/python scripts/soak.py --peers 4 --rounds 12 --json s.json  # the short version the tests run
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+logger = logging.getLogger("soak")
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB, SEQ_LEN, BATCH = 64, 16, 4
+LEDGER_TOLERANCE = 1e-5
+"""Relative tolerance of the ledger check (FP32 sums over a few hundred contributions)."""
+
+
+# ---- the peer process ------------------------------------------------------------------------------------------
+
+
+def tiny_model() -> torch.nn.Module:
+    """A one-layer Llama of about 5k parameters, identical in every process (seed 0)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=SEQ_LEN,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+class Audit:
+    """The outside ledger of one peer process, written as it goes (a SIGKILL loses nothing already written).
+
+    - ``prod/<peer>.<round>.npy``: the pseudo-gradient produced before the round (written before anything is sent);
+    - ``sent/<peer>.<round>.npy``: the dense contribution pushed in the round (written before it is pushed);
+    - ``<name>.jsonl``: one record per finished round: group, accepted lists and shard bounds, the theta digests
+      before and after the outer step (a transition) and at the end, metrics, downloads;
+    - ``resid/<name>.npy``: the residual after the last round (rewritten every round).
+    """
+
+    def __init__(self, opt: Any, out: Path, name: str) -> None:
+        from pulseloco.loco.outer import NesterovOuterOptimizer
+        from pulseloco.loco.validation import theta_digest
+
+        self.opt, self.out, self.name = opt, out, name
+        self.peer_id = str(opt.peer_id)
+        self.downloads = 0
+        self.current: dict[str, Any] = {}
+        for sub in ("prod", "sent", "resid", "ids"):
+            (out / sub).mkdir(exist_ok=True)
+        (out / "ids" / name).write_text(self.peer_id)
+        flatten, all_reduce, download = opt._flatten_local, opt.averager.all_reduce, opt.averager.download_state
+        form_group = opt.matchmaker.form_group
+        outer_step = NesterovOuterOptimizer.step
+
+        def flatten_and_record() -> torch.Tensor:
+            local = flatten()
+            np.save(self.out / "prod" / f"{self.peer_id}.{opt.round}.npy", (opt.theta_N - local).numpy())
+            return local
+
+        def form_group_and_record(round_index: int, expiration: float) -> Any:
+            self.current["start"] = theta_digest(opt.theta_N)  # after the repair at the round's start
+            return form_group(round_index, expiration)
+
+        def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor) -> Any:
+            sent = torch.zeros(opt.numel)
+            sent[indices_K] = values_K
+            np.save(self.out / "sent" / f"{self.peer_id}.{group.round}.npy", sent.numpy())
+            result = all_reduce(group, indices_K, values_K)
+            self.current.update(
+                group=group.group_id,
+                members=list(group.members),
+                accepted=[sorted(names) if names is not None else None for names in result.accepted],
+                bounds=[list(b) for b in result.bounds],
+            )
+            return result
+
+        def download_and_count(*args: Any, **kwargs: Any) -> Any:
+            snapshot = download(*args, **kwargs)
+            self.downloads += 1
+            return snapshot
+
+        def step_and_record(outer: Any, theta_N: torch.Tensor, pseudo_gradient_N: torch.Tensor) -> None:
+            before = theta_digest(theta_N)
+            outer_step(outer, theta_N, pseudo_gradient_N)
+            self.current["transition"] = [before, theta_digest(theta_N)]
+
+        opt._flatten_local = flatten_and_record
+        opt.matchmaker.form_group = form_group_and_record
+        opt.averager.all_reduce = all_reduce_and_record
+        opt.averager.download_state = download_and_count
+        NesterovOuterOptimizer.step = step_and_record  # this process has one optimizer
+
+    def end_round(self, final: bool = False) -> None:
+        m = self.opt.last_metrics
+        np.save(self.out / "resid" / f"{self.name}.npy", self.opt.residual_N.numpy())
+        record = {
+            "name": self.name,
+            "peer_id": self.peer_id,
+            "round": m.round,
+            "end_round": self.opt.round,
+            "digest": m.theta_digest,
+            "repaired": m.repaired,
+            "complete": m.complete,
+            "num_peers": m.num_peers,
+            "num_contributors": m.num_contributors,
+            "num_rejected": m.num_rejected,
+            "num_reconciled": m.num_reconciled,
+            "downloads": self.downloads,
+            "final": final,
+            "t": time.time(),
+            **self.current,
+        }
+        with (self.out / f"{self.name}.jsonl").open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.current = {}
+
+
+def _poison() -> None:
+    """Make this process's contributions poisoned (alternately NaN and 1e6 times too large); it stays an honest
+    shard owner. The others must reject them (``num_rejected``) and never apply them."""
+    import pulseloco.loco.averaging as averaging
+
+    honest = averaging.encode_sparse
+
+    def poisoned(name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int) -> bytes:
+        if name == averaging.CONTRIBUTION_NAME:
+            values_K = values_K * (float("nan") if round_index % 2 else 1e6)
+        return honest(name, numel, indices_K, values_K, round_index=round_index)
+
+    averaging.encode_sparse = poisoned  # type: ignore[assignment]
+
+
+def peer_main(args: argparse.Namespace) -> None:
+    """One PULSELoCo peer: train until ``--rounds``, record every round, stay reachable until the stop file."""
+    import hivemind
+
+    from pulseloco import PulseLoCo
+
+    logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    dht = hivemind.DHT(
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        client_mode=args.client_mode,
+        start=True,
+    )
+    model = tiny_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    if args.malicious:
+        _poison()
+    opt = PulseLoCo(
+        model,
+        inner,
+        dht=dht,
+        run_id="soak",
+        inner_steps=args.inner_steps,
+        selector="dense",
+        target_group_size=args.target_group_size,
+        matchmaking_time=args.matchmaking_time,
+        averaging_timeout=args.averaging_timeout,
+        request_timeout=args.request_timeout,
+    )
+    audit = Audit(opt, out, args.name)
+    seed = zlib.crc32(args.name.encode())
+    generator = torch.Generator().manual_seed(seed)
+    while opt.round < args.rounds:
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=generator)
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        round_before = opt.round
+        opt.step()
+        opt.zero_grad()
+        if opt.round != round_before and opt.last_metrics is not None:
+            audit.end_round(final=opt.round >= args.rounds)
+    # Stay reachable (slower peers fetch shards and state from this one) until the supervisor says stop.
+    deadline = time.monotonic() + args.linger
+    while not (out / "stop").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    opt.shutdown()
+    dht.shutdown()
+
+
+# ---- the PULSESync publisher process -------------------------------------------------------------------------------
+
+
+def publisher_main(args: argparse.Namespace) -> None:
+    """Publish a new version of a tiny model every ``--interval`` seconds (about 1% of its weights move, as in RL
+    post-training) until the stop file; log ``{"version", "digest"}`` lines."""
+    import hivemind
+
+    from pulseloco.sync.publisher import Publisher
+    from pulseloco.sync.signing import load_private_key
+
+    logging.basicConfig(level=logging.WARNING, format="publisher %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    model = tiny_model()
+    publisher = Publisher(dht, "soak.policy", load_private_key(args.key), out / "store", anchor_every=5)
+    generator = torch.Generator().manual_seed(1)
+    with (out / "publisher.jsonl").open("a") as log:
+        while not (out / "stop").exists():
+            with torch.no_grad():
+                for p in model.parameters():
+                    mask = torch.rand(p.shape, generator=generator) < 0.01
+                    p.add_(mask * torch.randn(p.shape, generator=generator) * 0.05)
+            version = publisher.publish(model)
+            publisher.flush(timeout=60)
+            log.write(json.dumps({"version": version, "digest": publisher.digest}) + "\n")
+            log.flush()
+            time.sleep(args.interval)
+        log.write(json.dumps({"stopped": True}) + "\n")
+    deadline = time.monotonic() + args.linger  # serve the last version until the subscribers have it
+    while not (out / "stop_publisher").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    publisher.close()
+    dht.shutdown()
+
+
+# ---- the supervisor ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Event:
+    """At swarm round ``round`` (the newest round any peer finished), do ``action`` to process ``target``."""
+
+    round: int
+    action: str  # start | kill | kill_after_push | stall:S | restart
+    target: str  # "peer<i>" or "sub<i>"
+    done: bool = False
+
+
+def schedule(peers: int, rounds: int, averaging_timeout: float) -> list[Event]:
+    """The churn of a run, as fractions of ``rounds``: a late join, kills (one right after a push) and restarts,
+    a short and a long stall (SIGSTOP while fetching, past the averaging timeout the second time), a client's
+    crash, and a subscriber killed and restarted."""
+
+    def at(fraction: float) -> int:
+        return max(1, round(rounds * fraction))
+
+    late = peers - 3 if peers >= 5 else None
+    events = [
+        Event(at(0.16), "kill_after_push", "peer1"),
+        Event(at(0.26), "restart", "peer1"),
+        Event(at(0.32), f"stall:{averaging_timeout * 0.6:.1f}", "peer0"),
+        Event(at(0.3), "kill", "sub1"),
+        Event(at(0.5), "restart", "sub1"),
+        Event(at(0.56), f"stall:{averaging_timeout * 2.5:.1f}", "peer2" if peers >= 5 else "peer1"),
+    ]
+    if late is not None:
+        events.append(Event(at(0.1), "start", f"peer{late}"))
+    if rounds >= 30:
+        events += [
+            Event(at(0.4), "kill", "peer0"),
+            Event(at(0.46), "restart", "peer0"),
+            Event(at(0.66), "kill", f"peer{peers - 2}"),
+            Event(at(0.72), "restart", f"peer{peers - 2}"),
+            Event(at(0.8), f"stall:{averaging_timeout:.1f}", "peer1"),
+        ]
+    return sorted(events, key=lambda e: e.round)
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    popen: subprocess.Popen[bytes] | None = None
+    incarnation: int = 0
+    stalled_until: float | None = None
+    log: Any = None
+
+
+@dataclass
+class Soak:
+    args: argparse.Namespace
+    out: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    notes: list[str] = field(default_factory=list)
+    groups: set[int] = field(default_factory=set)
+    status: dict[str, Any] = field(default_factory=dict)
+
+    # -- processes --------------------------------------------------------------------------------------------
+    def start(self, proc: Proc) -> None:
+        proc.incarnation += 1
+        cmd = list(proc.cmd)
+        if proc.name.startswith("peer"):
+            cmd += ["--name", f"{proc.name}.{proc.incarnation}"]
+        log = (self.out / "logs" / f"{proc.name}.{proc.incarnation}.log").open("wb")
+        proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        self.groups.add(proc.popen.pid)  # its DHT process and libp2p daemon inherit the process group
+        proc.log = log
+        self.notes.append(f"{time.time() - self.started:7.1f}s start {proc.name}.{proc.incarnation}")
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL the whole process group: the Python process, its DHT process and its libp2p daemon."""
+        if proc.popen is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        proc.popen.wait(timeout=30)
+        proc.popen = None
+        self.notes.append(f"{time.time() - self.started:7.1f}s kill {proc.name}")
+
+    def alive(self, proc: Proc) -> bool:
+        return proc.popen is not None and proc.popen.poll() is None
+
+    # -- the run ----------------------------------------------------------------------------------------------
+    def peer_records(self) -> list[dict[str, Any]]:
+        records = []
+        for path in self.out.glob("peer*.jsonl"):
+            for line in path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    records.append(json.loads(line))
+        return records
+
+    def swarm_round(self) -> int:
+        return max((r["end_round"] for r in self.peer_records()), default=0)
+
+    def pushed(self, proc: Proc, round_index: int) -> bool:
+        """Whether the current incarnation of ``proc`` has written its contribution for ``round_index`` (it
+        pushes it right after; the caller then waits a moment so that the push is on its way)."""
+        id_file = self.out / "ids" / f"{proc.name}.{proc.incarnation}"
+        if not id_file.exists():
+            return False
+        return (self.out / "sent" / f"{id_file.read_text()}.{round_index}.npy").exists()
+
+    def apply(self, event: Event, now_round: int) -> bool:
+        """Do ``event`` if its time has come; returns True once done."""
+        proc = self.procs[event.target]
+        if event.action == "start" or event.action == "restart":
+            if self.alive(proc):  # its kill has not happened yet
+                return False
+            self.start(proc)
+        elif event.action == "kill":
+            self.kill(proc)
+        elif event.action == "kill_after_push":
+            if not self.pushed(proc, now_round):
+                return False
+            time.sleep(0.3)
+            self.kill(proc)
+        elif event.action.startswith("stall:"):
+            if not self.pushed(proc, now_round) or proc.popen is None:
+                return False
+            time.sleep(0.3)
+            seconds = float(event.action.split(":")[1])
+            os.kill(proc.popen.pid, signal.SIGSTOP)  # the Python process only: its DHT and daemon run on
+            proc.stalled_until = time.monotonic() + seconds
+            self.notes.append(f"{time.time() - self.started:7.1f}s stall {proc.name} {seconds:.1f}s")
+        return True
+
+    def run(self) -> dict[str, Any]:
+        import hivemind
+
+        args = self.args
+        for sub in ("logs", "sent", "prod", "resid"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
+        bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+        try:
+            maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
+            self._make_procs(maddrs)
+            events = schedule(args.peers, args.rounds, args.averaging_timeout)
+            late = {e.target for e in events if e.action == "start"}
+            self._wait_for_first_version()
+            for name in ("sub0", "sub1"):
+                self.start(self.procs[name])
+            for name, proc in self.procs.items():
+                if name.startswith("peer") and name not in late:
+                    self.start(proc)
+            self._drive(events)
+            self.status = self._swarm_status(bootstrap)
+        finally:
+            (self.out / "stop").touch()
+            hung = self._stop_all()
+            bootstrap.shutdown()
+        return self._summary(hung + self._leaked_processes())
+
+    def _swarm_status(self, dht: Any) -> dict[str, Any]:
+        """What ``pulseloco status`` reports at the end (peers lingering at the last round), as its JSON."""
+        from pulseloco.status import collect_status
+        from pulseloco.sync.signing import load_public_key
+
+        key = load_public_key(self.out / "keys" / "publisher.pub")
+        try:
+            report = collect_status(dht, "soak", sync_run_id="soak.policy", public_key=key, probe_timeout=3.0)
+        except Exception as exc:  # the checks below still run; the table says status failed
+            self.notes.append(f"pulseloco status failed: {exc!r}")
+            return {"exit_code": None}
+        return report.to_dict()
+
+    def _make_procs(self, maddrs: list[str]) -> None:
+        args = self.args
+        me = [sys.executable, str(Path(__file__).resolve())]
+        common = ["--out", str(self.out), "--initial-peers", *maddrs]
+        for i in range(args.peers):
+            role: list[str] = []
+            if i == args.peers - 1:
+                role = ["--malicious"]
+            elif i >= args.peers - 1 - args.client_peers:
+                role = ["--client-mode"]
+            cmd = [
+                *me, "peer", *common, *role,
+                "--rounds", str(args.rounds),
+                "--inner-steps", str(args.inner_steps),
+                "--target-group-size", str(args.peers),
+                "--matchmaking-time", str(args.matchmaking_time),
+                "--averaging-timeout", str(args.averaging_timeout),
+                "--request-timeout", str(args.request_timeout),
+            ]  # fmt: skip
+            self.procs[f"peer{i}"] = Proc(f"peer{i}", cmd)
+        key = self.out / "keys" / "publisher"
+        subprocess.run(
+            [sys.executable, "-m", "pulseloco", "keygen", "--out", str(key)], check=True, capture_output=True
+        )
+        self.procs["pub"] = Proc("pub", [*me, "publisher", *common, "--key", str(key)])
+        for i in range(2):
+            follow = [sys.executable, "-m", "pulseloco", "sync", "follow", "--run-id", "soak.policy"]
+            follow += ["--public-key", f"{key}.pub", "--out", str(self.out / f"sub{i}"), "--interval", "0.5"]
+            self.procs[f"sub{i}"] = Proc(f"sub{i}", [*follow, "--initial-peers", *maddrs])
+        self.start(self.procs["pub"])
+
+    def _wait_for_first_version(self) -> None:
+        deadline = time.monotonic() + 120
+        while not self._published() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def _published(self, raw: bool = False) -> list[dict[str, Any]]:
+        path = self.out / "publisher.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        return lines if raw else [line for line in lines if "version" in line]
+
+    def _drive(self, events: list[Event]) -> None:
+        args = self.args
+        deadline = time.monotonic() + args.timeout
+        peers = [p for n, p in self.procs.items() if n.startswith("peer")]
+        while time.monotonic() < deadline:
+            now_round = self.swarm_round()
+            for event in events:
+                if not event.done and event.round <= now_round:
+                    event.done = self.apply(event, now_round)
+            for proc in peers:
+                if proc.stalled_until is not None and time.monotonic() >= proc.stalled_until and proc.popen:
+                    os.kill(proc.popen.pid, signal.SIGCONT)
+                    proc.stalled_until = None
+            finished = {r["name"] for r in self.peer_records() if r["final"]}
+            running = [p for p in peers if p.popen is not None]
+            if all(f"{p.name}.{p.incarnation}" in finished for p in running) and all(e.done for e in events):
+                return
+            for proc in running:
+                if proc.popen is not None and proc.popen.poll() is not None:
+                    self.notes.append(f"{proc.name} exited with {proc.popen.returncode} before finishing")
+                    proc.popen = None
+            time.sleep(0.2)
+        self.notes.append(f"timeout: the run did not finish within {args.timeout:.0f}s")
+
+    def _stop_all(self) -> int:
+        """Let every process end by itself: peers and the publisher see the stop file, the subscribers get SIGTERM
+        once they hold the last version. Returns how many did not exit within a minute (killed; counted as
+        leaked)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(p.get("stopped") for p in self._published(raw=True)):
+            time.sleep(0.2)
+        for name in ("sub0", "sub1"):
+            proc = self.procs.get(name)
+            if proc is not None and self.alive(proc):
+                self._wait_for_subscriber(name)
+                if proc.popen is not None:
+                    proc.popen.send_signal(signal.SIGTERM)
+        (self.out / "stop_publisher").touch()
+        hung = 0
+        deadline = time.monotonic() + 60
+        for proc in self.procs.values():
+            if proc.popen is None:
+                continue
+            if proc.stalled_until is not None:
+                os.kill(proc.popen.pid, signal.SIGCONT)
+            try:
+                proc.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung += 1
+                self.notes.append(f"{proc.name} did not exit when asked: killed")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait(timeout=30)
+            if proc.log is not None:
+                proc.log.close()
+        return hung
+
+    def _wait_for_subscriber(self, name: str, timeout: float = 60.0) -> None:
+        published = self._published()
+        if not published:
+            return
+        last = published[-1]["version"]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(v >= last for v, _ in self._followed(name)):
+                return
+            time.sleep(0.3)
+
+    def _followed(self, name: str) -> list[tuple[int, str]]:
+        lines = []
+        for path in sorted((self.out / "logs").glob(f"{name}.*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                parts = line.split()
+                if len(parts) == 7 and parts[0].isdigit():
+                    lines.append((int(parts[0]), parts[4]))
+                elif line.startswith("restored version="):
+                    fields = dict(p.split("=", 1) for p in line.split()[1:3])
+                    lines.append((int(fields["version"]), fields["digest"]))
+        return lines
+
+    # -- the checks ---------------------------------------------------------------------------------------------
+    def _summary(self, leaked_processes: int) -> dict[str, Any]:
+        records = self.peer_records()
+        by_round: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+        for r in records:
+            by_round[r["round"]].append(r)
+        splits = sum(1 for rs in by_round.values() if len({r["group"] for r in rs if "group" in r}) > 1)
+        diverged = sum(1 for rs in by_round.values() if self._diverged(rs))
+        left_out = sum(1 for r in records if "group" not in r)
+        by_end: dict[int, set[str]] = collections.defaultdict(set)
+        for r in records:
+            # Completed: it averaged in a group and applied every shard's sum. A peer left out or with a partial
+            # round holds a stale or partial state until it repairs (counted above).
+            if "group" in r and r["complete"]:
+                by_end[r["end_round"]].add(r["digest"])
+        disagreements = sorted(rnd for rnd, digests in by_end.items() if len(digests) > 1)
+        last_downloads: dict[str, int] = {}
+        for r in records:
+            last_downloads[r["name"]] = max(last_downloads.get(r["name"], 0), r["downloads"])
+        ledger = self._ledger(records)
+        sync = self._sync_check()
+        leaked = leaked_processes
+        finished = {r["name"] for r in records if r["final"]}
+        summary = {
+            "rounds": max((r["end_round"] for r in records), default=0),
+            "peers": self.args.peers,
+            "processes_finished": len(finished),
+            "group_splits": splits,
+            "diverged_rounds": diverged,
+            "left_out": left_out,
+            "repairs": sum(1 for r in records if r["repaired"]),
+            "downloads": sum(last_downloads.values()),
+            "incomplete_rounds": sum(1 for r in records if not r["complete"]),
+            "rejected_contributions": sum(r["num_rejected"] for r in records),
+            "reconciled": sum(r["num_reconciled"] for r in records),
+            "double_counts": ledger["violations"],
+            "ledger_max_error": ledger["max_error"],
+            "ledger_checked": ledger["checked"],
+            "ledger_note": ledger["note"],
+            "digest_disagreements": len(disagreements),
+            "disagreeing_rounds": disagreements,
+            "leaked_processes": leaked,
+            "sync_versions": sync["versions"],
+            "sync_mismatches": sync["mismatches"],
+            "sync_behind": sync["behind"],
+            "status_exit_code": self.status.get("exit_code"),
+            "status_agreeing_peers": sum(1 for p in self.status.get("peers", []) if p["status"] == "agree"),
+            "status_head_verified": (self.status.get("head") or {}).get("verified"),
+            "seconds": round(time.time() - self.started, 1),
+            "events": self.notes,
+        }
+        summary["ok"] = bool(
+            summary["rounds"] >= self.args.rounds
+            and ledger["violations"] == 0
+            and ledger["note"] == ""
+            and not disagreements
+            and leaked == 0
+            and sync["mismatches"] == 0
+            and sync["behind"] == 0
+            and self.status.get("exit_code") == 0
+        )
+        return summary
+
+    @staticmethod
+    def _diverged(records: list[dict[str, Any]]) -> bool:
+        """Whether peers that started a round from the swarm's common state ended it in different states (two
+        groups, some left out while others averaged, or an incomplete round)."""
+        starts = collections.Counter(r["start"] for r in records if "start" in r)
+        if not starts:
+            return False
+        common = starts.most_common(1)[0][0]
+        ends = {r["transition"][1] if "transition" in r else r["start"] for r in records if r.get("start") == common}
+        return len(ends) > 1
+
+    def _ledger(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """The exactly-once check (see the module docstring). Transitions are keyed by the digest they lead to;
+        the lineage is walked back from the digest the finished peers hold."""
+        out = self.out
+        transitions: dict[str, dict[str, Any]] = {}
+        for r in records:
+            if "transition" in r and r["transition"][0] != r["transition"][1]:
+                transitions.setdefault(r["transition"][1], r)
+        finals = collections.Counter(r["digest"] for r in records if r["final"])
+        result = {"violations": 0, "max_error": 0.0, "checked": 0, "note": ""}
+        if not finals:
+            result["note"] = "no peer finished"
+            return result
+        digest = finals.most_common(1)[0][0]
+        initial = self._initial_digest()
+        lineage = []
+        while digest != initial:
+            step = transitions.get(digest)
+            if step is None or len(lineage) > 10 * self.args.rounds:
+                result["note"] = f"lineage broken at digest {digest}"
+                return result
+            lineage.append(step)
+            digest = step["transition"][0]
+        # What the lineage counted of each contributor, per round.
+        counted: dict[tuple[str, int], np.ndarray] = {}
+        for step in lineage:
+            for names, (start, stop) in zip(step["accepted"], step["bounds"]):
+                for name in names or []:
+                    key = (name, step["round"])
+                    if key not in counted:
+                        sent_path = out / "sent" / f"{name}.{step['round']}.npy"
+                        if not sent_path.exists():
+                            result["note"] = f"an accepted contribution has no record: {sent_path.name}"
+                            return result
+                        counted[key] = np.zeros_like(np.load(sent_path))
+                    counted[key][start:stop] = np.load(out / "sent" / f"{name}.{step['round']}.npy")[start:stop]
+        malicious = f"peer{self.args.peers - 1}."
+        by_name: dict[str, dict[str, Any]] = {}
+        for r in records:
+            by_name.setdefault(r["name"], r)
+        peer_ids = {r["name"]: r["peer_id"] for r in records}
+        total = sum(float(np.abs(np.load(p)).sum()) for p in (out / "prod").glob("*.npy")) or 1.0
+        for name, peer_id in peer_ids.items():
+            if name.startswith(malicious):
+                continue
+            finished = any(r["final"] for r in records if r["name"] == name)
+            sent_rounds = sorted(int(p.name.split(".")[1]) for p in (out / "sent").glob(f"{peer_id}.*.npy"))
+            prod = {int(p.name.split(".")[1]): np.load(p) for p in (out / "prod").glob(f"{peer_id}.*.npy")}
+            if finished:
+                held = np.load(out / "resid" / f"{name}.npy")
+                upto = max(prod, default=-1)
+                skip = None
+            elif sent_rounds:  # killed: its last contribution is what it held
+                upto = sent_rounds[-1]
+                held = np.load(out / "sent" / f"{peer_id}.{upto}.npy")
+                skip = upto
+            else:
+                continue
+            produced = sum((v for r, v in prod.items() if r <= upto), np.zeros_like(held))
+            applied = sum(
+                (v for (n, r), v in counted.items() if n == peer_id and r != skip and r <= upto), np.zeros_like(held)
+            )
+            error = float(np.abs(produced - applied - held).sum()) / total
+            result["checked"] += 1
+            result["max_error"] = max(result["max_error"], error)
+            if error > LEDGER_TOLERANCE:
+                result["violations"] += 1
+                self.notes.append(f"ledger: {name} off by {error:.3g} of the total")
+        return result
+
+    def _initial_digest(self) -> str:
+        from pulseloco.loco.validation import theta_digest
+
+        model = tiny_model()
+        return theta_digest(torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]))
+
+    def _sync_check(self) -> dict[str, int]:
+        published = {p["version"]: p["digest"] for p in self._published()}
+        last = max(published, default=None)
+        mismatches = behind = 0
+        for name in ("sub0", "sub1"):
+            seen = self._followed(name)
+            mismatches += sum(1 for v, d in seen if published.get(v) != d)
+            if last is not None and not any(v == last for v, _ in seen):
+                behind += 1
+                self.notes.append(f"{name} did not reach version {last}")
+        return {"versions": len(published), "mismatches": mismatches, "behind": behind}
+
+    def _leaked_processes(self) -> int:
+        """Processes of the soak still running after everything exited or was killed: anything in the process
+        groups of the peers, publisher and subscribers (their DHT processes and ``p2pd`` daemons inherit the
+        group), and any child of this process but multiprocessing's helpers. Each is listed, then killed."""
+        time.sleep(1.0)
+        leaked = []
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if os.getpgid(proc.info["pid"]) in self.groups:
+                    leaked.append(proc)
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if not any(m in " ".join(proc.cmdline()) for m in ("resource_tracker", "torch_shm_manager")):
+                    leaked.append(proc)
+        for proc in leaked:
+            with contextlib.suppress(psutil.Error):
+                self.notes.append(f"leaked: {proc.pid} {' '.join(proc.cmdline())[:120]}")
+                proc.kill()
+        return len(leaked)
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    rows = [
+        ("rounds", summary["rounds"]),
+        ("peer processes finished", summary["processes_finished"]),
+        ("group splits (two groups in a round)", summary["group_splits"]),
+        ("rounds that diverged (split, left out, partial)", summary["diverged_rounds"]),
+        ("peers left out of a round", summary["left_out"]),
+        ("repairs", summary["repairs"]),
+        ("state downloads", summary["downloads"]),
+        ("incomplete rounds", summary["incomplete_rounds"]),
+        ("poisoned contributions rejected", summary["rejected_contributions"]),
+        ("residual reconciliations", summary["reconciled"]),
+        ("double counts (ledger)", f"{summary['double_counts']} (max error {summary['ledger_max_error']:.2g})"),
+        ("digest disagreements", summary["digest_disagreements"]),
+        ("leaked processes", summary["leaked_processes"]),
+        ("sync versions / mismatches", f"{summary['sync_versions']} / {summary['sync_mismatches']}"),
+        (
+            "pulseloco status at the end",
+            f"exit {summary['status_exit_code']}, {summary['status_agreeing_peers']} peers agree, "
+            f"head verified: {summary['status_head_verified']}",
+        ),
+        ("seconds", summary["seconds"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    if summary["ledger_note"]:
+        print(f"ledger: {summary['ledger_note']}")
+    print("ok" if summary["ok"] else "FAILED")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    for name in ("peer", "publisher"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", required=True)
+        p.add_argument("--initial-peers", nargs="+", required=True)
+        p.add_argument("--linger", type=float, default=120.0)
+        if name == "peer":
+            p.add_argument("--name", required=True)
+            p.add_argument("--client-mode", action="store_true")
+            p.add_argument("--malicious", action="store_true")
+            p.add_argument("--rounds", type=int, required=True)
+            p.add_argument("--inner-steps", type=int, default=2)
+            p.add_argument("--target-group-size", type=int, default=None)
+            p.add_argument("--matchmaking-time", type=float, default=4.0)
+            p.add_argument("--averaging-timeout", type=float, default=8.0)
+            p.add_argument("--request-timeout", type=float, default=3.0)
+        else:
+            p.add_argument("--key", required=True)
+            p.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--peers", type=int, default=6, help="PULSELoCo peers (at least 4)")
+    parser.add_argument("--client-peers", type=int, default=None, help="client-mode peers (default 2; 1 for 4 peers)")
+    parser.add_argument("--rounds", type=int, default=50)
+    parser.add_argument("--inner-steps", type=int, default=2)
+    parser.add_argument("--matchmaking-time", type=float, default=4.0)
+    parser.add_argument("--averaging-timeout", type=float, default=8.0)
+    parser.add_argument("--request-timeout", type=float, default=3.0)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole run may take")
+    parser.add_argument("--out", default=None, help="directory for the ledger and logs (default: a temporary one)")
+    parser.add_argument("--json", default=None, help="write the summary here")
+    args = parser.parse_args(argv)
+    if args.command == "peer":
+        peer_main(args)
+        return 0
+    if args.command == "publisher":
+        publisher_main(args)
+        return 0
+    if args.peers < 4:
+        parser.error("--peers must be at least 4 (two servers, a client, a poisoner)")
+    if args.client_peers is None:
+        args.client_peers = min(2, args.peers - 3)
+    if not 1 <= args.client_peers <= args.peers - 3:
+        parser.error(f"--client-peers must be between 1 and {args.peers - 3}")
+    logging.basicConfig(level=logging.WARNING)
+    with contextlib.ExitStack() as stack:
+        out = Path(args.out) if args.out else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
+        out.mkdir(parents=True, exist_ok=True)
+        summary = Soak(args, out).run()
+    print_table(summary)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""PulseLoCoCallback and PulseSyncCallback on a plain ``transformers.Trainer``, in this process, with a real DHT.
+
+The GRPOTrainer path through ``accelerate launch`` (two peers and a rollout worker) is in tests/test_recipes.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from datasets import Dataset
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from pulseloco.errors import ConfigError
+from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback
+from pulseloco.integrations.trainer import STATE_FILE
+
+LONE_PEER = {"target_group_size": 1, "matchmaking_time": 2.0, "request_timeout": 5.0}
+"""A peer alone in its swarm: each round's group forms at once."""
+
+
+def tiny_model() -> LlamaForCausalLM:
+    """A config-built Llama (random init): enough for the callback's bookkeeping."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def token_dataset(num: int = 64, length: int = 12) -> Dataset:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (num, length), generator=gen).tolist()
+    return Dataset.from_dict({"input_ids": ids, "labels": ids})
+
+
+def training_args(output_dir: Path, **overrides: Any) -> TrainingArguments:
+    settings: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "max_steps": 8,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant",
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "use_cpu": True,
+        "seed": 0,
+        "logging_steps": 1,
+    }
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+def train(output_dir: Path, callbacks: list[Any], resume: str | None = None, **overrides: Any) -> Trainer:
+    model = tiny_model()
+    trainer = Trainer(
+        model=model, args=training_args(output_dir, **overrides), train_dataset=token_dataset(), callbacks=callbacks
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def rounds(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_inner_steps_count_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
+    callback = PulseLoCoCallback(run_id="accum", inner_steps=4, metrics_path=tmp_path / "rounds.jsonl", **LONE_PEER)
+    trainer = train(tmp_path / "out", [callback], max_steps=8, gradient_accumulation_steps=3)
+    assert trainer.state.global_step == 8
+    assert callback.loco is not None and callback.loco.round == 2 and callback.loco.local_step == 0
+    recorded = rounds(tmp_path / "rounds.jsonl")
+    assert [r["round"] for r in recorded] == [0, 1]
+    assert all(r["num_peers"] == 1 and r["density"] > 0 for r in recorded)
+    # The model holds theta (cast to its dtype) after the last round.
+    flat = torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()])
+    assert torch.equal(flat, callback.loco.theta_N)
+
+
+def test_resume_from_a_mid_round_checkpoint_continues_the_same_trajectory(tmp_path: Path) -> None:
+    # Run A: 12 steps, H = 4, checkpoints at 6 (mid-round) and 12.
+    first = PulseLoCoCallback(run_id="resume-a", inner_steps=4, **LONE_PEER)
+    a = train(tmp_path / "a", [first], max_steps=12, save_strategy="steps", save_steps=6)
+    assert (tmp_path / "a" / "checkpoint-6" / STATE_FILE).is_file()
+    # Run B resumes A's step-6 checkpoint in a fresh Trainer and callback.
+    shutil.copytree(tmp_path / "a" / "checkpoint-6", tmp_path / "b" / "checkpoint-6")
+    second = PulseLoCoCallback(run_id="resume-b", inner_steps=4, **LONE_PEER)
+    b = train(tmp_path / "b", [second], resume=str(tmp_path / "b" / "checkpoint-6"), max_steps=12)
+    assert first.loco is not None and second.loco is not None
+    assert second.loco.round == first.loco.round == 3
+    assert torch.equal(second.loco.theta_N, first.loco.theta_N)
+    assert torch.equal(second.loco.residual_N, first.loco.residual_N)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_resume_without_pulseloco_state_is_refused(tmp_path: Path) -> None:
+    train(tmp_path / "plain", [], max_steps=4, save_strategy="steps", save_steps=4)
+    callback = PulseLoCoCallback(run_id="no-state", inner_steps=4, **LONE_PEER)
+    with pytest.raises(ConfigError, match=f"{STATE_FILE} does not exist"):
+        train(tmp_path / "plain", [callback], resume=str(tmp_path / "plain" / "checkpoint-4"), max_steps=8)
+    callback.close()
+
+
+def test_pulsesync_every_round_publishes_each_consensus_version(tmp_path: Path) -> None:
+    from pulseloco.cli import main as pulseloco_main
+    from pulseloco.sync.signing import load_public_key
+    from pulseloco.sync.subscriber import Subscriber
+
+    assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
+    loco = PulseLoCoCallback(run_id="sync", inner_steps=2, **LONE_PEER)
+    sync = PulseSyncCallback(signing_key=str(tmp_path / "key"), metrics_path=tmp_path / "versions.jsonl")
+    # PulseSyncCallback first: it must find the PulseLoCoCallback whatever the order.
+    trainer = train(tmp_path / "out", [sync, loco], max_steps=6)
+    published = rounds(tmp_path / "versions.jsonl")
+    assert [p["version"] for p in published] == [1, 2, 3, 4]  # the start, then one per round
+    # The last version is the consensus model, bit for bit in BF16.
+    follower = Subscriber.from_directory(tmp_path / "out" / "versions", load_public_key(tmp_path / "key.pub"))
+    state: dict[str, torch.Tensor] = {}
+    follower.update(state)
+    assert follower.version == 4 and follower.digest == published[-1]["digest"]
+    for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
+
+
+def test_pulsesync_every_round_without_pulseloco_says_what_to_do(tmp_path: Path) -> None:
+    from pulseloco.cli import main as pulseloco_main
+
+    assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
+    sync = PulseSyncCallback(signing_key=str(tmp_path / "key"))
+    with pytest.raises(ConfigError, match="every=N"):
+        train(tmp_path / "out", [sync], max_steps=2)
+
+
+def test_bad_callback_arguments() -> None:
+    with pytest.raises(ConfigError, match="selector"):
+        PulseLoCoCallback(selector="random")
+    with pytest.raises(ConfigError, match="inner_steps"):
+        PulseLoCoCallback(inner_steps=0)
+    with pytest.raises(ConfigError, match="every"):
+        PulseSyncCallback(every="epoch")

@@ -1,0 +1,70 @@
+"""pulseloco.loco.ledger: the residual follows the theta a peer adopts, exactly (no swarm needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pulseloco.errors import PayloadError
+from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
+
+
+def _ledger_with_round(counted: list[bool]) -> tuple[Ledger, torch.Tensor]:
+    """Peer "me" sent entries 1, 3 (shard 0: [0, 5)) and 6, 8 (shard 1: [5, 10)) in round 4 of group "g"; its
+    residual holds what it returned (shards it believed not counted) plus an unrelated 0.5 at entry 0."""
+    ledger = Ledger("me")
+    indices_K, values_K = torch.tensor([1, 3, 6, 8]), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    accepted = tuple(("me", "b") if c else ("b",) for c in counted)
+    ledger.record(4, LedgerEntry("g", accepted), Pending("g", indices_K, values_K, [0, 2, 4], list(counted)))
+    residual_N = torch.zeros(10)
+    residual_N[0] = 0.5
+    for shard, was_counted in enumerate(counted):
+        if not was_counted:
+            residual_N[indices_K[2 * shard : 2 * shard + 2]] = values_K[2 * shard : 2 * shard + 2]
+    return ledger, residual_N
+
+
+def test_a_part_the_adopted_state_counted_leaves_the_residual() -> None:
+    ledger, residual_N = _ledger_with_round([True, False])  # shard 1 returned (its sum was not fetched)
+    adopted = {4: LedgerEntry("g", (("b", "me"), ("b", "me")))}  # ...but the others counted it
+    assert ledger.reconcile(adopted, 5, residual_N) == 2
+    assert residual_N.tolist() == [0.5, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_part_the_adopted_state_lacks_returns_to_the_residual() -> None:
+    ledger, residual_N = _ledger_with_round([True, True])  # a group of one: it counted everything itself
+    adopted = {4: LedgerEntry("other-group", (("b", "c"),))}  # the majority's round did not include it
+    assert ledger.reconcile(adopted, 5, residual_N) == 4
+    assert residual_N.tolist() == [0.5, 1.0, 0, 2.0, 0, 0, 3.0, 0, 4.0, 0]
+    assert ledger.entries == adopted  # the adopted lineage is this peer's now
+    assert ledger.reconcile(adopted, 5, residual_N) == 0  # idempotent
+
+
+def test_a_state_older_than_the_round_restores_the_round() -> None:
+    ledger, residual_N = _ledger_with_round([True, True])
+    assert ledger.reconcile({}, 4, residual_N) == 4  # the adopted theta predates round 4
+    assert ledger.pending == {}
+
+
+def test_a_round_outside_the_adopted_window_is_left_alone(caplog: pytest.LogCaptureFixture) -> None:
+    ledger, residual_N = _ledger_with_round([True, False])
+    before = residual_N.clone()
+    assert ledger.reconcile({5: LedgerEntry(None)}, 6, residual_N) == 0
+    assert torch.equal(residual_N, before)
+    assert "cannot reconcile round=4" in caplog.text
+
+
+def test_old_rounds_are_forgotten_after_the_window() -> None:
+    ledger = Ledger("me", keep_rounds=2)
+    for r in range(5):
+        ledger.record(r, LedgerEntry(None), None)
+    assert sorted(ledger.entries) == [3, 4]
+
+
+def test_ledger_round_trips_through_json_and_rejects_malformed_input() -> None:
+    ledger = Ledger("me")
+    ledger.record(3, LedgerEntry("g", (("a", "me"), None)), None)
+    assert Ledger.parse(ledger.to_json()) == ledger.entries
+    for bad in ([], {"x": {}}, {"1": []}, {"1": {"group": 5}}, {"1": {"group": "g", "accepted": [[1]]}}):
+        with pytest.raises(PayloadError):
+            Ledger.parse(bad)

@@ -1,0 +1,230 @@
+"""Volunteers behind real NAT: peers in network namespaces behind home routers that masquerade (iptables).
+
+The topology is :class:`tests.netns.NatLab`: a public namespace (the bootstrap, public peers, the publisher)
+and home namespaces whose routers let connections out and nothing in. Every peer is its own process
+(``tests/nat_peer.py``) started with ``ip netns exec``; the tests skip with the reason where namespaces or
+iptables are unavailable (not root, no ``ip``, iptables neither installed nor installable).
+
+- a client-mode trainer behind NAT averages with a public trainer and ends bit-identical;
+- two trainers behind two different NATs, with only the bootstrap public, average together through the
+  bootstrap as a circuit relay (``use_auto_relay``);
+- rollout workers behind NAT follow PULSESync bit-identically: one reachable through a relay serves the other,
+  one that nobody can reach never announces itself as a relay, and the publisher uploads one patch per version.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from netns import NatLab, unavailable_reason
+
+PEER = str(Path(__file__).resolve().parent / "nat_peer.py")
+PORT = 31337
+"""The public peer's port (fixed: each lab has its own namespaces)."""
+TIMEOUT = 90.0
+
+
+@pytest.fixture(scope="module")
+def nat_available() -> None:
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"NAT namespaces unavailable: {reason}")
+
+
+class Peer:
+    """A ``nat_peer.py`` process in a namespace: JSON commands in on stdin, JSON events out on stdout."""
+
+    def __init__(self, lab: NatLab, ns: str, role: str, config: dict[str, Any]) -> None:
+        self.name = f"{role}@{ns}"
+        self.proc = lab.popen(
+            ns,
+            [sys.executable, PEER, role, json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with contextlib.suppress(ValueError):
+                self.events.put(json.loads(line))
+        self.events.put({"event": "exit", "rc": self.proc.wait()})
+
+    def send(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, event: str, timeout: float = TIMEOUT) -> dict[str, Any]:
+        """The next ``event`` line (others of kind ``round`` are collected in :attr:`rounds`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"{self.name}: no {event!r} within {timeout:.0f} s") from None
+            if got["event"] == event:
+                return got
+            if got["event"] == "exit":
+                raise AssertionError(f"{self.name} exited with {got['rc']} before {event!r} (see its stderr)")
+
+    def close(self) -> None:
+        """EOF on stdin: the peer shuts its DHT down and exits (the lab kills it if it does not)."""
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+
+    def wait_exit(self, timeout: float = 20.0) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=timeout)
+
+
+@contextlib.contextmanager
+def lab_with(num_homes: int) -> Iterator[NatLab]:
+    with NatLab(num_homes) as lab:
+        yield lab
+
+
+def public_swarm(lab: NatLab) -> dict[str, Any]:
+    return {"host_maddrs": [f"/ip4/0.0.0.0/tcp/{PORT}"], "announce_maddrs": [f"/ip4/{lab.public_ip}/tcp/{PORT}"]}
+
+
+def home_swarm(bootstrap: str, **extra: Any) -> dict[str, Any]:
+    return {"initial_peers": [bootstrap], "host_maddrs": ["/ip4/0.0.0.0/tcp/0"], "client_mode": True, **extra}
+
+
+def bootstrap_of(lab: NatLab, ready: dict[str, Any]) -> str:
+    return f"/ip4/{lab.public_ip}/tcp/{PORT}/p2p/{ready['peer_id']}"
+
+
+def assert_unreachable(lab: NatLab, home_index: int, ready: dict[str, Any]) -> None:
+    """The home peer's listening port cannot be reached from the public namespace (the NAT is real)."""
+    home = lab.homes[home_index]
+    port = next(int(m.split("/")[4]) for m in ready["maddrs"] if m.startswith(f"/ip4/{home.lan_ip}/tcp/"))
+    assert not lab.reachable(lab.public, home.lan_ip, port) and not lab.reachable(lab.public, home.wan_ip, port)
+
+
+def finish(lab: NatLab, peers: list[Peer]) -> None:
+    """Close every peer and check that each exited cleanly, leaving no process (p2pd included) behind."""
+    for peer in peers:
+        peer.close()
+    for peer in peers:
+        peer.wait_exit()
+    assert [peer.proc.returncode for peer in peers] == [0] * len(peers), [p.name for p in peers]
+    assert lab.leftover_pids() == [], "processes left in the lab's namespaces after every peer exited"
+
+
+@pytest.mark.timeout(150)
+def test_client_mode_trainer_behind_nat_averages_with_a_public_trainer(nat_available: None) -> None:
+    rounds = 3
+    with lab_with(1) as lab:
+        public = Peer(lab, lab.public, "loco", {"swarm": public_swarm(lab), "rounds": rounds, "index": 0})
+        boot = bootstrap_of(lab, public.expect("ready"))
+        home = Peer(lab, lab.homes[0].ns, "loco", {"swarm": home_swarm(boot), "rounds": rounds, "index": 1})
+        ready = home.expect("ready")
+        assert ready["reachable"] is False
+        assert_unreachable(lab, 0, ready)
+        public.send(cmd="go")
+        home.send(cmd="go")
+        done = [public.expect("done"), home.expect("done")]
+        finish(lab, [home, public])
+    assert done[0]["round"] == done[1]["round"] == rounds
+    assert done[0]["digest"] == done[1]["digest"], "the NAT'd trainer's theta differs from the public one's"
+
+
+@pytest.mark.timeout(150)
+def test_two_volunteers_behind_two_nats_average_through_the_bootstrap_relay(nat_available: None) -> None:
+    """Only the bootstrap is public. Both volunteers join in client mode with ``use_auto_relay``: each holds a
+    relay address on the bootstrap at once, so each can own shards (PulseLoCo's default ``client_mode`` follows
+    :func:`pulseloco.swarm.is_reachable`) although neither can be dialed directly."""
+    rounds = 3
+    with lab_with(2) as lab:
+        bootstrap = Peer(lab, lab.public, "dht", {"swarm": public_swarm(lab)})
+        boot = bootstrap_of(lab, bootstrap.expect("ready"))
+        volunteers: list[Peer] = []
+        for i, home in enumerate(lab.homes):
+            # One after the other: the second starts once the first holds its relay slot (two reservations at
+            # the same moment on a loaded machine sometimes left one volunteer without a relay address).
+            config = {"swarm": home_swarm(boot, use_auto_relay=True), "rounds": rounds, "index": i}
+            volunteers.append(Peer(lab, home.ns, "loco", config))  # PulseLoCo's client_mode from is_reachable
+            ready = volunteers[-1].expect("ready")
+            assert ready["reachable"], f"volunteer {i} holds no relay address: {ready['maddrs']}"
+            assert any(m.startswith(boot + "/p2p-circuit/") for m in ready["maddrs"]), ready["maddrs"]
+            assert_unreachable(lab, i, ready)
+        for volunteer in volunteers:
+            volunteer.send(cmd="go")
+        done = [volunteer.expect("done") for volunteer in volunteers]
+        finish(lab, [*volunteers, bootstrap])
+    assert done[0]["round"] == done[1]["round"] == rounds
+    assert done[0]["digest"] == done[1]["digest"], "the two volunteers' thetas differ"
+
+
+@pytest.mark.timeout(150)
+def test_rollout_workers_behind_nat_follow_pulsesync_with_flat_publisher_upload(
+    nat_available: None, tmp_path: Path
+) -> None:
+    """Publisher public (``max_uploads_per_version=1``); worker R behind NAT with a relay address, worker U
+    behind another NAT in plain client mode. R takes each version first (from the publisher), U second: U must
+    get it from R through the relay, so the publisher uploads exactly one object per version, and U, which
+    nobody can reach, must never appear in the provider record."""
+    from pulseloco.sync.signing import generate_key, save_keypair
+
+    private, public_key = save_keypair(generate_key(), tmp_path / "keys" / "publisher")
+    run = "nat.policy"
+    versions = 4
+    with lab_with(2) as lab:
+        publisher = Peer(
+            lab,
+            lab.public,
+            "publisher",
+            {"swarm": public_swarm(lab), "run_id": run, "key": str(private), "store": str(tmp_path / "store")},
+        )
+        boot = bootstrap_of(lab, publisher.expect("ready"))
+        sub_config = {"run_id": run, "public_key": str(public_key)}
+        relayed = Peer(
+            lab, lab.homes[0].ns, "subscriber", {"swarm": home_swarm(boot, use_auto_relay=True), **sub_config}
+        )
+        unreachable = Peer(lab, lab.homes[1].ns, "subscriber", {"swarm": home_swarm(boot), **sub_config})
+        ready_r, ready_u = relayed.expect("ready"), unreachable.expect("ready")
+        assert ready_r["reachable"] and not ready_u["reachable"]
+        uploads: list[tuple[int, int]] = []  # (bytes the publisher uploaded for the version, its size)
+        uploaded = 0
+        for v in range(1, versions + 1):
+            publisher.send(cmd="publish")
+            published = publisher.expect("published")
+            assert published["version"] == v
+            relayed.send(cmd="update")
+            got_r = relayed.expect("updated")
+            unreachable.send(cmd="update")
+            got_u = unreachable.expect("updated")
+            for got in (got_r, got_u):
+                assert (got["version"], got["digest"]) == (v, published["digest"]), (v, got, published)
+            assert got_r["announced"] and not got_u["announced"]
+            publisher.send(cmd="stats")
+            total = publisher.expect("stats")["uploaded"]
+            uploads.append((total - uploaded, published["patch_bytes"]))
+            uploaded = total
+            unreachable.send(cmd="providers")
+            providers = unreachable.expect("providers")["providers"]
+            assert ready_u["peer_id"] not in providers, "a worker nobody can reach announced itself as a relay"
+            assert ready_r["peer_id"] in providers
+        finish(lab, [unreachable, relayed, publisher])
+    print("publisher upload per version (bytes, patch bytes):", uploads)
+    assert got_r["relayed"] > 0, "the relayed worker served nothing"
+    # flat: one object per version, however many workers (v1 is the anchor, then one patch each)
+    assert all(sent == size for sent, size in uploads[1:]), uploads

@@ -1,0 +1,101 @@
+"""PULSESync transport timeouts without a swarm: every DHT wait of :class:`SwarmEndpoint` is bounded (a stand-in
+DHT hands back futures that never finish), and :class:`pulseloco.p2p.BackgroundLoop` cancels a coroutine it stops
+waiting for."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from pulseloco.errors import SwarmError
+from pulseloco.p2p import BackgroundLoop
+from pulseloco.sync.signing import generate_key
+from pulseloco.sync.transport import SwarmEndpoint
+
+pytestmark = pytest.mark.timeout(30)
+
+RUN = "transport-test"
+
+
+class _StalledDHT:
+    """A DHT whose every call returns a future that never finishes (a DHT process that stopped answering)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def store(self, key: str, value: Any, expiration_time: float, **kwargs: Any) -> Any:
+        self.calls.append(("store", key))
+        if not kwargs.get("return_future"):
+            raise AssertionError("a blocking DHT store has no timeout: use return_future=True")
+        return concurrent.futures.Future()
+
+    def get(self, key: str, latest: bool = False, **kwargs: Any) -> Any:
+        self.calls.append(("get", key))
+        if not kwargs.get("return_future"):
+            raise AssertionError("a blocking DHT get has no timeout: use return_future=True")
+        return concurrent.futures.Future()
+
+
+def _endpoint(dht: _StalledDHT) -> SwarmEndpoint:
+    """A SwarmEndpoint's DHT-record half, without the P2P replica __init__ would start."""
+    endpoint = object.__new__(SwarmEndpoint)
+    endpoint.dht = dht  # type: ignore[assignment]
+    endpoint.run_id = RUN
+    endpoint.head_key = f"pulseloco:{RUN}:head"
+    endpoint.providers_key = f"pulseloco:{RUN}:providers"
+    endpoint.peer_id = SimpleNamespace(to_base58=lambda: "stand-in-peer")  # type: ignore[assignment]
+    return endpoint
+
+
+def test_dht_record_calls_give_up_after_their_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    dht = _StalledDHT()
+    endpoint = _endpoint(dht)
+    caplog.set_level(logging.WARNING, logger="pulseloco.sync.transport")
+
+    started = time.monotonic()
+    assert endpoint.store_head(b"{}", ttl=60, timeout=0.2) is False
+    assert endpoint.get_head(generate_key().public_key(), timeout=0.2) is None
+    assert endpoint.get_providers(timeout=0.2) == {}
+    endpoint.announce_provider([1, 2], publisher=True, ttl=30, timeout=0.2)
+    assert time.monotonic() - started < 5
+
+    assert [c[0] for c in dht.calls] == ["store", "get", "get", "store"]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("did not store the head record within 0.2 s" in m for m in messages), messages
+    assert sum("DHT lookup timed out" in m for m in messages) == 2, messages
+    assert any("did not store the provider record" in m for m in messages), messages
+
+
+def test_background_loop_cancels_a_coroutine_it_stops_waiting_for() -> None:
+    loop = BackgroundLoop("transport-test")
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async def own_timeout() -> None:
+        await asyncio.wait_for(asyncio.sleep(3600), 0.01)
+
+    try:
+        with pytest.raises(concurrent.futures.TimeoutError) as raised:
+            loop.run(forever(), timeout=0.1)
+        assert isinstance(raised.value, SwarmError)  # what PULSELoCo's averaging catches
+        assert cancelled.wait(5), "the abandoned coroutine was not cancelled"
+        # a timeout raised inside the coroutine comes through as the coroutine's own error
+        with pytest.raises(TimeoutError) as own:
+            loop.run(own_timeout(), timeout=10)
+        assert not isinstance(own.value, SwarmError)
+        assert loop.run(asyncio.sleep(0, result=42), timeout=5) == 42
+    finally:
+        loop.shutdown()
