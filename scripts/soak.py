@@ -17,6 +17,9 @@ every shard) and its residual (files under ``--out``). At the end the supervisor
   contribution, the shards that counted it. For each honest peer process, what it produced minus what the
   lineage counted of its contributions must equal its residual (its last contribution for a killed process).
   A contribution counted twice or lost shows up as a difference;
+- **no poison**: the final lineage counts no contribution of the poisoning peer, and every finished peer's
+  parameters are finite (rounds in which no group counted anything, the sign of a swarm that stopped learning,
+  are reported);
 - **processes**: no peer, DHT or ``p2pd`` process is left once everything was asked to stop;
 - **PULSESync**: every version a subscriber printed has the publisher's digest, and both end on the last one.
 - **status**: ``pulseloco status`` (:func:`pulseloco.status.collect_status`), read at the end, finds every live peer
@@ -84,7 +87,8 @@ def tiny_model() -> torch.nn.Module:
 class Audit:
     """The outside ledger of one peer process, written as it goes (a SIGKILL loses nothing already written).
 
-    - ``prod/<peer>.<round>.npy``: the pseudo-gradient produced before the round (written before anything is sent);
+    - ``prod/<peer>.<round>.npy``: the pseudo-gradient produced before the round (written before anything is sent;
+      keyed by the round the peer was at, which is below the round it is sent in when the peer catches up first);
     - ``sent/<peer>.<round>.npy``: the dense contribution pushed in the round (written before it is pushed);
     - ``<name>.jsonl``: one record per finished round: group, accepted lists and shard bounds, the theta digests
       before and after the outer step (a transition) and at the end, metrics, downloads;
@@ -153,6 +157,7 @@ class Audit:
             "round": m.round,
             "end_round": self.opt.round,
             "digest": m.theta_digest,
+            "finite": bool(torch.isfinite(self.opt.theta_N).all()),
             "repaired": m.repaired,
             "complete": m.complete,
             "num_peers": m.num_peers,
@@ -598,6 +603,14 @@ class Soak:
             "incomplete_rounds": sum(1 for r in records if not r["complete"]),
             "rejected_contributions": sum(r["num_rejected"] for r in records),
             "reconciled": sum(r["num_reconciled"] for r in records),
+            "poisoned_applied": ledger["poisoned"],
+            "non_finite_peers": len({r["name"] for r in records if r["final"] and not r.get("finite", True)}),
+            "empty_rounds": sum(
+                1
+                for rs in by_round.values()
+                if any("group" in r and r["num_peers"] > 1 for r in rs)
+                and all(r["num_contributors"] == 0 for r in rs if "group" in r)
+            ),
             "double_counts": ledger["violations"],
             "ledger_max_error": ledger["max_error"],
             "ledger_checked": ledger["checked"],
@@ -618,6 +631,8 @@ class Soak:
             summary["rounds"] >= self.args.rounds
             and ledger["violations"] == 0
             and ledger["note"] == ""
+            and summary["poisoned_applied"] == 0
+            and summary["non_finite_peers"] == 0
             and not disagreements
             and leaked == 0
             and sync["mismatches"] == 0
@@ -646,7 +661,7 @@ class Soak:
             if "transition" in r and r["transition"][0] != r["transition"][1]:
                 transitions.setdefault(r["transition"][1], r)
         finals = collections.Counter(r["digest"] for r in records if r["final"])
-        result = {"violations": 0, "max_error": 0.0, "checked": 0, "note": ""}
+        result = {"violations": 0, "max_error": 0.0, "checked": 0, "note": "", "poisoned": 0}
         if not finals:
             result["note"] = "no peer finished"
             return result
@@ -674,10 +689,9 @@ class Soak:
                         counted[key] = np.zeros_like(np.load(sent_path))
                     counted[key][start:stop] = np.load(out / "sent" / f"{name}.{step['round']}.npy")[start:stop]
         malicious = f"peer{self.args.peers - 1}."
-        by_name: dict[str, dict[str, Any]] = {}
-        for r in records:
-            by_name.setdefault(r["name"], r)
         peer_ids = {r["name"]: r["peer_id"] for r in records}
+        poisoners = {peer_id for name, peer_id in peer_ids.items() if name.startswith(malicious)}
+        result["poisoned"] = sum(1 for (name, _) in counted if name in poisoners)
         total = sum(float(np.abs(np.load(p)).sum()) for p in (out / "prod").glob("*.npy")) or 1.0
         for name, peer_id in peer_ids.items():
             if name.startswith(malicious):
@@ -685,9 +699,9 @@ class Soak:
             finished = any(r["final"] for r in records if r["name"] == name)
             sent_rounds = sorted(int(p.name.split(".")[1]) for p in (out / "sent").glob(f"{peer_id}.*.npy"))
             prod = {int(p.name.split(".")[1]): np.load(p) for p in (out / "prod").glob(f"{peer_id}.*.npy")}
-            if finished:
+            if finished:  # everything it produced, everything the lineage counted of it, whatever the round keys
                 held = np.load(out / "resid" / f"{name}.npy")
-                upto = max(prod, default=-1)
+                upto = sys.maxsize
                 skip = None
             elif sent_rounds:  # killed: its last contribution is what it held
                 upto = sent_rounds[-1]
@@ -757,6 +771,9 @@ def print_table(summary: dict[str, Any]) -> None:
         ("state downloads", summary["downloads"]),
         ("incomplete rounds", summary["incomplete_rounds"]),
         ("poisoned contributions rejected", summary["rejected_contributions"]),
+        ("poisoned contributions applied (final lineage)", summary["poisoned_applied"]),
+        ("peers ending with non-finite parameters", summary["non_finite_peers"]),
+        ("rounds in which no group counted anything", summary["empty_rounds"]),
         ("residual reconciliations", summary["reconciled"]),
         ("double counts (ledger)", f"{summary['double_counts']} (max error {summary['ledger_max_error']:.2g})"),
         ("digest disagreements", summary["digest_disagreements"]),

@@ -3,6 +3,7 @@ resume from ``state_dict``, metrics lines, configuration errors."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,3 +185,23 @@ def test_reset_outer_momentum_between_rounds_only() -> None:
     opt.step(loss=inner_step(model, inner, batch(0, 99)))
     with pytest.raises(RuntimeError, match="middle of a round"):
         opt.reset_outer_momentum()
+
+
+def test_a_diverged_round_drops_its_local_progress_and_restarts_from_theta(caplog: pytest.LogCaptureFixture) -> None:
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-3)
+    opt = PulseLoCo(model, inner, inner_steps=H, selector="dense")
+    _train(opt, model, inner, 1)
+    expected, outer = opt.theta_N.clone(), copy.deepcopy(opt.outer_optimizer)
+    outer.step(expected, torch.zeros_like(expected))  # the round's average is zero: only the momentum moves theta
+    for i in range(H):
+        inner_step(model, inner, batch(0, 50 + i))
+        if i == H - 2:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("nan")  # a blown-up step (NaN moments follow)
+        opt.count_inner_step()
+    assert "non-finite parameters" in caplog.text
+    assert _bits_equal(opt.theta_N, expected)
+    assert _bits_equal(flat_params(model), opt.theta_N)  # the model restarts from theta
+    assert not inner.state  # the non-finite moments are gone
+    assert torch.isfinite(opt.residual_N).all() and not opt.residual_N.any()

@@ -254,6 +254,21 @@ def test_malicious_payloads_are_rejected(initial_peers: list[str]) -> None:
     assert torch.isfinite(_theta(reports[0])).all()
 
 
+def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initial_peers: list[str]) -> None:
+    """Two peers, no majority: the honest owner screens against its own part, and the honest member refuses the
+    poisoned owner's average (round 2, 1e4x norms), names it disputed and never repairs from it."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="pair", target_group_size=2)
+    reports = run_swarm([replace(base, index=0), replace(base, index=1, malicious=True)])
+    honest = reports[0]["rounds"]
+    assert [r["num_peers"] for r in honest] == [2, 2, 2]
+    assert all(r["num_contributors"] == 1 for r in honest)  # only its own part ever counted
+    assert all(r["num_rejected"] == 1 for r in honest)  # its shard refused the bad part every round
+    assert [r["complete"] for r in honest] == [True, True, False]  # round 2: the poisoned average was refused
+    assert not any(r["repaired"] for r in honest)  # and the poisoned state was never adopted
+    assert torch.isfinite(_theta(reports[0])).all()
+    assert _theta(reports[0]).abs().max() < 10.0
+
+
 def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list[str]) -> None:
     """Issue 11's four failure modes, one per round, on three peers with the dense selector (every entry sent),
     checked against an exact outside ledger (tests/loco_helpers.py ``_record_ledger``):

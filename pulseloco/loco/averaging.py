@@ -14,11 +14,12 @@ shard of the flat parameter space:
 1. reduce-scatter: every member splits its selected entries by shard and pushes each part, encoded with the
    codec's FP32 mode, to the shard's owner (its own part stays local);
 2. every owner waits for all members' parts (at most until the averaging deadline), decodes and validates
-   them (frame, index range, finiteness, norm against the other contributions' median), and sums the
-   accepted ones in sorted peer-id order into a sparse sum;
+   them (frame, index range, finiteness, norm against the other contributions' median, or largest entry against
+   the owner's own part's in a group of two), and sums the accepted ones in sorted peer-id order into a sparse sum;
 3. all-gather: every member fetches every shard's sum, with the list of accepted contributors and their
    count, and divides by that count. Every peer divides the same sums by the same counts, so every peer
-   computes bit-identical averages.
+   computes bit-identical averages. A member refuses an average far larger than its own part of the shard
+   (a poisoned owner) and treats the shard as unknown (below); it names that owner as *disputed*.
 
 A member's traffic grows with its own payload plus the (sparse) sums, not with the number of peers times the
 model. Client-mode members push and fetch but own no shard and serve nothing.
@@ -86,6 +87,11 @@ def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def _peak(values_K: torch.Tensor) -> float:
+    """The largest absolute entry (0 for none): the scale of a part that does not grow with its entry count."""
+    return float(values_K.abs().max()) if values_K.numel() else 0.0
 
 
 @dataclass(frozen=True)
@@ -179,6 +185,9 @@ class SparseAverager(StateTransfer):
         self._aggregations: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._current_round = 0
         self._snapshot: StateSnapshot | None = None
+        self.disputed: set[str] = set()
+        """Owners whose average this peer refused as an outlier (:meth:`_screen_aggregate`); published with its
+        state record, so that no peer repairs from them (:meth:`pulseloco.loco.optimizer.PulseLoCo._catch_up`)."""
         setup_timeout = max(30.0, request_timeout)
         self._host = P2PHost(dht, name="pulseloco-loco", timeout=setup_timeout)
         try:
@@ -334,8 +343,13 @@ class SparseAverager(StateTransfer):
                 valid[peer] = decode_sparse(contributions[peer], CONTRIBUTION_NAME, numel)
             except PayloadError as exc:
                 rejected[peer] = f"{type(exc).__name__}: {exc}"
-        norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
-        for peer, reason in screen_outliers(norms, self.max_norm_ratio).items():
+        if len(valid) >= 3:  # L2 norms against the leave-one-out median
+            norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
+            reference = None
+        else:  # no majority: largest entries against this owner's own (the part it can trust)
+            norms = {peer: _peak(values_K) for peer, (_, values_K) in valid.items()}
+            reference = norms.get(self.peer_id)
+        for peer, reason in screen_outliers(norms, self.max_norm_ratio, reference=reference).items():
             rejected[peer] = f"OutlierPayloadError: {reason}"
             del valid[peer]
         for peer, reason in rejected.items():
@@ -499,6 +513,19 @@ class SparseAverager(StateTransfer):
             filled[j] = result
         return filled
 
+    def _screen_aggregate(self, owner: str, average_K: torch.Tensor, own_peak: float) -> None:
+        """Refuse a shard's average whose largest entry exceeds ``max_norm_ratio`` times the largest entry of this
+        peer's own part in it (no entry of an average of honest parts is larger than the largest of theirs):
+        raises :class:`PayloadError` and adds ``owner`` to :attr:`disputed`. A poisoned owner, or a poisoned
+        contribution an owner let through, is caught here; with no part of its own in the shard this peer has
+        no bar and accepts."""
+        peak = _peak(average_K)
+        if own_peak > 0.0 and peak > self.max_norm_ratio * own_peak:
+            self.disputed.add(owner)
+            raise PayloadError(
+                f"average's largest entry {peak:.3e} exceeds {self.max_norm_ratio:g}x this peer's own {own_peak:.3e}"
+            )
+
     def all_reduce(self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor) -> AllReduceResult:
         """Average this peer's sparse entries (sorted global ``indices_K``, FP32 ``values_K``) with ``group``.
 
@@ -539,6 +566,7 @@ class SparseAverager(StateTransfer):
             except (SwarmError, TimeoutError) as again:
                 logger.warning("collecting the sums failed round=%d error=%s", group.round, again)
         returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
+        own_peaks = [_peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
         all_indices, all_average = [], []
         accepted_lists: list[tuple[str, ...] | None] = []
         live_peers: set[str] = {self.peer_id}
@@ -556,6 +584,8 @@ class SparseAverager(StateTransfer):
                     sum_indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, stop - start)
                     if not names and sum_K.numel():
                         raise PayloadError("aggregate has values but no accepted contributors")
+                    if names:
+                        self._screen_aggregate(group.servers[j], sum_K / float(len(names)), own_peaks[j])
                 except PayloadError as exc:
                     logger.warning("aggregate rejected round=%d owner=%s error=%s", group.round, group.servers[j], exc)
                 else:

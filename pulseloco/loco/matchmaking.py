@@ -27,7 +27,8 @@ carried in every averaging request and, at worst, by the digest check after the 
 peer's clock: registrations from a machine whose clock runs far ahead look late.
 
 State records live under ``{run_id}_loco_state``: subkey peer id, value ``{"round", "digest", "client",
-"complete"}``.
+"complete", "disputed"}`` (``disputed``: owners whose average the peer refused as poisoned; no peer repairs its
+state from a disputed peer).
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VIEW_ATTEMPTS", "Group", "Matchmaker", "PeerState", "majority_digest"]
+__all__ = ["MAX_DISPUTED", "VIEW_ATTEMPTS", "Group", "Matchmaker", "PeerState", "majority_digest"]
 
 VIEW_ATTEMPTS = 3
 """How many times members compare their views of a round's group before sitting the round out."""
+
+MAX_DISPUTED = 64
+"""Most disputed owners one state record carries (a longer list in a record makes the record malformed)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class PeerState:
     client_mode: bool
     complete: bool = True
     """False when the peer's last round missed some shard's sum (it applied only part of the round)."""
+    disputed: tuple[str, ...] = ()
+    """Owners whose average this peer refused as poisoned (:attr:`SparseAverager.disputed`)."""
 
 
 def majority_digest(states: list[PeerState], round_index: int) -> str | None:
@@ -280,10 +286,18 @@ class Matchmaker:
         return None
 
     # -- state records --------------------------------------------------------------------------------------
-    def publish_state(self, round_index: int, digest: str, complete: bool = True) -> None:
-        """Announce this peer's latest completed round, the digest of its global parameters and whether that
-        round applied every shard."""
-        value = {"round": int(round_index), "digest": digest, "client": self.client_mode, "complete": complete}
+    def publish_state(
+        self, round_index: int, digest: str, complete: bool = True, disputed: tuple[str, ...] = ()
+    ) -> None:
+        """Announce this peer's latest completed round, the digest of its global parameters, whether that
+        round applied every shard, and the owners it disputes (at most :data:`MAX_DISPUTED` are sent)."""
+        value = {
+            "round": int(round_index),
+            "digest": digest,
+            "client": self.client_mode,
+            "complete": complete,
+            "disputed": sorted(disputed)[:MAX_DISPUTED],
+        }
         self._store(f"{self.run_id}_loco_state", self.peer_id, value, get_dht_time() + self.state_ttl)
 
     def read_states(self) -> list[PeerState]:
@@ -293,14 +307,17 @@ class Matchmaker:
             if not isinstance(value, dict):
                 continue
             round_index, digest, client = value.get("round"), value.get("digest"), value.get("client")
-            complete = value.get("complete", True)
+            complete, disputed = value.get("complete", True), value.get("disputed", [])
             if (
                 isinstance(round_index, int)
                 and isinstance(digest, str)
                 and isinstance(client, bool)
                 and isinstance(complete, bool)
+                and isinstance(disputed, list)
+                and len(disputed) <= MAX_DISPUTED
+                and all(isinstance(p, str) for p in disputed)
             ):
-                states.append(PeerState(peer, round_index, digest, client, complete))
+                states.append(PeerState(peer, round_index, digest, client, complete, tuple(disputed)))
         return states
 
     def wait_for_states(self, round_index: int, peers: set[str], timeout: float) -> list[PeerState]:

@@ -383,7 +383,7 @@ class PulseLoCo:
                 ledger=dict(self.ledger.entries),
             )
         )
-        self.matchmaker.publish_state(self.round, digest, self._complete)
+        self.matchmaker.publish_state(self.round, digest, self._complete, tuple(self.averager.disputed))
 
     def _catch_up(self, states: list[PeerState] | None = None) -> bool:
         """Download the state if server-mode peers are ahead, or if this peer's digest is not the majority's
@@ -394,7 +394,13 @@ class PulseLoCo:
         if states is None:
             states = self.matchmaker.read_states()
         own_digest = theta_digest(self.theta_N)
-        own = PeerState(str(self.peer_id), self.round, own_digest, self.averager.client_mode, self._complete)
+        disputed = tuple(self.averager.disputed)
+        own = PeerState(str(self.peer_id), self.round, own_digest, self.averager.client_mode, self._complete, disputed)
+        # A peer some peer caught sending a poisoned average neither votes nor serves (its state may hold the
+        # poison); a false accusation only removes a source, it never makes anyone adopt a state.
+        distrusted = {p for s in states for p in s.disputed} | set(disputed)
+        distrusted.discard(own.peer_id)
+        states = [s for s in states if s.peer_id not in distrusted]
         votes = [s for s in states if s.peer_id != own.peer_id] + [own]
         # Rounds some other server-mode peer can serve, with the digest most peers report for each.
         servable = {s.round for s in votes if not s.client_mode and s.peer_id != own.peer_id}
@@ -423,6 +429,19 @@ class PulseLoCo:
         self._num_reconciled += self.ledger.reconcile(snapshot.ledger, snapshot.round, self.residual_N)
         self._publish()
         return True
+
+    def _drop_diverged_round(self) -> torch.Tensor:
+        """The inner steps made the local parameters non-finite: nothing of them may reach the swarm. Drops the
+        round's local progress (a zero pseudo-gradient; the model is reset to ``theta`` after the round) and the
+        inner optimizer's state when this instance owns it (its moments are then non-finite too)."""
+        logger.error(
+            "round=%d: the inner steps produced non-finite parameters (training diverged: lower the inner learning "
+            "rate or clip gradients); this round's local progress is dropped and the model restarts from theta",
+            self.round,
+        )
+        if self.inner_optimizer is not None:
+            self.inner_optimizer.state.clear()
+        return torch.zeros_like(self.theta_N)
 
     def _average(self, signal_N: torch.Tensor) -> tuple[AllReduceResult | None, int, torch.Tensor, torch.Tensor]:
         """Select and average; returns the result (None without swarm averaging), the number of peers (0 when it
@@ -456,6 +475,8 @@ class PulseLoCo:
 
     def _outer_round(self, seconds_inner: float, start: float) -> RoundMetrics:
         pseudo_gradient_N = self.theta_N - self._flatten_local()
+        if not bool(torch.isfinite(pseudo_gradient_N).all()):
+            pseudo_gradient_N = self._drop_diverged_round()
         signal_N = self.residual_N + pseudo_gradient_N
         self._num_reconciled = 0
         repaired = self._catch_up()

@@ -4,7 +4,8 @@ A contribution (a peer's selected entries in one shard) and an aggregate (an own
 one frame of the codec's ``float32`` value mode holding one tensor. Everything received is untrusted:
 :func:`decode_sparse` checks the frame (magic, sizes, checksum, index ranges: see
 :func:`pulseloco.codec.decode_payload`), the tensor's name and length, and that every value is finite;
-:func:`screen_outliers` rejects contributions whose norm is far above the others'.
+:func:`screen_outliers` rejects contributions whose norm is far above the others' (or, in a group of two, above
+the screening peer's own).
 """
 
 from __future__ import annotations
@@ -63,19 +64,23 @@ def decode_sparse(payload: bytes, name: str, numel: int) -> tuple[torch.Tensor, 
     return entry.indices, entry.values
 
 
-def screen_outliers(norms: dict[str, float], max_norm_ratio: float) -> dict[str, str]:
-    """Peers whose norm exceeds ``max_norm_ratio`` times the median norm of the *other* peers, with a reason.
+def screen_outliers(norms: dict[str, float], max_norm_ratio: float, reference: float | None = None) -> dict[str, str]:
+    """Peers whose norm (a size per peer, the caller's choice of norm) exceeds ``max_norm_ratio`` times a trusted
+    bar, with a reason.
 
-    The leave-one-out median keeps one huge payload from raising its own bar. With fewer than three
-    contributions, or when the others' median is zero (they sent nothing here), nothing is rejected: there is
-    no majority to compare against.
+    With three or more contributions the bar is the median norm of the *other* peers (the leave-one-out median
+    keeps one huge payload from raising its own bar). With fewer there is no majority, so the bar is
+    ``reference``, the norm of the screening peer's own contribution (the one it can trust); without a
+    reference, or when the bar is zero (the others sent nothing here), nothing is rejected.
     """
     rejected: dict[str, str] = {}
-    if len(norms) < 3:
-        return rejected
     for peer, norm in norms.items():
-        others = [n for p, n in norms.items() if p != peer]
-        reference = statistics.median(others)
-        if reference > 0.0 and norm > max_norm_ratio * reference:
-            rejected[peer] = f"norm {norm:.3e} exceeds {max_norm_ratio:g}x the group median {reference:.3e}"
+        if len(norms) >= 3:
+            bar, what = statistics.median(n for p, n in norms.items() if p != peer), "the group median"
+        elif reference is not None:
+            bar, what = reference, "the screening peer's own contribution"
+        else:
+            continue
+        if bar > 0.0 and norm > max_norm_ratio * bar:
+            rejected[peer] = f"norm {norm:.3e} exceeds {max_norm_ratio:g}x {what} {bar:.3e}"
     return rejected
