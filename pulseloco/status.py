@@ -12,10 +12,13 @@ Agreement rule (the exit code):
   old records of crashed peers cannot mask the live ones.
 - A peer at the reference round ``agree``\\ s when its digest is the majority digest of that round
   (:func:`pulseloco.loco.matchmaking.majority_digest`, the rule the trainers repair by: complete rounds outvote
-  partial ones, ties go to the smallest digest), else it ``disagree``\\ s.
+  partial ones, ties go to a digest a server-mode peer holds, then the smallest), else it ``disagree``\\ s.
 - A peer at a newer round is ``ahead`` when it matches the majority of *its* round, else it ``disagree``\\ s.
 - A peer at an older round is ``behind`` and not compared: it downloads the state when it catches up, and a
   crashed peer's last record stays in the DHT until it expires.
+- A peer another peer names as *disputed* (it served a poisoned average) is ``disputed``: shown, left out of
+  the votes as the trainers leave it out of their repairs, and not counted against the exit code (its state is
+  not the swarm's).
 
 Exit codes: :data:`EXIT_AGREE` (0) when no peer disagrees (no records at all included: the text says so and
 names the key it looked up), :data:`EXIT_DISAGREE` (1) when one does, :data:`EXIT_CANNOT_JOIN` (2) for bad
@@ -64,7 +67,8 @@ DEFAULT_RUN_ID = "pulseloco"
 
 @dataclass(frozen=True)
 class PeerReport:
-    """One PULSELoCo peer's state record and how it compares (``status``: agree, disagree, ahead, behind)."""
+    """One PULSELoCo peer's state record and how it compares (``status``: agree, disagree, ahead, behind,
+    disputed)."""
 
     peer_id: str
     client_mode: bool
@@ -140,16 +144,20 @@ class SwarmStatus:
 def classify_peers(states: list[PeerState]) -> tuple[int | None, str | None, list[PeerReport]]:
     """Apply the module's agreement rule: ``(reference round, its majority digest, one report per peer)``,
     peers sorted newest round first, then by peer id. ``(None, None, [])`` for no states."""
+    distrusted = {p for s in states for p in s.disputed}
+    trusted = [s for s in states if s.peer_id not in distrusted] or states
     if not states:
         return None, None, []
     counts: dict[int, int] = {}
-    for s in states:
+    for s in trusted:
         counts[s.round] = counts.get(s.round, 0) + 1
     reference = max(counts, key=lambda r: (counts[r], r))
-    majorities = {r: majority_digest(states, r) for r in counts}
+    majorities = {r: majority_digest(trusted, r) for r in counts}
     reports = []
     for s in sorted(states, key=lambda s: (-s.round, s.peer_id)):
-        if s.round < reference:
+        if s.peer_id in distrusted:
+            status = "disputed"
+        elif s.round < reference:
             status = "behind"
         elif s.digest != majorities[s.round]:
             status = "disagree"

@@ -164,11 +164,11 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
             _stall(float(fault.split(":")[1]))
         return await original_fetch(owner, header, deadline)
 
-    def form_group(round_index: int, expiration: float) -> Any:
+    def form_group(round_index: int, expiration: float, digest: str) -> Any:
         if faults.get(round_index) == "alone":
             me = averager.peer_id
-            return Group(round=round_index, members=(me,), servers=(me,))
-        return original_form(round_index, expiration)
+            return Group(round=round_index, members=(me,), servers=(me,), digest=digest)
+        return original_form(round_index, expiration, digest)
 
     averager._fetch = fetch
     matchmaker.form_group = form_group
@@ -297,8 +297,8 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     if config.die_in_round is not None:
         original = opt.matchmaker.form_group
 
-        def form_group_then_die(round_index: int, expiration: float) -> Any:
-            group = original(round_index, expiration)
+        def form_group_then_die(round_index: int, expiration: float, digest: str) -> Any:
+            group = original(round_index, expiration, digest)
             if round_index == config.die_in_round:
                 _die_now()
             return group

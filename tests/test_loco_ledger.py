@@ -68,4 +68,3 @@ def test_ledger_round_trips_through_json_and_rejects_malformed_input() -> None:
     for bad in ([], {"x": {}}, {"1": []}, {"1": {"group": 5}}, {"1": {"group": "g", "accepted": [[1]]}}):
         with pytest.raises(PayloadError):
             Ledger.parse(bad)
-

@@ -246,3 +246,11 @@ def test_agreement_rule() -> None:
     _, majority, reports = classify_peers([st("a", 2, "x", complete=False), st("b", 2, "y")])
     assert majority == "y" and {r.peer_id: r.status for r in reports} == {"a": "disagree", "b": "agree"}
     assert classify_peers([]) == (None, None, [])
+    # a disputed peer neither votes nor counts against the exit code; a tie goes to a digest a server holds
+    poisoned = PeerState("m", 6, "a", False, True)
+    accuser = PeerState("h", 6, "z", False, False, ("m",))
+    _, majority, reports = classify_peers([poisoned, accuser, st("b", 6, "z", complete=False)])
+    assert majority == "z" and {r.peer_id: r.status for r in reports} == {"m": "disputed", "h": "agree", "b": "agree"}
+    client_only = PeerState("c", 8, "a", True, False)
+    _, majority, _ = classify_peers([client_only, PeerState("s", 8, "b", False, False)])
+    assert majority == "b"

@@ -5,8 +5,8 @@ Only small records go through the DHT; payloads travel over libp2p streams (:mod
 Group formation for round ``r`` (all keys are prefixed by the run id): a registration set closed at a DHT-time
 deadline, then a check that every member computed the same group before any payload moves.
 
-1. every peer registers under ``{run_id}_loco_r{r}_peers`` (subkey: its peer id, value: its client mode and the
-   DHT time ``t`` of its registration);
+1. every peer registers under ``{run_id}_loco_r{r}_peers`` (subkey: its peer id, value: its client mode, the
+   DHT time ``t`` of its registration and the digest of the theta it starts the round from);
 2. registration for the round closes ``matchmaking_time`` after the earliest registration: the members are the
    registrations with ``t`` at or before the close. A peer reads registrations until the close has passed, or
    until ``target_group_size`` members are seen. A peer that registered after the close sits the round out;
@@ -16,7 +16,11 @@ deadline, then a check that every member computed the same group before any payl
    this peer, it sits the round out. Differing lists (a registration some saw and others did not) are merged
    and compared again under ``view1``, ``view2`` (:data:`VIEW_ATTEMPTS` in all); if they still differ, or the
    merged group is not confirmed by every member, the peer sits the round out;
-4. a group needs a server-mode member to own shards; a group of client-mode peers only sits the round out and
+4. of the agreed members, those starting from the most common theta digest average (ties: one a server-mode
+   member holds, then the smallest: :func:`preferred_digest`);
+   a member starting from another theta (it missed a repair) sits the round out, so that every peer completing a
+   round ends on the same theta;
+5. a group needs a server-mode member to own shards; a group of client-mode peers only sits the round out and
    says that one volunteer must be reachable.
 
 Every peer applies the same rule to the same records, so peers whose views differ by a little (a registration
@@ -46,7 +50,7 @@ from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_DISPUTED", "VIEW_ATTEMPTS", "Group", "Matchmaker", "PeerState", "majority_digest"]
+__all__ = ["MAX_DISPUTED", "VIEW_ATTEMPTS", "Group", "Matchmaker", "PeerState", "majority_digest", "preferred_digest"]
 
 VIEW_ATTEMPTS = 3
 """How many times members compare their views of a round's group before sitting the round out."""
@@ -66,11 +70,14 @@ class Group:
     round: int
     members: tuple[str, ...]
     servers: tuple[str, ...]
+    digest: str = ""
+    """The theta digest every member starts the round from."""
 
     @property
     def group_id(self) -> str:
-        """A digest of round and member list: every averaging request carries it, mismatches are refused."""
-        text = f"{self.round}|{','.join(self.members)}|{','.join(self.servers)}"
+        """A digest of round, member list and starting theta: every averaging request carries it, mismatches are
+        refused."""
+        text = f"{self.round}|{','.join(self.members)}|{','.join(self.servers)}|{self.digest}"
         return xxhash.xxh3_64_hexdigest(text.encode())
 
 
@@ -88,18 +95,42 @@ class PeerState:
     """Owners whose average this peer refused as poisoned (:attr:`SparseAverager.disputed`)."""
 
 
+def preferred_digest(holders: list[tuple[str, bool]]) -> str | None:
+    """Of ``(digest, client_mode)`` pairs, one per peer: the digest most peers hold; among equals, one a
+    server-mode peer holds (it can be downloaded), then the smallest, so that every peer reading the same
+    records picks the same one. ``None`` for no holders."""
+    counts = collections.Counter(digest for digest, _ in holders)
+    served = {digest for digest, client in holders if not client}
+    return min(counts, key=lambda d: (-counts[d], d not in served, d), default=None)
+
+
 def majority_digest(states: list[PeerState], round_index: int) -> str | None:
-    """The digest most peers report for ``round_index``, counting only peers whose round was complete when
-    any was (a peer that missed a shard holds a partial round and must not outvote the others); ties go to the
-    smallest digest, so that every peer reading the same records picks the same one. ``None`` if no peer
-    reported that round."""
+    """The :func:`preferred_digest` of the peers that report ``round_index``, counting only peers whose round
+    was complete when any was (a peer that missed a shard holds a partial round and must not outvote the
+    others). ``None`` if no peer reported that round."""
     voters = [s for s in states if s.round == round_index]
     if any(s.complete for s in voters):
         voters = [s for s in voters if s.complete]
-    counts = collections.Counter(s.digest for s in voters)
-    if not counts:
+    return preferred_digest([(s.digest, s.client_mode) for s in voters])
+
+
+def _parse_view(value: Any) -> dict[str, tuple[bool, str]] | None:
+    """A member list published under a ``view`` key (peer id -> [client mode, digest]); ``None`` if malformed."""
+    view = value.get("members") if isinstance(value, dict) else None
+    if not isinstance(view, dict):
         return None
-    return min(counts, key=lambda d: (-counts[d], d))
+    parsed = {}
+    for peer, entry in view.items():
+        if not (
+            isinstance(peer, str)
+            and isinstance(entry, (list, tuple))
+            and len(entry) == 2
+            and isinstance(entry[0], bool)
+            and isinstance(entry[1], str)
+        ):
+            return None
+        parsed[peer] = (entry[0], entry[1])
+    return parsed
 
 
 class Matchmaker:
@@ -167,32 +198,39 @@ class Matchmaker:
     def _key(self, round_index: int, what: str) -> str:
         return f"{self.run_id}_loco_r{round_index}_{what}"
 
-    def _registrations(self, round_index: int) -> dict[str, tuple[bool, float]]:
-        """Peer id -> (client mode, DHT time of registration) of the well-formed registrations seen."""
+    def _registrations(self, round_index: int) -> dict[str, tuple[bool, float, str]]:
+        """Peer id -> (client mode, DHT time of registration, theta digest) of the well-formed registrations."""
         seen = {}
         for peer, (value, _) in self._get(self._key(round_index, "peers")).items():
             if not isinstance(value, dict):
                 continue
-            client, registered = value.get("client"), value.get("t")
-            if isinstance(client, bool) and isinstance(registered, (int, float)) and math.isfinite(registered):
-                seen[peer] = (client, float(registered))
+            client, registered, digest = value.get("client"), value.get("t"), value.get("digest")
+            if (
+                isinstance(client, bool)
+                and isinstance(registered, (int, float))
+                and math.isfinite(registered)
+                and isinstance(digest, str)
+            ):
+                seen[peer] = (client, float(registered), digest)
         return seen
 
-    def form_group(self, round_index: int, expiration: float) -> Group | None:
-        """Register for ``round_index`` and return the group every member agreed on, or ``None`` when this peer
-        sits the round out: it registered after the registration closed, no member is in server mode, or the
-        members' views still disagreed after :data:`VIEW_ATTEMPTS` attempts. Never raises for DHT failures
+    def form_group(self, round_index: int, expiration: float, digest: str) -> Group | None:
+        """Register for ``round_index`` with the digest of the theta this peer starts it from and return the
+        group every member agreed on, or ``None`` when this peer sits the round out: it registered after the
+        registration closed, no member is in server mode, the members' views still disagreed after
+        :data:`VIEW_ATTEMPTS` attempts, or most members start from another theta. Never raises for DHT failures
         (they are logged and look like peers not seen). Takes at most ``matchmaking_time`` plus
         ``VIEW_ATTEMPTS * request_timeout`` seconds (plus the DHT calls' own timeouts).
 
         ``expiration`` is the DHT time after which the round's records may vanish.
         """
         me, registered = self.peer_id, get_dht_time()
-        self._store(self._key(round_index, "peers"), me, {"client": self.client_mode, "t": registered}, expiration)
-        seen: dict[str, tuple[bool, float]] = {me: (self.client_mode, registered)}
+        value = {"client": self.client_mode, "t": registered, "digest": digest}
+        self._store(self._key(round_index, "peers"), me, value, expiration)
+        seen: dict[str, tuple[bool, float, str]] = {me: (self.client_mode, registered, digest)}
         while True:
             seen.update(self._registrations(round_index))
-            closes = min(t for _, t in seen.values()) + self.matchmaking_time
+            closes = min(t for _, t, _ in seen.values()) + self.matchmaking_time
             if registered > closes:
                 logger.warning(
                     "round=%d registration closed %.1fs before this peer registered: sitting this round out; its "
@@ -201,7 +239,7 @@ class Matchmaker:
                     registered - closes,
                 )
                 return None
-            members = {p: client for p, (client, t) in seen.items() if t <= closes}
+            members = {p: (client, d) for p, (client, t, d) in seen.items() if t <= closes}
             if self.target_group_size is not None and len(members) >= self.target_group_size:
                 break
             if get_dht_time() >= closes + self.poll_interval:  # this read started after the close
@@ -209,24 +247,22 @@ class Matchmaker:
             time.sleep(max(0.0, min(self.poll_interval, closes + self.poll_interval - get_dht_time())))
         return self._agree(round_index, members, expiration)
 
-    def _agree(self, round_index: int, members: dict[str, bool], expiration: float) -> Group | None:
-        """The view check: every member publishes the member list it computed and reads the others'. Equal views
-        give the group (members that published no view within ``request_timeout`` are left out: they died or
-        stalled before the round began); differing views are merged and checked again."""
+    def _agree(self, round_index: int, members: dict[str, tuple[bool, str]], expiration: float) -> Group | None:
+        """The view check: every member publishes the member list it computed (peer id -> client mode, digest)
+        and reads the others'. Equal views give the group (members that published no view within
+        ``request_timeout`` are left out: they died or stalled before the round began); differing views are
+        merged and checked again. Of an agreed view, only the members starting from its most common digest
+        average (:meth:`_common_start`)."""
         me = self.peer_id
         for attempt in range(VIEW_ATTEMPTS):
             key = self._key(round_index, f"view{attempt}")
-            self._store(key, me, {"members": members}, expiration)
+            self._store(key, me, {"members": {p: list(v) for p, v in members.items()}}, expiration)
             deadline = time.monotonic() + self.request_timeout
             while True:
                 views = {me: members}
                 for peer, (value, _) in self._get(key).items():
-                    view = value.get("members") if isinstance(value, dict) else None
-                    if (
-                        peer in members
-                        and isinstance(view, dict)
-                        and all(isinstance(p, str) and isinstance(c, bool) for p, c in view.items())
-                    ):
+                    view = _parse_view(value)
+                    if peer in members and view is not None:
                         views[peer] = view
                 if set(views) >= set(members) or time.monotonic() >= deadline:
                     break
@@ -249,7 +285,10 @@ class Matchmaker:
                         self.request_timeout,
                     )
                     return None
-                agreed = {p: members[p] for p in views}
+                common = self._common_start(round_index, {p: members[p] for p in views})
+                if common is None:
+                    return None
+                digest, agreed = common
                 servers = sorted(p for p, client in agreed.items() if not client)
                 if not servers:
                     logger.warning(
@@ -265,7 +304,7 @@ class Matchmaker:
                     return None
                 if attempt:
                     logger.info("round=%d views agreed after %d retries", round_index, attempt)
-                return Group(round=round_index, members=tuple(sorted(agreed)), servers=tuple(servers))
+                return Group(round=round_index, members=tuple(sorted(agreed)), servers=tuple(servers), digest=digest)
             merged = dict(members)
             for view in views.values():
                 merged.update(view)
@@ -284,6 +323,28 @@ class Matchmaker:
             VIEW_ATTEMPTS,
         )
         return None
+
+    def _common_start(
+        self, round_index: int, agreed: dict[str, tuple[bool, str]]
+    ) -> tuple[str, dict[str, bool]] | None:
+        """The :func:`preferred_digest` of an agreed view's members and the members starting from it (peer id ->
+        client mode); ``None`` when this peer starts from another theta. Averaging one pseudo-gradient into
+        different thetas would leave peers that completed the round on different states; the minority sits the
+        round out and repairs from the others afterwards."""
+        counts = collections.Counter(digest for _, digest in agreed.values())
+        common = preferred_digest([(digest, client) for client, digest in agreed.values()]) or ""
+        if agreed[self.peer_id][1] != common:
+            logger.warning(
+                "round=%d: %d of the %d members start from theta %s, this peer from %s: sitting this round out; its "
+                "entries stay in the residual and it repairs from the others",
+                round_index,
+                counts[common],
+                len(agreed),
+                common,
+                agreed[self.peer_id][1],
+            )
+            return None
+        return common, {p: client for p, (client, digest) in agreed.items() if digest == common}
 
     # -- state records --------------------------------------------------------------------------------------
     def publish_state(

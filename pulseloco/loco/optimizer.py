@@ -452,7 +452,7 @@ class PulseLoCo:
         if self.averager is None or self.matchmaker is None:
             return None, 1, indices_K, values_K
         expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
-        group = self.matchmaker.form_group(self.round, expiration)
+        group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
         if group is None:
             self.residual_N[indices_K] = values_K
             self.ledger.record(self.round, LedgerEntry(None), None)
