@@ -9,6 +9,7 @@ which accelerate adds its own traceback when the script exits non-zero.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -123,32 +124,37 @@ def _not_a_causal_lm(tmp_path: Path) -> str:
     return str(tmp_path / "vit")
 
 
-@pytest.mark.parametrize(
-    ("case", "expected"),
-    [
-        ("unknown_flag", "--no_such_flag"),
-        ("missing_model", "does not exist"),
-        ("not_a_causal_lm", "not a causal language model"),
-        ("no_config_json", "has no config.json"),
-        ("bad_strategy", "unknown strategy"),
-        ("bad_value", "invalid int value"),
-    ],
-)
-def test_bad_configuration_is_one_line(tmp_path: Path, case: str, expected: str) -> None:
+BAD_CONFIGURATIONS = {
+    "unknown_flag": "--no_such_flag",
+    "missing_model": "does not exist",
+    "not_a_causal_lm": "not a causal language model",
+    "no_config_json": "has no config.json",
+    "bad_strategy": "unknown strategy",
+    "bad_value": "invalid int value",
+}
+
+
+def test_bad_configurations_are_one_line(tmp_path: Path) -> None:
+    """Each case its own ``accelerate launch``, all at once (each spends its seconds importing torch)."""
     args = {
         "unknown_flag": ["--no_such_flag", "1"],
         "missing_model": ["--model_name_or_path", str(tmp_path / "no" / "such" / "model")],
-        "not_a_causal_lm": ["--model_name_or_path", _not_a_causal_lm(tmp_path) if case == "not_a_causal_lm" else ""],
+        "not_a_causal_lm": ["--model_name_or_path", _not_a_causal_lm(tmp_path)],
         "no_config_json": ["--model_name_or_path", str(tmp_path)],
         "bad_strategy": ["--strategy", "allreduce"],
         "bad_value": ["--max_steps", "many"],
-    }[case]
-    result = launch(SINGLE, *args, output_dir=tmp_path / "out")
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), result.stderr[-3000:]
-    assert expected in lines[0]
-    assert not (tmp_path / "out").exists()
+    }
+    outs = {case: tmp_path / f"out-{case}" for case in BAD_CONFIGURATIONS}
+    with concurrent.futures.ThreadPoolExecutor(len(BAD_CONFIGURATIONS)) as pool:
+        futures = {case: pool.submit(launch, SINGLE, *args[case], output_dir=outs[case]) for case in BAD_CONFIGURATIONS}
+        results = {case: future.result() for case, future in futures.items()}
+    for case, expected in BAD_CONFIGURATIONS.items():
+        result = results[case]
+        assert result.returncode != 0, case
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), (case, result.stderr[-3000:])
+        assert expected in lines[0], (case, lines[0])
+        assert not outs[case].exists(), case
 
 
 @pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*deprecated:FutureWarning")
