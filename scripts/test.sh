@@ -16,7 +16,7 @@ echo "[test] mypy" >&2
 
 echo "[test] pytest" >&2
 rc=0
-"$PYTHON" -m pytest -q "$@" || rc=$?
+"$PYTHON" -m pytest -q --durations=15 "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "[test] error: pytest collected no tests" >&2
 fi
