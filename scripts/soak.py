@@ -120,11 +120,11 @@ class Audit:
             self.current["start"] = theta_digest(opt.theta_N)  # after the repair at the round's start
             return form_group(*args)
 
-        def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor) -> Any:
+        def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
             sent = torch.zeros(opt.numel)
             sent[indices_K] = values_K
             np.save(self.out / "sent" / f"{self.peer_id}.{group.round}.npy", sent.numpy())
-            result = all_reduce(group, indices_K, values_K)
+            result = all_reduce(group, indices_K, values_K, *args)
             self.current.update(
                 group=group.group_id,
                 members=list(group.members),

@@ -220,8 +220,8 @@ def _record_ledger(opt: Any, report: dict[str, Any]) -> None:
         report["produced"] = produced.numpy().tobytes()
         return local
 
-    def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor) -> Any:
-        result = all_reduce(group, indices_K, values_K)
+    def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
+        result = all_reduce(group, indices_K, values_K, *args)
         sum_N = torch.zeros(opt.numel)
         sum_N[result.indices_K] = result.average_K
         for (start, stop), names in zip(result.bounds, result.accepted):

@@ -153,3 +153,14 @@ def test_bad_callback_arguments() -> None:
         PulseLoCoCallback(inner_steps=0)
     with pytest.raises(ConfigError, match="every"):
         PulseSyncCallback(every="epoch")
+
+
+def test_pulse_values_option_reaches_the_selector_and_is_validated() -> None:
+    from pulseloco.integrations.args import PulseLoCoArguments
+
+    callback = PulseLoCoArguments(pulse_values="bfloat16").callbacks()[0]
+    assert callback.pulseloco_kwargs["pulse_values"] == "bfloat16"
+    with pytest.raises(ConfigError, match="pulse_values must be one of float32, bfloat16"):
+        PulseLoCoArguments(pulse_values="fp8")
+    with pytest.raises(ConfigError, match="needs --strategy pulseloco"):
+        PulseLoCoArguments(strategy="diloco", pulse_values="bfloat16")

@@ -116,3 +116,28 @@ def test_bad_configuration_raises_config_error() -> None:
         TopKSelector(density=0.0)
     with pytest.raises(TypeError):
         PulseSelector().select(torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64))
+
+
+def test_bf16_values_keep_the_rounding_remainder_and_conserve_exactly() -> None:
+    gen = torch.Generator().manual_seed(1)
+    theta = torch.randn(10_000, generator=gen) * 0.02
+    signal = torch.randn(10_000, generator=gen) * 1e-4
+    fp32 = PulseSelector().select(theta, signal)
+    bf16 = make_selector("pulse", pulse_values="bfloat16").select(theta, signal)
+    assert bf16.value_dtype == "bfloat16" and torch.equal(bf16.indices_K, fp32.indices_K)  # the same gate
+    assert _bits_equal(bf16.values_K.to(torch.bfloat16).to(torch.float32), bf16.values_K)  # exact in BF16
+    sent = torch.zeros_like(signal)
+    sent[bf16.indices_K] = bf16.values_K
+    assert _bits_equal(sent + bf16.residual_N, signal)  # sent as decoded + residual == signal, bit for bit
+    remainder = bf16.residual_N[bf16.indices_K]
+    assert remainder.any() and torch.all(remainder.abs() <= bf16.values_K.abs() * 2.0**-8)
+    unsent = torch.ones(signal.numel(), dtype=torch.bool)
+    unsent[bf16.indices_K] = False
+    assert _bits_equal(bf16.residual_N[unsent], signal[unsent])
+
+
+def test_bf16_values_only_for_the_pulse_rule() -> None:
+    with pytest.raises(ConfigError, match="pulse_values must be one of"):
+        make_selector("pulse", pulse_values="float16")
+    with pytest.raises(ConfigError, match="needs selector 'pulse'"):
+        make_selector("dense", pulse_values="bfloat16")

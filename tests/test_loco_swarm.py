@@ -254,6 +254,18 @@ def test_malicious_payloads_are_rejected(initial_peers: list[str]) -> None:
     assert torch.isfinite(_theta(reports[0])).all()
 
 
+def test_bf16_values_average_to_equal_digests_and_conserve(initial_peers: list[str]) -> None:
+    """The pulse rule's BF16-value option over the wire: parts travel as BF16, the remainders stay in the
+    residuals, and the swarm still ends every round on one theta with every contribution counted once."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="bf16")
+    reports = run_swarm([replace(base, index=i, extra={"pulse_values": "bfloat16"}) for i in range(3)])
+    for report in reports:
+        assert all(r["num_contributors"] == 3 and r["complete"] and r["num_sent"] > 0 for r in report["rounds"])
+    assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
+    assert _conservation_error(reports) < 1e-5
+    assert torch.any(torch.frombuffer(bytearray(reports[0]["residual"]), dtype=torch.float32) != 0)
+
+
 def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initial_peers: list[str]) -> None:
     """Two peers, no majority: the honest owner screens against its own part, and the honest member refuses the
     poisoned owner's average (round 2, 1e4x norms), names it disputed and never repairs from it."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pulseloco.errors import ConfigError
+from pulseloco.loco.selection import VALUE_DTYPES
 
 STRATEGIES: dict[str, str | None] = {"ddp": None, "diloco": "dense", "pulseloco": "pulse", "sparseloco": "topk"}
 """Strategy -> PulseLoCo selector; ``ddp`` (``None``) is the Trainer's own data parallelism, no swarm."""
@@ -118,6 +119,13 @@ class PulseLoCoArguments(SwarmArguments):
     outer_momentum: float = field(default=0.9, metadata=_help("Nesterov outer momentum, in [0, 1)."))
     topk_density: float = field(default=0.01, metadata=_help("sparseloco: fraction of each chunk sent."))
     topk_chunk_size: int = field(default=4096, metadata=_help("sparseloco: chunk size of the top-k selection."))
+    pulse_values: str = field(
+        default="float32",
+        metadata=_help(
+            "pulseloco: precision of the values sent, float32 (the paper) or bfloat16 (2 bytes a value; the "
+            "rounding remainder stays in the residual and is sent later)."
+        ),
+    )
     target_group_size: int | None = field(
         default=None,
         metadata=_help("Start a round as soon as this many peers registered (1: train alone without waiting)."),
@@ -161,6 +169,10 @@ class PulseLoCoArguments(SwarmArguments):
             raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0 < self.topk_density <= 1:
             raise ConfigError(f"topk_density must be in (0, 1], got {self.topk_density}")
+        if self.pulse_values not in VALUE_DTYPES:
+            raise ConfigError(f"pulse_values must be one of {', '.join(VALUE_DTYPES)}, got {self.pulse_values!r}")
+        if self.pulse_values != "float32" and self.strategy != "pulseloco":
+            raise ConfigError(f"pulse_values={self.pulse_values} needs --strategy pulseloco, got {self.strategy}")
         if self.target_group_size is not None and self.target_group_size < 1:
             raise ConfigError(f"target_group_size must be at least 1, got {self.target_group_size}")
         if self.publish_every < 0:
@@ -195,6 +207,7 @@ class PulseLoCoArguments(SwarmArguments):
                 outer_momentum=self.outer_momentum,
                 topk_density=self.topk_density,
                 topk_chunk_size=self.topk_chunk_size,
+                pulse_values=self.pulse_values,
                 matchmaking_time=self.matchmaking_time,
                 target_group_size=self.target_group_size,
                 averaging_timeout=self.averaging_timeout,

@@ -526,8 +526,11 @@ class SparseAverager(StateTransfer):
                 f"average's largest entry {peak:.3e} exceeds {self.max_norm_ratio:g}x this peer's own {own_peak:.3e}"
             )
 
-    def all_reduce(self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor) -> AllReduceResult:
-        """Average this peer's sparse entries (sorted global ``indices_K``, FP32 ``values_K``) with ``group``.
+    def all_reduce(
+        self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor, value_dtype: str = "float32"
+    ) -> AllReduceResult:
+        """Average this peer's sparse entries (sorted global ``indices_K``, FP32 ``values_K``) with ``group``; the
+        parts travel in ``value_dtype`` (``"bfloat16"`` only for values exact in BF16: the pulse rule's option).
 
         Never raises because of another peer: entries of shards whose fetched accepted list does not show this
         peer (or whose sum could not be fetched) are flagged in ``returned_K``. Waits at most
@@ -548,6 +551,7 @@ class SparseAverager(StateTransfer):
                     local_K,
                     values_K[offsets[j] : offsets[j + 1]],
                     round_index=group.round,
+                    value_dtype=value_dtype,
                 )
             )
         deadline = time.monotonic() + self.averaging_timeout

@@ -72,6 +72,9 @@ class PulseLoCo:
         outer_lr, outer_momentum: the Nesterov outer optimizer's settings.
         selector: ``"pulse"`` (compute-visible gate), ``"dense"`` (DiLoCo) or ``"topk"`` (chunked top-k).
         topk_density, topk_chunk_size: settings of the ``topk`` selector.
+        pulse_values: ``"float32"`` (the paper) or ``"bfloat16"``: the precision of the values the ``pulse``
+            selector sends; BF16 sends 2 bytes a value and keeps the rounding remainder in the residual
+            (:mod:`pulseloco.loco.selection`).
         client_mode: join without serving shards or state (behind NAT); default: whether the DHT is unreachable
             (:func:`pulseloco.swarm.is_reachable`: client mode without a relay address).
         matchmaking_time: seconds to gather peers for a round's group.
@@ -104,6 +107,7 @@ class PulseLoCo:
         selector: str = "pulse",
         topk_density: float = 0.01,
         topk_chunk_size: int = 4096,
+        pulse_values: str = "float32",
         client_mode: bool | None = None,
         matchmaking_time: float = 15.0,
         target_group_size: int | None = None,
@@ -140,7 +144,9 @@ class PulseLoCo:
             raise ConfigError("model has no trainable parameters")
         self.numel = sum(p.numel() for p in self.params)
         self.inner_steps = int(inner_steps)
-        self.selector = make_selector(selector, topk_density=topk_density, topk_chunk_size=topk_chunk_size)
+        self.selector = make_selector(
+            selector, topk_density=topk_density, topk_chunk_size=topk_chunk_size, pulse_values=pulse_values
+        )
         self.outer_optimizer = NesterovOuterOptimizer(outer_lr, outer_momentum)
         device = self.params[0].device
         self.device = device if device.type == "cuda" else torch.device("cpu")
@@ -454,15 +460,16 @@ class PulseLoCo:
         expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
         group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
         if group is None:
-            self.residual_N[indices_K] = values_K
+            self.residual_N.index_add_(0, indices_K, values_K)  # back to the signal, exactly (below)
             self.ledger.record(self.round, LedgerEntry(None), None)
             return None, 0, indices_K[:0], values_K[:0]  # sat the round out: in no group
         indices_cpu, values_cpu = indices_K.cpu(), values_K.cpu()
-        result = self.averager.all_reduce(group, indices_cpu, values_cpu)
+        result = self.averager.all_reduce(group, indices_cpu, values_cpu, selection.value_dtype)
         if bool(result.returned_K.any()):
             returned = result.returned_K.to(indices_K.device)
-            # Those entries were zero in the residual (they were selected), so this restores them exactly.
-            self.residual_N[indices_K[returned]] = values_K[returned]
+            # A selected entry's residual is 0 (or the BF16 rounding remainder r of the signal s, with the value
+            # bf16(s) = s - r exactly), so adding the value back restores the signal exactly.
+            self.residual_N.index_add_(0, indices_K[returned], values_K[returned])
         stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
         offsets = [0, *torch.searchsorted(indices_cpu, stops).tolist()]
         counted = [names is not None and self.averager.peer_id in names for names in result.accepted]

@@ -6,6 +6,11 @@ values there, and the new residual (the signal everywhere else, zero at sent ent
 invariant ``sent + residual == signal`` holds exactly, element by element, for every rule: a sent entry
 carries the raw FP32 signal (never a rounded change) and the residual keeps exactly what was not sent.
 
+The pulse rule can also send BF16 values (``values="bfloat16"``, 2 bytes a value instead of 4): a sent entry then
+carries ``bf16(s)``, the signal rounded to nearest, and the residual keeps ``s - bf16(s)``, which error feedback
+delivers in a later round. ``s - bf16(s)`` is exact in FP32 (it is the low bits of ``s``), so the invariant still
+holds bit for bit.
+
 Rules (docs/design.md section 2.2):
 
 - ``pulse``: the compute-visibility gate. An entry fires when applying the signal would change the BF16 bit
@@ -32,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SELECTORS",
+    "VALUE_DTYPES",
     "DenseSelector",
     "PulseSelector",
     "Selection",
@@ -44,18 +50,24 @@ __all__ = [
 #: Names accepted by :func:`make_selector`.
 SELECTORS = ("pulse", "dense", "topk")
 
+#: Value precisions of the pulse rule: the dtype in which sent values are exact (and travel on the wire).
+VALUE_DTYPES = ("float32", "bfloat16")
+
 
 @dataclass(frozen=True)
 class Selection:
     """The outcome of a selection rule for one outer round.
 
-    ``indices_K`` are sorted, strictly increasing int64 flat indices; ``values_K`` the FP32 signal at them;
-    ``residual_N`` the FP32 signal at every entry that was not selected and zero at the selected ones.
+    ``indices_K`` are sorted, strictly increasing int64 flat indices; ``values_K`` the FP32 values sent at them
+    (exactly representable in ``value_dtype``, the precision they travel in); ``residual_N`` the signal minus
+    what was sent: the signal at every entry that was not selected, zero (or, for BF16 values, the rounding
+    remainder) at the selected ones.
     """
 
     indices_K: torch.Tensor
     values_K: torch.Tensor
     residual_N: torch.Tensor
+    value_dtype: str = "float32"
 
     @property
     def num_sent(self) -> int:
@@ -82,11 +94,17 @@ def _check_inputs(theta_N: torch.Tensor, signal_N: torch.Tensor) -> None:
         )
 
 
-def _from_mask(mask_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
+def _from_mask(mask_N: torch.Tensor, signal_N: torch.Tensor, value_dtype: str = "float32") -> Selection:
     indices_K = torch.nonzero(mask_N, as_tuple=False).reshape(-1)
-    values_K = signal_N[indices_K]
-    residual_N = torch.where(mask_N, torch.zeros((), dtype=signal_N.dtype, device=signal_N.device), signal_N)
-    return Selection(indices_K=indices_K, values_K=values_K, residual_N=residual_N)
+    signal_K = signal_N[indices_K]
+    if value_dtype == "bfloat16":
+        values_K = signal_K.to(torch.bfloat16).to(torch.float32)
+        residual_N = signal_N.clone()
+        residual_N[indices_K] = signal_K - values_K  # exact: the bits of s that BF16 dropped
+    else:
+        values_K = signal_K
+        residual_N = torch.where(mask_N, torch.zeros((), dtype=signal_N.dtype, device=signal_N.device), signal_N)
+    return Selection(indices_K=indices_K, values_K=values_K, residual_N=residual_N, value_dtype=value_dtype)
 
 
 def compute_visible_mask(theta_N: torch.Tensor, signal_N: torch.Tensor) -> torch.Tensor:
@@ -102,13 +120,19 @@ def compute_visible_mask(theta_N: torch.Tensor, signal_N: torch.Tensor) -> torch
 
 
 class PulseSelector:
-    """Compute-visibility gate with error feedback (PULSELoCo)."""
+    """Compute-visibility gate with error feedback (PULSELoCo); ``values`` is the precision of the sent values
+    (:data:`VALUE_DTYPES`; see the module docstring). Raises :class:`ConfigError` for another precision."""
 
     name = "pulse"
 
+    def __init__(self, values: str = "float32") -> None:
+        if values not in VALUE_DTYPES:
+            raise ConfigError(f"pulse_values must be one of {VALUE_DTYPES}, got {values!r}")
+        self.values = values
+
     def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
         """Select the entries whose update is visible after the BF16 cast."""
-        return _from_mask(compute_visible_mask(theta_N, signal_N), signal_N)
+        return _from_mask(compute_visible_mask(theta_N, signal_N), signal_N, self.values)
 
 
 class DenseSelector:
@@ -160,13 +184,18 @@ class TopKSelector:
         return _from_mask(mask_N, signal_N)
 
 
-def make_selector(name: str, *, topk_density: float = 0.01, topk_chunk_size: int = 4096) -> Selector:
+def make_selector(
+    name: str, *, topk_density: float = 0.01, topk_chunk_size: int = 4096, pulse_values: str = "float32"
+) -> Selector:
     """Build the selection rule called ``name`` (one of :data:`SELECTORS`).
 
-    Raises :class:`ConfigError` for an unknown name or invalid top-k settings.
+    Raises :class:`ConfigError` for an unknown name, invalid top-k settings or an unknown ``pulse_values``
+    (the pulse rule's value precision; the other rules send FP32).
     """
     if name == "pulse":
-        return PulseSelector()
+        return PulseSelector(pulse_values)
+    if pulse_values != "float32":
+        raise ConfigError(f"pulse_values={pulse_values!r} needs selector 'pulse', got {name!r}")
     if name == "dense":
         return DenseSelector()
     if name == "topk":

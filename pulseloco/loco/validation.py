@@ -29,39 +29,60 @@ def theta_digest(theta_N: torch.Tensor) -> str:
     return state_digest({"theta": theta_N})
 
 
-def encode_sparse(name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int) -> bytes:
-    """Encode sorted local ``indices_K`` (into a flat tensor of ``numel`` entries) and FP32 ``values_K``.
+def encode_sparse(
+    name: str,
+    numel: int,
+    indices_K: torch.Tensor,
+    values_K: torch.Tensor,
+    *,
+    round_index: int,
+    value_dtype: str = "float32",
+) -> bytes:
+    """Encode sorted local ``indices_K`` (into a flat tensor of ``numel`` entries) and ``values_K``: FP32 values in
+    the codec's ``float32`` mode, or, with ``value_dtype="bfloat16"``, values that are exact in BF16 as a BF16
+    tensor in the ``absolute`` mode (2 bytes a value; the caller rounded them, see
+    :mod:`pulseloco.loco.selection`).
 
-    Raises :class:`ValueError` for unsorted or out-of-range indices or non-FP32 values (a caller bug).
+    Raises :class:`ValueError` for unsorted or out-of-range indices or an unknown ``value_dtype`` (a caller bug).
     """
+    if value_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"value_dtype must be 'float32' or 'bfloat16', got {value_dtype!r}")
+    dtype = torch.bfloat16 if value_dtype == "bfloat16" else torch.float32
     entry = SparseTensor(
         name=name,
         shape=(int(numel),),
-        dtype=torch.float32,
+        dtype=dtype,
         indices=indices_K.to(torch.int64),
-        values=values_K.to(torch.float32),
+        values=values_K.to(dtype),
     )
-    return encode_payload([entry], value_mode="float32", version=int(round_index), base_version=None)
+    mode = "absolute" if value_dtype == "bfloat16" else "float32"
+    return encode_payload([entry], value_mode=mode, version=int(round_index), base_version=None)
 
 
 def decode_sparse(payload: bytes, name: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode a frame holding one FP32 sparse tensor ``name`` of ``numel`` entries; return (indices, values).
+    """Decode a frame holding one sparse tensor ``name`` of ``numel`` entries, FP32 values (``float32`` mode) or
+    BF16 ones (``absolute`` mode, a ``bfloat16`` tensor); return (indices, FP32 values).
 
     Raises a :class:`PayloadError` subclass for a malformed frame or indices out of range
-    (:class:`InvalidIndicesError`), another tensor name, shape or value mode (:class:`TensorMismatchError`),
+    (:class:`InvalidIndicesError`), another tensor name, shape, dtype or value mode (:class:`TensorMismatchError`),
     or NaN/infinite values (:class:`NonFiniteValuesError`).
     """
     decoded = decode_payload(payload, max_elements=numel)
-    if decoded.header.value_mode != "float32":
-        raise TensorMismatchError(f"expected value mode 'float32', got {decoded.header.value_mode!r}")
+    mode = decoded.header.value_mode
+    if mode not in ("float32", "absolute"):
+        raise TensorMismatchError(f"expected value mode 'float32' or 'absolute', got {mode!r}")
     if len(decoded.entries) != 1:
         raise TensorMismatchError(f"expected one tensor, got {len(decoded.entries)}")
     entry = decoded.entries[0]
     if entry.name != name or entry.shape != (numel,):
         raise TensorMismatchError(f"expected tensor {name!r} of shape ({numel},), got {entry.name!r} {entry.shape}")
-    if not bool(torch.isfinite(entry.values).all()):
+    expected = torch.float32 if mode == "float32" else torch.bfloat16
+    if entry.dtype != expected:
+        raise TensorMismatchError(f"tensor {name!r} in {mode} mode must be {expected}, got {entry.dtype}")
+    values = entry.values.to(torch.float32)
+    if not bool(torch.isfinite(values).all()):
         raise NonFiniteValuesError(f"tensor {name!r} carries non-finite values")
-    return entry.indices, entry.values
+    return entry.indices, values
 
 
 def screen_outliers(norms: dict[str, float], max_norm_ratio: float, reference: float | None = None) -> dict[str, str]:
