@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark PULSELoCo's traffic: bytes per outer round per peer for pulse, topk and dense on a loopback swarm.
+"""Benchmark PULSELoCo's traffic: bytes per outer round per peer for pulse (FP32 or BF16 values), topk and dense on
+a loopback swarm.
 
 Starts a bootstrap hivemind DHT on 127.0.0.1 and, for each inner learning rate and selector, ``--num-peers``
 peer processes that train a Llama built from a config (about 11.6M parameters by default) on synthetic token
@@ -67,7 +68,8 @@ def run_peer(
         dht=dht,
         run_id=f"bench-{selector}-{lr:g}",
         inner_steps=args.inner_steps,
-        selector=selector,
+        selector="pulse" if selector == "pulse-bf16" else selector,
+        pulse_values="bfloat16" if selector == "pulse-bf16" else "float32",
         topk_density=args.topk_density,
         target_group_size=args.num_peers,
         matchmaking_time=args.matchmaking_time,
@@ -139,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="outer rounds per configuration")
     parser.add_argument("--inner-steps", type=int, default=8, help="H")
     parser.add_argument("--lrs", type=float, nargs="+", default=[3e-6, 1e-3], help="inner AdamW learning rates")
-    parser.add_argument("--selectors", nargs="+", default=["pulse", "topk", "dense"])
+    parser.add_argument(
+        "--selectors",
+        nargs="+",
+        default=["pulse", "topk", "dense"],
+        choices=["pulse", "pulse-bf16", "topk", "dense"],
+        help="pulse-bf16: the pulse rule sending BF16 values (the rounding remainder stays in the residual)",
+    )
     parser.add_argument("--topk-density", type=float, default=0.02)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=256)
@@ -190,14 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         boot.shutdown()
 
     header = (
-        f"{'inner lr':>8} {'selector':>8} {'density':>8} {'MB sent/round':>13} {'vs DiLoCo':>9} {'vs DDP':>8} "
+        f"{'inner lr':>8} {'selector':>10} {'density':>8} {'MB sent/round':>13} {'vs DiLoCo':>9} {'vs DDP':>8} "
         f"{'sync s':>7} {'equal':>5} {'loss':>6}"
     )
     print(header)
     print("-" * len(header))
     for r in results:
         print(
-            f"{r['inner_lr']:>8g} {r['selector']:>8} {r['density']:>8.4f} {r['bytes_sent_per_round'] / 1e6:>13.3f} "
+            f"{r['inner_lr']:>8g} {r['selector']:>10} {r['density']:>8.4f} {r['bytes_sent_per_round'] / 1e6:>13.3f} "
             f"{r['ratio_vs_dense']:>8.1f}x {r['ratio_vs_ddp']:>7.1f}x {r['seconds_sync']:>7.2f} "
             f"{'yes' if r['equal_digests'] else 'NO':>5} {r['loss_last_round']:>6.3f}"
         )

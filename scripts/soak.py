@@ -182,10 +182,12 @@ def _poison() -> None:
 
     honest = averaging.encode_sparse
 
-    def poisoned(name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int) -> bytes:
+    def poisoned(
+        name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int, **kwargs: Any
+    ) -> bytes:
         if name == averaging.CONTRIBUTION_NAME:
             values_K = values_K * (float("nan") if round_index % 2 else 1e6)
-        return honest(name, numel, indices_K, values_K, round_index=round_index)
+        return honest(name, numel, indices_K, values_K, round_index=round_index, **kwargs)
 
     averaging.encode_sparse = poisoned  # type: ignore[assignment]
 

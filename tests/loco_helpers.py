@@ -118,17 +118,20 @@ def _make_malicious() -> None:
 
     honest = averaging.encode_sparse
 
-    def evil(name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int) -> bytes:
+    def evil(
+        name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int, **kwargs: Any
+    ) -> bytes:
         if name != averaging.CONTRIBUTION_NAME:
-            return honest(name, numel, indices_K, values_K, round_index=round_index)
+            return honest(name, numel, indices_K, values_K, round_index=round_index, **kwargs)
         mode = round_index % 3
         if mode == 0:
-            return honest(name, numel, indices_K, torch.full_like(values_K, float("nan")), round_index=round_index)
+            nan = torch.full_like(values_K, float("nan"))
+            return honest(name, numel, indices_K, nan, round_index=round_index, **kwargs)
         if mode == 1:
             bigger = numel + 1000
             entry = SparseTensor(name, (bigger,), torch.float32, torch.tensor([numel + 5]), torch.ones(1))
             return encode_payload([entry], value_mode="float32", version=round_index, base_version=None)
-        return honest(name, numel, indices_K, values_K * 1e4, round_index=round_index)
+        return honest(name, numel, indices_K, values_K * 1e4, round_index=round_index, **kwargs)
 
     averaging.encode_sparse = evil  # type: ignore[assignment]
 
