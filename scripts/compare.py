@@ -1,44 +1,64 @@
 #!/usr/bin/env python
-"""Compare ddp, diloco, pulseloco and sparseloco on one recipe: loss (or reward), bytes sent, wall time.
+"""The paper's table on this machine: ddp, diloco, pulseloco, sparseloco (and pulseloco with BF16 values) in GRPO
+post-training of a warm model; reward against bytes sent, wall time, density per round and PULSESync patch sizes.
 
-    .venv/bin/python scripts/compare.py                          # recipes/pretrain.py, configs/pretrain-tiny.yaml
-    .venv/bin/python scripts/compare.py --recipe grpo --steps 32 # recipes/grpo.py, configs/grpo-tiny.yaml (reward)
-    .venv/bin/python scripts/compare.py --bandwidth 100mbit      # each worker behind a 100 Mbit/s link (root)
-    .venv/bin/python scripts/compare.py --steps 16 -- --learning_rate 1e-3   # after --: to every recipe run
+    .venv/bin/python scripts/compare.py                       # the table: GRPO, 4 workers, lr 1e-6 / 3e-6 / 1e-5
+    .venv/bin/python scripts/compare.py --quick               # a few minutes: one learning rate, one seed, 32 steps
+    .venv/bin/python scripts/compare.py --lrs 3e-6 --seeds 3  # one learning rate, three seeds
+    .venv/bin/python scripts/compare.py --bandwidth 100mbit   # each worker behind a 100 Mbit/s link (root)
+    .venv/bin/python scripts/compare.py --recipe pretrain     # recipes/pretrain.py, configs/pretrain-tiny.yaml
+    .venv/bin/python scripts/compare.py -- --beta 0.04        # after --: to every recipe run
 
 Run it with the project's Python (``.venv/bin/python``, made by ``scripts/demo.sh`` or ``scripts/test.sh``): it
 starts ``accelerate`` and ``pulseloco`` from beside ``sys.executable``, and says so in one line if they are not there.
 
-Every strategy runs the same recipe and config (``trl.TrlParser`` flags: ``--max_steps``, ``--seed`` ...) with the
-same steps and batch size per worker and the same number of workers (``--workers``, default 2), so each sees the
-same number of samples:
+**What runs.** For every learning rate of ``--lrs`` (``--learning_rate`` of the inner AdamW; default 1e-6, 3e-6 and
+1e-5, the last being the lowest at which this small model's reward clearly rises within the run) and every seed,
+each strategy of ``--strategies`` trains the same warm model (``scripts/warm_model.py --size tiny``, or
+``--model_name_or_path``) on the same task with the same config (``recipes/configs/grpo-tiny.yaml``, ``--steps``
+optimizer steps, default 256, H = ``inner_steps`` = 8) and the same number of workers (``--workers``, default 4):
 
-* ``ddp``: one ``accelerate launch --config_file recipes/accelerate_configs/multi_process_cpu.yaml
-  --num_processes W`` (the Trainer's own data parallelism, gradients all-reduced every step). Nothing measures its
-  traffic: its bytes per worker are a ring all-reduce of FP32 gradients every optimizer step,
-  ``2 (W - 1) / W * 4 * num_params * steps``, with the parameters counted in the saved model;
-* ``diloco``, ``pulseloco``, ``sparseloco``: W peers of one process each (``accelerate launch -q --config_file
-  recipes/accelerate_configs/single_process.yaml``), joined through a bootstrap node (``pulseloco dht``) on
-  127.0.0.1, every round formed by all W peers (``--target_group_size W``); their bytes are the wire bytes PulseLoCo
-  measured (``bytes_sent`` in each peer's ``pulseloco_rounds.jsonl``). Peer i gets its own batches: pretrain
-  ``--data_seed SEED+i`` (the same initial weights), grpo ``--seed SEED+i`` (other prompts and samples).
+* ``ddp``: one ``accelerate launch --config_file recipes/accelerate_configs/multi_process_cpu.yaml --num_processes W``
+  (the Trainer's data parallelism, gradients all-reduced every step). Nothing measures its traffic: its bytes per
+  worker are a ring all-reduce of FP32 gradients every optimizer step, ``2 (W - 1) / W * 4 * num_params * steps``
+  (the parameters counted in the saved model);
+* ``diloco`` (dense FP32 pseudo-gradients), ``pulseloco`` (the PULSE rule, FP32 values), ``pulseloco-bf16`` (the
+  PULSE rule sending BF16-rounded values, the rounding error kept in the residual: ``--pulse_values bfloat16``),
+  ``sparseloco`` (top-k): W peers of one process each (``accelerate launch -q --config_file
+  recipes/accelerate_configs/single_process.yaml``) joined through a bootstrap node (``pulseloco dht``), every
+  round formed by all W peers (``--target_group_size W``). Their bytes are the wire bytes PulseLoCo measured
+  (``bytes_sent`` in each peer's ``pulseloco_rounds.jsonl``). Peer 0 also publishes every consensus version with
+  PULSESync (``--publish``, a key made by ``pulseloco keygen`` in the runs directory), so the table has the patch
+  bytes per version against a full BF16 copy (``2 * num_params``) for the same run.
 
-``--recipe grpo`` needs a warm model: ``--model_name_or_path DIR``, else ``scripts/warm_model.py --size tiny``
-(``--warm-size``) builds one (once, minutes; cached) or reuses it. The quality metric is the final held-out eval
-loss of pretrain (the last logged training loss where pretrain.py logged no eval loss; the table says which) and
-the greedy reward after training of grpo (``reward_after`` in ``grpo_eval.json``).
+Seed ``j`` of ``--seeds`` gives every run ``--seed SEED + 1000 j``; swarm peer ``i`` gets ``+ i`` on top (its own
+prompts and samples), pretrain peers ``--data_seed`` instead (the same initial weights). ``--seeds N`` runs N seeds
+at every learning rate; ``--seeds 1,1,3`` (the default) gives each learning rate its own count.
 
-Strategies run one after the other (``--parallel``: all at once, faster, but then wall times are not comparable).
-With ``--bandwidth RATE`` (as root with ``ip netns`` and ``tc``) the bootstrap node and every worker run in
-network namespaces of their own behind a veth limited to RATE each way (scripts/netns.py, as scripts/bench_sync.py
-does), ddp then as W single-process launches of a W-machine job; without root it says why it skipped the limit.
+**Quality** is the greedy exact-match reward of the final model on the fixed evaluation prompts
+(``--num_eval_prompts 100``; ``reward_after`` in ``grpo_eval.json``), before and after, as mean, standard
+deviation and range over seeds (swarm peers end on the consensus model; the mean over the workers is taken). A
+learning rate at which not every seed of a strategy improved on the warm model is marked "did not learn", and no
+quality is claimed for it. PULSELoCo "matches DiLoCo" at a learning rate when its mean lies within DiLoCo's range
+over seeds (needs at least 2 seeds).
 
-Writes ``OUT/compare.md`` (a table: final loss or reward, bytes sent per worker, ratios to DDP and DiLoCo, train
-and wall time; the config, date and machine), ``OUT/compare_bytes.png`` (the logged training loss or reward
-against bytes sent) and ``OUT/compare_time.png`` (against training time), and with ``--json PATH`` the numbers.
-The runs' logs and output directories go to ``--runs-dir`` (default: a temporary directory, removed unless
-``--keep-runs``). Every process has a timeout and is stopped (its process group) when the script ends, also on
-errors and Ctrl-C. Use ``--logging_steps`` (after ``--``) small enough for the plots to have points.
+**Outputs** (``--out``, default ``results/``): ``compare.md`` (a table per learning rate and the targets: pulseloco
+bytes <= 1/17 of DiLoCo's and <= 1/100 of DDP's, PULSESync patches <= 1/50 of a BF16 copy; the command, date,
+commit and machine), ``compare.json`` (every run and every aggregate), ``compare_reward_bytes.png`` and
+``compare_reward_time.png`` (the sampled training reward, seed mean, against bytes sent and training time),
+``compare_final.png`` (final greedy reward, mean and range, against bytes sent) and ``compare_density.png`` (the
+fraction of entries each round sent, against the round). The runs' logs and output directories go to ``--runs-dir``
+(default: a temporary directory, removed unless ``--keep-runs``).
+
+**Network.** On loopback by default. With ``--bandwidth RATE`` (root with ``ip netns`` and ``tc``) the bootstrap
+node and every worker run in network namespaces of their own behind a veth limited to RATE each way
+(scripts/netns.py), ddp as W single-process launches of a W-machine job; the first learning rate and seed of every
+strategy also runs on loopback, and a table compares the training times (how close each strategy gets to an
+unlimited link). Without root it says why it skipped the limit.
+
+Runs go one after the other (``--parallel``: the strategies of one learning rate and seed at once, faster, but then
+times are not comparable). Every process has a timeout (``--timeout`` per run) and is stopped (its process group)
+when the script ends, also on errors and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -53,8 +73,10 @@ import math
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: also under `python -I` and when imported
+from demo_report import allreduce_bytes, human, read_events, read_json, store_summary  # scripts/demo_report.py
 from netns import NetNS, rate_label  # scripts/netns.py
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +96,23 @@ DEFAULT_CONFIGS = {"pretrain": CONFIGS / "pretrain-tiny.yaml", "grpo": CONFIGS /
 ACCELERATE_CONFIGS = RECIPES / "accelerate_configs"
 SINGLE_PROCESS = ["--config_file", str(ACCELERATE_CONFIGS / "single_process.yaml")]
 MULTI_PROCESS = ["--config_file", str(ACCELERATE_CONFIGS / "multi_process_cpu.yaml")]
-STRATEGIES = ("ddp", "diloco", "pulseloco", "sparseloco")
+STRATEGIES: dict[str, tuple[str, list[str]]] = {
+    "ddp": ("ddp", []),
+    "diloco": ("diloco", []),
+    "pulseloco": ("pulseloco", []),
+    "pulseloco-bf16": ("pulseloco", ["--pulse_values", "bfloat16"]),
+    "sparseloco": ("sparseloco", []),
+}
+"""Name in the table -> (the recipe's ``--strategy``, further recipe flags)."""
+GRPO_DEFAULTS = {"lrs": "1e-6,3e-6,1e-5", "seeds": "1,1,3", "steps": 256}
+GRPO_FLAGS = ["--num_eval_prompts", "100", "--logging_steps", "8"]
+"""Recipe flags of every grpo run (before the user's, which win): the tiny task's 100 problems, a reward point a
+round."""
+QUICK = {"lrs": "1e-6", "seeds": "1", "steps": 32}
+SEED_STRIDE = 1000
+"""Seed j of a comparison starts at ``--seed + SEED_STRIDE * j``: its peers' seeds (``+ i``) never overlap."""
+TARGETS = {"diloco": 1 / 17, "ddp": 1 / 100, "pulsesync": 1 / 50}
+"""The paper's claims: pulseloco's bytes against DiLoCo's and DDP's, PULSESync patches against a BF16 copy."""
 STARTUP_TIMEOUT = 180.0
 """Seconds for the bootstrap node to print its multiaddr (imports are slow on a busy two-core machine)."""
 PEER_STARTUP_TIMEOUT = 120.0
@@ -218,69 +257,110 @@ def wait_for_maddr(proc: Proc, timeout: float) -> str:
     raise RuntimeError(f"the bootstrap node printed no multiaddr in {timeout:.0f} s; log:\n{proc.tail()}")
 
 
-# ---- one strategy ------------------------------------------------------------------------------------------------
+# ---- one run: a strategy at a learning rate and seed -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One run of the comparison."""
+
+    strategy: str
+    lr: float | None
+    """``--learning_rate`` (``None``: the config's)."""
+    seed_index: int
+    seed: int
+    limited: bool = True
+    """False: the loopback reference of a ``--bandwidth`` comparison."""
+
+    @property
+    def tag(self) -> str:
+        lr = "config-lr" if self.lr is None else f"lr{self.lr:g}"
+        return f"{lr}-seed{self.seed_index}{'' if self.limited else '-unlimited'}"
 
 
 @dataclass
 class StrategyRun:
-    strategy: str
+    plan: Plan
     workers: list[Path] = field(default_factory=list)
     """Output directories that receive trainer_state.json (ddp: one, written by its main process; else one per
     peer)."""
     procs: list[Proc] = field(default_factory=list)
     error: str | None = None
 
+    @property
+    def strategy(self) -> str:
+        return self.plan.strategy
+
 
 def recipe_argv(
-    args: argparse.Namespace, strategy: str, output_dir: Path, extra: list[str], peer: int | None = None
+    args: argparse.Namespace, plan: Plan, output_dir: Path, extra: list[str], peer: int | None = None
 ) -> list[str]:
     """The recipe and its flags; ``peer``: the index of a swarm peer, which gets batches of its own."""
-    argv = [str(RECIPES / f"{args.recipe}.py"), "--config", str(args.config), "--strategy", strategy]
-    argv += ["--output_dir", str(output_dir), "--seed", str(args.seed)]
+    strategy, flags = STRATEGIES[plan.strategy]
+    argv = [str(RECIPES / f"{args.recipe}.py"), "--config", str(args.config), "--strategy", strategy, *flags]
+    argv += ["--output_dir", str(output_dir), "--seed", str(plan.seed)]
     if peer is not None and args.recipe == "pretrain":
-        argv += ["--data_seed", str(args.seed + peer)]  # same initial weights (--seed), other batches
+        argv += ["--data_seed", str(plan.seed + peer)]  # same initial weights (--seed), other batches
     elif peer is not None:
-        argv[-1] = str(args.seed + peer)  # grpo: the seed draws the prompts, their order and the samples
+        argv[-1] = str(plan.seed + peer)  # grpo: the seed draws the prompts, their order and the samples
     if args.steps is not None:
         argv += ["--max_steps", str(args.steps)]
+    if plan.lr is not None:
+        argv += ["--learning_rate", f"{plan.lr:g}"]
     if args.model_name_or_path is not None:
         argv += ["--model_name_or_path", str(args.model_name_or_path)]
+    if args.recipe == "grpo":
+        argv += GRPO_FLAGS
     return argv + extra
 
 
-def start_strategy(
-    runner: Runner, args: argparse.Namespace, strategy: str, bootstrap: str | None, extra: list[str]
+def start_run(
+    runner: Runner, args: argparse.Namespace, plan: Plan, bootstrap: str | None, extra: list[str], key: Path | None
 ) -> StrategyRun:
+    """Start the processes of one run; peer 0 of a swarm strategy publishes with ``key`` (PULSESync) if given."""
     accelerate = [str(Path(sys.executable).parent / "accelerate"), "launch"]
-    run = StrategyRun(strategy)
-    out = runner.runs_dir / strategy
-    w, netns = args.workers, runner.netns
-    if strategy == "ddp" and netns is None:
+    run = StrategyRun(plan)
+    out = runner.runs_dir / plan.tag / plan.strategy
+    w = args.workers
+    netns = runner.netns if plan.limited else None
+    name = f"{plan.tag}-{plan.strategy}"
+    if plan.strategy == "ddp" and netns is None:
         # one launch of W processes (gloo on a CPU machine); one process: -q keeps accelerate's own traceback out
         launch = [*MULTI_PROCESS, "--num_processes", str(w)] if w > 1 else ["-q", *SINGLE_PROCESS]
-        run.procs.append(runner.start("ddp", [*accelerate, *launch, *recipe_argv(args, "ddp", out, extra)]))
+        run.procs.append(runner.start(name, [*accelerate, *launch, *recipe_argv(args, plan, out, extra)]))
         run.workers.append(out)
-    elif strategy == "ddp" and netns is not None:
+    elif plan.strategy == "ddp" and netns is not None:
         # one launch per namespace: a W-machine job of one process each, its gloo traffic on the limited links
         for i in range(w):
             argv = [*accelerate, *MULTI_PROCESS, "--num_machines", str(w), "--num_processes", str(w)]
             argv += ["--machine_rank", str(i), "--main_process_ip", netns.host(1), "--main_process_port"]
-            argv += [str(DDP_PORT), *recipe_argv(args, "ddp", out, extra)]
-            run.procs.append(runner.start(f"ddp{i}", argv, ns_index=1 + i, env={"GLOO_SOCKET_IFNAME": "eth0"}))
+            argv += [str(DDP_PORT), *recipe_argv(args, plan, out, extra)]
+            env = {"GLOO_SOCKET_IFNAME": "eth0"}
+            run.procs.append(runner.start(f"{name}{i}", argv, ns_index=1 + i, env=env))
         run.workers.append(out)
     else:
-        swarm = ["--run_id", f"compare-{os.getpid()}-{strategy}", "--initial_peers", str(bootstrap)]
+        swarm = ["--run_id", f"compare-{os.getpid()}-{name}", "--initial_peers", str(bootstrap)]
         swarm += ["--target_group_size", str(w), "--matchmaking_time", "60", "--linger", "3"]
         swarm += ["--startup_timeout", f"{PEER_STARTUP_TIMEOUT:g}"]
         for i in range(w):
             peer_out = out / f"peer{i}"
-            argv = [*accelerate, "-q", *SINGLE_PROCESS, *recipe_argv(args, strategy, peer_out, extra, peer=i)]
-            argv += swarm
+            argv = [*accelerate, "-q", *SINGLE_PROCESS, *recipe_argv(args, plan, peer_out, extra, peer=i), *swarm]
             if netns is not None:
                 argv += ["--host_maddrs", f"/ip4/{netns.host(1 + i)}/tcp/0"]
-            run.procs.append(runner.start(f"{strategy}-peer{i}", argv, ns_index=1 + i))
+            if i == 0 and key is not None:
+                argv += ["--publish", "--signing_key", str(key)]
+            run.procs.append(runner.start(f"{name}-peer{i}", argv, ns_index=1 + i if netns is not None else None))
             run.workers.append(peer_out)
     return run
+
+
+def make_signing_key(runner: Runner) -> Path:
+    """``pulseloco keygen`` into the runs directory (removed with it unless kept; never in the repository)."""
+    key = runner.runs_dir / "keys" / "publisher"
+    key.parent.mkdir(parents=True, exist_ok=True)
+    proc = runner.start("keygen", ["pulseloco", "keygen", "--out", str(key)])
+    wait_all([proc], 120.0)
+    return key
 
 
 def build_warm_model(runner: Runner, size: str, timeout: float) -> Path:
@@ -291,26 +371,6 @@ def build_warm_model(runner: Runner, size: str, timeout: float) -> Path:
     if not found or not Path(found[-1].strip()).is_dir():
         raise RuntimeError(f"scripts/warm_model.py printed no `warm model: DIR` line; log:\n{proc.tail()}")
     return Path(found[-1].strip())
-
-
-# ---- results -----------------------------------------------------------------------------------------------------
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            records.append(json.loads(line))
-    return records
-
-
-def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def count_parameters(model_dir: Path) -> int | None:
@@ -328,11 +388,6 @@ def count_parameters(model_dir: Path) -> int | None:
     return total if files else None
 
 
-def ddp_bytes_per_step(num_workers: int, num_params: int) -> float:
-    """Bytes one worker sends per optimizer step in a ring all-reduce of FP32 gradients: 2 (W - 1) / W * 4 * N."""
-    return 2 * (num_workers - 1) / num_workers * 4 * num_params
-
-
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:
     """Piecewise-linear through ``points`` (sorted by x), held constant beyond the last one."""
     for (x0, y0), (x1, y1) in itertools.pairwise(points):
@@ -341,16 +396,21 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
     return points[-1][1]
 
 
+# ---- results -----------------------------------------------------------------------------------------------------
+
+
 def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> dict[str, Any]:
     """What one worker's output directory says: final metric (and where it came from), bytes sent, train time,
-    steps, rounds, and its curve of (bytes sent, training seconds, logged loss or reward) per logging step."""
-    state = read_json(out / "trainer_state.json") or {}
+    steps, rounds, density per round, and its curve of (bytes sent, training seconds, logged loss or reward) per
+    logging step."""
+    state = read_json(out / "trainer_state.json")
     history = [e for e in state.get("log_history", []) if isinstance(e, dict)]
     steps = state.get("global_step")
     runtime = next((e["train_runtime"] for e in reversed(history) if "train_runtime" in e), None)
     curve_key = "loss" if recipe == "pretrain" else "reward"
     logged = [e for e in history if e.get(curve_key) is not None and "step" in e]
     final, source = None, None
+    evaluation = read_json(out / "grpo_eval.json")
     if recipe == "pretrain":
         evals = [e["eval_loss"] for e in history if e.get("eval_loss") is not None]
         if evals:
@@ -358,21 +418,21 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
         elif logged:
             final, source = logged[-1][curve_key], "train"
     else:
-        evaluation = read_json(out / "grpo_eval.json") or {}
         final, source = evaluation.get("reward_after"), "greedy"
-    rounds = read_jsonl(out / "pulseloco_rounds.jsonl")
+    rounds = read_events(out / "pulseloco_rounds.jsonl")
     num_params = count_parameters(out)
     result: dict[str, Any] = {
         "final": final,
         "source": source,
+        "reward_before": evaluation.get("reward_before"),
         "steps": steps,
         "train_seconds": runtime,
         "num_params": num_params,
         "rounds": len(rounds),
         "group_sizes": sorted({r["num_peers"] for r in rounds}),
+        "density": [r["density"] for r in rounds],
+        "incomplete_rounds": sum(1 for r in rounds if not r.get("complete", True)),
     }
-    if recipe == "grpo":
-        result["reward_before"] = (read_json(out / "grpo_eval.json") or {}).get("reward_before")
     # the curve's x values at a logging step: bytes sent by then, and training seconds by then
     inner = steps // len(rounds) if swarm and rounds and steps else None  # a round every inner_steps steps
     if inner:
@@ -388,7 +448,7 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
         for end, r in zip(ends, rounds):
             clock.append((float(end), clock[-1][1] + r["seconds_inner"] + r["seconds_sync"]))
     else:
-        per_step = ddp_bytes_per_step(num_workers, num_params) if num_params is not None and not swarm else None
+        per_step = allreduce_bytes(num_params, num_workers) if num_params is not None and not swarm else None
         result["bytes_sent"] = per_step * steps if per_step is not None and steps is not None else None
         result["bytes_received"] = result["bytes_sent"]
 
@@ -397,6 +457,18 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
 
         clock = [(0.0, 0.0), (float(steps or 0), float(runtime or 0.0))]  # the Trainer logs no time per step
     result["curve"] = [(sent_by(e["step"]), _interpolate(clock, e["step"]), e[curve_key]) for e in logged]
+    store = out / "versions"
+    if store.is_dir() and num_params:
+        sizes = store_summary(store)
+        patches = list(sizes["patches"].values())
+        result["pulsesync"] = {
+            "versions": len(sizes["anchors"]) + len(patches),
+            "anchors": len(sizes["anchors"]),
+            "patches": len(patches),
+            "mean_patch_bytes": sum(patches) / len(patches) if patches else None,
+            "mean_anchor_bytes": sum(sizes["anchors"].values()) / len(sizes["anchors"]) if sizes["anchors"] else None,
+            "bf16_copy_bytes": 2 * num_params,
+        }
     return result
 
 
@@ -406,8 +478,8 @@ def _mean(values: list[Any]) -> float | None:
 
 
 def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]:
-    """Final metric (mean over workers), bytes sent per worker, train seconds (slowest worker), wall seconds;
-    the curve of the first worker."""
+    """One run: final metric (mean over workers), bytes sent per worker, train seconds (slowest worker), wall
+    seconds, density per round (mean over the peers), PULSESync sizes; the curve of the first worker."""
     swarm = run.strategy != "ddp"
     workers = [summarize_worker(out, recipe, num_workers, swarm) for out in run.workers]
     if not swarm:  # ddp: the processes it ran, from the recipe's start line ("processes=W")
@@ -417,12 +489,18 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
     wall = [p.ended - p.started for p in run.procs if p.ended is not None]
     seconds = [w["train_seconds"] for w in workers if w["train_seconds"] is not None]
     sources = sorted({w["source"] for w in workers if w["final"] is not None})
-    result = {
+    num_rounds = min((len(w["density"]) for w in workers), default=0)
+    return {
         "strategy": run.strategy,
+        "lr": run.plan.lr,
+        "seed": run.plan.seed,
+        "seed_index": run.plan.seed_index,
+        "limited": run.plan.limited,
         "error": run.error,
         "workers": num_workers,
         "final": _mean([w["final"] for w in workers]),
         "final_source": sources[0] if len(sources) == 1 else ("mixed" if sources else None),
+        "reward_before": _mean([w["reward_before"] for w in workers]),
         "bytes_per_worker": _mean([w["bytes_sent"] for w in workers]),
         "bytes_received_per_worker": _mean([w["bytes_received"] for w in workers]),
         "bytes_measured": swarm,
@@ -431,26 +509,80 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
         "steps": workers[0]["steps"] if workers else None,
         "num_params": workers[0]["num_params"] if workers else None,
         "rounds": workers[0]["rounds"] if workers else 0,
+        "incomplete_rounds": sum(w["incomplete_rounds"] for w in workers),
         "group_sizes": sorted({g for w in workers for g in w["group_sizes"]}),
+        "density": [_mean([w["density"][r] for w in workers]) for r in range(num_rounds)],
+        "pulsesync": next((w["pulsesync"] for w in workers if "pulsesync" in w), None),
         "curve": workers[0]["curve"] if workers else [],
     }
-    if recipe == "grpo":
-        result["reward_before"] = _mean([w.get("reward_before") for w in workers])
-    return result
 
 
-def human_bytes(num: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(num) < 1000 or unit == "TB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1000
-    raise AssertionError("unreachable")
+def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (learning rate, strategy) over the seeds of the limited (or only) network: the final metric's mean,
+    standard deviation and range, whether every seed improved on the starting model, bytes, times, density per
+    round, PULSESync; ratios to DiLoCo and DDP at the same learning rate; whether the mean lies in DiLoCo's range."""
+    groups: dict[tuple[float | None, str], list[dict[str, Any]]] = {}
+    for r in results:
+        if r["limited"] and not r["error"]:
+            groups.setdefault((r["lr"], r["strategy"]), []).append(r)
+    rows = []
+    for (lr, strategy), runs in groups.items():
+        finals = [r["final"] for r in runs if r["final"] is not None]
+        befores = [r["reward_before"] for r in runs if r.get("reward_before") is not None]
+        rounds = min(len(r["density"]) for r in runs)
+        syncs = [r["pulsesync"] for r in runs if r["pulsesync"] and r["pulsesync"]["mean_patch_bytes"]]
+        rows.append(
+            {
+                "lr": lr,
+                "strategy": strategy,
+                "seeds": len(runs),
+                "final_mean": _mean(finals),
+                "final_std": statistics.stdev(finals) if len(finals) > 1 else None,
+                "final_min": min(finals, default=None),
+                "final_max": max(finals, default=None),
+                "reward_before": _mean(befores),
+                "improved": bool(finals)
+                and len(befores) == len(finals)
+                and all(f > b for f, b in zip(finals, befores)),
+                "bytes_per_worker": _mean([r["bytes_per_worker"] for r in runs]),
+                "bytes_measured": runs[0]["bytes_measured"],
+                "train_seconds": _mean([r["train_seconds"] for r in runs]),
+                "wall_seconds": _mean([r["wall_seconds"] for r in runs]),
+                "density": [_mean([r["density"][i] for r in runs]) for i in range(rounds)],
+                "patch_bytes": _mean([s["mean_patch_bytes"] for s in syncs]),
+                "bf16_copy_bytes": syncs[0]["bf16_copy_bytes"] if syncs else None,
+                "incomplete_rounds": sum(r["incomplete_rounds"] for r in runs),
+            }
+        )
+    for row in rows:
+        same_lr = {r["strategy"]: r for r in rows if r["lr"] == row["lr"]}
+        for base in ("diloco", "ddp"):
+            b = same_lr.get(base, {}).get("bytes_per_worker")
+            row[f"vs_{base}"] = row["bytes_per_worker"] / b if row["bytes_per_worker"] is not None and b else None
+        diloco = same_lr.get("diloco")
+        row["within_diloco_range"] = (
+            diloco["final_min"] <= row["final_mean"] <= diloco["final_max"]
+            if diloco and diloco["seeds"] > 1 and row["final_mean"] is not None and diloco["final_min"] is not None
+            else None
+        )
+        row["patch_vs_bf16"] = row["patch_bytes"] / row["bf16_copy_bytes"] if row["patch_bytes"] else None
+    return rows
 
 
-def ratio(value: float | None, baseline: float | None) -> str:
-    if value is None or not baseline:
+def fraction(value: float | None) -> str:
+    """``0.0588`` as ``1/17``; ``-`` for none."""
+    if value is None:
         return "-"
-    return f"{value / baseline:.3g}x"
+    return f"1/{1 / value:.3g}" if 0 < value < 1 else f"{value:.3g}x"
+
+
+def reward_cell(row: dict[str, Any]) -> str:
+    if row["final_mean"] is None:
+        return "-"
+    text = f"{row['final_mean']:.3f}"
+    if row["final_std"] is not None:
+        text += f" ± {row['final_std']:.3f} [{row['final_min']:.3f}, {row['final_max']:.3f}]"
+    return text
 
 
 def machine_note() -> str:
@@ -475,128 +607,297 @@ def git_revision() -> str:
     return proc.stdout.strip() or "unknown"
 
 
-def write_markdown(path: Path, results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    by_name = {r["strategy"]: r for r in results}
-    ddp = by_name.get("ddp", {}).get("bytes_per_worker")
-    diloco = by_name.get("diloco", {}).get("bytes_per_worker")
+def lr_label(lr: float | None) -> str:
+    return "the config's learning rate" if lr is None else f"lr {lr:g}"
+
+
+def verdict(value: float | None, target: float) -> str:
+    if value is None:
+        return "not measured"
+    return f"{fraction(value)} ({'met' if value <= target else f'missed by {value / target:.2g}x'})"
+
+
+def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
+    if diloco is None:
+        return "no diloco run to compare with"
+    if not diloco["improved"] or not row["improved"]:
+        who = [name for name, r in (("diloco", diloco), (row["strategy"], row)) if not r["improved"]]
+        return f"not judged: {' and '.join(who)} did not learn (not every seed improved on the warm model)"
+    if row["within_diloco_range"] is None:
+        return "not judged: DiLoCo needs at least 2 seeds for a range"
+    where = "within" if row["within_diloco_range"] else "outside"
+    return (
+        f"mean {row['final_mean']:.3f} {where} DiLoCo's range [{diloco['final_min']:.3f}, {diloco['final_max']:.3f}] "
+        f"over {diloco['seeds']} seeds"
+    )
+
+
+def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     metric = meta["metric_label"]
-    lines = [
-        f"# {meta['recipe']}: ddp vs diloco vs pulseloco vs sparseloco",
-        "",
-        f"| strategy | final {metric} | bytes sent per worker | vs DDP | vs DiLoCo | train time (s) | wall time (s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        if r["error"]:
-            lines.append(f"| {r['strategy']} | failed: {r['error'].splitlines()[0][:80]} | | | | | |")
-            continue
-        b = r["bytes_per_worker"]
-        final = "-" if r["final"] is None else f"{r['final']:.4f}"
-        if r["final"] is not None and meta["metric_sources"] == ["eval", "train"]:
-            final += " (eval)" if r["final_source"] == "eval" else " (training)"
-        cells = [
-            r["strategy"],
-            final,
-            "-" if b is None else f"{human_bytes(b)} ({b:,.0f} B){'' if r['bytes_measured'] else ' est.'}",
-            ratio(b, ddp),
-            ratio(b, diloco),
-            "-" if r["train_seconds"] is None else f"{r['train_seconds']:.1f}",
-            "-" if r["wall_seconds"] is None else f"{r['wall_seconds']:.1f}",
+    lrs = list(dict.fromkeys(r["lr"] for r in rows))
+    lines = [f"# {meta['recipe']}: {', '.join(meta['strategies'])}", ""]
+    lines += [f"Command: `{meta['command']}` ({meta['seconds'] / 60:.0f} min)", ""]
+    lines += [f"{meta['date']}, commit {meta['commit']}, {meta['machine']}.", ""]
+    for lr in lrs:
+        at = [r for r in rows if r["lr"] == lr]
+        diloco = next((r for r in at if r["strategy"] == "diloco"), None)
+        before = next((r["reward_before"] for r in at if r["reward_before"] is not None), None)
+        seeds = sorted({r["seeds"] for r in at})
+        head = f"## {lr_label(lr)}, {'/'.join(map(str, seeds))} seed{'s' if seeds != [1] else ''}"
+        lines += [head + (f", {metric} before training {before:.3f}" if before is not None else ""), ""]
+        lines += [
+            f"| strategy | final {metric}: mean ± sd [min, max] | every seed improved | bytes sent per worker | "
+            "vs DiLoCo | vs DDP | density: round 1 → last | PULSESync patch / BF16 copy | train s | wall s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    ddp_run = by_name.get("ddp", {})
-    params = ddp_run.get("num_params") or next((r["num_params"] for r in results if r.get("num_params")), None)
-    steps = ddp_run.get("steps") or meta["steps"] or "max_steps"
+        for r in at:
+            b = r["bytes_per_worker"]
+            density = r["density"]
+            cells = [
+                r["strategy"],
+                reward_cell(r),
+                ("yes" if r["improved"] else "no") if r["reward_before"] is not None else "-",
+                "-" if b is None else f"{human(b)}{'' if r['bytes_measured'] else ' (est.)'}",
+                fraction(r["vs_diloco"]),
+                fraction(r["vs_ddp"]),
+                f"{density[0]:.2%} → {density[-1]:.2%}" if density else "-",
+                fraction(r["patch_vs_bf16"]),
+                "-" if r["train_seconds"] is None else f"{r['train_seconds']:.0f}",
+                "-" if r["wall_seconds"] is None else f"{r['wall_seconds']:.0f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        for r in at:
+            if r["strategy"].startswith("pulseloco"):
+                lines.append(
+                    f"- {r['strategy']} targets: bytes vs DiLoCo {verdict(r['vs_diloco'], TARGETS['diloco'])}, "
+                    f"vs DDP {verdict(r['vs_ddp'], TARGETS['ddp'])}, PULSESync patch vs BF16 copy "
+                    f"{verdict(r['patch_vs_bf16'], TARGETS['pulsesync'])}; quality: {quality_verdict(r, diloco)}."
+                )
+        lines.append("")
+    failed = [r for r in results if r["error"]]
+    if failed:
+        lines += ["## Failed runs", ""]
+        lines += [
+            f"- {r['strategy']} {lr_label(r['lr'])} seed {r['seed']}: {r['error'].splitlines()[0]}" for r in failed
+        ]
+        lines.append("")
+    reference = [r for r in results if not r["limited"] and not r["error"]]
+    if reference:
+        lines += [f"## Training time at {meta['bandwidth']} against loopback", ""]
+        lines += ["| strategy | train s, loopback | train s, limited | slowdown |", "|---|---|---|---|"]
+        for ref in reference:
+            limited = next(
+                (r for r in results if r["limited"] and not r["error"] and (r["strategy"], r["lr"], r["seed"])
+                 == (ref["strategy"], ref["lr"], ref["seed"])), None,
+            )  # fmt: skip
+            slow = limited["train_seconds"] if limited else None
+            fast = ref["train_seconds"]
+            cells = [ref["strategy"], f"{fast:.0f}" if fast else "-", f"{slow:.0f}" if slow else "-"]
+            cells.append(f"{slow / fast:.2f}x" if slow and fast else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    params = next((r["num_params"] for r in results if r.get("num_params")), None)
     lines += [
+        "## How these numbers were made",
         "",
-        f"- {meta['workers']} workers per strategy, the same optimizer steps and batch size per worker; ddp is "
-        f"{meta['ddp_launch']}; the swarm strategies are peers of one process each (`accelerate launch`) through a "
-        "bootstrap DHT, every round averaged by all of them (bytes: measured by PulseLoCo, the wire bytes each "
-        "peer sent, summed over its rounds in `pulseloco_rounds.jsonl`).",
-        "- ddp's bytes (est.) are not measured: a ring all-reduce of FP32 gradients every optimizer step, "
-        f"2(W-1)/W x 4 bytes x {f'{params:,}' if params else 'N'} parameters (counted in the saved model) x "
-        f"{steps} steps per worker, W = {meta['workers']}.",
-        f"- final {metric}: {meta['metric_note']}; mean over the workers.",
+        f"- {meta['workers']} workers per strategy, {meta['steps'] or 'the config’s'} optimizer steps each, the same "
+        f"batch size per worker; ddp is {meta['ddp_launch']}; the swarm strategies are peers of one process each "
+        "(`accelerate launch`) through a bootstrap DHT, every round averaged by all of them.",
+        "- bytes sent per worker: the swarm strategies' wire bytes measured by PulseLoCo (`bytes_sent` summed over "
+        "the rounds in each peer's `pulseloco_rounds.jsonl`, mean over the peers and seeds); ddp's (est.) are not "
+        f"measured: a ring all-reduce of FP32 gradients every optimizer step, 2(W-1)/W x 4 bytes x "
+        f"{f'{params:,}' if params else 'N'} parameters x steps per worker, W = {meta['workers']}.",
+        f"- final {metric}: {meta['metric_note']}; mean over the workers (swarm peers end on the consensus model), "
+        "then mean, sample standard deviation and range over the seeds. 'every seed improved': each seed's final "
+        "reward above the warm model's; a strategy that did not is not judged on quality at that learning rate. "
+        "Quality matches DiLoCo when the mean lies within DiLoCo's range over its seeds.",
+        "- density: the fraction of the parameters a peer sent in a round (mean over peers and seeds); DiLoCo "
+        "sends all of them, top-k its fixed share.",
+        "- PULSESync: peer 0 of each swarm run published every consensus version (`--publish`); the mean size of "
+        "a version's patch file plus its signed envelope in the version store, against a full BF16 copy "
+        "(2 bytes x parameters). The store also holds a full anchor every `anchor_every` versions (not counted).",
         "- train time: the Trainer's `train_runtime` of the slowest worker (swarm peers: with the outer rounds); "
-        "wall time: from launch to exit, with imports, data, DHT start, evaluation and saving.",
-        f"- network: {meta['network']}.",
-        f"- strategies ran {'concurrently (wall times are not comparable)' if meta['parallel'] else 'one at a time'}.",
-        f"- recipe `{meta['recipe_path']}`, config `{meta['config']}`, seed {meta['seed']} ({meta['seed_note']}), "
-        f"max_steps {meta['steps'] or 'from the config'}, "
-        + (f"model `{meta['model_name_or_path']}`, " if meta.get("model_name_or_path") else "")
+        "wall time: from launch to exit, with imports, DHT start, evaluation and saving; mean over the seeds.",
+        f"- network: {meta['network']}; "
+        + (
+            "the runs of one learning rate and seed ran concurrently (times are not comparable)."
+            if meta["parallel"]
+            else "runs ran one at a time."
+        ),
+        f"- recipe `{meta['recipe_path']}`, config `{meta['config']}`, seeds {meta['seed_note']}, "
+        + (f"model `{meta['model']}`, " if meta.get("model") else "")
         + f"extra arguments: `{' '.join(meta['extra']) or 'none'}`.",
-        f"- {meta['date']}, commit {meta['commit']}, {meta['machine']}.",
-        f"- plots: `{meta['plots'][0]}` ({meta['curve_label']} at each logging step against bytes sent by then), "
-        f"`{meta['plots'][1]}` (against training time: swarm peers' summed inner and outer seconds at round ends, "
-        "ddp's `train_runtime` spread evenly over its steps), of each strategy's first worker.",
+        "- plots: `compare_reward_bytes.png` and `compare_reward_time.png` (the "
+        f"{meta['curve_label']} logged every few steps by the first worker, mean over seeds, against bytes sent by "
+        "then and training time), `compare_final.png` (final metric, mean and range, against bytes sent), "
+        "`compare_density.png` (density per round). Every run is in `compare.json`.",
     ]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
 
 
-def plot(out_dir: Path, results: list[dict[str, Any]], metric_label: str) -> list[str]:
+def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float, float]]:
+    """The pointwise mean of curves logged at the same steps (cut to the shortest)."""
+    length = min((len(c) for c in curves), default=0)
+    return [tuple(statistics.fmean(c[i][k] for c in curves) for k in range(3)) for i in range(length)]  # type: ignore[misc]
+
+
+def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """Write the four plots (one panel per learning rate) and return their names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["compare_bytes.png", "compare_time.png"]
-    styles = {"ddp": "-", "diloco": "--", "pulseloco": "-", "sparseloco": ":"}
-    for name, x_index, x_label in ((names[0], 0, "bytes sent per worker"), (names[1], 1, "training time (s)")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for r in results:
-            if r["curve"]:
-                xs = [point[x_index] for point in r["curve"]]
-                ys = [point[2] for point in r["curve"]]
-                ax.plot(xs, ys, styles.get(r["strategy"], "-"), marker="o", markersize=3, label=r["strategy"])
-        if x_index == 0:
-            ax.set_xscale("symlog", linthresh=1e3)
-        ax.set_xlabel(x_label)
-        ax.set_ylabel(metric_label)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out_dir / name, dpi=120)
+    lrs = list(dict.fromkeys(r["lr"] for r in rows)) or [None]
+    styles = {"ddp": "-", "diloco": "--", "pulseloco": "-", "pulseloco-bf16": "-.", "sparseloco": ":"}
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    names = ["compare_reward_bytes.png", "compare_reward_time.png", "compare_final.png", "compare_density.png"]
+
+    def panels() -> tuple[Any, list[Any]]:
+        fig, axes = plt.subplots(1, len(lrs), figsize=(5.0 * len(lrs), 4.0), squeeze=False)
+        for ax, lr in zip(axes[0], lrs):
+            ax.set_title(lr_label(lr))
+            ax.grid(True, alpha=0.3)
+        return fig, list(axes[0])
+
+    def save(fig: Any, axes: list[Any], name: str) -> None:
+        handles, labels = axes[0].get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small")
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
+
+    for name, x_index, x_label in ((names[0], 0, "bytes sent per worker"), (names[1], 1, "training time (s)")):
+        fig, axes = panels()
+        for ax, lr in zip(axes, lrs):
+            for strategy in strategies:
+                curves = [r["curve"] for r in results if r["lr"] == lr and r["strategy"] == strategy
+                          and r["limited"] and not r["error"] and r["curve"]]  # fmt: skip
+                curve = _mean_curve(curves)
+                if curve:
+                    xs, ys = [p[x_index] for p in curve], [p[2] for p in curve]
+                    ax.plot(xs, ys, styles.get(strategy, "-"), marker="o", markersize=2, label=strategy)
+            if x_index == 0:
+                ax.set_xscale("symlog", linthresh=1e4)
+            ax.set_xlabel(x_label)
+            ax.set_ylabel(meta["curve_label"])
+        save(fig, axes, name)
+
+    fig, axes = panels()
+    for ax, lr in zip(axes, lrs):
+        for r in (r for r in rows if r["lr"] == lr and r["final_mean"] is not None and r["bytes_per_worker"]):
+            low = r["final_mean"] - (r["final_min"] if r["final_min"] is not None else r["final_mean"])
+            high = (r["final_max"] if r["final_max"] is not None else r["final_mean"]) - r["final_mean"]
+            ax.errorbar([r["bytes_per_worker"]], [r["final_mean"]], yerr=[[low], [high]], fmt="o", capsize=3,
+                        label=r["strategy"])  # fmt: skip
+        before = next((r["reward_before"] for r in rows if r["lr"] == lr and r["reward_before"] is not None), None)
+        if before is not None:
+            ax.axhline(before, color="grey", linewidth=0.8, linestyle=":", label="before training")
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes sent per worker")
+        ax.set_ylabel(f"final {meta['metric_label']}")
+    save(fig, axes, names[2])
+
+    fig, axes = panels()
+    for ax, lr in zip(axes, lrs):
+        for r in (r for r in rows if r["lr"] == lr and r["density"]):
+            rounds = range(1, len(r["density"]) + 1)
+            ax.plot(rounds, r["density"], styles.get(r["strategy"], "-"), marker="o", markersize=2, label=r["strategy"])
+        ax.set_yscale("log")
+        ax.set_xlabel("outer round")
+        ax.set_ylabel("fraction of parameters sent")
+    save(fig, axes, names[3])
     return names
 
 
 # ---- main --------------------------------------------------------------------------------------------------------
 
 
+def parse_lrs(text: str) -> list[float]:
+    """``1e-6,3e-6`` -> ``[1e-06, 3e-06]``; raises ValueError naming the bad entry."""
+    lrs = []
+    for item in text.split(","):
+        try:
+            lr = float(item)
+        except ValueError:
+            raise ValueError(f"{item.strip()!r} is not a number") from None
+        if not math.isfinite(lr) or lr <= 0:
+            raise ValueError(f"{item.strip()!r} is not a positive learning rate")
+        lrs.append(lr)
+    return lrs
+
+
+def parse_seeds(text: str, num_lrs: int) -> list[int]:
+    """``3`` -> 3 seeds at every learning rate; ``1,1,3`` -> one count per learning rate. Raises ValueError."""
+    try:
+        counts = [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a count or a comma-separated list of counts") from None
+    if any(c < 1 for c in counts):
+        raise ValueError(f"{text!r}: every count must be at least 1")
+    if len(counts) == 1:
+        return counts * num_lrs
+    if len(counts) != num_lrs:
+        raise ValueError(f"{text!r} gives {len(counts)} counts for {num_lrs} learning rates (--lrs)")
+    return counts
+
+
+def make_plans(strategies: list[str], lrs: list[float | None], seeds: list[int], base_seed: int,
+               reference: bool) -> list[Plan]:  # fmt: skip
+    """Every run, learning rate by learning rate, seed by seed; with ``reference`` the loopback runs of the first
+    learning rate and seed first."""
+    plans = [Plan(s, lrs[0], 0, base_seed, limited=False) for s in strategies] if reference else []
+    for lr, count in zip(lrs, seeds):
+        for j in range(count):
+            plans += [Plan(s, lr, j, base_seed + SEED_STRIDE * j) for s in strategies]
+    return plans
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    command = shlex.join([".venv/bin/python", "scripts/compare.py", *argv])
     extra: list[str] = []
     if "--" in argv:
         argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--recipe", choices=("pretrain", "grpo"), default="pretrain", help="recipes/<recipe>.py")
+    ap.add_argument("--recipe", choices=("grpo", "pretrain"), default="grpo", help="recipes/<recipe>.py (default grpo)")
     ap.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="recipe config (default: configs/pretrain-tiny.yaml or grpo-tiny.yaml)",
+        "--config", type=Path, default=None, help="recipe config (default configs/grpo-tiny.yaml or pretrain-tiny.yaml)"
     )
-    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset of the four")
-    ap.add_argument("--workers", type=int, default=2, help="workers per strategy (default 2)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {', '.join(STRATEGIES)}")
+    ap.add_argument("--workers", type=int, default=4, help="workers per strategy (default 4)")
     ap.add_argument(
-        "--steps", type=int, default=None, help="--max_steps per worker (default: the config's; for the swarm "
-        "strategies a multiple of inner_steps)",
+        "--lrs", default=None, help=f"comma-separated inner learning rates (grpo default {GRPO_DEFAULTS['lrs']}; "
+        "pretrain: the config's)",
     )  # fmt: skip
-    ap.add_argument("--seed", type=int, default=0, help="--seed of every run (swarm peer i: see above)")
+    ap.add_argument(
+        "--seeds", default=None, help=f"seeds per learning rate: N, or one count per --lrs entry (grpo default "
+        f"{GRPO_DEFAULTS['seeds']}, pretrain 1)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--steps", type=int, default=None, help=f"--max_steps per worker (grpo default {GRPO_DEFAULTS['steps']}, "
+        "pretrain: the config's; for the swarm strategies a multiple of inner_steps)",
+    )  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help=f"a few minutes: --lrs {QUICK['lrs']} --seeds "
+                    f"{QUICK['seeds']} --steps {QUICK['steps']} (unless given)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0, help="--seed of seed 0 (seed j: + 1000 j; swarm peer i: + i)")
     ap.add_argument(
         "--model_name_or_path", "--model-name-or-path", default=None,
         help="the model every run starts from (grpo default: scripts/warm_model.py --size WARM_SIZE)",
     )  # fmt: skip
     ap.add_argument("--warm-size", default="tiny", help="scripts/warm_model.py --size for grpo (default tiny)")
+    ap.add_argument("--no-publish", action="store_true", help="no PULSESync publishing by the swarm's peer 0")
     ap.add_argument("--bandwidth", default=None, help="limit each worker's link, e.g. 100mbit (needs root)")
-    ap.add_argument("--parallel", action="store_true", help="run the strategies at once (wall times not comparable)")
-    ap.add_argument("--out", type=Path, default=REPO / "results", help="where compare.md and the plots go")
+    ap.add_argument("--parallel", action="store_true", help="the strategies of a run at once (times not comparable)")
+    ap.add_argument("--out", type=Path, default=REPO / "results", help="where compare.md, .json and the plots go")
     ap.add_argument("--runs-dir", type=Path, default=None, help="logs and outputs (default: a temporary directory)")
     ap.add_argument("--keep-runs", action="store_true", help="keep the temporary runs directory")
-    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one strategy may take (default 1800)")
-    ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take (default 1800)")
+    ap.add_argument("--json", type=Path, default=None, help="the results as JSON (default OUT/compare.json)")
     args = ap.parse_args(argv)
     problem = environment_problem()
     if problem is not None:  # before anything is created or started: one line, no traceback
@@ -610,17 +911,32 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--workers must be at least 1")
     if args.workers < 2 and "ddp" in strategies:
         log("warning: ddp with one worker sends nothing")
+    defaults = (QUICK if args.quick else GRPO_DEFAULTS) if args.recipe == "grpo" else {"lrs": None, "seeds": "1"}
+    if args.quick and args.recipe == "pretrain":
+        defaults = {**defaults, "steps": QUICK["steps"]}
+    if args.steps is None:
+        args.steps = defaults.get("steps")
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be at least 1")
+    try:
+        lrs: list[float | None] = [*parse_lrs(args.lrs or defaults["lrs"])] if (args.lrs or defaults["lrs"]) else [None]
+        seeds = parse_seeds(args.seeds or defaults["seeds"], len(lrs))
+    except ValueError as exc:
+        ap.error(f"--lrs/--seeds: {exc}")
+    if any(a == "--learning_rate" or a.startswith("--learning_rate=") for a in extra) and lrs != [None]:
+        ap.error("give the learning rates with --lrs, not --learning_rate after --")
     args.config = (args.config or DEFAULT_CONFIGS[args.recipe]).resolve()
     if not args.config.is_file():
         ap.error(f"--config: {args.config} does not exist")
     if args.model_name_or_path is not None and Path(args.model_name_or_path).expanduser().exists():
         args.model_name_or_path = str(Path(args.model_name_or_path).expanduser().resolve())
+    json_path = args.json or args.out / "compare.json"
 
     temp_runs = args.runs_dir is None
     runs_dir = Path(tempfile.mkdtemp(prefix="pulseloco-compare-")) if temp_runs else args.runs_dir.resolve()
-    if not temp_runs:
-        for name in [*strategies, "warm_model.log"]:  # the recipes refuse a used output_dir: a rerun starts clean
-            shutil.rmtree(runs_dir / name, ignore_errors=True)
+    if not temp_runs:  # the recipes refuse a used output_dir: a rerun starts clean
+        for old in [*runs_dir.glob("lr*-seed*"), *runs_dir.glob("config-lr-seed*"), runs_dir / "keys"]:
+            shutil.rmtree(old, ignore_errors=True)
     runs_dir.mkdir(parents=True, exist_ok=True)
 
     network = "loopback (127.0.0.1), no bandwidth limit"
@@ -641,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             network = f"loopback (127.0.0.1); --bandwidth {args.bandwidth} skipped: {reason}"
             log(f"--bandwidth {args.bandwidth}: skipped ({reason})")
+    plans = make_plans(strategies, lrs, seeds, args.seed, reference=netns is not None)
+    swarm_runs = [p for p in plans if p.strategy != "ddp"]
 
     runner = Runner(runs_dir, netns)
     stop = {"signal": None}
@@ -657,21 +975,31 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     runs: list[StrategyRun] = []
+    started_at = time.monotonic()
     try:
         if args.recipe == "grpo" and args.model_name_or_path is None:
             log(f"warm model: scripts/warm_model.py --size {args.warm_size} (built once, minutes; then reused)")
             args.model_name_or_path = str(build_warm_model(runner, args.warm_size, WARM_MODEL_TIMEOUT))
             log(f"warm model: {args.model_name_or_path}")
-        bootstrap = None
-        if any(s != "ddp" for s in strategies):
-            host = netns.host(0) if netns is not None else "127.0.0.1"
-            dht = runner.start("bootstrap", ["pulseloco", "dht", "--host-maddrs", f"/ip4/{host}/tcp/0"], ns_index=0)
-            bootstrap = wait_for_maddr(dht, STARTUP_TIMEOUT)
-            log(f"bootstrap node: {bootstrap}")
-        batches = [strategies] if args.parallel else [[s] for s in strategies]
-        for batch in batches:
-            started = [start_strategy(runner, args, s, bootstrap, extra) for s in batch]
-            log(f"running {', '.join(batch)} ({args.workers} workers each); logs in {runs_dir}")
+        key = make_signing_key(runner) if swarm_runs and not args.no_publish else None
+        bootstraps: dict[bool, str] = {}  # limited -> multiaddr
+        for limited in sorted({p.limited for p in swarm_runs}):
+            in_ns = limited and netns is not None
+            host = netns.host(0) if in_ns and netns is not None else "127.0.0.1"
+            dht = runner.start(f"bootstrap{'' if limited else '-loopback'}",
+                               ["pulseloco", "dht", "--host-maddrs", f"/ip4/{host}/tcp/0"],
+                               ns_index=0 if in_ns else None)  # fmt: skip
+            bootstraps[limited] = wait_for_maddr(dht, STARTUP_TIMEOUT)
+            log(f"bootstrap node: {bootstraps[limited]}")
+        batches = (
+            [list(g) for _, g in itertools.groupby(plans, key=lambda p: p.tag)]
+            if args.parallel
+            else [[p] for p in plans]
+        )
+        for n, batch in enumerate(batches, 1):
+            started = [start_run(runner, args, p, bootstraps.get(p.limited), extra, key) for p in batch]
+            names = ", ".join(p.strategy for p in batch)
+            log(f"[{n}/{len(batches)}] {batch[0].tag}: {names} ({args.workers} workers each); logs in {runs_dir}")
             for run in started:
                 try:
                     wait_all(run.procs, args.timeout)
@@ -688,7 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
         runner.stop_all()
         remove_temp_runs()
         return 130 if stop["signal"] in (None, signal.SIGINT) else 143
-    except RuntimeError as exc:  # the warm model or the bootstrap node failed: nothing to compare
+    except RuntimeError as exc:  # the warm model, the key or a bootstrap node failed: nothing to compare
         log(f"error: {exc}")
         runner.stop_all()
         remove_temp_runs()
@@ -701,16 +1029,11 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
     results = [summarize(run, args.recipe, args.workers) for run in runs]
+    rows = aggregate(results)
     sources = sorted({r["final_source"] for r in results if r["final_source"] in ("eval", "train")})
     if args.recipe == "grpo":
         metric_label, curve_label = "greedy reward", "sampled reward"
-        metric_note = (
-            "held-out greedy exact-match reward after training (`reward_after` in grpo_eval.json; before training: "
-            + ", ".join(
-                f"{r['strategy']} {r['reward_before']:.3f}" for r in results if r.get("reward_before") is not None
-            )
-            + ")"
-        )
+        metric_note = "greedy exact-match reward on the fixed evaluation prompts (`reward_after` in grpo_eval.json)"
     elif sources == ["train"]:
         metric_label, curve_label = "training loss", "training loss"
         metric_note = "pretrain.py logged no eval loss (no held-out blocks?), so the last logged training loss"
@@ -726,13 +1049,17 @@ def main(argv: list[str] | None = None) -> int:
         f"--num_processes {args.workers}`"
     )
     meta = {
+        "command": command,
         "recipe": args.recipe,
         "recipe_path": f"recipes/{args.recipe}.py",
         "config": str(args.config.relative_to(REPO)) if args.config.is_relative_to(REPO) else str(args.config),
-        "model_name_or_path": args.model_name_or_path,
-        "seed": args.seed,
+        "model": args.model_name_or_path,
+        "strategies": strategies,
+        "lrs": lrs,
+        "seeds": seeds,
         "seed_note": (
-            "swarm peer i: --data_seed seed+i" if args.recipe == "pretrain" else "swarm peer i: --seed seed+i"
+            f"{args.seed} + {SEED_STRIDE} j for seed j, "
+            + ("swarm peer i: --data_seed + i" if args.recipe == "pretrain" else "swarm peer i: + i")
         ),
         "steps": args.steps,
         "extra": extra,
@@ -747,16 +1074,19 @@ def main(argv: list[str] | None = None) -> int:
         "metric_sources": sources,
         "curve_label": curve_label,
         "metric_note": metric_note,
+        "targets": TARGETS,
+        "seconds": round(time.monotonic() - started_at, 1),
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "commit": git_revision(),
         "machine": machine_note(),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    meta["plots"] = plot(args.out, results, meta["curve_label"])
-    text = write_markdown(args.out / "compare.md", results, meta)
+    meta["plots"] = plot(args.out, rows, results, meta)
+    text = write_markdown(args.out / "compare.md", rows, results, meta)
     print(text)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows, "results": results}, indent=1) + "\n")
+    log(f"done in {meta['seconds'] / 60:.1f} min: {args.out / 'compare.md'}, {json_path}, plots in {args.out}")
     remove_temp_runs()
     return 1 if any(r["error"] for r in results) else 0
 
