@@ -33,14 +33,15 @@ optimizer steps, default 256, H = ``inner_steps`` = 8) and the same number of wo
 
 Seed ``j`` of ``--seeds`` gives every run ``--seed SEED + 1000 j``; swarm peer ``i`` gets ``+ i`` on top (its own
 prompts and samples), pretrain peers ``--data_seed`` instead (the same initial weights). ``--seeds N`` runs N seeds
-at every learning rate; ``--seeds 1,1,3`` (the default) gives each learning rate its own count.
+at every learning rate; ``--seeds 1,1,3`` gives each learning rate its own count (the default with the default
+``--lrs``; with other ``--lrs`` one seed each).
 
 **Quality** is the greedy exact-match reward of the final model on the fixed evaluation prompts
 (``--num_eval_prompts 100``; ``reward_after`` in ``grpo_eval.json``), before and after, as mean, standard
 deviation and range over seeds (swarm peers end on the consensus model; the mean over the workers is taken). A
-learning rate at which not every seed of a strategy improved on the warm model is marked "did not learn", and no
-quality is claimed for it. PULSELoCo "matches DiLoCo" at a learning rate when its mean lies within DiLoCo's range
-over seeds (needs at least 2 seeds).
+strategy "learned" at a learning rate when every seed improved on the warm model and the mean gain is at least
+``MIN_GAIN`` (0.05, five of the 100 prompts); where it did not, no quality is claimed for it. PULSELoCo "matches
+DiLoCo" at a learning rate when its mean lies within DiLoCo's range over seeds (needs at least 2 seeds).
 
 **Outputs** (``--out``, default ``results/``): ``compare.md`` (a table per learning rate and the targets: pulseloco
 bytes <= 1/17 of DiLoCo's and <= 1/100 of DDP's, PULSESync patches <= 1/50 of a BF16 copy; the command, date,
@@ -111,6 +112,9 @@ round."""
 QUICK = {"lrs": "1e-6", "seeds": "1", "steps": 32}
 SEED_STRIDE = 1000
 """Seed j of a comparison starts at ``--seed + SEED_STRIDE * j``: its peers' seeds (``+ i``) never overlap."""
+MIN_GAIN = 0.05
+"""A strategy learned at a learning rate when every seed's final reward beats the starting model's and the mean
+gain is at least this (5 of the 100 evaluation prompts; one answer more is 0.01)."""
 TARGETS = {"diloco": 1 / 17, "ddp": 1 / 100, "pulsesync": 1 / 50}
 """The paper's claims: pulseloco's bytes against DiLoCo's and DDP's, PULSESync patches against a BF16 copy."""
 STARTUP_TIMEOUT = 180.0
@@ -543,7 +547,8 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "reward_before": _mean(befores),
                 "improved": bool(finals)
                 and len(befores) == len(finals)
-                and all(f > b for f, b in zip(finals, befores)),
+                and all(f > b for f, b in zip(finals, befores))
+                and statistics.fmean(finals) - statistics.fmean(befores) >= MIN_GAIN,
                 "bytes_per_worker": _mean([r["bytes_per_worker"] for r in runs]),
                 "bytes_measured": runs[0]["bytes_measured"],
                 "train_seconds": _mean([r["train_seconds"] for r in runs]),
@@ -622,7 +627,10 @@ def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
         return "no diloco run to compare with"
     if not diloco["improved"] or not row["improved"]:
         who = [name for name, r in (("diloco", diloco), (row["strategy"], row)) if not r["improved"]]
-        return f"not judged: {' and '.join(who)} did not learn (not every seed improved on the warm model)"
+        return (
+            f"not judged: {' and '.join(who)} did not learn (every seed above the warm model, mean gain >= "
+            f"{MIN_GAIN:g})"
+        )
     if row["within_diloco_range"] is None:
         return "not judged: DiLoCo needs at least 2 seeds for a range"
     where = "within" if row["within_diloco_range"] else "outside"
@@ -646,7 +654,7 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
         head = f"## {lr_label(lr)}, {'/'.join(map(str, seeds))} seed{'s' if seeds != [1] else ''}"
         lines += [head + (f", {metric} before training {before:.3f}" if before is not None else ""), ""]
         lines += [
-            f"| strategy | final {metric}: mean ± sd [min, max] | every seed improved | bytes sent per worker | "
+            f"| strategy | final {metric}: mean ± sd [min, max] | learned | bytes sent per worker | "
             "vs DiLoCo | vs DDP | density: round 1 → last | PULSESync patch / BF16 copy | train s | wall s |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -709,8 +717,9 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
         f"measured: a ring all-reduce of FP32 gradients every optimizer step, 2(W-1)/W x 4 bytes x "
         f"{f'{params:,}' if params else 'N'} parameters x steps per worker, W = {meta['workers']}.",
         f"- final {metric}: {meta['metric_note']}; mean over the workers (swarm peers end on the consensus model), "
-        "then mean, sample standard deviation and range over the seeds. 'every seed improved': each seed's final "
-        "reward above the warm model's; a strategy that did not is not judged on quality at that learning rate. "
+        "then mean, sample standard deviation and range over the seeds. 'learned': every seed's final reward above "
+        f"the warm model's and the mean gain at least {MIN_GAIN:g}; where a strategy did not, it is not judged on "
+        "quality at that learning rate. "
         "Quality matches DiLoCo when the mean lies within DiLoCo's range over its seeds.",
         "- density: the fraction of the parameters a peer sent in a round (mean over peers and seeds); DiLoCo "
         "sends all of them, top-k its fixed share.",
@@ -876,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--seeds", default=None, help=f"seeds per learning rate: N, or one count per --lrs entry (grpo default "
-        f"{GRPO_DEFAULTS['seeds']}, pretrain 1)",
+        f"{GRPO_DEFAULTS['seeds']}; with --lrs or pretrain: 1)",
     )  # fmt: skip
     ap.add_argument(
         "--steps", type=int, default=None, help=f"--max_steps per worker (grpo default {GRPO_DEFAULTS['steps']}, "
@@ -920,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps must be at least 1")
     try:
         lrs: list[float | None] = [*parse_lrs(args.lrs or defaults["lrs"])] if (args.lrs or defaults["lrs"]) else [None]
-        seeds = parse_seeds(args.seeds or defaults["seeds"], len(lrs))
+        seeds = parse_seeds(args.seeds or (defaults["seeds"] if args.lrs is None else "1"), len(lrs))
     except ValueError as exc:
         ap.error(f"--lrs/--seeds: {exc}")
     if any(a == "--learning_rate" or a.startswith("--learning_rate=") for a in extra) and lrs != [None]:

@@ -1,10 +1,11 @@
-"""scripts/compare.py: a minimal comparison end to end (pretrain-tiny.yaml, one outer round, on 127.0.0.1), and the
-one-line refusal to run with a Python that is not the project's.
+"""scripts/compare.py: a minimal comparison end to end (GRPO from the tiny warm model, two strategies, one outer
+round, on 127.0.0.1), its aggregation over seeds and its verdicts on hand-made runs, and the one-line refusals (bad
+flags; a Python that is not the project's).
 
-Timings are not asserted (they live in compare.md); this checks that the four strategies ran with two workers
-each (two ddp processes; swarm rounds averaged by both peers), that compare.md and the plots were written, and
-that the bytes sent per worker are ordered as the algorithms say at an RL-sized learning rate: PULSELoCo < DiLoCo
-(dense, once per round) < DDP (every step, the ring all-reduce estimate).
+Timings are not asserted (they live in compare.md); the end-to-end test checks that both strategies ran with two
+workers whose rounds were averaged by both peers, that compare.md, compare.json and the plots were written, that
+peer 0 published PULSESync versions, and that the bytes are ordered as the algorithms say at an RL learning rate:
+PULSELoCo (the pulse rule) sends less than DiLoCo (every entry, every round).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,9 @@ SCRIPT = REPO / "scripts" / "compare.py"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 HAS_DEPS = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('transformers', 'trl')))"
 """Exits 0 where the Python can import the project's main dependencies (found, not imported: fast)."""
+
+sys.path.insert(0, str(SCRIPT.parent))
+import compare  # noqa: E402  (scripts/compare.py)
 
 
 def run_compare(argv: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -37,47 +42,109 @@ def run_compare(argv: list[str], timeout: float, **kwargs: object) -> subprocess
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
-@pytest.mark.timeout(170)
-def test_minimal_comparison_writes_table_and_plots(tmp_path: Path) -> None:
+@pytest.mark.timeout(200)
+def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tiny_warm_model: Path) -> None:
     out = tmp_path / "results"
-    report = tmp_path / "compare.json"
     runs = tmp_path / "runs"
-    # --parallel: the four strategies at once (wall times are not compared here); a small learning rate puts the
-    # inner updates below the BF16 visibility threshold of most weights, the regime PULSELoCo is built for. 8 steps
-    # are one outer round (inner_steps 8); 100 kB of text keep the data preparation short.
-    argv = [sys.executable, str(SCRIPT), "--steps", "8", "--parallel", "--out", str(out), "--json", str(report)]
-    argv += ["--runs-dir", str(runs), "--timeout", "140", "--", "--learning_rate", "1e-5", "--warmup_steps", "0"]
-    argv += ["--logging_steps", "2", "--max_bytes", "100000"]
-    proc = run_compare(argv, timeout=160)
+    # --parallel: both strategies at once (times are not compared here); 8 steps are one outer round (inner_steps 8)
+    argv = [sys.executable, str(SCRIPT), "--strategies", "diloco,pulseloco", "--workers", "2", "--steps", "8"]
+    argv += ["--lrs", "1e-6", "--seeds", "1", "--parallel", "--out", str(out), "--runs-dir", str(runs)]
+    argv += ["--model_name_or_path", str(tiny_warm_model), "--timeout", "150", "--", "--num_eval_prompts", "16"]
+    proc = run_compare(argv, timeout=190)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
     md = (out / "compare.md").read_text()
-    for strategy in ("ddp", "diloco", "pulseloco", "sparseloco"):
-        assert f"| {strategy} |" in md
+    assert "## lr 1e-06, 1 seed, greedy reward before training" in md
+    assert "| diloco |" in md and "| pulseloco |" in md
     assert "ran concurrently" in md and "loopback" in md
-    assert "| final eval loss |" in md and "2(W-1)/W x 4 bytes" in md  # the metric and ddp's estimate are named
-    for png in ("compare_bytes.png", "compare_time.png"):
+    assert "pulseloco targets: bytes vs DiLoCo" in md and "not judged" in md  # one seed: no quality claim
+    for png in ("compare_reward_bytes.png", "compare_reward_time.png", "compare_final.png", "compare_density.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    results = {r["strategy"]: r for r in json.loads(report.read_text())["results"]}
-    assert set(results) == {"ddp", "diloco", "pulseloco", "sparseloco"}
+    report = json.loads((out / "compare.json").read_text())
+    results = {r["strategy"]: r for r in report["results"]}
+    assert set(results) == {"diloco", "pulseloco"}
     for name, r in results.items():
-        assert r["error"] is None and r["workers"] == 2
-        assert r["group_sizes"] == [2], name  # ddp ran 2 processes; every swarm round was averaged by both peers
-        assert r["steps"] == 8 and r["rounds"] == (0 if name == "ddp" else 1)
-        assert r["final_source"] == "eval"
-        assert r["final"] is not None and 0 < r["final"] < 10  # held-out loss of a byte-level model
+        assert r["error"] is None and r["workers"] == 2 and r["lr"] == 1e-6
+        assert r["group_sizes"] == [2], name  # the round was averaged by both peers
+        assert r["steps"] == 8 and r["rounds"] == 1 and len(r["density"]) == 1
+        assert r["final_source"] == "greedy" and 0 <= r["final"] <= 1 and 0 <= r["reward_before"] <= 1
         assert r["bytes_per_worker"] > 0
-        assert len(r["curve"]) == 4  # the training loss at steps 2, 4, 6 and 8
-    for peer in ("peer0", "peer1"):
-        assert (runs / "pulseloco" / peer / "pulseloco_rounds.jsonl").exists()
-    ddp = results["ddp"]
-    assert ddp["bytes_per_worker"] == 2 * (2 - 1) / 2 * 4 * ddp["num_params"] * 8  # ring all-reduce, FP32, 8 steps
-    sent = {name: r["bytes_per_worker"] for name, r in results.items()}
-    assert sent["pulseloco"] < sent["diloco"] < sent["ddp"]
-    # DDP all-reduces every step and DiLoCo once per round of 8 steps: about 8x (estimated vs measured bytes,
-    # which hivemind's wire format makes somewhat smaller)
-    assert 2 < sent["ddp"] / sent["diloco"] < 30
+        assert len(r["curve"]) == 1  # the sampled reward at step 8 (logging_steps 8)
+        sync = r["pulsesync"]  # peer 0 published the starting model (an anchor) and the round's version (a patch)
+        assert sync["anchors"] == 1 and sync["patches"] == 1 and 0 < sync["mean_patch_bytes"] < sync["bf16_copy_bytes"]
+    assert results["diloco"]["density"] == [1.0]
+    assert 0 < results["pulseloco"]["density"][0] < 0.5  # an RL learning rate: most updates invisible in BF16
+    rows = {r["strategy"]: r for r in report["rows"]}
+    assert rows["diloco"]["vs_diloco"] == 1.0 and 0 < rows["pulseloco"]["vs_diloco"] < 1
+    assert (runs / "keys" / "publisher").stat().st_mode & 0o077 == 0  # the signing key: private to its owner
+
+
+def fake_run(strategy: str, seed_index: int, final: float, sent: float, lr: float = 1e-5) -> dict[str, Any]:
+    """One run's summary as summarize() makes it (the fields aggregate() reads)."""
+    return {
+        "strategy": strategy, "lr": lr, "seed": 1000 * seed_index, "seed_index": seed_index, "limited": True,
+        "error": None, "final": final, "reward_before": 0.2, "bytes_per_worker": sent, "bytes_measured": True,
+        "train_seconds": 10.0, "wall_seconds": 30.0, "density": [0.1, 0.05], "incomplete_rounds": 0,
+        "pulsesync": {"mean_patch_bytes": 40.0, "bf16_copy_bytes": 2000},
+    }  # fmt: skip
+
+
+def test_aggregate_judges_quality_by_diloco_range_over_seeds() -> None:
+    runs = [fake_run("diloco", j, final, 1700.0) for j, final in enumerate((0.30, 0.40, 0.35))]
+    runs += [fake_run("pulseloco", j, final, 100.0) for j, final in enumerate((0.33, 0.37, 0.38))]
+    runs += [fake_run("sparseloco", j, final, 300.0) for j, final in enumerate((0.19, 0.45, 0.45))]
+    runs.append({**fake_run("pulseloco", 3, 0.9, 1.0), "error": "peer1 exited with 1"})  # failed: not counted
+    rows = {r["strategy"]: r for r in compare.aggregate(runs)}
+    pulse, diloco, sparse = rows["pulseloco"], rows["diloco"], rows["sparseloco"]
+    assert pulse["seeds"] == 3 and pulse["final_mean"] == pytest.approx(0.36)
+    assert (pulse["final_min"], pulse["final_max"]) == (0.33, 0.38)
+    assert pulse["final_std"] == pytest.approx(0.02645751, rel=1e-6)
+    assert pulse["vs_diloco"] == pytest.approx(1 / 17) and pulse["vs_ddp"] is None
+    assert pulse["improved"] and pulse["within_diloco_range"] and pulse["patch_vs_bf16"] == pytest.approx(0.02)
+    assert not sparse["improved"]  # one seed fell below the warm model's 0.2
+    assert "did not learn" in compare.quality_verdict(sparse, diloco)
+    assert "within DiLoCo's range [0.300, 0.400] over 3 seeds" in compare.quality_verdict(pulse, diloco)
+    assert compare.verdict(pulse["vs_diloco"], compare.TARGETS["diloco"]) == "1/17 (met)"
+    assert compare.verdict(0.1, compare.TARGETS["diloco"]) == "1/10 (missed by 1.7x)"
+    one_seed = {r["strategy"]: r for r in compare.aggregate(runs[:1] + runs[3:4])}
+    assert "at least 2 seeds" in compare.quality_verdict(one_seed["pulseloco"], one_seed["diloco"])
+
+
+def test_seed_and_learning_rate_plans() -> None:
+    assert compare.parse_lrs("1e-6,3e-6") == [1e-6, 3e-6]
+    assert compare.parse_seeds("3", 2) == [3, 3] and compare.parse_seeds("1,3", 2) == [1, 3]
+    for bad in ("0", "1,2,3", "x"):
+        with pytest.raises(ValueError):
+            compare.parse_seeds(bad, 2)
+    for bad in ("1e-6,-1", "nan", "fast"):
+        with pytest.raises(ValueError):
+            compare.parse_lrs(bad)
+    plans = compare.make_plans(["diloco", "pulseloco"], [1e-6, 1e-5], [1, 2], base_seed=7, reference=True)
+    assert [(p.strategy, p.lr, p.seed, p.limited) for p in plans] == [
+        ("diloco", 1e-6, 7, False), ("pulseloco", 1e-6, 7, False),
+        ("diloco", 1e-6, 7, True), ("pulseloco", 1e-6, 7, True),
+        ("diloco", 1e-5, 7, True), ("pulseloco", 1e-5, 7, True),
+        ("diloco", 1e-5, 1007, True), ("pulseloco", 1e-5, 1007, True),
+    ]  # fmt: skip
+    assert len({p.tag for p in plans}) == 4  # one output directory per learning rate, seed and network
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--lrs", "1e-6,3e-6", "--seeds", "1,2,3"], "3 counts for 2 learning rates"),
+        (["--lrs=-1e-6"], "not a positive learning rate"),
+        (["--strategies", "diloco,fedavg"], "unknown fedavg"),
+        (["--lrs", "1e-6", "--", "--learning_rate", "1e-3"], "with --lrs, not --learning_rate"),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path, flags: list[str], message: str) -> None:
+    out, runs = tmp_path / "results", tmp_path / "runs"
+    proc = run_compare([sys.executable, str(SCRIPT), "--out", str(out), "--runs-dir", str(runs), *flags], timeout=50)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists() and not runs.exists()
 
 
 def assert_one_line_refusal(proc: subprocess.CompletedProcess[str], tmp: Path, out: Path) -> str:
