@@ -456,6 +456,18 @@ def explanation(report: dict[str, Any]) -> list[str]:
                 f"value in any of the {report['settings']['steps']} steps: the model is frozen (every AdamW step "
                 "was rounded away)."
             )
+        never = ", ".join(f"{r['lr']:g}: {pct(r['never_changed'])}%" for r in mine)
+        lines.append(f"- **{precision}**: never changed in all {report['settings']['steps']} steps, by lr: {never}.")
+        first = [r for r in mine if r["S"]["1"]["per_window"].index(r["S"]["1"]["min"]) == 0]
+        if first:
+            quarter = max(1, report["settings"]["steps"] // 4)
+            tail = [sum(r["density_per_step"][-quarter:]) / quarter for r in mine]
+            trend = ", ".join(f"{r['lr']:g}: {pct(r['density_per_step'][0])}% -> {pct(t)}%" for r, t in zip(mine, tail))
+            lines.append(
+                f"- **{precision}**: the minimum of S_1 is the first step in {len(first)} of {len(mine)} runs (a fresh "
+                "AdamW's first update is lr x sign(g), the largest of a run); density at the first step -> mean over "
+                f"the last {quarter} steps, by lr: {trend}."
+            )
         kmax = str(max(report["settings"]["ks"]))
         if kmax != "1":
             drops = ", ".join(f"{r['lr']:g}: {pct(r['S']['1']['mean'])}% -> {pct(r['S'][kmax]['mean'])}%" for r in mine)
@@ -469,6 +481,24 @@ def explanation(report: dict[str, Any]) -> list[str]:
                 if d is not None:
                     bands.append(f"{name}: {pct(d)}%")
             lines.append(f"- **{precision}**, all lrs and steps, fraction changed by r band: " + "; ".join(bands) + ".")
+    paper = [r for r in runs if r["precision"] == "fp32" and 1e-6 <= r["lr"] <= 3e-6]
+    if paper:
+        lines.append(
+            "- PULSE reports ~99% per-step sparsity at lr 1e-6..3e-6; here (fp32 master weights) S_1 mean "
+            + ", ".join(f"{pct(r['S']['1']['mean'])}% at lr {r['lr']:g}" for r in paper)
+            + "."
+        )
+    changes = [
+        r["reward_last_quarter"] - r["reward_first_quarter"]
+        for r in runs
+        if r["reward_first_quarter"] is not None and r["reward_last_quarter"] is not None
+    ]
+    if changes:
+        lines.append(
+            f"- Sampled reward (TRL's logged mean), last quarter of the steps minus the first: {min(changes):+.3f} to "
+            f"{max(changes):+.3f} over the runs"
+            + (" (no learning visible in this many steps at these lrs)." if max(map(abs, changes)) < 0.05 else ".")
+        )
     lines.append(
         "- Mechanism: r = |update| / (|w|/256), and |w|/256 lies between half a BF16 unit in the last place (ulp) "
         "of w and one ulp. With FP32 master weights a BF16 value changes when the master value crosses a rounding "
@@ -592,6 +622,9 @@ def write_plots(report: dict[str, Any], out: Path) -> None:
             linestyle="-" if run["precision"] == "fp32" else "--", label=f"{run['precision']} lr {run['lr']:g}",
         )  # fmt: skip
     ax.set_xscale("log", base=2)
+    all_ks = report["settings"]["ks"]
+    ax.set_xticks(all_ks, [str(k) for k in all_ks])
+    ax.minorticks_off()
     ax.set_xlabel("k (optimizer steps)")
     ax.set_ylabel("S_k mean: BF16 values unchanged over k steps (%)")
     ax.set_title("k-step sparsity (solid fp32 master, dashed pure bf16)", fontsize=10)
