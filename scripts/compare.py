@@ -49,7 +49,8 @@ commit and machine), ``compare.json`` (every run and every aggregate), ``compare
 ``compare_reward_time.png`` (the sampled training reward, seed mean, against bytes sent and training time),
 ``compare_final.png`` (final greedy reward, mean and range, against bytes sent) and ``compare_density.png`` (the
 fraction of entries each round sent, against the round). The runs' logs and output directories go to ``--runs-dir``
-(default: a temporary directory, removed unless ``--keep-runs``).
+(default: a temporary directory, removed unless ``--keep-runs``). ``--report compare.json`` runs nothing: it writes
+the table, JSON and plots again from an earlier run's JSON (this version's aggregation and verdicts).
 
 **Network.** On loopback by default. With ``--bandwidth RATE`` (root with ``ip netns`` and ``tc``) the bootstrap
 node and every worker run in network namespaces of their own behind a veth limited to RATE each way
@@ -907,7 +908,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-runs", action="store_true", help="keep the temporary runs directory")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take (default 1800)")
     ap.add_argument("--json", type=Path, default=None, help="the results as JSON (default OUT/compare.json)")
+    ap.add_argument("--report", type=Path, default=None, help="no runs: the table and plots again from a compare.json")
     args = ap.parse_args(argv)
+    json_path = args.json or args.out / "compare.json"
+    if args.report is not None:
+        return report_again(args.report.resolve(), args.out, json_path)
     problem = environment_problem()
     if problem is not None:  # before anything is created or started: one line, no traceback
         print(f"compare.py: error: {problem}; {SETUP_HINT}", file=sys.stderr, flush=True)
@@ -939,7 +944,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--config: {args.config} does not exist")
     if args.model_name_or_path is not None and Path(args.model_name_or_path).expanduser().exists():
         args.model_name_or_path = str(Path(args.model_name_or_path).expanduser().resolve())
-    json_path = args.json or args.out / "compare.json"
 
     temp_runs = args.runs_dir is None
     runs_dir = Path(tempfile.mkdtemp(prefix="pulseloco-compare-")) if temp_runs else args.runs_dir.resolve()
@@ -1038,7 +1042,6 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
     results = [summarize(run, args.recipe, args.workers) for run in runs]
-    rows = aggregate(results)
     sources = sorted({r["final_source"] for r in results if r["final_source"] in ("eval", "train")})
     if args.recipe == "grpo":
         metric_label, curve_label = "greedy reward", "sampled reward"
@@ -1089,15 +1092,36 @@ def main(argv: list[str] | None = None) -> int:
         "commit": git_revision(),
         "machine": machine_note(),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta["plots"] = plot(args.out, rows, results, meta)
-    text = write_markdown(args.out / "compare.md", rows, results, meta)
-    print(text)
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"meta": meta, "rows": rows, "results": results}, indent=1) + "\n")
+    write_outputs(args.out, json_path, results, meta)
     log(f"done in {meta['seconds'] / 60:.1f} min: {args.out / 'compare.md'}, {json_path}, plots in {args.out}")
     remove_temp_runs()
     return 1 if any(r["error"] for r in results) else 0
+
+
+def write_outputs(out: Path, json_path: Path, results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """Aggregate ``results`` and write compare.md (also printed), the plots and the JSON."""
+    rows = aggregate(results)
+    out.mkdir(parents=True, exist_ok=True)
+    meta["plots"] = plot(out, rows, results, meta)
+    print(write_markdown(out / "compare.md", rows, results, meta))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"meta": meta, "rows": rows, "results": results}, indent=1) + "\n")
+
+
+def report_again(source: Path, out: Path, json_path: Path) -> int:
+    """``--report``: the table, plots and JSON again from an earlier compare.json (this version's aggregation and
+    verdicts; the runs' numbers, command, date and machine as recorded). Exit code 2 on an unreadable file."""
+    try:
+        data = json.loads(source.read_text(encoding="utf-8"))
+        results, meta = data["results"], data["meta"]
+        rows = aggregate(results)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"compare.py: error: --report {source}: not a compare.json this script wrote ({exc})", file=sys.stderr)
+        return 2
+    meta["reported_by"] = git_revision()
+    write_outputs(out, json_path, results, meta)
+    log(f"{out / 'compare.md'} and the plots from {source} ({len(results)} runs, {len(rows)} rows)")
+    return 0
 
 
 if __name__ == "__main__":

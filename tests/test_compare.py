@@ -32,7 +32,8 @@ import compare  # noqa: E402  (scripts/compare.py)
 
 def run_compare(argv: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
     """Run compare.py; on a timeout SIGTERM it first, so that it stops the processes it started."""
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    kwargs.setdefault("cwd", REPO)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)  # type: ignore[call-overload]
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -78,6 +79,11 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
     rows = {r["strategy"]: r for r in report["rows"]}
     assert rows["diloco"]["vs_diloco"] == 1.0 and 0 < rows["pulseloco"]["vs_diloco"] < 1
     assert (runs / "keys" / "publisher").stat().st_mode & 0o077 == 0  # the signing key: private to its owner
+
+    again = tmp_path / "again"  # --report: the same table from the JSON, no runs
+    proc = run_compare([sys.executable, str(SCRIPT), "--report", str(out / "compare.json"), "--out", str(again)], 60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (again / "compare.md").read_text() == md and (again / "compare_density.png").exists()
 
 
 def fake_run(strategy: str, seed_index: int, final: float, sent: float, lr: float = 1e-5) -> dict[str, Any]:
@@ -138,11 +144,15 @@ def test_seed_and_learning_rate_plans() -> None:
         (["--lrs=-1e-6"], "not a positive learning rate"),
         (["--strategies", "diloco,fedavg"], "unknown fedavg"),
         (["--lrs", "1e-6", "--", "--learning_rate", "1e-3"], "with --lrs, not --learning_rate"),
+        (["--report", "bad.json"], "not a compare.json this script wrote"),
     ],
 )
 def test_bad_flags_are_refused_before_anything_starts(tmp_path: Path, flags: list[str], message: str) -> None:
+    if "--report" in flags:
+        (tmp_path / "bad.json").write_text('{"meta": {}}')
     out, runs = tmp_path / "results", tmp_path / "runs"
-    proc = run_compare([sys.executable, str(SCRIPT), "--out", str(out), "--runs-dir", str(runs), *flags], timeout=50)
+    argv = [sys.executable, str(SCRIPT), "--out", str(out), "--runs-dir", str(runs), *flags]
+    proc = run_compare(argv, timeout=50, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists() and not runs.exists()
 
