@@ -739,13 +739,23 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
         + (f"model `{meta['model']}`, " if meta.get("model") else "")
         + f"extra arguments: `{' '.join(meta['extra']) or 'none'}`.",
         "- plots: `compare_reward_bytes.png` and `compare_reward_time.png` (the "
-        f"{meta['curve_label']} logged every few steps by the first worker, mean over seeds, against bytes sent by "
-        "then and training time), `compare_final.png` (final metric, mean and range, against bytes sent), "
-        "`compare_density.png` (density per round). Every run is in `compare.json`.",
+        f"{meta['curve_label']} logged every few steps by the first worker, mean over seeds, running mean over "
+        f"{SMOOTH} points, against bytes sent by then and training time), `compare_final.png` (final metric, mean "
+        "and range, against bytes sent), `compare_density.png` (density per round). Every run is in `compare.json`.",
     ]
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
+
+
+SMOOTH = 4
+"""The curve plots show a running mean over this many logged points (the sampled reward of 16 completions is
+noisy)."""
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Running mean over the last ``window`` values (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
 
 
 def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[float, float, float]]:
@@ -763,6 +773,7 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
 
     lrs = list(dict.fromkeys(r["lr"] for r in rows)) or [None]
     styles = {"ddp": "-", "diloco": "--", "pulseloco": "-", "pulseloco-bf16": "-.", "sparseloco": ":"}
+    colors = dict(zip(STRATEGIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))  # every plot
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
     names = ["compare_reward_bytes.png", "compare_reward_time.png", "compare_final.png", "compare_density.png"]
 
@@ -789,8 +800,8 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
                           and r["limited"] and not r["error"] and r["curve"]]  # fmt: skip
                 curve = _mean_curve(curves)
                 if curve:
-                    xs, ys = [p[x_index] for p in curve], [p[2] for p in curve]
-                    ax.plot(xs, ys, styles.get(strategy, "-"), marker="o", markersize=2, label=strategy)
+                    xs, ys = [p[x_index] for p in curve], _smooth([p[2] for p in curve], SMOOTH)
+                    ax.plot(xs, ys, styles[strategy], color=colors[strategy], marker="o", markersize=2, label=strategy)
             if x_index == 0:
                 ax.set_xscale("symlog", linthresh=1e4)
             ax.set_xlabel(x_label)
@@ -803,7 +814,7 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
             low = r["final_mean"] - (r["final_min"] if r["final_min"] is not None else r["final_mean"])
             high = (r["final_max"] if r["final_max"] is not None else r["final_mean"]) - r["final_mean"]
             ax.errorbar([r["bytes_per_worker"]], [r["final_mean"]], yerr=[[low], [high]], fmt="o", capsize=3,
-                        label=r["strategy"])  # fmt: skip
+                        color=colors[r["strategy"]], label=r["strategy"])  # fmt: skip
         before = next((r["reward_before"] for r in rows if r["lr"] == lr and r["reward_before"] is not None), None)
         if before is not None:
             ax.axhline(before, color="grey", linewidth=0.8, linestyle=":", label="before training")
@@ -816,7 +827,15 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
     for ax, lr in zip(axes, lrs):
         for r in (r for r in rows if r["lr"] == lr and r["density"]):
             rounds = range(1, len(r["density"]) + 1)
-            ax.plot(rounds, r["density"], styles.get(r["strategy"], "-"), marker="o", markersize=2, label=r["strategy"])
+            ax.plot(
+                rounds,
+                r["density"],
+                styles[r["strategy"]],
+                color=colors[r["strategy"]],
+                marker="o",
+                markersize=2,
+                label=r["strategy"],
+            )
         ax.set_yscale("log")
         ax.set_xlabel("outer round")
         ax.set_ylabel("fraction of parameters sent")
