@@ -77,6 +77,9 @@ import common  # noqa: E402  # recipes/common.py: the recipes' config parsing
 import grpo  # noqa: E402  # recipes/grpo.py: TaskArguments
 import tasks  # noqa: E402  # recipes/tasks.py: dataset and reward
 
+sys.path.insert(0, str(REPO / "scripts"))
+from compare import git_revision  # noqa: E402  # scripts/compare.py
+
 from pulseloco.errors import ConfigError  # noqa: E402
 
 PROG = "sparsity_study.py"
@@ -405,16 +408,6 @@ def build_warm_model(size: str) -> str:
 
 def pct(x: float) -> str:
     return f"{100 * x:.2f}"
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=30, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def run_facts(run: dict[str, Any]) -> dict[str, Any]:
@@ -754,7 +747,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     command = " ".join(shlex.quote(a) for a in [".venv/bin/python", "scripts/sparsity_study.py", *sys.argv[1:]])
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": git_revision(),
         "command": command,
         "seconds": round(time.monotonic() - started, 1),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
