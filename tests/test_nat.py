@@ -1,6 +1,6 @@
 """Volunteers behind real NAT: peers in network namespaces behind home routers that masquerade (iptables).
 
-The topology is :class:`tests.netns.NatLab`: a public namespace (the bootstrap, public peers, the publisher)
+The topology is :class:`tests.nat_lab.NatLab`: a public namespace (the bootstrap, public peers, the publisher)
 and home namespaces whose routers let connections out and nothing in. Every peer is its own process
 (``tests/nat_peer.py``) started with ``ip netns exec``; the tests skip with the reason where namespaces or
 iptables are unavailable (not root, no ``ip``, iptables neither installed nor installable).
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from netns import NatLab, unavailable_reason
+from nat_lab import NatLab, unavailable_reason
 
 PEER = str(Path(__file__).resolve().parent / "nat_peer.py")
 PORT = 31337
