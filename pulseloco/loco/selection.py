@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from pulseloco.errors import ConfigError
+from pulseloco.loco.validation import WIRE_FORMATS
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ __all__ = [
 SELECTORS = ("pulse", "dense", "topk")
 
 #: Value precisions of the pulse rule: the dtype in which sent values are exact (and travel on the wire).
-VALUE_DTYPES = ("float32", "bfloat16")
+VALUE_DTYPES = tuple(WIRE_FORMATS)
 
 
 @dataclass(frozen=True)

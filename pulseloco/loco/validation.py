@@ -21,12 +21,20 @@ from pulseloco.errors import NonFiniteValuesError, TensorMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["decode_sparse", "encode_sparse", "screen_outliers", "theta_digest"]
+__all__ = ["WIRE_FORMATS", "decode_sparse", "encode_sparse", "screen_outliers", "theta_digest"]
 
 
 def theta_digest(theta_N: torch.Tensor) -> str:
     """xxh3-128 digest of the flat global parameters (:func:`pulseloco.digest.state_digest`)."""
     return state_digest({"theta": theta_N})
+
+
+WIRE_FORMATS: dict[str, tuple[torch.dtype, str]] = {
+    "float32": (torch.float32, "float32"),
+    "bfloat16": (torch.bfloat16, "absolute"),
+}
+"""Value precision of a part or sum -> its tensor dtype and the codec's value mode on the wire (the keys are the
+pulse rule's :data:`pulseloco.loco.selection.VALUE_DTYPES`)."""
 
 
 def encode_sparse(
@@ -45,9 +53,9 @@ def encode_sparse(
 
     Raises :class:`ValueError` for unsorted or out-of-range indices or an unknown ``value_dtype`` (a caller bug).
     """
-    if value_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"value_dtype must be 'float32' or 'bfloat16', got {value_dtype!r}")
-    dtype = torch.bfloat16 if value_dtype == "bfloat16" else torch.float32
+    if value_dtype not in WIRE_FORMATS:
+        raise ValueError(f"value_dtype must be one of {', '.join(WIRE_FORMATS)}, got {value_dtype!r}")
+    dtype, mode = WIRE_FORMATS[value_dtype]
     entry = SparseTensor(
         name=name,
         shape=(int(numel),),
@@ -55,7 +63,6 @@ def encode_sparse(
         indices=indices_K.to(torch.int64),
         values=values_K.to(dtype),
     )
-    mode = "absolute" if value_dtype == "bfloat16" else "float32"
     return encode_payload([entry], value_mode=mode, version=int(round_index), base_version=None)
 
 
@@ -69,14 +76,14 @@ def decode_sparse(payload: bytes, name: str, numel: int) -> tuple[torch.Tensor, 
     """
     decoded = decode_payload(payload, max_elements=numel)
     mode = decoded.header.value_mode
-    if mode not in ("float32", "absolute"):
+    expected = next((dtype for dtype, wire_mode in WIRE_FORMATS.values() if wire_mode == mode), None)
+    if expected is None:
         raise TensorMismatchError(f"expected value mode 'float32' or 'absolute', got {mode!r}")
     if len(decoded.entries) != 1:
         raise TensorMismatchError(f"expected one tensor, got {len(decoded.entries)}")
     entry = decoded.entries[0]
     if entry.name != name or entry.shape != (numel,):
         raise TensorMismatchError(f"expected tensor {name!r} of shape ({numel},), got {entry.name!r} {entry.shape}")
-    expected = torch.float32 if mode == "float32" else torch.bfloat16
     if entry.dtype != expected:
         raise TensorMismatchError(f"tensor {name!r} in {mode} mode must be {expected}, got {entry.dtype}")
     values = entry.values.to(torch.float32)
