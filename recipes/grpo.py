@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import common
 import tasks
@@ -61,6 +62,43 @@ def greedy_reward(engine: object, spec: tasks.TaskSpec, num_prompts: int, max_ne
     return tasks.score(completions, problems)
 
 
+def build_trainer(
+    spec: tasks.TaskSpec,
+    task_args: TaskArguments,
+    training_args: Any,
+    model_name_or_path: str,
+    *,
+    dtype: Any = None,
+    num_local_processes: int = 1,
+    callbacks: list[Any] | None = None,
+) -> Any:
+    """This recipe's TRL ``GRPOTrainer``: the model (``load_causal_lm`` in ``dtype``, default the checkpoint's) and
+    tokenizer from ``model_name_or_path``, the task's prompts (``task_args.num_train_prompts``, drawn with
+    ``training_args.seed``), the exact-match reward. Its model is untrained when this returns. Raises
+    ``ConfigError`` as ``load_causal_lm`` does (missing or unreadable weights, too large for this machine).
+    Also used by ``scripts/sparsity_study.py``."""
+    from trl import GRPOTrainer
+
+    from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(
+        model_name_or_path, dtype=dtype, num_local_processes=num_local_processes, device="cpu"
+    )  # the Trainer moves it to its device
+    tokenizer = load_tokenizer(model_name_or_path)
+    conversational = getattr(tokenizer, "chat_template", None) is not None
+    train_dataset = tasks.grpo_dataset(
+        spec, task_args.num_train_prompts, training_args.seed, conversational=conversational
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=[tasks.exact_match_reward],
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig, ModelConfig
 
@@ -79,37 +117,26 @@ def main(argv: list[str] | None = None) -> None:
     callbacks = common.swarm_callbacks(pulse_args, training_args)
 
     from accelerate import PartialState
-    from trl import GRPOTrainer
 
-    from pulseloco.integrations.models import load_causal_lm, load_tokenizer
     from pulseloco.integrations.rollout import TransformersEngine
 
     state = PartialState()
-    model = load_causal_lm(
+    trainer = build_trainer(
+        spec,
+        task_args,
+        training_args,
         model_args.model_name_or_path,
         dtype=model_args.dtype if model_args.dtype not in (None, "auto") else None,
         num_local_processes=state.num_processes,
-        device="cpu",  # the Trainer moves it to its device
-    )
-    tokenizer = load_tokenizer(model_args.model_name_or_path)
-    conversational = getattr(tokenizer, "chat_template", None) is not None
-    train_dataset = tasks.grpo_dataset(
-        spec, task_args.num_train_prompts, training_args.seed, conversational=conversational
-    )
-    engine = TransformersEngine(model, tokenizer)
-    reward_before = (
-        greedy_reward(engine, spec, task_args.num_eval_prompts, training_args.max_completion_length)
-        if state.is_main_process
-        else None
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[tasks.exact_match_reward],
-        args=training_args,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
         callbacks=callbacks,
     )
+    model, tokenizer = trainer.model, trainer.processing_class
+    reward_before = (
+        greedy_reward(TransformersEngine(model, tokenizer), spec, task_args.num_eval_prompts,
+                      training_args.max_completion_length)
+        if state.is_main_process
+        else None
+    )  # fmt: skip
     state.print(
         f"grpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters from "
         f"{model_args.model_name_or_path}, strategy={pulse_args.strategy}, processes={state.num_processes}, "

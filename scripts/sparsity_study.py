@@ -286,10 +286,9 @@ def grpo_argv(args: argparse.Namespace, model_dir: str, output_dir: str, lr: flo
 def run_one(args: argparse.Namespace, model_dir: str, precision: str, lr: float, work_dir: Path) -> dict[str, Any]:
     """Train one (precision, lr) run and measure it; returns its record for sparsity.json."""
     from transformers import PrinterCallback, ProgressCallback
-    from trl import GRPOConfig, GRPOTrainer, ModelConfig
+    from trl import GRPOConfig, ModelConfig
 
     from pulseloco.integrations.args import PulseLoCoArguments
-    from pulseloco.integrations.models import load_causal_lm, load_tokenizer
 
     output_dir = work_dir / f"{precision}-{lr:g}"
     task_args, training_args, _model_args, _pulse_args = common.parse_args(
@@ -298,20 +297,9 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, lr: float,
         PROG,
     )
     spec = tasks.spec_for_model(model_dir, task_args.task, task_args.max_operand)
-    model = load_causal_lm(model_dir, dtype=DTYPES[precision], device="cpu")
-    tokenizer = load_tokenizer(model_dir)
-    conversational = getattr(tokenizer, "chat_template", None) is not None
-    dataset = tasks.grpo_dataset(spec, task_args.num_train_prompts, training_args.seed, conversational=conversational)
     callback = make_callback(precision)
-    reward_funcs: list[Any] = [tasks.exact_match_reward]
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[callback],
-    )
+    trainer = grpo.build_trainer(spec, task_args, training_args, model_dir, dtype=DTYPES[precision],
+                                 callbacks=[callback])  # fmt: skip
     for cls in (PrinterCallback, ProgressCallback):  # no per-step log lines on stdout
         trainer.remove_callback(cls)
     started = time.monotonic()
@@ -352,7 +340,7 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, lr: float,
         record["mechanism"] = None
     if callback.rebuild_errors:
         record["adam_rebuild_rel_error"] = summarize(callback.rebuild_errors)
-    del trainer, model, callback
+    del trainer, callback
     return record
 
 
