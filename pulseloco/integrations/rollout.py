@@ -5,13 +5,13 @@ trainer's ``state_dict``), which a :class:`pulseloco.sync.subscriber.Subscriber`
 and verified by digest; then :meth:`RolloutEngine.weights_updated` tells the engine that those tensors changed
 (an engine that keeps its own repacked copy reloads them there), and :meth:`RolloutEngine.generate` samples with
 them. :class:`TransformersEngine` is the baseline: the BF16 weights *are* the model's parameters, so there is
-nothing to reload. A vLLM engine implements the same three methods.
+nothing to reload. :class:`pulseloco.integrations.vllm.VLLMEngine` implements the same three methods on vLLM.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -30,8 +30,10 @@ class RolloutEngine(Protocol):
         """The BF16 weights in checkpoint coordinates, patched in place by the subscriber."""
         ...
 
-    def weights_updated(self) -> None:
-        """Called after the subscriber changed :meth:`weights` (a complete, verified version)."""
+    def weights_updated(self, changed: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None) -> None:
+        """Called after the subscriber changed :meth:`weights` to a complete, verified ``version``. ``changed``:
+        the flat indices that changed per tensor (:attr:`pulseloco.sync.subscriber.UpdateReport.changed`); None
+        when any element may have changed."""
         ...
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None = None) -> list[str]:
@@ -73,7 +75,7 @@ class TransformersEngine:
     def weights(self) -> MutableMapping[str, torch.Tensor]:
         return self._weights
 
-    def weights_updated(self) -> None:
+    def weights_updated(self, changed: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None) -> None:
         """Nothing to do: :meth:`weights` are views of the model's own parameters."""
 
     @torch.no_grad()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,8 @@ PATCH_VALUE_MODES = ("absolute", "delta")
 
 @dataclass(frozen=True)
 class PatchInfo:
-    """What :func:`apply_patch` did."""
+    """What :func:`apply_patch` did. ``changed``: the flat indices (int64) the patch wrote, per tensor name (an
+    engine that keeps its own copy of the weights, such as vLLM's, reloads exactly these elements)."""
 
     version: int
     base_version: int | None
@@ -42,6 +43,7 @@ class PatchInfo:
     digest: str
     num_bytes: int
     already_applied: bool = False
+    changed: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 def _check_same_layout(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
@@ -201,7 +203,10 @@ def apply_patch(
             for s in reversed(done):
                 s.undo()
             raise
-    return PatchInfo(header.version, header.base_version, header.num_changed, header.value_mode, result, len(payload))
+    changed = {entry.name: entry.indices for entry in decoded.entries}
+    return PatchInfo(
+        header.version, header.base_version, header.num_changed, header.value_mode, result, len(payload), False, changed
+    )
 
 
 def _merge_absolute(indices: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

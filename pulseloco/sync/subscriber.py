@@ -22,7 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import hivemind
@@ -54,11 +54,13 @@ DEFAULT_MAX_PAYLOAD_BYTES = 64 << 30
 
 @dataclass(frozen=True)
 class Head:
-    """The newest published version as its publisher signed it."""
+    """The newest published version as its publisher signed it (``time``: the publisher's clock when it signed
+    the head, seconds since the epoch; 0.0 when unknown)."""
 
     version: int
     digest: str
     anchor_version: int | None
+    time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,10 @@ class UpdateReport:
     held before (None for none). ``num_changed`` elements changed, ``bytes_received`` payload bytes fetched over
     ``seconds``. ``digest``: the state digest now held. ``lag``: how many versions the newest head, read again once
     the update finished, is ahead of ``version`` (versions published while the update ran; 0 when it is current
-    or no head is readable then). ``path``: how it got there (patch, squash, chain or anchor).
+    or no head is readable then). ``path``: how it got there (patch, squash, chain or anchor). ``published``: when
+    the publisher signed this version's head (its clock; 0.0 when unknown). ``changed``: the flat indices
+    (int64, sorted, unique) that changed per tensor since ``previous``; None when every element may have changed
+    (an anchor was applied).
     """
 
     version: int
@@ -80,6 +85,8 @@ class UpdateReport:
     digest: str
     lag: int
     path: str
+    published: float = 0.0
+    changed: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ class DirectorySource:
         kind = "patch" if self.store.has("patch", latest) else "anchor"
         env = verify_envelope(self.key, self.store.read_envelope(kind, latest), run_id=self.run_id)
         anchors = self.store.list("anchor")
-        return Head(latest, env.digest, anchors[-1] if anchors else None)
+        return Head(latest, env.digest, anchors[-1] if anchors else None, env.time)
 
     def fetch(self, request: FetchRequest) -> Fetched | None:
         if request.kind not in ("patch", "anchor") or not self.store.has(request.kind, request.version):
@@ -155,7 +162,7 @@ class SwarmSource:
 
     def head(self) -> Head | None:
         env = self.endpoint.get_head(self.key)
-        return None if env is None else Head(env.version, env.digest, env.anchor_version)
+        return None if env is None else Head(env.version, env.digest, env.anchor_version, env.time)
 
     def fetch(self, request: FetchRequest) -> Fetched | None:
         deadline = time.monotonic() + self.timeout
@@ -247,6 +254,14 @@ class _Relay:
             return sorted({v for _, v in self.objects})
 
 
+def _union_indices(changed: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per tensor, the sorted union of the flat indices several patches wrote."""
+    return {
+        name: (parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts), sorted=True)).to(torch.int64)
+        for name, parts in changed.items()
+    }
+
+
 def _float_state(model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     state = model.state_dict() if isinstance(model, torch.nn.Module) else model
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
@@ -299,6 +314,7 @@ class Subscriber:
         self.provider_ttl = provider_ttl
         self._relay = _Relay()
         self._shadow: dict[str, torch.Tensor] | None = None
+        self._changed: dict[str, list[torch.Tensor]] | None = {}  # indices written by the update in progress
         self.endpoint: SwarmEndpoint | None = None
         self._dht = dht
         self._unreachable_logged = False
@@ -446,8 +462,9 @@ class Subscriber:
             previous = self.version
             target = self._target_state(model)
             received, changed, path = 0, 0, ""
+            self._changed = {}
             if self.full_checkpoints:  # baseline: a full BF16 copy per version (publisher anchors every version)
-                head = Head(head.version, head.digest, head.version)
+                head = Head(head.version, head.digest, head.version, head.time)
             elif self.version is not None:
                 # apply_patch checks the state's digest against each patch's base (a state changed behind our
                 # back is refused there and recovered from an anchor), so no extra full-state digest here
@@ -462,6 +479,7 @@ class Subscriber:
                         "verifiable anchor and patch chain (see warnings above)"
                     )
                 received, changed, path = received + result[0], result[1], result[2]
+                self._changed = None
             self._sync_model(model, target)
             seconds, digest = time.perf_counter() - started, self.digest
         report = UpdateReport(
@@ -473,6 +491,8 @@ class Subscriber:
             digest=digest,
             lag=self._lag(head.version),
             path=path,
+            published=head.time,
+            changed=_union_indices(self._changed) if self._changed is not None else None,
         )
         if self.endpoint is not None and self.endpoint.servicer is not None and self._reachable():
             self.endpoint.announce_provider(self._relay.versions(), publisher=False, ttl=self.provider_ttl)
@@ -546,6 +566,9 @@ class Subscriber:
         for obj in objects:
             info = apply_patch(target, obj.payload)
             changed += info.num_changed
+            if self._changed is not None:
+                for name, indices in info.changed.items():
+                    self._changed.setdefault(name, []).append(indices)
             self.version, self.digest = obj.envelope.version, info.digest
             if keep:
                 self._keep(obj)

