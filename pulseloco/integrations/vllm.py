@@ -110,7 +110,7 @@ class PulseSyncUpdateInfo:
 
     def tensors(self) -> list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]]:
         """``(name, shape, indices or None, values)`` per entry; raises ValueError on anything inconsistent."""
-        out = []
+        out: list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]] = []
         for name, shape, dtype_name, idx, val in zip(self.names, self.shapes, self.dtypes, self.indices, self.values):
             dtype = _WIRE_DTYPES.get(dtype_name)
             if dtype is None:
@@ -166,7 +166,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _WorkerEngineBase = object
 
 
-class PulseSyncWeightTransferEngine(_WorkerEngineBase):  # type: ignore[misc,valid-type]
+class PulseSyncWeightTransferEngine(_WorkerEngineBase):
     """vLLM's side of the ``pulsesync`` backend: loads checkpoint tensors, or elements of them, through the
     model's ``load_weights``.
 
@@ -223,7 +223,8 @@ class PulseSyncWeightTransferEngine(_WorkerEngineBase):  # type: ignore[misc,val
                 self._reloading = True
             self.model.load_weights([(name, val.view(shape)) for name, shape, _, val in entries])
             return
-        dense, sparse = [], []
+        dense: list[Any] = []
+        sparse: list[Any] = []
         for name, shape, idx, val in entries:
             patch = CheckpointWeightPatch(name=name, shape=shape, dtype=val.dtype, values=val, indices=idx)
             (dense if idx is None else sparse).append(patch)
