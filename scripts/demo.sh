@@ -16,7 +16,9 @@
 #   2. two GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/grpo-tiny.yaml
 #      --strategy pulseloco`; peer 0 publishes each consensus version with PULSESync, signed with a key made by
 #      `pulseloco keygen` in a temporary directory (removed on exit, never written to the repo)
-#   3. one rollout worker: `recipes/rollout_worker.py`, following the published versions until the last one
+#   3. one rollout worker: `recipes/rollout_worker.py`, following the published versions until the last one; it
+#      generates with vLLM (--engine vllm --compare_full_reload) when vLLM is installed (scripts/_setup.sh installs
+#      the CPU build by default; PULSELOCO_VLLM=none skips it), else with transformers
 # Then scripts/demo_report.py prints the reward before and after, bytes sent against DiLoCo and DDP, patch bytes
 # against full BF16 checkpoints, and whether every digest matched. Everything started is stopped on exit,
 # Ctrl-C or SIGTERM. Needs no stdin; exits non-zero if a process failed or a digest did not match.
@@ -146,11 +148,15 @@ PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --st
 start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 0 --output_dir "$OUT/peer0" --linger 20 \
     --publish --signing_key "$KEYS/publisher"
 start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 1 --output_dir "$OUT/peer1" --linger 5
+ENGINE_ARGS=(--engine transformers)
+if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+    ENGINE_ARGS=(--engine vllm --compare_full_reload)
+fi
 start worker "$PYTHON" recipes/rollout_worker.py --model_name_or_path "$MODEL" --run_id "$RUN_ID" \
     --initial_peers "$BOOTSTRAP" --public_key "$KEYS/publisher.pub" --until_version "$LAST_VERSION" \
-    --max_seconds "$TIMEOUT" --output_dir "$OUT/worker"
-say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) and a rollout worker (until version" \
-    "$LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
+    --max_seconds "$TIMEOUT" --output_dir "$OUT/worker" "${ENGINE_ARGS[@]}"
+say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) and a rollout worker (${ENGINE_ARGS[1]}," \
+    "until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
 
 failed=()
 for name in peer0 peer1 worker; do

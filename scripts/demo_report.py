@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -245,9 +246,32 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
             f"rollout worker greedy reward: v{first['version']} {first['reward']:.3f} -> "
             f"v{last['version']} {last['reward']:.3f}"
         )
+        out.extend(serving_lines(rollouts))
     ok = ok and theta_ok and worker_ok
     data = {"peers": peers, "sync": sync, "digests": digests, "seconds": seconds, "ok": ok}
     return "\n".join(out), data, ok
+
+
+def serving_lines(rollouts: list[dict[str, Any]]) -> list[str]:
+    """The rollout engine's update times per version: publish to serving, loading the change into the engine, and
+    (``--compare_full_reload``) loading every tensor into the same engine."""
+    lines = []
+    engine = rollouts[-1].get("engine", "transformers")
+    patched = [r for r in rollouts if r.get("path") != "anchor"]
+    to_serve = [r["seconds_to_serve"] for r in patched if r.get("seconds_to_serve") is not None]
+    load = [r["seconds_load"] for r in patched if r.get("seconds_load") is not None]
+    full = [r["seconds_full_reload"] for r in patched if r.get("seconds_full_reload") is not None]
+    if to_serve:
+        lines.append(
+            f"rollout worker ({engine}), {len(to_serve)} versions after the first: publish -> serving median "
+            f"{statistics.median(to_serve):.2f} s (max {max(to_serve):.2f} s)"
+        )
+    if load and full:
+        lines.append(
+            f"  loading into the engine: the change {statistics.median(load) * 1000:.1f} ms, every tensor "
+            f"{statistics.median(full) * 1000:.1f} ms (medians over the same versions)"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -301,7 +301,8 @@ class VLLMEngine:
         child processes: a script that calls this needs the ``if __name__ == "__main__":`` guard.
 
         Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
-        :func:`pulseloco.integrations.models.load_causal_lm`) or ``dtype`` is not one of the two.
+        :func:`pulseloco.integrations.models.load_causal_lm`), vLLM refuses the model (for example a head size its
+        attention backend lacks: the CPU build needs at least 32) or ``dtype`` is not one of the two.
         """
         if dtype not in ("bfloat16", "float32"):
             raise ConfigError(f"vLLM dtype must be bfloat16 or float32 (it holds BF16 weights), got {dtype!r}")
@@ -319,16 +320,22 @@ class VLLMEngine:
         del model
         tokenizer = load_tokenizer(model_name_or_path)
         started = time.perf_counter()
-        llm = vllm.LLM(
-            model=model_name_or_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            weight_transfer_config=WeightTransferConfig(backend=BACKEND),
-            **llm_kwargs,
-        )
+        try:
+            llm = vllm.LLM(
+                model=model_name_or_path,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                enforce_eager=enforce_eager,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+                **llm_kwargs,
+            )
+        except Exception as exc:  # vLLM's own messages say what it does not support (head size, architecture)
+            reason = " ".join(str(exc).split())[:300]
+            raise ConfigError(
+                f"vLLM cannot serve {model_name_or_path!r}: {reason}; use --engine transformers for this model"
+            ) from exc
         engine = cls(llm, tokenizer, weights, layerwise=needs_layerwise(llm.llm_engine.model_config))
         engine.load_seconds = time.perf_counter() - started
         logger.info("vLLM engine up model=%s dtype=%s seconds=%.1f", model_name_or_path, dtype, engine.load_seconds)
