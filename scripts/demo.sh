@@ -141,13 +141,6 @@ start bootstrap pulseloco dht --host-maddrs /ip4/127.0.0.1/tcp/0
 BOOTSTRAP="$(wait_for_line bootstrap '/ip4/127\.0\.0\.1/tcp/[0-9]+/p2p/[A-Za-z0-9]+' 120)"
 say "bootstrap node: $BOOTSTRAP"
 
-LAUNCH=(accelerate launch -q --config_file recipes/accelerate_configs/single_process.yaml)
-PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --strategy pulseloco --run_id "$RUN_ID"
-    --initial_peers "$BOOTSTRAP" --target_group_size 2 --matchmaking_time 60 --max_steps "$STEPS")
-# peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
-start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 0 --output_dir "$OUT/peer0" --linger 20 \
-    --publish --signing_key "$KEYS/publisher"
-start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 1 --output_dir "$OUT/peer1" --linger 5
 ENGINE_ARGS=(--engine transformers)
 if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
     ENGINE_ARGS=(--engine vllm --compare_full_reload)
@@ -155,6 +148,15 @@ fi
 start worker "$PYTHON" recipes/rollout_worker.py --model_name_or_path "$MODEL" --run_id "$RUN_ID" \
     --initial_peers "$BOOTSTRAP" --public_key "$KEYS/publisher.pub" --until_version "$LAST_VERSION" \
     --max_seconds "$TIMEOUT" --output_dir "$OUT/worker" "${ENGINE_ARGS[@]}"
+# the worker follows from the first version: it is ready (vLLM takes a while to start) before the trainers start
+wait_for_line worker 'rollout: following' 300 >/dev/null
+LAUNCH=(accelerate launch -q --config_file recipes/accelerate_configs/single_process.yaml)
+PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --strategy pulseloco --run_id "$RUN_ID"
+    --initial_peers "$BOOTSTRAP" --target_group_size 2 --matchmaking_time 60 --max_steps "$STEPS")
+# peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
+start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 0 --output_dir "$OUT/peer0" --linger 20 \
+    --publish --signing_key "$KEYS/publisher"
+start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 1 --output_dir "$OUT/peer1" --linger 5
 say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) and a rollout worker (${ENGINE_ARGS[1]}," \
     "until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
 

@@ -50,6 +50,9 @@ __all__ = ["BACKEND", "EngineStateError", "PulseSyncWeightTransferEngine", "VLLM
 BACKEND = "pulsesync"
 """The name of the weight-transfer backend (``WeightTransferConfig(backend=BACKEND)``)."""
 
+#: KV cache of the CPU build unless given: enough for rollouts of small models beside the trainers on one machine.
+CPU_KV_CACHE_BYTES = 1 << 30
+
 #: Bytes of values per ``update_weights`` call when whole tensors are sent (an anchor, a recovery, the baseline).
 DENSE_CHUNK_BYTES = 256 << 20
 
@@ -297,7 +300,8 @@ class VLLMEngine:
         same checkpoint (the publisher's first anchor replaces both).
 
         ``dtype``: vLLM's compute dtype, ``bfloat16`` (the published precision) or ``float32`` (the same BF16
-        values, computed in FP32). Other keyword arguments go to ``vllm.LLM``. vLLM starts its engine in
+        values, computed in FP32). ``kv_cache_memory_bytes``: vLLM's default on GPUs (a fraction of free memory),
+        :data:`CPU_KV_CACHE_BYTES` on the CPU build. Other keyword arguments go to ``vllm.LLM``. vLLM starts its engine in
         child processes: a script that calls this needs the ``if __name__ == "__main__":`` guard.
 
         Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
@@ -310,6 +314,11 @@ class VLLMEngine:
         from vllm.config import WeightTransferConfig
 
         register()
+        from vllm.platforms import current_platform
+
+        if kv_cache_memory_bytes is None and current_platform.is_cpu():
+            # the CPU build otherwise reserves --gpu-memory-utilization (0.92) of the machine's memory
+            kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
         # The BF16 state in the trainer's names: the same tensors the transformers engine patches.
         model = load_causal_lm(model_name_or_path, dtype=torch.bfloat16, bytes_per_parameter=2)
         weights = {
@@ -334,7 +343,8 @@ class VLLMEngine:
         except Exception as exc:  # vLLM's own messages say what it does not support (head size, architecture)
             reason = " ".join(str(exc).split())[:300]
             raise ConfigError(
-                f"vLLM cannot serve {model_name_or_path!r}: {reason}; use --engine transformers for this model"
+                f"vLLM did not start on {model_name_or_path!r}: {reason} (vLLM's log above names the cause: a head "
+                "size or architecture it does not support, or too little memory for its KV cache)"
             ) from exc
         engine = cls(llm, tokenizer, weights, layerwise=needs_layerwise(llm.llm_engine.model_config))
         engine.load_seconds = time.perf_counter() - started
