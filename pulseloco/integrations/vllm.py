@@ -301,8 +301,8 @@ class VLLMEngine:
 
         ``dtype``: vLLM's compute dtype, ``bfloat16`` (the published precision) or ``float32`` (the same BF16
         values, computed in FP32). ``kv_cache_memory_bytes``: vLLM's default on GPUs (a fraction of free memory),
-        :data:`CPU_KV_CACHE_BYTES` on the CPU build. Other keyword arguments go to ``vllm.LLM``. vLLM starts its engine in
-        child processes: a script that calls this needs the ``if __name__ == "__main__":`` guard.
+        :data:`CPU_KV_CACHE_BYTES` on the CPU build. Other keyword arguments go to ``vllm.LLM``. vLLM starts its
+        engine in child processes: a script that calls this needs the ``if __name__ == "__main__":`` guard.
 
         Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
         :func:`pulseloco.integrations.models.load_causal_lm`), vLLM refuses the model (for example a head size its
