@@ -107,14 +107,23 @@ class Audit:
         for sub in ("prod", "sent", "resid", "ids"):
             (out / sub).mkdir(exist_ok=True)
         (out / "ids" / name).write_text(self.peer_id)
-        flatten, all_reduce, download = opt._flatten_local, opt.averager.all_reduce, opt.averager.download_state
+        add_pseudo_gradient, all_reduce = opt._add_pseudo_gradient, opt.averager.all_reduce
+        download = opt.averager.download_state
         form_group = opt.matchmaker.form_group
-        outer_step = NesterovOuterOptimizer.step
+        outer_step = NesterovOuterOptimizer.step_sparse
 
-        def flatten_and_record() -> torch.Tensor:
-            local = flatten()
-            np.save(self.out / "prod" / f"{self.peer_id}.{opt.round}.npy", (opt.theta_N - local).numpy())
-            return local
+        is_finite = opt._pseudo_gradient_is_finite
+        round_started: list[int] = []
+
+        def is_finite_and_record() -> bool:
+            round_started[:] = [opt.round]  # before the catch-up, which may move the round
+            return is_finite()
+
+        def add_and_record(theta_start_N: torch.Tensor, finite: bool) -> None:
+            local = opt._flatten_local()
+            name = f"{self.peer_id}.{round_started[0]}.npy"
+            np.save(self.out / "prod" / name, (theta_start_N - local).numpy())
+            add_pseudo_gradient(theta_start_N, finite)
 
         def form_group_and_record(*args: Any) -> Any:
             self.current["start"] = theta_digest(opt.theta_N)  # after the repair at the round's start
@@ -138,16 +147,17 @@ class Audit:
             self.downloads += 1
             return snapshot
 
-        def step_and_record(outer: Any, theta_N: torch.Tensor, pseudo_gradient_N: torch.Tensor) -> None:
+        def step_and_record(outer: Any, theta_N: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             before = theta_digest(theta_N)
-            outer_step(outer, theta_N, pseudo_gradient_N)
+            outer_step(outer, theta_N, *args, **kwargs)
             self.current["transition"] = [before, theta_digest(theta_N)]
 
-        opt._flatten_local = flatten_and_record
+        opt._pseudo_gradient_is_finite = is_finite_and_record
+        opt._add_pseudo_gradient = add_and_record
         opt.matchmaker.form_group = form_group_and_record
         opt.averager.all_reduce = all_reduce_and_record
         opt.averager.download_state = download_and_count
-        NesterovOuterOptimizer.step = step_and_record  # this process has one optimizer
+        NesterovOuterOptimizer.step_sparse = step_and_record  # this process has one optimizer
 
     def end_round(self, final: bool = False) -> None:
         m = self.opt.last_metrics

@@ -214,14 +214,14 @@ def _record_ledger(opt: Any, report: dict[str, Any]) -> None:
     produced = torch.zeros(opt.numel)
     report["transitions"] = []
     report["initial_digest"] = theta_digest(opt.theta_N)
-    flatten, all_reduce, outer_step = opt._flatten_local, opt.averager.all_reduce, NesterovOuterOptimizer.step
+    add_pseudo_gradient, all_reduce = opt._add_pseudo_gradient, opt.averager.all_reduce
+    outer_step = NesterovOuterOptimizer.step_sparse
     last_sum: list[torch.Tensor] = []
 
-    def flatten_and_record() -> torch.Tensor:
-        local = flatten()
-        produced.add_(opt.theta_N - local)
+    def add_and_record(theta_start_N: torch.Tensor, finite: bool) -> None:
+        produced.add_(theta_start_N - flat_params(opt.model))
         report["produced"] = produced.numpy().tobytes()
-        return local
+        add_pseudo_gradient(theta_start_N, finite)
 
     def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
         result = all_reduce(group, indices_K, values_K, *args)
@@ -232,15 +232,15 @@ def _record_ledger(opt: Any, report: dict[str, Any]) -> None:
         last_sum[:] = [sum_N]
         return result
 
-    def step_and_record(self: Any, theta_N: torch.Tensor, pseudo_gradient_N: torch.Tensor) -> None:
+    def step_and_record(self: Any, theta_N: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         before = theta_digest(theta_N)
-        outer_step(self, theta_N, pseudo_gradient_N)
+        outer_step(self, theta_N, *args, **kwargs)
         applied = last_sum.pop() if last_sum else torch.zeros(opt.numel)
         report["transitions"].append((before, theta_digest(theta_N), applied.numpy().tobytes()))
 
-    opt._flatten_local = flatten_and_record
+    opt._add_pseudo_gradient = add_and_record
     opt.averager.all_reduce = all_reduce_and_record
-    NesterovOuterOptimizer.step = step_and_record  # type: ignore[method-assign]  (this peer process only)
+    NesterovOuterOptimizer.step_sparse = step_and_record  # type: ignore[method-assign]  (this peer process only)
 
 
 def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_event: Any = None) -> None:

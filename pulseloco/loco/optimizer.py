@@ -29,7 +29,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,14 +41,24 @@ from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
 from pulseloco.loco.metrics import MetricsWriter, RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
-from pulseloco.loco.selection import SELECTORS, make_selector
+from pulseloco.loco.selection import SELECTORS, make_selector, select_in_place
 from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
 from pulseloco.swarm import is_reachable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PulseLoCo"]
+__all__ = ["DEFAULT_OUTER_CHUNK_BYTES", "OUTER_STATE_DEVICES", "PulseLoCo"]
+
+OUTER_STATE_DEVICES = ("auto", "cpu", "model")
+"""Where :class:`PulseLoCo` keeps its outer state (``theta``, residual, outer momentum: 12 bytes a parameter)."""
+
+DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
+"""FP32 bytes of one chunk of the outer round's chunked phases: bounds their temporaries."""
+
+_NO_OVERFLOW_BOUND = 2.0**103
+"""Local parameters below this in magnitude cannot make ``theta - local`` overflow for any finite FP32 ``theta``:
+``|theta| <= 2**128 - 2**104``, and FP32 rounds to infinity only from ``2**128 - 2**103`` up."""
 
 
 def _distributed() -> tuple[bool, int]:
@@ -88,6 +98,20 @@ class PulseLoCo:
             same shard is rejected.
         metrics_path: append one JSON line per outer round (:class:`~pulseloco.loco.metrics.RoundMetrics`).
         num_download_retries: peers tried when downloading the state.
+        outer_state_device: where the outer state (``theta``, the residual and the outer momentum: flat FP32,
+            12 bytes a parameter) lives. ``"auto"`` (default) and ``"cpu"``: host memory, pinned when the model is
+            on a CUDA GPU (so that the chunked copies to and from the GPU run asynchronously); ``"model"``: the
+            model's CUDA device (host memory for a model on the CPU), faster rounds for a model that leaves room
+            for 12 more bytes a parameter. Either way the results are bit-identical.
+        outer_chunk_bytes: FP32 bytes a chunk of the round's chunked phases (parameter transfers, pseudo-gradient,
+            selection, outer step); their temporaries are bounded by a few chunks (plus the selected entries),
+            not by the model. At least 4.
+
+    Memory: beside the model, the outer state (12 bytes a parameter, where ``outer_state_device`` says), two
+    staging chunks, and during a round temporaries of a few chunks plus the selected entries (indices and
+    values: 12 bytes each, all entries for ``dense``). With a swarm, the served snapshot holds one more copy of
+    ``theta`` and the momentum (8 bytes a parameter, host memory). An outer state that does not fit raises
+    :class:`ConfigError` at construction (out of GPU memory, or of pinned host memory).
 
     With ``torch.distributed`` initialized and several processes (``accelerate launch``), only rank 0 joins
     the swarm (``dht`` is ignored elsewhere); the other ranks receive ``theta`` by broadcast at construction and
@@ -117,6 +141,8 @@ class PulseLoCo:
         max_norm_ratio: float = 10.0,
         metrics_path: str | os.PathLike[str] | None = None,
         num_download_retries: int = 3,
+        outer_state_device: str = "auto",
+        outer_chunk_bytes: int = DEFAULT_OUTER_CHUNK_BYTES,
     ) -> None:
         if inner_steps < 1:
             raise ConfigError(f"inner_steps must be at least 1, got {inner_steps}")
@@ -137,6 +163,13 @@ class PulseLoCo:
             raise ConfigError(f"max_norm_ratio must be above 1, got {max_norm_ratio}")
         if num_download_retries < 1:
             raise ConfigError(f"num_download_retries must be at least 1, got {num_download_retries}")
+        if outer_state_device not in OUTER_STATE_DEVICES:
+            raise ConfigError(
+                f"outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)} (auto/cpu: host memory, "
+                f"pinned for a model on a GPU; model: the model's GPU), got {outer_state_device!r}"
+            )
+        if isinstance(outer_chunk_bytes, bool) or not isinstance(outer_chunk_bytes, int) or outer_chunk_bytes < 4:
+            raise ConfigError(f"outer_chunk_bytes must be an integer of at least 4 bytes, got {outer_chunk_bytes!r}")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -148,10 +181,23 @@ class PulseLoCo:
             selector, topk_density=topk_density, topk_chunk_size=topk_chunk_size, pulse_values=pulse_values
         )
         self.outer_optimizer = NesterovOuterOptimizer(outer_lr, outer_momentum)
-        device = self.params[0].device
-        self.device = device if device.type == "cuda" else torch.device("cpu")
-        self.theta_N = self._flatten_local()
-        self.residual_N = torch.zeros_like(self.theta_N)
+        model_device = self.params[0].device
+        self.model_device = model_device if model_device.type == "cuda" else torch.device("cpu")
+        """The device the parameters are on (CUDA), or the CPU."""
+        self.outer_state_device = outer_state_device
+        on_gpu = self.model_device.type == "cuda"
+        self.device = self.model_device if outer_state_device == "model" and on_gpu else torch.device("cpu")
+        """Where the outer state lives (see ``outer_state_device``)."""
+        self.pin_memory = on_gpu and self.device.type == "cpu" and torch.cuda.is_available()
+        """Whether the outer state and the staging chunks are pinned host memory."""
+        self.chunk_numel = max(1, int(outer_chunk_bytes) // 4)
+        # The host <-> GPU copies run on their own stream, so they queue without waiting for each other.
+        self._copy_stream = torch.cuda.Stream(self.model_device) if self.pin_memory else None
+        self._staging: list[torch.Tensor] = []
+        self.theta_N = self._empty_state("theta")
+        for start, stop, local_B in self._local_chunks():
+            self.theta_N[start:stop].copy_(local_B)
+        self.residual_N = self._empty_state("residual").zero_()
         self.round = 0
         self.local_step = 0
         self.digest_timeout = request_timeout if digest_timeout is None else float(digest_timeout)
@@ -323,10 +369,10 @@ class PulseLoCo:
         self.outer_optimizer = outer
         self.round = int(state["round"])
         self.local_step = int(state["local_step"])
-        self.theta_N = state["theta_N"].detach().to(self.device).clone()
-        self.residual_N = state["residual_N"].detach().to(self.device).clone()
+        self.theta_N = self._place(state["theta_N"], "theta")
+        self.residual_N = self._place(state["residual_N"], "residual")
         if self.outer_optimizer.momentum_N is not None:
-            self.outer_optimizer.momentum_N = self.outer_optimizer.momentum_N.to(self.device)
+            self.outer_optimizer.momentum_N = self._place(self.outer_optimizer.momentum_N, "momentum")
         if self.local_step == 0:
             self._load_theta_into_model()
         if self.averager is not None:
@@ -357,22 +403,146 @@ class PulseLoCo:
                 self.matchmaker.matchmaking_time,
             )
 
-    # -- phases -----------------------------------------------------------------------------------------------
-    def _flatten_local(self) -> torch.Tensor:
+    # -- placement and chunked transfers ----------------------------------------------------------------------
+    def _empty_state(self, what: str) -> torch.Tensor:
+        """An uninitialized flat FP32 tensor of the outer state, where ``outer_state_device`` puts it. Raises
+        :class:`ConfigError` when it does not fit (GPU memory, or pinned host memory)."""
+        try:
+            return torch.empty(self.numel, dtype=torch.float32, device=self.device, pin_memory=self.pin_memory)
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError, or cudaHostAlloc failing for pinned memory
+            where = "pinned host memory" if self.pin_memory else str(self.device)
+            hint = "outer_state_device='cpu'" if self.device.type == "cuda" else "a host with more memory"
+            raise ConfigError(
+                f"PulseLoCo's {what} ({4 * self.numel / 2**30:.2f} GiB, FP32) does not fit in {where}: "
+                f"{' '.join(str(exc).split())[:200]}; use {hint}"
+            ) from exc
+
+    def _place(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
+        """A copy of a flat FP32 ``tensor`` in the outer state's memory (:meth:`_empty_state`)."""
+        out = self._empty_state(what)
+        out.copy_(tensor.detach())
+        return out
+
+    def _zeros_momentum(self) -> None:
+        """Create the outer momentum (zeros) in the outer state's memory before the first outer step."""
+        if self.outer_optimizer.momentum_N is None:
+            self.outer_optimizer.momentum_N = self._empty_state("momentum").zero_()
+
+    def _pieces(self, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """The parts of the trainable parameters in flat range ``[start, stop)``: ``(flat view, lo, hi)`` with
+        ``lo, hi`` relative to ``start``. Non-contiguous parameters come whole, in the chunk where they begin."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if offset >= stop:
+                return
+            if offset + n > start and n:
+                if p.is_contiguous():
+                    a, b = max(start, offset), min(stop, offset + n)
+                    yield p.detach().view(-1)[a - offset : b - offset], a - start, b - start
+                elif offset >= start:
+                    yield p.detach(), offset - start, offset + n - start
+            offset += n
+
+    def _chunk_ranges(self) -> Iterator[tuple[int, int]]:
+        """Chunk ranges of the flat parameter space (non-contiguous parameters stretch the chunk they begin in)."""
+        start = 0
+        while start < self.numel:
+            stop = min(start + self.chunk_numel, self.numel)
+            offset = 0
+            for p in self.params:  # a non-contiguous parameter beginning here moves the end past it
+                n = p.numel()
+                if start <= offset < stop and not p.is_contiguous():
+                    stop = max(stop, offset + n)
+                offset += n
+            yield start, stop
+            start = stop
+
+    def _staging_buffer(self, index: int, numel: int) -> torch.Tensor:
+        """Staging chunk ``index`` (0 or 1) of at least ``numel`` FP32 entries, kept for the next rounds."""
+        while len(self._staging) <= index:
+            self._staging.append(torch.empty(0, dtype=torch.float32))
+        if self._staging[index].numel() < numel:
+            self._staging[index] = torch.empty(
+                max(numel, self.chunk_numel), dtype=torch.float32, device=self.device, pin_memory=self.pin_memory
+            )
+        return self._staging[index][:numel]
+
+    def _local_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The local parameters as FP32 on the outer state's device, chunk by chunk: ``(start, stop, local_B)``.
+
+        ``local_B`` is a staging buffer, valid until the generator is resumed: with pinned memory the next
+        chunk's copy from the GPU is queued (on a side stream) while the caller works on this one."""
+        ranges = list(self._chunk_ranges())
+        stream = self._copy_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.model_device))  # the inner steps wrote the params
+
+        def fill(j: int) -> tuple[torch.Tensor, Any]:
+            start, stop = ranges[j]
+            buffer = self._staging_buffer(j % 2, stop - start)
+            if stream is None:
+                for piece, lo, hi in self._pieces(start, stop):
+                    buffer[lo:hi].view_as(piece).copy_(piece)
+                return buffer, None
+            with torch.cuda.stream(stream):
+                for piece, lo, hi in self._pieces(start, stop):
+                    buffer[lo:hi].view_as(piece).copy_(piece, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            return buffer, event
+
         with torch.no_grad():
-            return torch.cat([p.detach().reshape(-1).to(self.device, torch.float32) for p in self.params])
+            queued = [fill(0)] if ranges else []
+            for j, (start, stop) in enumerate(ranges):
+                if j + 1 < len(ranges):
+                    queued.append(fill(j + 1))
+                buffer, event = queued.pop(0)
+                if event is not None:
+                    event.synchronize()
+                yield start, stop, buffer
+
+    def _flatten_local(self) -> torch.Tensor:
+        """A full FP32 copy of the local parameters on the outer state's device (for tools and tests; the
+        round itself works chunk by chunk)."""
+        flat_N = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        for start, stop, local_B in self._local_chunks():
+            flat_N[start:stop].copy_(local_B)
+        return flat_N
 
     def _load_theta_into_model(self) -> None:
+        """Copy ``theta`` into the model, chunk by chunk (asynchronous copies from pinned memory on a side
+        stream, waited for once at the end); temporaries of one chunk at most."""
+        stream = self._copy_stream
         with torch.no_grad():
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.copy_(self.theta_N[offset : offset + n].view_as(p))
-                offset += n
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.model_device))  # pending uses of the params
+            for start, stop in self._chunk_ranges():
+                for piece, lo, hi in self._pieces(start, stop):
+                    source = self.theta_N[start + lo : start + hi].view_as(piece)
+                    if stream is None:
+                        piece.copy_(source)
+                    else:
+                        with torch.cuda.stream(stream):
+                            piece.copy_(source, non_blocking=True)
+            if stream is not None:
+                torch.cuda.current_stream(self.model_device).wait_stream(stream)
+                stream.synchronize()  # theta may change once the copies are done, not before
 
     def _broadcast_theta(self) -> None:
-        if self._distributed:
-            torch.distributed.broadcast(self.theta_N, src=0)
+        """Rank 0's ``theta`` to every rank. A host ``theta`` under a backend that cannot send host tensors
+        (NCCL) goes chunk by chunk through a buffer on the model's GPU."""
+        if not self._distributed:
+            return
+        if self.theta_N.device.type == "cpu" and "nccl" in str(torch.distributed.get_backend()).lower():
+            for start, stop in self._chunk_ranges():
+                staging_B = self.theta_N[start:stop].to(self.model_device)
+                torch.distributed.broadcast(staging_B, src=0)
+                self.theta_N[start:stop].copy_(staging_B)
+            return
+        torch.distributed.broadcast(self.theta_N, src=0)
+
+    # -- phases -----------------------------------------------------------------------------------------------
 
     def _publish(self) -> None:
         """Announce (round, digest) and serve the current state."""
@@ -427,16 +597,48 @@ class PulseLoCo:
         except StateDownloadError as exc:
             logger.warning("state repair failed, keeping own state: %s", exc)
             return False
-        self.theta_N = snapshot.theta_N.to(self.device)
+        # New tensors, never in place: the round that called this still needs the theta it started from.
+        self.theta_N = self._place(snapshot.theta_N, "theta")
         if snapshot.momentum_N is not None:
-            self.outer_optimizer.momentum_N = snapshot.momentum_N.to(self.device)
+            self.outer_optimizer.momentum_N = self._place(snapshot.momentum_N, "momentum")
         self.round = snapshot.round
         self._complete = True  # the swarm's majority state
         self._num_reconciled += self.ledger.reconcile(snapshot.ledger, snapshot.round, self.residual_N)
         self._publish()
         return True
 
-    def _drop_diverged_round(self) -> torch.Tensor:
+    def _pseudo_gradient_is_finite(self) -> bool:
+        """Whether ``theta - local`` is finite everywhere, without materializing it: local parameters finite and
+        below :data:`_NO_OVERFLOW_BOUND` (a reduction on the model's device) settle it; larger ones are checked
+        chunk by chunk."""
+        with torch.no_grad():
+            peaks = []
+            for p in self.params:
+                if p.numel():
+                    low, high = torch.aminmax(p.detach())
+                    peaks.append(torch.maximum(low.float().abs(), high.float().abs()).cpu())  # NaN propagates
+            peak = float(torch.stack(peaks).max())
+            if not math.isfinite(peak):
+                return False
+            if peak < _NO_OVERFLOW_BOUND:
+                return True
+            for start, stop, local_B in self._local_chunks():
+                if not bool(torch.isfinite(self.theta_N[start:stop] - local_B).all()):
+                    return False
+            return True
+
+    def _add_pseudo_gradient(self, theta_start_N: torch.Tensor, finite: bool) -> None:
+        """``residual_N += theta_start_N - local``, chunk by chunk and in place: the residual becomes the round's
+        signal (``+= 0`` when the round diverged). Same bits as the out-of-place ``residual + (theta - local)``."""
+        with torch.no_grad():
+            if not finite:
+                for start, stop in self._chunk_ranges():
+                    self.residual_N[start:stop].add_(torch.zeros(stop - start, device=self.device))
+                return
+            for start, stop, local_B in self._local_chunks():
+                self.residual_N[start:stop].add_(theta_start_N[start:stop] - local_B)
+
+    def _drop_diverged_round(self) -> None:
         """The inner steps made the local parameters non-finite: nothing of them may reach the swarm. Drops the
         round's local progress (a zero pseudo-gradient; the model is reset to ``theta`` after the round) and the
         inner optimizer's state when this instance owns it (its moments are then non-finite too)."""
@@ -447,14 +649,14 @@ class PulseLoCo:
         )
         if self.inner_optimizer is not None:
             self.inner_optimizer.state.clear()
-        return torch.zeros_like(self.theta_N)
 
-    def _average(self, signal_N: torch.Tensor) -> tuple[AllReduceResult | None, int, torch.Tensor, torch.Tensor]:
-        """Select and average; returns the result (None without swarm averaging), the number of peers (0 when it
-        sat the round out), and the selected indices and values."""
-        selection = self.selector.select(self.theta_N, signal_N)
-        self.residual_N = selection.residual_N
-        indices_K, values_K = selection.indices_K, selection.values_K
+    def _average(self) -> tuple[AllReduceResult | None, int, torch.Tensor, torch.Tensor]:
+        """Select from the signal (held in ``residual_N``, which becomes the residual again) and average;
+        returns the result (None without swarm averaging), the number of peers (0 when it sat the round out),
+        and the selected indices and values."""
+        indices_K, values_K, value_dtype = select_in_place(
+            self.selector, self.theta_N, self.residual_N, chunk_numel=self.chunk_numel
+        )
         if self.averager is None or self.matchmaker is None:
             return None, 1, indices_K, values_K
         expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
@@ -464,7 +666,7 @@ class PulseLoCo:
             self.ledger.record(self.round, LedgerEntry(None), None)
             return None, 0, indices_K[:0], values_K[:0]  # sat the round out: in no group
         indices_cpu, values_cpu = indices_K.cpu(), values_K.cpu()
-        result = self.averager.all_reduce(group, indices_cpu, values_cpu, selection.value_dtype)
+        result = self.averager.all_reduce(group, indices_cpu, values_cpu, value_dtype)
         if bool(result.returned_K.any()):
             returned = result.returned_K.to(indices_K.device)
             # A selected entry's residual is 0 (or the BF16 rounding remainder r of the signal s, with the value
@@ -481,21 +683,23 @@ class PulseLoCo:
         return result, len(group.members), indices_K, values_K
 
     def _outer_round(self, seconds_inner: float, start: float) -> RoundMetrics:
-        pseudo_gradient_N = self.theta_N - self._flatten_local()
-        if not bool(torch.isfinite(pseudo_gradient_N).all()):
-            pseudo_gradient_N = self._drop_diverged_round()
-        signal_N = self.residual_N + pseudo_gradient_N
+        # The pseudo-gradient is theta (as the round starts) minus the local parameters; it is never held whole:
+        # it is added to the residual chunk by chunk once the catch-up below has corrected the residual, so the
+        # signal is ``residual + pseudo_gradient`` with the residual this peer keeps after any repair.
+        theta_start_N = self.theta_N
+        finite = self._pseudo_gradient_is_finite()
+        if not finite:
+            self._drop_diverged_round()
         self._num_reconciled = 0
-        repaired = self._catch_up()
-        if repaired:  # the reconciliation corrected the residual: the signal is built from the corrected one
-            signal_N = self.residual_N + pseudo_gradient_N
+        repaired = self._catch_up()  # a repair replaces theta_N by a new tensor; theta_start_N stays as it was
+        self._add_pseudo_gradient(theta_start_N, finite)
+        del theta_start_N
         round_index = self.round
-        result, num_peers, indices_K, values_K = self._average(signal_N)
+        result, num_peers, indices_K, values_K = self._average()
         num_sent = int(indices_K.numel())
         if self.averager is None:
-            average_N = torch.zeros_like(self.theta_N)
-            average_N[indices_K] = values_K
-            self.outer_optimizer.step(self.theta_N, average_N)
+            self._zeros_momentum()
+            self.outer_optimizer.step_sparse(self.theta_N, indices_K, values_K, chunk_numel=self.chunk_numel)
         elif result is not None and result.indices_K.numel() + int(result.complete) > 0:
             if not result.complete:
                 missing = [result.group.servers[j] for j, names in enumerate(result.accepted) if names is None]
@@ -506,9 +710,10 @@ class PulseLoCo:
                     missing,
                     len(result.accepted) - len(missing),
                 )
-            average_N = torch.zeros_like(self.theta_N)
-            average_N[result.indices_K.to(self.device)] = result.average_K.to(self.device)
-            self.outer_optimizer.step(self.theta_N, average_N)
+            self._zeros_momentum()
+            self.outer_optimizer.step_sparse(
+                self.theta_N, result.indices_K, result.average_K, chunk_numel=self.chunk_numel
+            )
         self.round = round_index + 1
         # A peer that sat the round out (no group) applied nothing: its record must not outvote the peers that
         # averaged (three peers left out would otherwise make two that averaged download the stale state).

@@ -51,13 +51,52 @@ class NesterovOuterOptimizer:
             self.momentum_N = torch.zeros_like(theta_N)
         elif self.momentum_N.shape != theta_N.shape:
             raise ValueError(f"momentum {tuple(self.momentum_N.shape)} and theta {tuple(theta_N.shape)} differ")
-        v = self.momentum_N
-        v.mul_(self.momentum)
-        v.add_(pseudo_gradient_N)
-        update_N = v * self.momentum
-        update_N = pseudo_gradient_N + update_N
-        update_N.mul_(self.lr)
-        theta_N.sub_(update_N)
+        self._step_block(theta_N, pseudo_gradient_N, self.momentum_N)
+
+    def _step_block(self, theta_B: torch.Tensor, gradient_B: torch.Tensor, v_B: torch.Tensor) -> None:
+        """The update on one block of entries (every operation is element-wise: blocks do not change bits)."""
+        v_B.mul_(self.momentum)
+        v_B.add_(gradient_B)
+        update_B = v_B * self.momentum
+        update_B = gradient_B + update_B
+        update_B.mul_(self.lr)
+        theta_B.sub_(update_B)
+
+    def step_sparse(
+        self, theta_N: torch.Tensor, indices_K: torch.Tensor, values_K: torch.Tensor, *, chunk_numel: int
+    ) -> None:
+        """:meth:`step` with the pseudo-gradient given sparsely (zero except ``values_K`` at the distinct flat
+        ``indices_K``), applied block by block: bit-identical to ``step`` on the dense tensor, with temporaries
+        of one block of ``chunk_numel`` entries instead of three of the model's size.
+
+        The momentum buffer must exist (set ``momentum_N`` to zeros of ``theta_N``'s shape, on the device and in
+        the memory of the caller's choice, before the first step). Raises :class:`ValueError` for a missing or
+        mismatched momentum buffer, indices and values of different lengths, or ``chunk_numel < 1``; an index
+        out of range raises :class:`IndexError` (``theta_N`` may then be partly updated).
+        """
+        if self.momentum_N is None:
+            raise ValueError("step_sparse needs a momentum buffer: set momentum_N before the first step")
+        if self.momentum_N.shape != theta_N.shape or theta_N.dim() != 1:
+            raise ValueError(f"momentum {tuple(self.momentum_N.shape)} and theta {tuple(theta_N.shape)} differ")
+        if indices_K.shape != values_K.shape:
+            raise ValueError(f"indices {tuple(indices_K.shape)} and values {tuple(values_K.shape)} differ")
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be at least 1, got {chunk_numel}")
+        indices_K = indices_K.to(theta_N.device)
+        values_K = values_K.to(theta_N.device, torch.float32)
+        if indices_K.numel() > 1 and not bool((indices_K[1:] > indices_K[:-1]).all()):
+            indices_K, order = torch.sort(indices_K)
+            values_K = values_K[order]
+        numel = theta_N.numel()
+        if indices_K.numel() and not (int(indices_K[0]) >= 0 and int(indices_K[-1]) < numel):
+            raise IndexError(f"pseudo-gradient indices outside [0, {numel})")
+        stops = torch.arange(chunk_numel, numel + chunk_numel, chunk_numel, dtype=torch.int64)
+        cuts = [0, *torch.searchsorted(indices_K.cpu(), stops).tolist()]
+        for j, start in enumerate(range(0, numel, chunk_numel)):
+            stop = min(start + chunk_numel, numel)
+            gradient_B = torch.zeros(stop - start, dtype=torch.float32, device=theta_N.device)
+            gradient_B[indices_K[cuts[j] : cuts[j + 1]] - start] = values_K[cuts[j] : cuts[j + 1]]
+            self._step_block(theta_N[start:stop], gradient_B, self.momentum_N[start:stop])
 
     def state_dict(self) -> dict[str, Any]:
         """``lr``, ``momentum`` and the momentum buffer (``None`` before the first step)."""

@@ -46,6 +46,7 @@ __all__ = [
     "TopKSelector",
     "compute_visible_mask",
     "make_selector",
+    "select_in_place",
 ]
 
 #: Names accepted by :func:`make_selector`.
@@ -202,3 +203,40 @@ def make_selector(
     if name == "topk":
         return TopKSelector(topk_density, topk_chunk_size)
     raise ConfigError(f"selector must be one of {SELECTORS}, got {name!r}")
+
+
+def select_in_place(
+    selector: Selector, theta_N: torch.Tensor, signal_N: torch.Tensor, *, chunk_numel: int
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """Run ``selector`` block by block and overwrite ``signal_N`` with the residual; returns ``(indices_K,
+    values_K, value_dtype)`` as :class:`Selection` has them.
+
+    The result is bit-identical to ``selector.select(theta_N, signal_N)`` (every rule decides each entry from
+    that entry alone, or, for ``topk``, from its own chunk: blocks are whole multiples of ``chunk_size``), but
+    the temporaries are bounded by one block of about ``chunk_numel`` entries plus the selected entries, not by
+    the model. Raises as ``selector.select`` does (:class:`TypeError` / :class:`ValueError` for non-FP32 or
+    mismatched inputs) and :class:`ValueError` for ``chunk_numel < 1``; on an error ``signal_N`` may be partly
+    overwritten.
+    """
+    _check_inputs(theta_N, signal_N)
+    if chunk_numel < 1:
+        raise ValueError(f"chunk_numel must be at least 1, got {chunk_numel}")
+    multiple = selector.chunk_size if isinstance(selector, TopKSelector) else 1
+    block = max(multiple, chunk_numel // multiple * multiple)
+    numel = signal_N.numel()
+    indices: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    value_dtype = "float32"
+    for start in range(0, numel, block):
+        stop = min(start + block, numel)
+        selection = selector.select(theta_N[start:stop], signal_N[start:stop])
+        signal_N[start:stop].copy_(selection.residual_N)
+        indices.append(selection.indices_K + start)
+        values.append(selection.values_K)
+        value_dtype = selection.value_dtype
+    if not indices:
+        empty = torch.zeros(0, dtype=torch.int64, device=signal_N.device)
+        return empty, torch.zeros(0, dtype=torch.float32, device=signal_N.device), value_dtype
+    if len(indices) == 1:
+        return indices[0], values[0], value_dtype
+    return torch.cat(indices), torch.cat(values), value_dtype
