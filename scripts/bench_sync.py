@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import queue
+import re
 import shutil
 import signal
 import statistics
@@ -170,6 +171,7 @@ def publisher_worker(spec: WorkerSpec) -> None:
                 "num_params": sum(p.numel() for p in model.parameters()),
                 "num_elements": num_elements,
                 "threads": torch.get_num_threads(),
+                "peer_id": publisher.endpoint.peer_id.to_base58() if publisher.endpoint else "",
             },
         )
     )
@@ -239,6 +241,9 @@ class ProviderWaitSource:
     def head(self) -> Any:
         return self.inner.head()
 
+    def __getattr__(self, name: str) -> Any:  # served_by, relay_wait, ... of the wrapped SwarmSource
+        return getattr(self.inner, name)
+
     def fetch(self, request: Any) -> Any:
         deadline = time.monotonic() + self.wait
         while True:
@@ -275,6 +280,7 @@ def subscriber_worker(spec: WorkerSpec) -> None:
     )
     if spec.relay_wait is not None:
         sub.source.relay_wait = spec.relay_wait
+    swarm_source = sub.source
     source = ProviderWaitSource(sub.source, spec.provider_wait) if spec.provider_wait > 0 else None
     if source is not None:
         sub.source = source
@@ -287,6 +293,8 @@ def subscriber_worker(spec: WorkerSpec) -> None:
         t_hold = time.time()
         with sub.lock:
             digest = state_digest(state)  # the tensors this worker holds, not the subscriber's bookkeeping
+        # who served the object of this version (the last fetch of it: the patch, squash or anchor)
+        served = [peer for _, version, peer in list(swarm_source.served_by) if version == report.version]
         send(
             (
                 "holds",
@@ -299,11 +307,12 @@ def subscriber_worker(spec: WorkerSpec) -> None:
                     "path": report.path,
                     "update_s": report.seconds,
                     "provider_retries": source.retries if source is not None else 0,
+                    "served_by": served[-1] if served else None,
                 },
             )
         )
 
-    send(("joined", {}))
+    send(("joined", {"peer_id": sub.endpoint.peer_id.to_base58() if sub.endpoint else ""}))
     try:
         while True:
             msg = conn.recv()
@@ -447,6 +456,12 @@ class VersionResult:
     uploads: int
     digests_match: bool
     subscribers: list[dict[str, Any]] = field(default_factory=list)
+    # the relay tree this version formed: depth of the deepest subscriber (publisher 0; None when a provider was
+    # not one of the case's peers), and the bound "minimal tree depth x transfer time at --rate" (None on loopback)
+    tree_depth: int | None = None
+    min_depth: int = 0
+    transfer_s: float | None = None
+    bound_s: float | None = None
 
 
 @dataclass
@@ -461,6 +476,7 @@ class CaseResult:
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
     library: dict[str, Any] = field(default_factory=dict)  # revision when the workers started (it may change)
+    peers: dict[str, int] = field(default_factory=dict)  # libp2p peer id -> worker index (publisher 0)
 
     def counted(self) -> list[VersionResult]:
         return [v for v in self.versions if v.counted]
@@ -494,6 +510,26 @@ class CaseResult:
                 h["path"] != ("anchor" if self.mode == "full" else "patch") for v in vs for h in v.subscribers
             ),
             "provider_retries": self.provider_retries,
+            **self.bound_summary(),
+        }
+
+    def bound_summary(self) -> dict[str, Any]:
+        """Latency against the bound of issue 14 (minimal relay-tree depth x one transfer at the link rate)."""
+        vs = [v for v in self.counted() if v.bound_s]
+        if not vs:
+            return {}
+        ratios = [v.latency_s / v.bound_s for v in vs if v.bound_s]
+        after = [(v.latency_s - v.encode_s) / v.bound_s for v in vs if v.bound_s]
+        depths = [v.tree_depth for v in vs if v.tree_depth is not None]
+        return {
+            "min_depth": vs[0].min_depth,
+            "formed_depth_max": max(depths) if depths else None,
+            "mean_transfer_s": statistics.mean(v.transfer_s or 0.0 for v in vs),
+            "mean_bound_s": statistics.mean(v.bound_s or 0.0 for v in vs),
+            "mean_ratio": statistics.mean(ratios),
+            "max_ratio": max(ratios),
+            "mean_latency_after_encode_s": statistics.mean(v.latency_s - v.encode_s for v in vs),
+            "mean_ratio_after_encode": statistics.mean(after),
         }
 
     @property
@@ -691,6 +727,7 @@ class Coordinator:
                 full_bf16_bytes=2 * info["num_elements"],
                 library=library_revision(),
             )
+            case.peers[info["peer_id"]] = 0
             self.current_case = case
             for i in range(1, n_subs + 1):
                 self.hub.send("subscriber", i, ("join", info["maddrs"]))
@@ -699,6 +736,7 @@ class Coordinator:
                 role, index, msg = self.next_message(deadline, "subscribers to join", case)
                 if role == "subscriber" and msg[0] == "joined":
                     joined.add(index)
+                    case.peers[msg[1]["peer_id"]] = index
             log(
                 f"{condition} subscribers={n_subs} mode={mode}: {n_subs + 1} peers up "
                 f"({info['num_params'] / 1e6:.1f}M params, trainer threads={info['threads']})"
@@ -735,8 +773,10 @@ class Coordinator:
         deadline = time.monotonic() + self.args.version_timeout
         pub: dict[str, Any] | None = None
         reports: dict[int, dict[str, Any]] = {}
-        if not step:
-            self.hub.send("subscriber", 1, ("follow",))
+        started = 0
+        if not step:  # the warm-up starts subscribers in batches (memory: each receives a full anchor)
+            for started in range(1, min(self.args.warmup_batch, n_subs) + 1):
+                self.hub.send("subscriber", started, ("follow",))
         # Subscribers may hold the version before the publisher's own reply (it comes after ``flush``).
         while pub is None or len(reports) < n_subs:
             role, index, msg = self.next_message(deadline, "the publisher and all subscribers to hold a version", case)
@@ -746,8 +786,9 @@ class Coordinator:
                 if index in reports:
                     raise WorkerFailed(f"subscriber {index} reports two versions for one publish: {msg[1]['version']}")
                 reports[index] = msg[1]
-                if not step and index < n_subs:
-                    self.hub.send("subscriber", index + 1, ("follow",))
+                if not step and started < n_subs:
+                    started += 1
+                    self.hub.send("subscriber", started, ("follow",))
             else:
                 raise WorkerFailed(f"unexpected message from {role} {index}: {msg[0]}")
         version = pub["version"]
@@ -758,6 +799,9 @@ class Coordinator:
             holds[index] = {"index": index, "latency_s": report["t"] - pub["t_call"], **report}
         stats = self.request(("stats",), "stats", 60, case)
         latencies = [h["latency_s"] for h in holds.values()]
+        parents = {i: case.peers.get(h.get("served_by") or "") for i, h in holds.items()}
+        for i, h in holds.items():
+            h["parent"] = parents[i]
         full = case.mode == "full"
         object_bytes = pub["anchor_bytes"] if (full or not step) else pub["patch_bytes"]
         if object_bytes is None:
@@ -783,8 +827,84 @@ class Coordinator:
                 h["digest"] == pub["digest"] and h["reported_digest"] == pub["digest"] for h in holds.values()
             ),
             subscribers=[holds[i] for i in sorted(holds)],
+            tree_depth=tree_depth(parents),
+            min_depth=min_tree_depth(n_subs),
         )
+        rate = parse_rate(self.args.rate)
+        if case.condition != "loopback" and rate:
+            result.transfer_s = object_bytes * 8 / rate
+            result.bound_s = result.min_depth * result.transfer_s
         return result, stats["bytes_uploaded"], stats["uploads"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The bound of issue 14: tree depth x one transfer
+# --------------------------------------------------------------------------------------------------
+
+PUBLISHER_FANOUT = 2  # Publisher(max_uploads_per_version=2)
+TARGET_RATIO = 1.5
+
+
+def min_tree_depth(n_subs: int, fanout: int = PUBLISHER_FANOUT) -> int:
+    """The smallest depth d of a relay tree in which the publisher serves ``fanout`` subscribers and every
+    subscriber then serves ``fanout`` others: fanout + fanout^2 + ... + fanout^d >= n_subs."""
+    depth, reached, level = 0, 0, 1
+    while reached < n_subs:
+        depth += 1
+        level *= fanout
+        reached += level
+    return depth
+
+
+def tree_depth(parents: dict[int, int | None]) -> int | None:
+    """Depth of the tree formed by ``{subscriber: index of the peer that served it}`` (publisher 0); None when a
+    provider is unknown or the parents do not form a tree rooted at the publisher."""
+    depths: dict[int, int] = {0: 0}
+
+    def depth(i: int, seen: frozenset[int]) -> int | None:
+        if i in depths:
+            return depths[i]
+        parent = parents.get(i)
+        if parent is None or parent in seen:
+            return None
+        d = depth(parent, seen | {i})
+        if d is None:
+            return None
+        depths[i] = d + 1
+        return d + 1
+
+    found = [depth(i, frozenset()) for i in parents]
+    return None if not found or any(d is None for d in found) else max(d for d in found if d is not None)
+
+
+def parse_rate(rate: str) -> float | None:
+    """A ``tc`` rate in bits per second (``100mbit``, ``1gbit``, ``12500kbps`` = bytes); None if unparsable."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
+    if not m:
+        return None
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+    return float(m.group(1)) * scale * (8 if m.group(3) == "bps" else 1)
+
+
+def format_bound_table(cases: list[CaseResult]) -> str:
+    rows = [
+        "subs  mode     depth_min  depth_formed  transfer_s  bound_s  latency_mean_s  ratio_mean  ratio_max  "
+        "after_encode_s  ratio_after_encode  upload_x_obj  target(<=1.5)"
+    ]
+    rows.append("-" * len(rows[0]))
+    for c in cases:
+        s = c.summary()
+        if not s or "mean_ratio" not in s:
+            continue
+        formed = "?" if s["formed_depth_max"] is None else str(s["formed_depth_max"])
+        verdict = "met" if s["mean_ratio"] <= TARGET_RATIO else "MISSED"
+        rows.append(
+            f"{c.subscribers:<4}  {c.mode:<7}  {s['min_depth']:>9}  {formed:>12}  {s['mean_transfer_s']:>10.2f}  "
+            f"{s['mean_bound_s']:>7.2f}  {s['mean_latency_s']:>14.2f}  {s['mean_ratio']:>10.2f}  "
+            f"{s['max_ratio']:>9.2f}  {s['mean_latency_after_encode_s']:>14.2f}  "
+            f"{s['mean_ratio_after_encode']:>18.2f}  {s['upload_x_object']:>12.2f}  {verdict:>13}"
+        )
+    return "\n".join(rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -907,6 +1027,18 @@ def main(argv: list[str] | None = None) -> int:
         help="override SwarmSource.relay_wait: seconds a subscriber turned away by a busy publisher waits before "
         "looking for relays again (default: the library's)",
     )
+    ap.add_argument(
+        "--conditions",
+        type=lambda t: t.split(","),
+        default=["loopback", "netns"],
+        help="subset of loopback,netns (netns: the rate-limited namespaces)",
+    )
+    ap.add_argument(
+        "--warmup-batch",
+        type=int,
+        default=1,
+        help="subscribers that fetch the initial anchor at once (memory: each holds about 2.5 copies meanwhile)",
+    )
     ap.add_argument("--version-timeout", type=float, default=1800.0, help="bound on one version's distribution")
     ap.add_argument(
         "--no-memory-check",
@@ -932,10 +1064,16 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_at_start = os.getloadavg()[0]
     revision = library_revision()
-    conditions: list[dict[str, Any]] = [{"name": "loopback", "rate": None, "skipped": None}]
+    if set(args.conditions) - {"loopback", "netns"} or not args.conditions or args.warmup_batch < 1:
+        ap.error("--conditions must be a subset of loopback,netns and --warmup-batch positive")
+    conditions: list[dict[str, Any]] = []
+    if "loopback" in args.conditions:
+        conditions.append({"name": "loopback", "rate": None, "skipped": None})
     netns: NetNS | None = None
     netns_label = rate_label(args.rate)
-    if args.no_netns:
+    if "netns" not in args.conditions:
+        pass
+    elif args.no_netns:
         conditions.append({"name": netns_label, "rate": args.rate, "skipped": "--no-netns"})
     else:
         reason = NetNS.unavailable_reason()
@@ -1024,6 +1162,15 @@ def main(argv: list[str] | None = None) -> int:
         title = "loopback (127.0.0.1)" if cond["rate"] is None else f"{cond['name']} links (tc tbf, network namespaces)"
         print(title)
         print(format_table(mine))
+        if cond["rate"] and any(c.bound_summary() for c in mine):
+            print(
+                f"\nBound (issue 14): minimal relay-tree depth d (publisher serves {PUBLISHER_FANOUT}, every relay "
+                f"{PUBLISHER_FANOUT} more: {PUBLISHER_FANOUT} + {PUBLISHER_FANOUT}^2 + ... + "
+                f"{PUBLISHER_FANOUT}^d >= subscribers) x one transfer of the object at {cond['name']}; ratio = "
+                "publish() -> last subscriber / bound (mean and worst version); after_encode: from the version "
+                "stored and announced; depth_formed: deepest subscriber in the tree of who served whom."
+            )
+            print(format_bound_table(mine))
         for sk in skipped_cases:
             if sk["condition"] == cond["name"]:
                 print(f"  {sk['subscribers']} subscriber(s) {sk['mode']}: skipped ({sk['reason']})")
@@ -1046,7 +1193,8 @@ def main(argv: list[str] | None = None) -> int:
             if initial is not None and c.mode == "patches":
                 print(
                     f"  {c.subscribers} subscriber(s): initial anchor ({initial.object_bytes / 1e6:.1f} MB) reached "
-                    f"all subscribers, one after the other, {initial.latency_s:.2f} s after publish (not counted)"
+                    f"all subscribers, {args.warmup_batch} at a time, {initial.latency_s:.2f} s after publish "
+                    "(not counted)"
                 )
     if failed:
         print("\nThe benchmark did not finish; the tables show the cases that completed.")

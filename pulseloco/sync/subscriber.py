@@ -15,13 +15,15 @@ subscriber, fail ("routing: not found") and send them all back to the publisher.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import random
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, MutableMapping
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -42,7 +44,7 @@ from pulseloco.sync.anchor import load_anchor
 from pulseloco.sync.patch import apply_patch
 from pulseloco.sync.signing import Envelope, check_payload, public_key_fingerprint, verify_envelope
 from pulseloco.sync.store import VersionStore
-from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
+from pulseloco.sync.transport import FetchRequest, OnStart, Provided, SwarmEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +136,20 @@ class DirectorySource:
 
 
 class SwarmSource:
-    """Objects from providers on a hivemind swarm: relays first (random order), the publisher last.
+    """Objects from providers on a hivemind swarm: relays holding the whole object first, then relays still
+    receiving it (they forward it as it arrives), each group in random order, and the publisher last.
 
     Every request has a timeout; a provider that stalls, answers garbage or fails authentication is logged
-    and the next one is tried. When only the publisher holds an object and it is over its upload budget,
-    the source polls up to ``relay_wait`` seconds for a relay to appear, then asks relays first and the
-    publisher with ``force``. Polling makes a long ``relay_wait`` cheap when relays appear; it must exceed the
-    time the first relays need to download the object, or the publisher ends up serving everyone.
+    and the next one is tried (a relay that failed once is not asked again for that object). When providers
+    answer ``busy`` (the publisher past its upload budget, relays serving as many downloads as they will), the
+    source asks again every ``poll_interval`` seconds, reading the provider records anew, so it picks up relays
+    as soon as they announce (they do when an object starts arriving); after ``relay_wait`` seconds of busy
+    answers it asks the publisher with ``force``. ``relay_wait`` must exceed the time the first relays need to
+    start receiving the object, or the publisher ends up serving everyone.
+
+    ``on_start`` (set by a relaying :class:`Subscriber`) is passed to :meth:`SwarmEndpoint.fetch`, so the
+    object is relayed while it arrives. ``served_by`` lists, per object fetched, ``(kind, version, peer id)``
+    (the newest 64).
     """
 
     def __init__(
@@ -152,6 +161,8 @@ class SwarmSource:
         timeout: float = 60.0,
         chunk_timeout: float = 10.0,
         relay_wait: float = 10.0,
+        poll_interval: float = 0.1,
+        on_start: OnStart | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.key = public_key
@@ -159,29 +170,39 @@ class SwarmSource:
         self.timeout = timeout
         self.chunk_timeout = chunk_timeout
         self.relay_wait = relay_wait
+        self.poll_interval = poll_interval
+        self.on_start = on_start
+        self.served_by: deque[tuple[str, int, str]] = deque(maxlen=64)
 
     def head(self) -> Head | None:
         env = self.endpoint.get_head(self.key)
         return None if env is None else Head(env.version, env.digest, env.anchor_version, env.time)
 
     def fetch(self, request: FetchRequest) -> Fetched | None:
+        """The authenticated object, or None when no provider lists it or none served it by ``timeout``."""
         deadline = time.monotonic() + self.timeout
         me = self.endpoint.peer_id.to_base58()
-        waited_for_relay = False
+        first_busy: float | None = None
+        failed: set[str] = set()  # relays that failed this request: not asked again
         while time.monotonic() < deadline:
-            providers = self.endpoint.get_providers(timeout=min(10.0, self.timeout))
-            holders = [
-                (peer, info["publisher"])
-                for peer, info in providers.items()
-                if peer != me and (request.kind == "squash" or request.version in info["versions"])
-            ]
-            relays = [p for p, is_pub in holders if not is_pub]
-            publishers = [p for p, is_pub in holders if is_pub]
-            random.shuffle(relays)
+            providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
+            complete, partial, publishers = [], [], []
+            for peer, info in providers.items():
+                listed = request.kind == "squash" or request.version in info["versions"]
+                if peer == me or peer in failed or not listed:
+                    continue
+                if info["publisher"]:
+                    publishers.append(peer)
+                elif request.version in info["partial"]:
+                    partial.append(peer)
+                else:
+                    complete.append(peer)
+            random.shuffle(complete)
+            random.shuffle(partial)
+            force = first_busy is not None and time.monotonic() - first_busy >= self.relay_wait
             busy = False
-            for peer in relays + publishers:
-                force = waited_for_relay and peer in publishers
-                req = FetchRequest(request.kind, request.version, request.base_version, force)
+            for peer in complete + partial + publishers:
+                req = FetchRequest(request.kind, request.version, request.base_version, force and peer in publishers)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -193,65 +214,297 @@ class SwarmSource:
                         max_bytes=self.max_payload_bytes,
                         timeout=remaining,
                         chunk_timeout=self.chunk_timeout,
+                        on_start=self.on_start,
                     )
                 except Exception as exc:  # any failure of a stranger's provider: log it and try the next one
                     logger.warning("fetch failed peer=%s request=%s error=%r", peer, request, exc)
+                    if peer not in publishers:
+                        failed.add(peer)
                     continue
                 if isinstance(result, tuple):
+                    self.served_by.append((request.kind, request.version, peer))
                     return Fetched(result[0], result[1], result[2], request.kind)
                 busy |= result == "busy"
-                if result == "missing" and request.kind == "squash":
-                    continue
             if not busy:
                 return None
-            if waited_for_relay:
-                time.sleep(0.2)
-            else:  # poll for a relay that holds it (the first subscribers announce within a second or so)
-                relay_deadline = min(deadline, time.monotonic() + self.relay_wait)
-                while time.monotonic() < relay_deadline and not self._new_relay(request, set(relays), me):
-                    time.sleep(0.2)
-            waited_for_relay = True
+            if first_busy is None:
+                first_busy = time.monotonic()
+            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
         logger.warning("no provider served request=%s within %.1f s", request, self.timeout)
         return None
 
-    def _new_relay(self, request: FetchRequest, known: set[str], me: str) -> bool:
-        """Whether a relay other than ``known`` now announces the requested version."""
-        for peer, info in self.endpoint.get_providers(timeout=min(5.0, self.timeout)).items():
-            if peer in known or peer == me or info["publisher"]:
-                continue
-            if request.kind == "squash" or request.version in info["versions"]:
-                return True
-        return False
+
+#: Default bound on the bytes a relay holds (objects complete and in progress, anchors included): 1 GiB, a few
+#: anchors of a ~100M-parameter model or about a hundred patches of a 1B one.
+DEFAULT_RELAY_MAX_BYTES = 1 << 30
+#: Default number of downloads a relay serves at once (its uplink is shared between them); more are told busy.
+DEFAULT_RELAY_UPLOADS = 2
+
+
+class _RelayObject:
+    """One object a relay holds or is still receiving: its signed envelope, and the payload's pieces so far.
+
+    ``done``: every byte arrived and matched the signed SHA-256; ``error``: the download failed (the object is
+    then out of the relay, and readers still streaming it end with an error). Guarded by the relay's lock;
+    readers on an event loop are woken through ``waiters``.
+    """
+
+    def __init__(
+        self, kind: str, version: int, base_version: int | None, envelope: bytes, size: int, *, done: bool = False
+    ) -> None:
+        self.kind = kind
+        self.version = version
+        self.base_version = base_version
+        self.envelope = envelope
+        self.size = size
+        self.chunks: list[bytes] = []
+        self.received = 0
+        self.done = done
+        self.error: str | None = None
+        self.started = time.monotonic()
+        self.completed_at: float | None = time.monotonic() if done else None
+        #: monotonic time at which a downstream was first sent a piece, and how many bytes downstreams were sent
+        #: before this relay had the whole object (pipelining, visible to tests and logs)
+        self.first_served_at: float | None = None
+        self.bytes_served_early = 0
+        self.readers = 0
+        self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+
+    def wake(self) -> None:
+        """Wake every reader (call with the relay's lock held)."""
+        for loop, event in self.waiters:
+            with contextlib.suppress(RuntimeError):  # a loop that closed has no reader left to wake
+                loop.call_soon_threadsafe(event.set)
+
+
+class _RelayReader:
+    """A :class:`pulseloco.sync.transport.ChunkSource` over a relay object: the pieces already received at once,
+    then each new one as it arrives. Raises :class:`PayloadError` when the download fails or does not verify,
+    :class:`TimeoutError` when nothing arrives for ``stall_timeout`` seconds."""
+
+    def __init__(self, relay: _Relay, obj: _RelayObject, stall_timeout: float) -> None:
+        self.relay = relay
+        self.obj = obj
+        self.size = obj.size
+        self.stall_timeout = stall_timeout
+
+    async def chunks(self) -> AsyncIterator[bytes | memoryview]:
+        obj, lock = self.obj, self.relay.lock
+        waiter = (asyncio.get_running_loop(), asyncio.Event())
+        index = 0
+        with lock:
+            obj.waiters.add(waiter)
+        try:
+            while True:
+                with lock:
+                    waiter[1].clear()  # before reading the state, so that a piece arriving after it wakes us
+                    new, done, error = obj.chunks[index:], obj.done, obj.error
+                    if new and not done:
+                        obj.bytes_served_early += sum(len(c) for c in new)
+                        if obj.first_served_at is None:
+                            obj.first_served_at = time.monotonic()
+                index += len(new)
+                for piece in new:
+                    yield piece
+                if new:
+                    continue
+                if error is not None:
+                    raise PayloadError(f"relay's download of {obj.kind} v{obj.version} failed: {error}")
+                if done:
+                    return
+                try:
+                    await asyncio.wait_for(waiter[1].wait(), self.stall_timeout)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"relay's download of {obj.kind} v{obj.version} stalled for {self.stall_timeout:.1f} s"
+                    ) from None
+        finally:
+            with lock:
+                obj.waiters.discard(waiter)
+
+
+class _RelaySink:
+    """The :class:`pulseloco.sync.transport.ObjectSink` of an object a relay receives: pieces go into the relay
+    object as they arrive; a failure drops the object from the relay and ends its readers with an error."""
+
+    def __init__(self, relay: _Relay, obj: _RelayObject) -> None:
+        self.relay = relay
+        self.obj = obj
+
+    def chunk(self, data: bytes) -> None:
+        with self.relay.lock:
+            self.obj.chunks.append(data)
+            self.obj.received += len(data)
+            self.obj.wake()
+
+    def complete(self, payload: bytes) -> None:
+        with self.relay.lock:
+            self.obj.done = True
+            self.obj.completed_at = time.monotonic()
+            self.obj.wake()
+        logger.debug(
+            "relayed kind=%s version=%d bytes=%d early_bytes=%d",
+            self.obj.kind,
+            self.obj.version,
+            self.obj.size,
+            self.obj.bytes_served_early,
+        )
+
+    def fail(self, reason: str) -> None:
+        with self.relay.lock:
+            self.obj.error = reason
+            self.obj.chunks = []
+            key = (self.obj.kind, self.obj.version)
+            if self.relay.objects.get(key) is self.obj:
+                del self.relay.objects[key]
+            self.obj.wake()
+        logger.info("dropped kind=%s version=%d from the relay: %s", self.obj.kind, self.obj.version, reason)
+        self.relay.changed()
 
 
 class _Relay:
-    """Objects this subscriber holds, served to other subscribers: the recent patches in memory and at most one
-    anchor (a full BF16 copy)."""
+    """Objects this subscriber holds or is receiving, served to other subscribers.
 
-    def __init__(self, capacity: int = 16) -> None:
-        self.objects: OrderedDict[tuple[str, int], tuple[bytes, bytes, int | None]] = OrderedDict()
+    An object is registered as soon as its signed envelope verified (:meth:`begin`, before its payload arrives)
+    and served while it arrives: a downstream gets the pieces received so far, then each new one (pipelining a
+    relay tree instead of storing and forwarding whole objects). The downstream verifies the SHA-256 itself;
+    a download that fails or does not match drops the object and ends its downstream streams with an error.
+
+    Bounds: at most ``capacity`` objects and ``max_bytes`` bytes (payload sizes, in-progress objects counted at
+    their signed size, anchors included) and one anchor; the oldest objects that are complete and not being
+    served are evicted first. An object that cannot fit (everything else in progress or being served, or larger
+    than ``max_bytes`` itself) is not relayed. At most ``max_uploads`` downloads are served at once; more are
+    answered ``busy``.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 16,
+        *,
+        max_bytes: int = DEFAULT_RELAY_MAX_BYTES,
+        max_uploads: int = DEFAULT_RELAY_UPLOADS,
+        stall_timeout: float = 10.0,
+        on_change: Callable[[], None] | None = None,
+    ) -> None:
+        self.objects: OrderedDict[tuple[str, int], _RelayObject] = OrderedDict()
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.max_uploads = max_uploads
+        self.stall_timeout = stall_timeout
+        self.on_change = on_change
+        self.uploads = 0
         self.lock = threading.Lock()
 
-    def add(self, kind: str, version: int, envelope: bytes, payload: bytes, base_version: int | None = None) -> None:
+    @property
+    def bytes_held(self) -> int:
         with self.lock:
-            if kind == "anchor":  # a full copy of the model: keep only the newest one in memory
-                for key in [k for k in self.objects if k[0] == "anchor"]:
-                    del self.objects[key]
-            self.objects[(kind, version)] = (envelope, payload, base_version)
-            while len(self.objects) > self.capacity:
-                self.objects.popitem(last=False)
+            return sum(o.size for o in self.objects.values())
+
+    def changed(self) -> None:
+        """Tell the owner that the set of held objects changed (it re-announces); never raises."""
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # announcing is best effort; a relay keeps serving
+                logger.exception("relay change hook failed")
+
+    def _make_room(self, size: int, kind: str) -> bool:
+        """Evict (lock held) until an object of ``size`` bytes fits; False (nothing evicted) when it cannot."""
+        if size > self.max_bytes:
+            return False
+
+        def evictable(o: _RelayObject) -> bool:
+            return o.done and o.readers == 0
+
+        candidates = [k for k, o in self.objects.items() if evictable(o)]  # oldest first
+        victims: list[tuple[str, int]] = []
+        if kind == "anchor":  # a full copy of the model: keep only the newest one
+            victims += [k for k in candidates if k[0] == "anchor"]
+        count = len(self.objects) - len(victims) + 1
+        total = sum(o.size for k, o in self.objects.items() if k not in victims) + size
+        for k in candidates:
+            if count <= self.capacity and total <= self.max_bytes:
+                break
+            if k not in victims:
+                victims.append(k)
+                count -= 1
+                total -= self.objects[k].size
+        if count > self.capacity or total > self.max_bytes:
+            return False
+        for k in victims:
+            del self.objects[k]
+        return True
+
+    def begin(self, envelope: Envelope, blob: bytes) -> _RelaySink | None:
+        """Register an object whose envelope verified and whose payload is about to arrive; returns the sink for
+        its pieces, or None when it is already held or does not fit the bounds (then it is not relayed)."""
+        key = (envelope.kind, envelope.version)
+        with self.lock:
+            held = self.objects.get(key)
+            if held is not None and held.base_version == envelope.base_version and held.error is None:
+                return None
+            if held is not None and held.readers == 0:
+                del self.objects[key]  # a squash from another base, or a failed attempt: replace it
+            elif held is not None:
+                return None
+            if not self._make_room(envelope.size, envelope.kind):
+                logger.debug("not relaying kind=%s version=%d: over the relay's bounds", *key)
+                return None
+            obj = _RelayObject(envelope.kind, envelope.version, envelope.base_version, blob, envelope.size)
+            self.objects[key] = obj
+        self.changed()
+        return _RelaySink(self, obj)
+
+    def add(self, kind: str, version: int, envelope: bytes, payload: bytes, base_version: int | None = None) -> None:
+        """Hold a complete, verified object (no-op when it is held already, or when it does not fit)."""
+        with self.lock:
+            held = self.objects.get((kind, version))
+            if held is not None and held.base_version == base_version and held.error is None:
+                return
+            if held is not None:
+                if held.readers:
+                    return
+                del self.objects[(kind, version)]
+            if not self._make_room(len(payload), kind):
+                logger.debug("not relaying kind=%s version=%d: over the relay's bounds", kind, version)
+                return
+            obj = _RelayObject(kind, version, base_version, envelope, len(payload), done=True)
+            obj.chunks, obj.received = [payload], len(payload)
+            self.objects[(kind, version)] = obj
 
     def provide(self, request: FetchRequest) -> Provided:
+        """Answer a fetch: ``missing`` for what is not held (or a squash from another base), ``busy`` past
+        ``max_uploads`` downloads at once, else the envelope and a reader of the payload (complete or arriving)."""
         with self.lock:
-            found = self.objects.get((request.kind, request.version))
-        if found is None or (request.kind == "squash" and found[2] != request.base_version):
-            return Provided("missing")  # a squash from another base is no use to the asker
-        return Provided("ok", found[0], found[1])
+            obj = self.objects.get((request.kind, request.version))
+            other_base = obj is not None and request.kind == "squash" and obj.base_version != request.base_version
+            if obj is None or obj.error is not None or other_base:
+                return Provided("missing")  # a squash from another base is no use to the asker
+            if self.uploads >= self.max_uploads:
+                return Provided("busy")
+            self.uploads += 1
+            obj.readers += 1
+
+        def done() -> None:
+            with self.lock:
+                self.uploads -= 1
+                obj.readers -= 1
+
+        return Provided("ok", obj.envelope, source=_RelayReader(self, obj, self.stall_timeout), on_done=done)
+
+    def get(self, kind: str, version: int) -> _RelayObject | None:
+        with self.lock:
+            return self.objects.get((kind, version))
 
     def versions(self) -> list[int]:
+        """Every version held or in progress."""
         with self.lock:
             return sorted({v for _, v in self.objects})
+
+    def partial(self) -> list[int]:
+        """Versions still arriving."""
+        with self.lock:
+            return sorted({o.version for o in self.objects.values() if not o.done})
 
 
 def _union_indices(changed: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -281,6 +534,11 @@ class Subscriber:
         full_checkpoints: the comparison baseline: fetch the full BF16 anchor of every version (the publisher
             must use ``anchor_every=1``) instead of patches, over the same transport and relays.
         max_payload_bytes, timeout: limits for one object and one update.
+        relay_max_bytes: bound on the bytes the relay holds (objects complete and in progress, anchors included;
+            oldest complete ones not being served are evicted first; an object that does not fit is not relayed).
+        relay_uploads: downloads the relay serves at once (others are told ``busy`` and look elsewhere).
+        chunk_timeout: seconds one message of a download may take; a relay ends its downstreams with an error
+            when its own download stalls that long.
         no_head_warning_after: seconds without any head (nothing published yet, or the wrong run id or key)
             after which one warning says what this subscriber is waiting for; once per wait.
 
@@ -302,6 +560,9 @@ class Subscriber:
         timeout: float = 60.0,
         provider_ttl: float = 30.0,
         no_head_warning_after: float = 30.0,
+        relay_max_bytes: int = DEFAULT_RELAY_MAX_BYTES,
+        relay_uploads: int = DEFAULT_RELAY_UPLOADS,
+        chunk_timeout: float = 10.0,
     ) -> None:
         self.run_id = run_id
         self.no_head_warning_after = no_head_warning_after
@@ -312,7 +573,14 @@ class Subscriber:
         self.version: int | None = None
         self.digest = ""
         self.provider_ttl = provider_ttl
-        self._relay = _Relay()
+        self._relay = _Relay(
+            max_bytes=relay_max_bytes,
+            max_uploads=relay_uploads,
+            stall_timeout=chunk_timeout,
+            on_change=self._request_announce,
+        )
+        self._announce_wanted = threading.Event()
+        self._announcer: threading.Thread | None = None
         self._shadow: dict[str, torch.Tensor] | None = None
         self._changed: dict[str, list[torch.Tensor]] | None = {}  # indices written by the update in progress
         self.endpoint: SwarmEndpoint | None = None
@@ -322,14 +590,23 @@ class Subscriber:
             if dht is None:
                 raise ValueError("give a DHT or a source")
             self.endpoint = SwarmEndpoint(dht, run_id, name="subscriber")
-            if relay:
-                self.endpoint.serve(self._relay.provide)
-            source = SwarmSource(self.endpoint, public_key, max_payload_bytes=max_payload_bytes, timeout=timeout)
+            source = SwarmSource(
+                self.endpoint,
+                public_key,
+                max_payload_bytes=max_payload_bytes,
+                timeout=timeout,
+                chunk_timeout=chunk_timeout,
+                on_start=self._relay.begin if relay else None,
+            )
         self.source = source
         self.full_checkpoints = full_checkpoints
         self.mirror = VersionStore(mirror_dir) if mirror_dir is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        if self.endpoint is not None and relay:
+            self.endpoint.serve(self._relay.provide)
+            self._announcer = threading.Thread(target=self._announce_loop, name="pulsesync-announce", daemon=True)
+            self._announcer.start()
 
     @classmethod
     def from_directory(
@@ -494,8 +771,7 @@ class Subscriber:
             published=head.time,
             changed=_union_indices(self._changed) if self._changed is not None else None,
         )
-        if self.endpoint is not None and self.endpoint.servicer is not None and self._reachable():
-            self.endpoint.announce_provider(self._relay.versions(), publisher=False, ttl=self.provider_ttl)
+        self._request_announce()
         logger.info(
             "updated version=%d previous=%s changed=%d bytes=%d seconds=%.3f path=%s",
             report.version,
@@ -506,6 +782,28 @@ class Subscriber:
             path,
         )
         return report
+
+    def _request_announce(self) -> None:
+        """Ask the announcer thread to publish the relay's holdings (coalesced; returns at once)."""
+        self._announce_wanted.set()
+
+    def _announce_loop(self) -> None:
+        """Announce the relay's objects (complete and arriving) whenever they change, and every third of
+        ``provider_ttl`` so the record does not expire; until :meth:`close`. DHT errors are logged, retried."""
+        while not self._stop.is_set():
+            self._announce_wanted.wait(timeout=self.provider_ttl / 3)
+            self._announce_wanted.clear()
+            if self._stop.is_set() or self.endpoint is None:
+                return
+            versions = self._relay.versions()
+            if not versions or not self._reachable():
+                continue
+            try:
+                self.endpoint.announce_provider(
+                    versions, partial=self._relay.partial(), publisher=False, ttl=self.provider_ttl, timeout=10.0
+                )
+            except Exception as exc:  # the DHT process is gone or stuck: keep the relay serving, try again later
+                logger.warning("announcing the relay failed error=%r", exc)
 
     def _reachable(self) -> bool:
         """Whether other peers can reach this subscriber's relay (checked before every announcement: a relay
@@ -696,7 +994,10 @@ class Subscriber:
     def close(self) -> None:
         """Stop following and leave the swarm (bounded)."""
         self._stop.set()
+        self._announce_wanted.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._announcer is not None:
+            self._announcer.join(timeout=15)
         if self.endpoint is not None:
             self.endpoint.close()

@@ -23,9 +23,9 @@ import json
 import logging
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -33,15 +33,17 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from pulseloco.errors import PayloadError, UnauthorizedError
-from pulseloco.p2p import P2PHost, read_stream, stream_messages
+from pulseloco.errors import PayloadError, PayloadSizeError, TruncatedPayloadError, UnauthorizedError
+from pulseloco.p2p import CHUNK_BYTES, P2PHost, header_message, parse_header, stream_messages
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES, Envelope, verify_envelope
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "PROBE_KIND",
+    "ChunkSource",
     "FetchRequest",
+    "ObjectSink",
     "Provided",
     "SwarmEndpoint",
     "SyncServicer",
@@ -82,13 +84,51 @@ class FetchRequest:
             raise PayloadError(f"malformed fetch request: {exc}") from None
 
 
+class ChunkSource(Protocol):
+    """A payload served while it may still be arriving (a relay's object in progress): ``size`` bytes in all,
+    read by :meth:`chunks` in order."""
+
+    size: int
+
+    def chunks(self) -> AsyncIterator[bytes | memoryview]:
+        """The payload's bytes in order, each piece at most the size it was received in; waits (bounded by the
+        source's own stall timeout) for pieces still to arrive. Ends after exactly ``size`` bytes once the whole
+        payload is verified; raises (:class:`PayloadError`, :class:`TimeoutError`) when its upstream failed,
+        did not verify or stalled, so that the asker's stream ends with an error and it tries another provider."""
+        ...
+
+
+class ObjectSink(Protocol):
+    """Receives an object while :meth:`SwarmEndpoint.fetch` downloads it (a relay serving it onwards).
+
+    ``chunk`` is called with each piece of the payload in order, then exactly one of ``complete`` (the payload
+    matched its signed size and SHA-256) or ``fail`` (anything else: a stall, a truncated stream, a mismatch).
+    Called on the endpoint's event loop thread; must not block.
+    """
+
+    def chunk(self, data: bytes) -> None: ...
+
+    def complete(self, payload: bytes) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
+
+
+#: ``on_start(envelope, envelope_bytes)``: called once an object's signed envelope verified, before its payload
+#: arrives; returns where the payload's pieces should also go, or None.
+OnStart = Callable[[Envelope, bytes], "ObjectSink | None"]
+
+
 @dataclass(frozen=True)
 class Provided:
-    """A provider's answer: ``status`` is ok, missing or busy; ``envelope`` and ``payload`` when ok."""
+    """A provider's answer: ``status`` is ok, missing or busy; ``envelope`` and ``payload`` when ok, or
+    ``envelope`` and ``source`` for a payload still arriving (served as it arrives)."""
 
     status: str
     envelope: bytes = b""
     payload: bytes = b""
+    source: ChunkSource | None = None
+    #: called once when the answer's stream ends, however it ends (a provider counting its uploads in flight)
+    on_done: Callable[[], None] | None = None
 
 
 class SyncServicer(ServicerBase):
@@ -107,7 +147,11 @@ class SyncServicer(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:  # hivemind needs typing's alias for streams
         """Stream the requested object: a header with ``status`` (ok, missing, busy or error) and, when ok, the
-        base64 signed envelope, then the payload's chunks. Bad requests get an error status, never an exception."""
+        base64 signed envelope, then the payload's chunks. Bad requests get an error status, never an exception.
+
+        A payload still arriving (``Provided.source``) is forwarded as it arrives; when its upstream fails, does
+        not verify or stalls, the source raises and the stream ends with hivemind's error message, which the
+        asker's :meth:`SwarmEndpoint.fetch` raises (it then tries the next provider)."""
         try:
             run_id, req = FetchRequest.decode(request.metadata)
             if run_id != self.run_id:
@@ -118,21 +162,35 @@ class SyncServicer(ServicerBase):
             for message in stream_messages(runtime_pb2.ExpertResponse, {"status": "error", "error": str(exc)}):
                 yield message
             return
-        if provided.status != "ok":
-            for message in stream_messages(runtime_pb2.ExpertResponse, {"status": provided.status}):
-                yield message
-            return
-        self.num_uploads += 1
-        head = {"status": "ok", "envelope": base64.b64encode(provided.envelope).decode()}
-        for index, message in enumerate(stream_messages(runtime_pb2.ExpertResponse, head, [provided.payload])):
-            if index:
-                self.bytes_uploaded += len(message.metadata)
-            yield message
+        try:
+            if provided.status != "ok":
+                for message in stream_messages(runtime_pb2.ExpertResponse, {"status": provided.status}):
+                    yield message
+                return
+            self.num_uploads += 1
+            head = {"status": "ok", "envelope": base64.b64encode(provided.envelope).decode()}
+            if provided.source is not None:  # an object still arriving: forward its pieces as they come
+                yield header_message(runtime_pb2.ExpertResponse, {**head, "size": provided.source.size})
+                async for piece in provided.source.chunks():
+                    view = memoryview(piece).cast("B")
+                    for start in range(0, len(view), CHUNK_BYTES):
+                        data = bytes(view[start : start + CHUNK_BYTES])
+                        self.bytes_uploaded += len(data)
+                        yield runtime_pb2.ExpertResponse(metadata=data)
+            else:
+                for index, message in enumerate(stream_messages(runtime_pb2.ExpertResponse, head, [provided.payload])):
+                    if index:
+                        self.bytes_uploaded += len(message.metadata)
+                    yield message
+        finally:
+            if provided.on_done is not None:
+                provided.on_done()
+        size = provided.source.size if provided.source is not None else len(provided.payload)
         logger.debug(
             "served kind=%s version=%d bytes=%d peer=%s",
             req.kind,
             req.version,
-            len(provided.payload),
+            size,
             context.remote_id,
         )
 
@@ -211,11 +269,24 @@ class SwarmEndpoint:
         return env if env.kind == "head" else None
 
     def announce_provider(
-        self, versions: list[int], *, publisher: bool, ttl: float, timeout: float | None = None
+        self,
+        versions: list[int],
+        *,
+        publisher: bool,
+        ttl: float,
+        timeout: float | None = None,
+        partial: list[int] | None = None,
     ) -> None:
-        """Say in the DHT that this peer serves ``versions`` (hint only); wait up to ``timeout`` s if given."""
+        """Say in the DHT that this peer serves ``versions`` (hint only); wait up to ``timeout`` s if given.
+
+        ``partial``: those of ``versions`` still arriving (a relay serves them as they arrive); askers prefer
+        holders of the whole object. Readers that predate the field see partial versions as held, which is safe.
+        """
         # every version a publisher keeps (retention bounds them) so that late joiners find old anchors; deduplicated
-        value = {"versions": sorted(set(versions))[-_MAX_ANNOUNCED_VERSIONS:], "publisher": publisher}
+        listed = sorted(set(versions))[-_MAX_ANNOUNCED_VERSIONS:]
+        value: dict[str, Any] = {"versions": listed, "publisher": publisher}
+        if partial:
+            value["partial"] = sorted(set(partial) & set(listed))
         future = self.dht.store(
             self.providers_key,
             value,
@@ -230,7 +301,9 @@ class SwarmEndpoint:
                 logger.warning("DHT did not store the provider record within %.1f s", timeout)
 
     def get_providers(self, *, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
-        """Peers announcing objects for this run: ``{peer_id_base58: {"versions": [...], "publisher": bool}}``."""
+        """Peers announcing objects for this run: ``{peer_id_base58: {"versions": [...], "publisher": bool,
+        "partial": [...]}}`` (``partial``: versions the peer is still receiving; empty when it says none).
+        Malformed entries are skipped."""
         future = self.dht.get(self.providers_key, latest=True, return_future=True)
         try:
             found = future.result(timeout)
@@ -248,22 +321,51 @@ class SwarmEndpoint:
                 and isinstance(value.get("versions"), list)
                 and all(isinstance(v, int) for v in value["versions"])
             ):
-                out[subkey] = {"versions": value["versions"], "publisher": bool(value.get("publisher"))}
+                partial = value.get("partial", [])
+                if not isinstance(partial, list) or not all(isinstance(v, int) for v in partial):
+                    partial = []
+                out[subkey] = {
+                    "versions": value["versions"],
+                    "publisher": bool(value.get("publisher")),
+                    "partial": partial,
+                }
         return out
 
     # ---- payload transfer --------------------------------------------------------------------------------
 
-    async def _fetch(self, peer: PeerID, request: FetchRequest, max_bytes: int, chunk_timeout: float) -> Provided:
-        """Request ``request`` from ``peer`` and read the answer (see :func:`pulseloco.p2p.read_stream` for the
-        errors; a header without a status or with a bad envelope raises :class:`PayloadError`)."""
+    async def _fetch(
+        self,
+        peer: PeerID,
+        request: FetchRequest,
+        max_bytes: int,
+        chunk_timeout: float,
+        key: Ed25519PublicKey | None = None,
+        on_start: OnStart | None = None,
+    ) -> Provided:
+        """Request ``request`` from ``peer`` and read the answer in the stream protocol of
+        :mod:`pulseloco.p2p` (a header, then the payload's chunks).
+
+        With ``key``, the envelope in the header is verified (signature, run id, the kind and version asked for,
+        the declared size equal to the signed one) before any chunk is read, and the payload's SHA-256 against the
+        signed one at the end; then ``on_start(envelope, envelope_bytes)`` may return an :class:`ObjectSink` that
+        sees every chunk as it arrives and, at the end, ``complete`` or ``fail`` (always exactly one of them).
+
+        Raises :class:`TimeoutError` when a message does not come within ``chunk_timeout``, :class:`PayloadError`
+        for an empty stream, a header without a status or size or with a bad envelope,
+        :class:`PayloadSizeError` for a size above ``max_bytes`` or more bytes than declared,
+        :class:`TruncatedPayloadError` for a stream that ends early, :class:`UnauthorizedError` for an envelope
+        that does not verify or does not answer the request, or a payload that does not match its SHA-256.
+        """
         stub = SyncServicer.get_stub(self.p2p, peer, namespace=self.run_id)
         stream = await asyncio.wait_for(
             stub.rpc_fetch(runtime_pb2.ExpertRequest(metadata=request.encode(self.run_id))), chunk_timeout
         )
+        iterator = stream.__aiter__()
         try:
-            head, payload = await read_stream(stream, max_bytes=max_bytes, timeout=chunk_timeout)
-        except PayloadError as exc:
-            raise type(exc)(f"provider {peer}: {exc}") from None
+            first = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
+        except StopAsyncIteration:
+            raise PayloadError(f"provider {peer}: the stream ended without a header") from None
+        head = parse_header(first.metadata)
         try:
             status = str(head["status"])
             envelope = base64.b64decode(head.get("envelope", ""), validate=True)
@@ -271,9 +373,66 @@ class SwarmEndpoint:
             raise PayloadError(f"malformed response header from {peer}: {exc!r}") from None
         if status == "error":
             raise PayloadError(f"provider {peer} refused the request: {head.get('error')}")
+        size = head.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise PayloadError(f"provider {peer}: stream header has no valid size: {size!r}")
         if status != "ok":
             return Provided(status)
+        if size > max_bytes:
+            raise PayloadSizeError(f"provider {peer}: stream declares {size} bytes, above the limit of {max_bytes}")
+        env: Envelope | None = None
+        sink: ObjectSink | None = None
+        if key is not None:
+            env = self._check_envelope(peer, request, key, envelope)
+            if env.size != size:
+                raise UnauthorizedError(f"provider {peer} declares {size} bytes for a payload signed as {env.size}")
+            if on_start is not None:
+                sink = on_start(env, envelope)
+        parts: list[bytes] = []
+        received = 0
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
+                except StopAsyncIteration:
+                    break
+                data = message.metadata
+                received += len(data)
+                if received > size:
+                    raise PayloadSizeError(f"provider {peer}: stream carries more than the {size} bytes it declares")
+                parts.append(data)
+                if sink is not None:
+                    sink.chunk(data)
+            if received < size:
+                raise TruncatedPayloadError(f"provider {peer}: stream ended after {received} of {size} bytes")
+            payload = b"".join(parts)
+            del parts
+            if env is not None and hashlib.sha256(payload).hexdigest() != env.sha256:
+                raise UnauthorizedError(
+                    f"payload from {peer} does not match its signed SHA-256: corrupted in transit or forged"
+                )
+        except BaseException as exc:  # cancellation included: a relay's downstream must learn it will not complete
+            if sink is not None:
+                sink.fail(f"download from {peer} failed: {exc!r}")
+            raise
+        if sink is not None:
+            sink.complete(payload)
         return Provided("ok", envelope, payload)
+
+    def _check_envelope(self, peer: PeerID, request: FetchRequest, key: Ed25519PublicKey, blob: bytes) -> Envelope:
+        """The verified envelope of an answer to ``request``; raises :class:`UnauthorizedError` (bad signature,
+        another run, or another object than the one asked for) or :class:`PayloadError` (not an envelope)."""
+        env = verify_envelope(key, blob, run_id=self.run_id)
+        if (
+            env.kind != request.kind
+            or env.version != request.version
+            or (request.kind == "squash" and env.base_version != request.base_version)
+        ):
+            raise UnauthorizedError(
+                f"provider {peer} answered a request for {request.kind} v{request.base_version}->"
+                f"v{request.version} with {env.kind} v{env.base_version}->v{env.version}"
+            )
+        return env
 
     def fetch(
         self,
@@ -284,33 +443,29 @@ class SwarmEndpoint:
         max_bytes: int,
         timeout: float,
         chunk_timeout: float = 10.0,
+        on_start: OnStart | None = None,
     ) -> tuple[Envelope, bytes, bytes] | str:
         """Fetch an object from ``peer`` and authenticate it.
 
         Returns ``(envelope, signed envelope bytes, payload)``, or the provider's status string
-        (``missing``/``busy``) when it did not serve. Raises :class:`UnauthorizedError` for a bad signature
-        or a payload whose SHA-256 is not the signed one (corruption in transit or a malicious relay),
-        :class:`PayloadError` for a malformed or oversized response, :class:`TimeoutError` when the provider
-        stalls.
+        (``missing``/``busy``) when it did not serve. The envelope is verified from the stream's header, before
+        the payload arrives; ``on_start`` (see :meth:`_fetch`) then lets a relay serve the payload onwards while
+        it arrives; its sink is told ``fail`` on any error below, timeouts included. Raises
+        :class:`UnauthorizedError` for a bad signature, an envelope for another object, or a payload whose
+        SHA-256 is not the signed one (corruption in transit or a malicious relay), :class:`PayloadError` for a
+        malformed or oversized response or a provider's error (a relay whose own upstream failed),
+        :class:`TimeoutError` when the provider stalls for ``chunk_timeout`` or the whole fetch exceeds
+        ``timeout``.
         """
         peer_id = peer if isinstance(peer, PeerID) else PeerID.from_base58(peer)
-        provided = self._host.run(self._fetch(peer_id, request, max_bytes, chunk_timeout), timeout=timeout)
+        provided = self._host.run(
+            self._fetch(peer_id, request, max_bytes, chunk_timeout, key, on_start), timeout=timeout
+        )
         if provided.status != "ok":
             return provided.status
-        env = verify_envelope(key, provided.envelope, run_id=self.run_id)
-        if (
-            env.kind != request.kind
-            or env.version != request.version
-            or (request.kind == "squash" and env.base_version != request.base_version)
-        ):
-            raise UnauthorizedError(
-                f"provider {peer_id} answered a request for {request.kind} v{request.base_version}->"
-                f"v{request.version} with {env.kind} v{env.base_version}->v{env.version}"
-            )
-        if len(provided.payload) != env.size or hashlib.sha256(provided.payload).hexdigest() != env.sha256:
-            raise UnauthorizedError(
-                f"payload from {peer_id} does not match its signed SHA-256: corrupted in transit or forged"
-            )
+        env = self._check_envelope(peer_id, request, key, provided.envelope)
+        if len(provided.payload) != env.size:  # _fetch checked both already; cheap, and keeps the contract local
+            raise UnauthorizedError(f"payload from {peer_id} is not of its signed size")
         return env, provided.envelope, provided.payload
 
     async def _probe_one(self, peer: str, timeout: float) -> str | None:
