@@ -43,6 +43,7 @@ from pulseloco.errors import (
     TruncatedPayloadError,
     UnsupportedVersionError,
 )
+from pulseloco.parallel import num_threads, parallel_map
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,8 @@ def _compress(raw: bytes, level: int) -> tuple[bytes, str]:
     """zstd-compress ``raw`` if that makes it smaller, else keep it raw."""
     if not raw:
         return b"", "raw"
-    threads = -1 if len(raw) >= _THREADED_BYTES else 0
+    # zstd's multithreaded mode gives the same bytes for any number of workers >= 1 (not the same as 0).
+    threads = num_threads() if len(raw) >= _THREADED_BYTES else 0
     packed = zstandard.ZstdCompressor(level=level, threads=threads, write_content_size=True).compress(raw)
     if len(packed) < len(raw):
         return packed, "zstd"
@@ -195,10 +197,8 @@ def encode_payload(
     names = [e.name for e in entries]
     if len(set(names)) != len(names):
         raise ValueError("duplicate tensor names in payload")
-    tensors: list[dict[str, Any]] = []
-    index_parts: list[bytes] = []
-    planes: dict[int, list[bytes]] = {}
-    for entry in entries:
+
+    def encode_entry(entry: SparseTensor) -> tuple[dict[str, Any], bytes, list[bytes]]:
         value_dtype, width = _value_format(value_mode, entry.dtype)
         indices_K = entry.indices.detach().to("cpu", torch.int64).numpy()
         values_K = entry.values.detach().cpu()
@@ -208,20 +208,25 @@ def encode_payload(
                 f"got {values_K.numel()} of {values_K.dtype}"
             )
         code = encode_indices(indices_K, entry.numel)
-        index_parts.append(code.data)
         wire_K = to_wire_values(values_K.reshape(-1), value_mode)
         byte_planes = wire_K.view(np.uint8).reshape(-1, width)
-        for j in range(width):
-            planes.setdefault(j, []).append(np.ascontiguousarray(byte_planes[:, j]).tobytes())
-        tensors.append(
-            {
-                "name": entry.name,
-                "shape": list(entry.shape),
-                "dtype": bit_format(entry.dtype).name,
-                "count": int(indices_K.size),
-                "index": {"method": code.method, "k": code.k, "size": len(code.data)},
-            }
-        )
+        planes = [np.ascontiguousarray(byte_planes[:, j]).tobytes() for j in range(width)]
+        info = {
+            "name": entry.name,
+            "shape": list(entry.shape),
+            "dtype": bit_format(entry.dtype).name,
+            "count": int(indices_K.size),
+            "index": {"method": code.method, "k": code.k, "size": len(code.data)},
+        }
+        return info, code.data, planes
+
+    encoded = parallel_map(encode_entry, entries)
+    tensors = [info for info, _, _ in encoded]
+    index_parts = [data for _, data, _ in encoded]
+    planes: dict[int, list[bytes]] = {}
+    for _, _, entry_planes in encoded:
+        for j, plane in enumerate(entry_planes):
+            planes.setdefault(j, []).append(plane)
     index_raw = b"".join(index_parts)
     value_raw = b"".join(b"".join(planes[j]) for j in sorted(planes))
     index_stored, index_codec = _compress(index_raw, level)
@@ -388,14 +393,21 @@ def peek_header(payload: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> 
     return _validate_header(header, body_start, len(payload), max_elements)
 
 
-def decode_payload(payload: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> DecodedPayload:
-    """Decode and fully validate a frame.
+def decode_payload(
+    payload: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS, header: FrameHeader | None = None
+) -> DecodedPayload:
+    """Decode and fully validate a frame (tensors are decoded in parallel, :mod:`pulseloco.parallel`).
+
+    ``header``: what :func:`peek_header` returned for these same bytes, to skip parsing them twice.
 
     Raises a :class:`PayloadError` subclass on truncation, wrong magic or format version, checksum mismatch,
     sizes that do not add up or exceed ``max_elements``, or indices out of range / not strictly increasing.
     Nothing larger than the header's (bounded) declared sizes is ever allocated.
     """
-    header = peek_header(payload, max_elements=max_elements)
+    if header is None:
+        header = peek_header(payload, max_elements=max_elements)
+    elif header.total_bytes != len(payload):
+        raise PayloadSizeError(f"header describes a {header.total_bytes}-byte payload, got {len(payload)} bytes")
     view = memoryview(payload)
     start = header.header_bytes
     index_raw = _decompress(
@@ -421,30 +433,30 @@ def decode_payload(payload: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) 
             if width > j:
                 offset += t["count"]
         plane_offsets.append(offsets)
-    entries = []
-    index_offset = 0
+    index_offsets = np.cumsum([0] + [t["index"]["size"] for t in header.tensors]).tolist()
     values_buf = np.frombuffer(value_raw, dtype=np.uint8)
-    for i, (t, (value_dtype, width)) in enumerate(zip(header.tensors, formats, strict=True)):
+
+    def decode_entry(i: int) -> SparseTensor:
+        t = header.tensors[i]
+        value_dtype, width = formats[i]
         count, shape = t["count"], tuple(t["shape"])
-        size = t["index"]["size"]
-        code = IndexCode(t["index"]["method"], t["index"]["k"], index_raw[index_offset : index_offset + size])
-        index_offset += size
+        code = IndexCode(t["index"]["method"], t["index"]["k"], index_raw[index_offsets[i] : index_offsets[i + 1]])
         indices_K = decode_indices(code, count, math.prod(shape))
         wire_K = np.empty((count, width), dtype=np.uint8)
         for j in range(width):
             wire_K[:, j] = values_buf[plane_offsets[j][i] : plane_offsets[j][i] + count]
         bits_K = from_wire_values(wire_K.reshape(-1).view(np.dtype(f"<u{width}")), mode)
         int_dtype = bit_format(value_dtype).int_dtype if value_dtype.is_floating_point else value_dtype
-        values_K = torch.from_numpy(bits_K.view(np.dtype(f"<i{width}")).copy()).view(int_dtype)
+        values_K = torch.from_numpy(bits_K.view(np.dtype(f"<i{width}"))).view(int_dtype)
         if value_dtype.is_floating_point:
             values_K = values_K.view(value_dtype)
-        entries.append(
-            SparseTensor(
-                name=t["name"],
-                shape=shape,
-                dtype=bit_format(t["dtype"]).dtype,
-                indices=torch.from_numpy(indices_K),
-                values=values_K,
-            )
+        return SparseTensor(
+            name=t["name"],
+            shape=shape,
+            dtype=bit_format(t["dtype"]).dtype,
+            indices=torch.from_numpy(indices_K),
+            values=values_K,
         )
+
+    entries = parallel_map(decode_entry, range(len(header.tensors)))
     return DecodedPayload(header=header, entries=tuple(entries))

@@ -82,32 +82,65 @@ def _best_rice_k(gaps_K: np.ndarray) -> tuple[int, int]:
     return k, bits
 
 
+def _group_layout(k: int) -> list[list[tuple[int, int]]]:
+    """For each of the 8 values of a group (8 values of ``k`` bits fill exactly ``k`` bytes), the bytes of the
+    group it touches and, per byte, ``shift``: the byte holds ``(value >> shift) & 0xFF`` (a left shift when
+    negative). Every group has the same layout, so packing is a few column operations over all groups."""
+    layout = []
+    for j in range(8):
+        first, last = (j * k) // 8, (j * k + k - 1) // 8
+        layout.append([(q, j * k + k - 8 * q - 8) for q in range(first, last + 1)])
+    return layout
+
+
+def _work_dtype(k: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds a ``k``-bit value shifted left by up to 7 bits."""
+    return np.dtype(np.uint16 if k <= 9 else np.uint32 if k <= 25 else np.uint64)
+
+
 def _pack_fixed(values_K: np.ndarray, k: int) -> bytes:
-    """Pack unsigned values (below ``2**k``) in ``k`` bits each, most significant bit first."""
-    if k == 0 or values_K.size == 0:
+    """Pack unsigned values (below ``2**k``) in ``k`` bits each, most significant bit first.
+
+    Values are taken in groups of 8, which fill ``k`` bytes exactly; byte ``q`` of every group is assembled
+    from the (at most two or three) values that overlap it, column by column, so the cost is a few passes over
+    ``count * k / 8`` bytes. The last group is padded with zero values, whose bits past the end are cut.
+    """
+    count = int(values_K.size)
+    if k == 0 or count == 0:
         return b""
-    num_bytes = (k + 7) // 8
-    be_bytes = values_K.astype(">u8").view(np.uint8).reshape(-1, 8)[:, 8 - num_bytes :]
-    bits = np.unpackbits(be_bytes, axis=1)[:, 8 * num_bytes - k :]
-    return np.packbits(bits.reshape(-1)).tobytes()
+    groups = -(-count // 8)
+    work = _work_dtype(k)
+    padded = np.zeros(groups * 8, dtype=work)
+    padded[:count] = values_K
+    cols = padded.reshape(groups, 8)
+    out = np.zeros((groups, k), dtype=np.uint8)
+    for j, parts in enumerate(_group_layout(k)):
+        column = cols[:, j]
+        for q, shift in parts:
+            part = column >> work.type(shift) if shift >= 0 else column << work.type(-shift)
+            out[:, q] |= part.astype(np.uint8)  # keeps the low byte
+    return out.reshape(-1)[: (count * k + 7) // 8].tobytes()
 
 
 def _unpack_fixed(data: bytes, count: int, k: int) -> np.ndarray:
-    """Inverse of :func:`_pack_fixed`; the caller has checked ``len(data)``.
-
-    Each value is read from the 8-byte big-endian window that starts at its first byte (k <= 40 bits plus a
-    bit offset below 8 always fit in 64 bits), so the whole stream decodes in a few vectorised passes.
-    """
+    """Inverse of :func:`_pack_fixed`; the caller has checked ``len(data)``."""
     if k == 0 or count == 0:
         return np.zeros(count, dtype=np.uint64)
-    buf = np.frombuffer(data, dtype=np.uint8)
-    padded = np.zeros(buf.size + 8, dtype=np.uint8)
-    padded[: buf.size] = buf
-    bit_offsets = np.arange(count, dtype=np.uint64) * np.uint64(k)
-    windows = np.lib.stride_tricks.sliding_window_view(padded, 8)[(bit_offsets >> np.uint64(3)).astype(np.intp)]
-    words = windows.copy().view(">u8").reshape(-1).astype(np.uint64)
-    words <<= bit_offsets & np.uint64(7)
-    return words >> np.uint64(64 - k)
+    groups = -(-count // 8)
+    buf = np.zeros(groups * k, dtype=np.uint8)
+    raw = np.frombuffer(data, dtype=np.uint8)
+    buf[: raw.size] = raw
+    rows = buf.reshape(groups, k)
+    work = _work_dtype(k)
+    out = np.zeros((groups, 8), dtype=work)
+    mask = work.type((1 << k) - 1)
+    for j, parts in enumerate(_group_layout(k)):
+        acc = out[:, j]
+        for q, shift in parts:
+            byte = rows[:, q].astype(work)
+            acc |= byte << work.type(shift) if shift >= 0 else byte >> work.type(-shift)
+        acc &= mask
+    return out.reshape(-1)[:count].astype(np.uint64)
 
 
 def encode_indices(indices_K: np.ndarray, numel: int) -> IndexCode:
