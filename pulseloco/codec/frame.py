@@ -61,7 +61,9 @@ __all__ = [
 ]
 
 MAGIC = b"PLCO"
-FORMAT_VERSION = 1
+#: 2: digests are the chunked scheme of :mod:`pulseloco.digest` (version 1 hashed each state in one stream), so
+#: a peer of another release reports the format instead of failing a digest check.
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<4sHHI")
 _CHECKSUM_BYTES = 8
 #: Header JSON above this size is rejected before parsing.
