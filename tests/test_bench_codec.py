@@ -40,7 +40,7 @@ def test_small_run_reports_every_codec(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--small", "--lrs", "1e-5", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--small", "--lrs", "1e-5", "--threads", "1,2", "--json", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -54,8 +54,8 @@ def test_small_run_reports_every_codec(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     rows = report["rows"]
     inputs = {r["input"] for r in rows}
-    # 1 lr x 2 windows (1 step, 8 steps) + 3 random densities.
-    assert len(inputs) == 5
+    # 1 lr x 2 windows (1 step, 8 steps) + 4 random densities.
+    assert len(inputs) == 6
     assert {r["kind"] for r in rows} == {"real", "random"}
     for inp in inputs:
         assert {r["codec"] for r in rows if r["input"] == inp} == set(bench.CODECS)
@@ -69,7 +69,14 @@ def test_small_run_reports_every_codec(tmp_path: Path) -> None:
     names = {t["name"] for t in report["targets"]}
     assert any("authors bytes" in n for n in names)
     assert any("n*H(p)/8" in n for n in names)
-    assert any("clone" in n for n in names)
+    assert {"pulseloco-abs encode / clone at 1% random", "pulseloco-delta apply / clone at 10% random"} <= names
+    # The random inputs were measured on 1 and 2 threads; the table holds the 2-thread rows.
+    assert report["config"]["thread_counts"] == [1, 2]
+    scaling = report["scaling"]
+    assert {r["meta"]["threads"] for r in scaling} == {1, 2}
+    assert len(scaling) == 2 * len([r for r in rows if r["kind"] == "random"])
+    assert all(r["meta"]["threads"] == 2 for r in rows if r["kind"] == "random")
+    assert "Thread scaling" in proc.stdout
 
 
 def _edge_states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
