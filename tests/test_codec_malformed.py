@@ -216,7 +216,7 @@ def test_wrong_magic(magic: bytes) -> None:
     assert_rejected(frame.assemble(), BadMagicError, "not a pulseloco payload")
 
 
-@pytest.mark.parametrize("fmt", [0, 2, 255, 65535])
+@pytest.mark.parametrize("fmt", [0, 1, 3, 255, 65535])
 def test_unknown_format_version(fmt: int) -> None:
     frame = _frame()
     frame.fmt = fmt

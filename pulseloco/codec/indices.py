@@ -219,7 +219,8 @@ def decode_indices(code: IndexCode, count: int, numel: int) -> np.ndarray:
     if int(quotients_K.max()) > (numel >> k):
         raise InvalidIndicesError(f"index gap exceeds the tensor's {numel} elements")
     remainders_K = _unpack_fixed(data[unary_bytes:], count, k)
-    if k and np.unpackbits(np.frombuffer(data[unary_bytes:], dtype=np.uint8))[count * k :].any():
+    pad_bits = -(count * k) % 8
+    if pad_bits and data[-1] & ((1 << pad_bits) - 1):
         raise InvalidIndicesError("rice remainder stream has nonzero padding bits")
     gaps_K = (quotients_K << np.uint64(k)) | remainders_K
     if int(gaps_K.max()) >= numel:
