@@ -100,6 +100,7 @@ class WorkerSpec:
     fetch_timeout: float = 600.0
     provider_wait: float = 2.0
     relay_wait: float | None = None  # None: the library's SwarmSource default
+    relay_max_bytes: int | None = None  # None: the library's Subscriber default
     threads: int | None = None
 
 
@@ -275,8 +276,14 @@ def subscriber_worker(spec: WorkerSpec) -> None:
     if msg[0] != "join":
         return
     dht = make_dht(SwarmConfig(initial_peers=msg[1], host_maddrs=[f"/ip4/{spec.host}/tcp/0"]))
+    options = {} if spec.relay_max_bytes is None else {"relay_max_bytes": spec.relay_max_bytes}
     sub = Subscriber(
-        dht, spec.run_id, load_public_key(spec.key_path), full_checkpoints=spec.full, timeout=spec.fetch_timeout
+        dht,
+        spec.run_id,
+        load_public_key(spec.key_path),
+        full_checkpoints=spec.full,
+        timeout=spec.fetch_timeout,
+        **options,
     )
     if spec.relay_wait is not None:
         sub.source.relay_wait = spec.relay_wait
@@ -679,6 +686,7 @@ class Coordinator:
             fetch_timeout=args.fetch_timeout,
             provider_wait=args.provider_wait,
             relay_wait=args.relay_wait,
+            relay_max_bytes=None if args.relay_max_mb is None else int(args.relay_max_mb * 1e6),
         )
 
         def host(i: int) -> str:
@@ -1028,6 +1036,13 @@ def main(argv: list[str] | None = None) -> int:
         "looking for relays again (default: the library's)",
     )
     ap.add_argument(
+        "--relay-max-mb",
+        type=float,
+        default=None,
+        help="Subscriber(relay_max_bytes=) in MB (default: the library's); below a full BF16 copy plus a patch, a "
+        "relay drops its anchor once patches arrive (memory with many subscribers)",
+    )
+    ap.add_argument(
         "--conditions",
         type=lambda t: t.split(","),
         default=["loopback", "netns"],
@@ -1215,6 +1230,8 @@ def main(argv: list[str] | None = None) -> int:
                 "poll_s": args.poll,
                 "provider_wait_s": args.provider_wait,
                 "relay_wait_s": args.relay_wait,
+                "relay_max_mb": args.relay_max_mb,
+                "warmup_batch": args.warmup_batch,
                 "fetch_timeout_s": args.fetch_timeout,
                 "batch_size": BATCH_SIZE,
                 "seq_len": SEQ_LEN,

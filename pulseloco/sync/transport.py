@@ -34,7 +34,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from pulseloco.errors import PayloadError, PayloadSizeError, TruncatedPayloadError, UnauthorizedError
-from pulseloco.p2p import CHUNK_BYTES, P2PHost, header_message, parse_header, stream_messages
+from pulseloco.p2p import P2PHost, header_message, parse_header, stream_messages
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES, Envelope, verify_envelope
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,10 @@ __all__ = [
 PROBE_KIND = "probe"
 #: Bound on the versions one provider record lists (a few kB in the DHT).
 _MAX_ANNOUNCED_VERSIONS = 1024
+#: Payload bytes per stream message. Smaller than :data:`pulseloco.p2p.CHUNK_BYTES` (1 MiB) because a relay
+#: forwards a message once it has all of it: each hop of a relay tree adds one message's transfer time (21 ms
+#: at 100 Mbit/s for 256 KiB, 84 ms for 1 MiB).
+SYNC_CHUNK_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -173,8 +177,8 @@ class SyncServicer(ServicerBase):
                 yield header_message(runtime_pb2.ExpertResponse, {**head, "size": provided.source.size})
                 async for piece in provided.source.chunks():
                     view = memoryview(piece).cast("B")
-                    for start in range(0, len(view), CHUNK_BYTES):
-                        data = bytes(view[start : start + CHUNK_BYTES])
+                    for start in range(0, len(view), SYNC_CHUNK_BYTES):
+                        data = bytes(view[start : start + SYNC_CHUNK_BYTES])
                         self.bytes_uploaded += len(data)
                         yield runtime_pb2.ExpertResponse(metadata=data)
             else:
