@@ -66,7 +66,7 @@ def bf16_state(model: torch.nn.Module) -> State:
 
 
 def real_updates(
-    config_name: str, lr: float, windows: list[tuple[int, int]], seed: int
+    config_name: str, lr: float, windows: list[tuple[int, int]], seed: int, device: str = "cpu"
 ) -> dict[tuple[int, int], tuple[State, State]]:
     """Train a fresh model (same seed for every lr) with AdamW at ``lr`` and snapshot the BF16 state.
 
@@ -74,7 +74,7 @@ def real_updates(
     step 0 is the initial state. The synthetic loss is LM cross-entropy on seeded random token ids,
     a new batch of BATCH_SIZE x SEQ_LEN every step.
     """
-    model = build_model(config_name, seed)
+    model = build_model(config_name, seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -84,7 +84,7 @@ def real_updates(
         snaps[0] = bf16_state(model)
     for step in range(1, max(wanted) + 1):
         t0 = time.perf_counter()
-        ids = torch.randint(0, vocab, (BATCH_SIZE, SEQ_LEN), generator=gen)
+        ids = torch.randint(0, vocab, (BATCH_SIZE, SEQ_LEN), generator=gen).to(device)
         loss = model(input_ids=ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -340,7 +340,15 @@ def tune_malloc() -> bool:
 
 
 def clone_state(state: State) -> State:
-    return {k: v.clone() for k, v in state.items()}
+    """A clone of every tensor, on the tensors' device (waits for a GPU to finish, so it can be timed)."""
+    out = {k: v.clone() for k, v in state.items()}
+    if any(v.is_cuda for v in out.values()):
+        torch.cuda.synchronize()
+    return out
+
+
+def to_device(state: State, device: str) -> State:
+    return state if device == "cpu" else {k: v.to(device) for k, v in state.items()}
 
 
 def states_equal(a: State, b: State) -> bool:
@@ -442,6 +450,16 @@ def measure_input(
         clone_s = statistics.median(clone_t1 + clone_t2)
         ok = states_equal(applied, new)
         del applied
+        device = next(iter(new.values())).device
+        if device.type == "cuda":  # what moving the patch's bytes off the GPU costs, for comparison
+            blob = torch.empty(len(payload), dtype=torch.uint8, device=device)
+            copies = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                blob.cpu()
+                copies.append(time.perf_counter() - t0)
+            meta = {**meta, "d2h_patch_s": statistics.median(copies)}
         if codec in BASELINES and not ok:
             raise AssertionError(f"baseline {codec} did not reconstruct {label} bit-identically")
         idx_bytes = index_bytes(base, new, payload)
@@ -625,6 +643,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--densities", type=parse_floats, default=[0.001, 0.01, 0.05, 0.1], help="synthetic mask densities")
     ap.add_argument("--codecs", type=lambda s: s.split(","), default=list(CODECS), help=f"subset of {','.join(CODECS)}")
     ap.add_argument("--small", action="store_true", help="~7M-parameter model instead of ~122M (smoke run)")
+    ap.add_argument(
+        "--model", choices=sorted(MODEL_CONFIGS), default=None, help="model config (default: default, or small)"
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the states live (cuda: the GPU path; timings are then against a clone on the GPU, and the "
+        "JSON rows also hold the time of a device-to-host copy of the patch's size)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--threads",
@@ -653,7 +680,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(c.startswith("pulseloco") for c in args.codecs):
         make_codec("pulseloco-abs")  # fail before the slow part if the library is missing
 
-    config_name = "small" if args.small else "default"
+    config_name = args.model or ("small" if args.small else "default")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        ap.error(f"--device {args.device}: only cpu, or cuda where torch sees a CUDA GPU")
     t_start = time.perf_counter()
     load_at_start = os.getloadavg()[0]
     shapes = {n: p.shape for n, p in build_model(config_name, args.seed).named_parameters()}
@@ -665,17 +694,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[Row] = []
     for lr in args.lrs:
-        updates = real_updates(config_name, lr, windows, args.seed)
+        updates = real_updates(config_name, lr, windows, args.seed, args.device)
         for (s0, s1), (base, new) in updates.items():
             label = f"lr={lr:g} {s1 - s0}-step ({s0}->{s1})"
             meta = {"lr": lr, "start_step": s0, "end_step": s1}
             rows += measure_input(label, "real", base, new, args.codecs, args.reps, meta)
         del updates
 
-    base = synthetic_base(shapes, args.seed + 2)
+    base_cpu = synthetic_base(shapes, args.seed + 2)
+    base = to_device(base_cpu, args.device)
     scaling: list[Row] = []
     for i, p in enumerate(args.densities):
-        new = synthetic_update(base, p, args.seed + 3 + i)
+        new = to_device(synthetic_update(base_cpu, p, args.seed + 3 + i), args.device)
         for n in reversed(thread_counts):
             torch.set_num_threads(n)
             measured = measure_input(
@@ -697,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t_start
     print(
         f"pulseloco codec benchmark: model={config_name} ({num_params / 1e6:.1f}M params, "
-        f"BF16 {2 * num_params / 1e6:.1f} MB), threads={torch.get_num_threads()}, "
+        f"BF16 {2 * num_params / 1e6:.1f} MB), device={args.device}, threads={torch.get_num_threads()}, "
         f"load average {os.getloadavg()[0]:.2f} (at start {load_at_start:.2f})"
     )
     print(f"malloc tuned to keep freed memory: {malloc_tuned}")
@@ -737,6 +767,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seed": args.seed,
                 "threads": torch.get_num_threads(),
                 "thread_counts": thread_counts,
+                "device": args.device,
                 "reps": args.reps,
                 "malloc_tuned": malloc_tuned,
                 "batch_size": BATCH_SIZE,

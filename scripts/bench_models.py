@@ -20,6 +20,17 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         max_position_embeddings=512,
     ),
+    # ~1.1B parameters (a TinyLlama-sized model): the GPU benchmark.
+    "1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        intermediate_size=5632,
+        vocab_size=32000,
+        tie_word_embeddings=False,
+        max_position_embeddings=2048,
+    ),
     # ~7M parameters: a quick smoke run (tests).
     "small": dict(
         hidden_size=256,
