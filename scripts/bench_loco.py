@@ -40,8 +40,8 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 8 // 3 // 8 * 8,
         num_hidden_layers=args.layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
         max_position_embeddings=args.seq_len,
         tie_word_embeddings=False,
     )
@@ -60,7 +60,7 @@ def run_peer(
     from pulseloco import PulseLoCo
 
     dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    model = make_model(args)
+    model = make_model(args).to(args.device)
     inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     opt = PulseLoCo(
         model,
@@ -79,7 +79,7 @@ def run_peer(
     )
     gen = torch.Generator().manual_seed(index)
     while opt.round < args.rounds:
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen)
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=gen).to(args.device)
         loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         opt.step(loss=loss)
@@ -92,7 +92,7 @@ def run_peer(
 def run_config(
     args: argparse.Namespace, selector: str, lr: float, initial_peers: list[str], workdir: Path
 ) -> list[dict]:
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if args.device != "cpu" else "fork")  # CUDA does not survive a fork
     outs = [str(workdir / f"{selector}-{lr:g}-peer{i}.jsonl") for i in range(args.num_peers)]
     procs = [
         ctx.Process(target=run_peer, args=(i, args, selector, lr, initial_peers, outs[i]))
@@ -152,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (and key/value heads)")
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where each peer's model trains (cuda: the GPU path, outer state on pinned host memory by default)",
+    )
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--matchmaking-time", type=float, default=30.0)
@@ -161,10 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if "dense" not in args.selectors:
         parser.error("--selectors must include dense: it is the baseline of the ratios")
+    if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
+        parser.error(f"--device {args.device}: only cpu, or cuda where torch sees a CUDA GPU")
 
     import hivemind
 
-    numel = sum(p.numel() for p in make_model(args).parameters())
+    with torch.device("meta"):  # count parameters without allocating them
+        numel = sum(p.numel() for p in make_model(args).parameters())
     ring = 2 * (args.num_peers - 1) / args.num_peers
     ddp_bytes = ring * 4 * numel * args.inner_steps
     print(
