@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pulseloco.errors import ConfigError
+from pulseloco.loco.optimizer import OUTER_STATE_DEVICES
 from pulseloco.loco.selection import VALUE_DTYPES
 
 STRATEGIES: dict[str, str | None] = {"ddp": None, "diloco": "dense", "pulseloco": "pulse", "sparseloco": "topk"}
@@ -126,6 +127,13 @@ class PulseLoCoArguments(SwarmArguments):
             "rounding remainder stays in the residual and is sent later)."
         ),
     )
+    outer_state_device: str = field(
+        default="auto",
+        metadata=_help(
+            "Where PulseLoCo keeps theta, the residual and the outer momentum (12 bytes a parameter): auto / cpu: "
+            "pinned host memory for a model on a GPU; model: on the model's GPU (faster rounds, needs the room)."
+        ),
+    )
     target_group_size: int | None = field(
         default=None,
         metadata=_help("Start a round as soon as this many peers registered (1: train alone without waiting)."),
@@ -173,6 +181,10 @@ class PulseLoCoArguments(SwarmArguments):
             raise ConfigError(f"pulse_values must be one of {', '.join(VALUE_DTYPES)}, got {self.pulse_values!r}")
         if self.pulse_values != "float32" and self.strategy != "pulseloco":
             raise ConfigError(f"pulse_values={self.pulse_values} needs --strategy pulseloco, got {self.strategy}")
+        if self.outer_state_device not in OUTER_STATE_DEVICES:
+            raise ConfigError(
+                f"outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)}, got {self.outer_state_device!r}"
+            )
         if self.target_group_size is not None and self.target_group_size < 1:
             raise ConfigError(f"target_group_size must be at least 1, got {self.target_group_size}")
         if self.publish_every < 0:
@@ -208,6 +220,7 @@ class PulseLoCoArguments(SwarmArguments):
                 topk_density=self.topk_density,
                 topk_chunk_size=self.topk_chunk_size,
                 pulse_values=self.pulse_values,
+                outer_state_device=self.outer_state_device,
                 matchmaking_time=self.matchmaking_time,
                 target_group_size=self.target_group_size,
                 averaging_timeout=self.averaging_timeout,

@@ -1,0 +1,368 @@
+"""Memory, measured: the extra host memory per parameter that PulseLoCo, a PULSESync publisher and a subscriber
+hold and touch at their peak, each in its own fresh process.
+
+    python scripts/bench_memory.py                 # the ~122M-parameter default model (scripts/bench_models.py)
+    python scripts/bench_memory.py --small --json out.json
+
+Method: every measurement runs in a new ``spawn`` process that builds the FP32 model first, then reads its
+resident set (``VmRSS`` in /proc/self/status) as the baseline and resets the kernel's peak (``VmHWM``, by writing
+5 to /proc/self/clear_refs) before the phase it measures. ``held`` is VmRSS after the phase minus the baseline
+(read after ``gc.collect()`` and glibc's ``malloc_trim(0)``, so that it counts live memory, not heap pages the
+allocator kept after a free); ``peak`` is VmHWM minus the baseline, or minus the RSS just before a round for the
+round's temporaries. Pages count once touched, so what is measured is memory really used, not reserved. The
+inner steps are simulated by an in-place, strided change of one entry in ``--stride`` (no allocation), so that
+the round selects a realistic fraction.
+
+Rows and targets (bytes per parameter ``N``; ``K`` = entries the round sent; ``C`` = ``--chunk-mib``):
+
+- PulseLoCo held: theta, residual, outer momentum (12 B) plus its two staging chunks (``2 C``).
+- PulseLoCo round temporaries (the second round: the first also allocates the momentum): bounded by a shard:
+  ``8 C + 96 K`` (a few chunks, plus the selected entries and their encodings), not by the model.
+- PulseLoCo with a swarm (a real hivemind DHT on 127.0.0.1, a group of one): the same targets; the snapshot it
+  serves to peers is counted in ``held``.
+- Publisher, peak while publishing a patch version: one BF16 snapshot (2 B) plus one patch.
+- Subscriber, peak while applying a patch: one BF16 shadow (2 B) plus one patch.
+
+A row passes when measured <= target * 1.10 + 16 MiB (allocator and library slack; it dominates for --small).
+Nothing is hard-coded: every number printed is read from /proc during this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import queue
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_models import build_model  # scripts/ is on sys.path when run as a script
+
+MIB = 2**20
+SLACK_RELATIVE = 0.10
+SLACK_BYTES = 16 * MIB
+RUN_ID = "bench-memory"
+
+
+# ---- measuring -------------------------------------------------------------------------------------------------
+
+
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, in bytes."""
+    out = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _trim() -> None:
+    """Collect garbage and hand freed heap pages back to the kernel (glibc ``malloc_trim``), so that VmRSS
+    counts live memory rather than what the allocator kept after a free."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS may then include freed heap pages
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _held() -> int:
+    """VmRSS after :func:`_trim`."""
+    _trim()
+    return _status()["VmRSS"]
+
+
+def _reset_peak() -> int:
+    """Reset the peak RSS to the current RSS (Linux clear_refs 5); returns the RSS. Raises OSError where the
+    kernel does not allow it (the benchmark then cannot measure peaks and says so)."""
+    _trim()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status()["VmRSS"]
+
+
+def _perturb(model: Any, stride: int, step: int) -> None:
+    """A stand-in for inner steps, in place and without allocating: every ``stride``-th entry moves by 1e-2."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.view(-1)[step % stride :: stride].add_(1e-2)
+
+
+def _build(config: str, threads: int) -> tuple[Any, int]:
+    import torch
+
+    torch.set_num_threads(threads)
+    model = build_model(config, seed=0)
+    return model, sum(p.numel() for p in model.parameters())
+
+
+# ---- workers (each in its own process) ---------------------------------------------------------------------------
+
+
+def loco_worker(args: dict[str, Any], swarm: bool, results: Any) -> None:
+    """PulseLoCo: construction and two rounds (the first allocates the outer momentum)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    model, numel = _build(args["config"], args["threads"])
+    from pulseloco import PulseLoCo
+
+    dht = None
+    if swarm:
+        import hivemind
+
+        dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    baseline = _reset_peak()
+    opt = PulseLoCo(
+        model,
+        None,
+        dht=dht,
+        run_id=RUN_ID,
+        inner_steps=1,
+        selector="pulse",
+        outer_chunk_bytes=args["chunk_mib"] * MIB,
+        matchmaking_time=1.0,
+        target_group_size=1,
+        averaging_timeout=60.0,
+        request_timeout=10.0,
+    )
+    init_peak = _status()["VmHWM"] - baseline
+    rounds = []
+    for step in range(2):
+        _perturb(model, args["stride"], step)
+        before = _reset_peak()
+        start = time.monotonic()
+        opt.count_inner_step()
+        peak = _status()["VmHWM"]
+        metrics = opt.last_metrics
+        rounds.append(
+            {
+                "temporaries": peak - before,
+                "held": _held() - baseline,
+                "num_sent": metrics.num_sent if metrics is not None else 0,
+                "num_peers": metrics.num_peers if metrics is not None else 0,
+                "seconds": time.monotonic() - start,
+            }
+        )
+    opt.shutdown()
+    if dht is not None:
+        dht.shutdown()
+    results.put(
+        {
+            "numel": numel,
+            "init_peak": init_peak,
+            "rounds": rounds,
+            "pinned": opt.pin_memory,
+            "state_device": str(opt.device),
+        }
+    )
+
+
+def publisher_worker(args: dict[str, Any], workdir: str, results: Any) -> None:
+    """Publisher: an anchor version, then a patch version (the steady state)."""
+    model, numel = _build(args["config"], args["threads"])
+    from cryptography.hazmat.primitives import serialization
+
+    from pulseloco.sync.publisher import Publisher
+    from pulseloco.sync.signing import generate_key
+
+    key = generate_key()
+    patch_bytes: dict[int, int] = {}
+    store = Path(workdir) / "store"
+    baseline = _reset_peak()
+    publisher = Publisher(
+        None,
+        RUN_ID,
+        key,
+        store,
+        anchor_every=1000,
+        on_published=lambda version, digest, size: patch_bytes.__setitem__(version, size),
+    )
+    publisher.publish(model)
+    if publisher.flush(timeout=600) is None:
+        raise RuntimeError(f"the anchor version was not published: {publisher.last_error!r}")
+    anchor_peak = _status()["VmHWM"] - baseline
+    shutil.copytree(store, Path(workdir) / "store-anchor")
+    _perturb(model, args["stride"], 0)
+    _reset_peak()
+    version = publisher.publish(model)
+    if publisher.flush(timeout=600) != version:
+        raise RuntimeError(f"the patch version was not published: {publisher.last_error!r}")
+    peak, held = _status()["VmHWM"], _held()
+    publisher.close()
+    public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    results.put(
+        {
+            "numel": numel,
+            "anchor_peak": anchor_peak,
+            "peak": peak - baseline,
+            "held": held - baseline,
+            "patch_bytes": patch_bytes.get(version, 0),
+            "public_key": public.hex(),
+        }
+    )
+
+
+def subscriber_worker(args: dict[str, Any], workdir: str, public_key: str, results: Any) -> None:
+    """Subscriber of an FP32 model: the anchor version, then the patch version from the full store."""
+    model, numel = _build(args["config"], args["threads"])
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from pulseloco.sync.subscriber import DirectorySource, Subscriber
+
+    key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key))
+    baseline = _reset_peak()
+    subscriber = Subscriber.from_directory(Path(workdir) / "store-anchor", key, run_id=RUN_ID)
+    first = subscriber.update(model)
+    anchor_peak = _status()["VmHWM"] - baseline
+    _reset_peak()
+    # The same subscriber (its BF16 shadow) now reads the store that also holds the patch version.
+    subscriber.source = DirectorySource(Path(workdir) / "store", key, RUN_ID)
+    second = subscriber.update(model)
+    peak, held = _status()["VmHWM"], _held()
+    subscriber.close()
+    if first is None or second is None or second <= first:
+        raise RuntimeError(f"subscriber did not reach the patch version (got {first}, then {second})")
+    results.put(
+        {
+            "numel": numel,
+            "anchor_peak": anchor_peak,
+            "peak": peak - baseline,
+            "held": held - baseline,
+        }
+    )
+
+
+def _run(target: Any, *args: Any, timeout: float = 900.0) -> dict[str, Any]:
+    """Run ``target(*args, queue)`` in a fresh spawn process; its result, or RuntimeError if it failed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    process = ctx.Process(target=target, args=(*args, results))
+    process.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result: dict[str, Any] = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if process.is_alive() and time.monotonic() < deadline:
+                continue
+            process.kill()
+            process.join(timeout=10)
+            raise RuntimeError(f"{target.__name__} gave no result (exit code {process.exitcode})") from None
+    process.join(timeout=60)
+    return result
+
+
+# ---- report ------------------------------------------------------------------------------------------------------
+
+
+def _row(name: str, measured: int, target: int, numel: int, formula: str) -> dict[str, Any]:
+    limit = target * (1 + SLACK_RELATIVE) + SLACK_BYTES
+    return {
+        "row": name,
+        "measured_bytes": measured,
+        "target_bytes": target,
+        "measured_per_param": measured / numel,
+        "target_per_param": target / numel,
+        "formula": formula,
+        "result": "PASS" if measured <= limit else "MISS",
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """All rows; raises RuntimeError when a worker fails."""
+    settings = {"config": args.model, "threads": args.threads, "chunk_mib": args.chunk_mib, "stride": args.stride}
+    chunk = args.chunk_mib * MIB
+    rows = []
+    meta: dict[str, Any] = {"model": args.model, "chunk_mib": args.chunk_mib, "stride": args.stride}
+    for swarm in (False, True) if args.dht else (False,):
+        label = "pulseloco+dht" if swarm else "pulseloco"
+        print(f"measuring {label} ...", file=sys.stderr, flush=True)
+        loco = _run(loco_worker, settings, swarm)
+        n = loco["numel"]
+        meta["numel"] = n
+        meta[label] = loco
+        # Round 1 allocates the outer momentum (held from then on): round 2 is the steady state.
+        last = loco["rounds"][-1]
+        k = last["num_sent"]
+        rows.append(_row(f"{label} held after 2 rounds", last["held"], 12 * n + 2 * chunk, n, "12 B/param + 2 chunks"))
+        rows.append(
+            _row(
+                f"{label} round 2 temporaries (K={k})",
+                last["temporaries"],
+                8 * chunk + 96 * k,
+                n,
+                "8 chunks + 96 B per sent entry",
+            )
+        )
+    print("measuring publisher ...", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-memory-") as workdir:
+        publisher = _run(publisher_worker, settings, workdir)
+        print("measuring subscriber ...", file=sys.stderr, flush=True)
+        subscriber = _run(subscriber_worker, settings, workdir, publisher["public_key"])
+    n, patch = publisher["numel"], publisher["patch_bytes"]
+    meta["patch_bytes"] = patch
+    meta["publisher"] = {k: v for k, v in publisher.items() if k != "public_key"}
+    meta["subscriber"] = subscriber
+    rows.append(_row("publisher peak, patch version", publisher["peak"], 2 * n + patch, n, "BF16 snapshot + patch"))
+    rows.append(_row("publisher held after it", publisher["held"], 2 * n + patch, n, "BF16 snapshot + patch"))
+    rows.append(_row("subscriber peak, patch version", subscriber["peak"], 2 * n + patch, n, "BF16 shadow + patch"))
+    rows.append(_row("subscriber held after it", subscriber["held"], 2 * n + patch, n, "BF16 shadow + patch"))
+    return {"meta": meta, "rows": rows}
+
+
+def table(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [
+        f"model={meta['model']} params={meta['numel'] / 1e6:.1f}M chunk={meta['chunk_mib']} MiB "
+        f"patch={meta['patch_bytes'] / 2**20:.2f} MiB (pass: measured <= target x {1 + SLACK_RELATIVE:.2f} "
+        f"+ {SLACK_BYTES // MIB} MiB)",
+        f"{'what':<44} {'measured B/param':>16} {'target B/param':>15}  {'target':<30} result",
+    ]
+    for row in report["rows"]:
+        lines.append(
+            f"{row['row']:<44} {row['measured_per_param']:>16.2f} {row['target_per_param']:>15.2f}  "
+            f"{row['formula']:<30} {row['result']}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default", help="a scripts/bench_models.py config (default ~122M)")
+    parser.add_argument("--small", action="store_true", help="the ~7M-parameter model and 1 MiB chunks: a smoke run")
+    parser.add_argument("--chunk-mib", type=int, default=16, help="PulseLoCo outer_chunk_bytes, in MiB")
+    parser.add_argument("--stride", type=int, default=97, help="the simulated inner steps move 1 entry in this many")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per worker")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--no-dht", dest="dht", action="store_false", help="skip the PulseLoCo-with-a-DHT rows")
+    args = parser.parse_args(argv)
+    if args.small:
+        args.model, args.chunk_mib = "small", 1
+    if args.chunk_mib < 1 or args.stride < 1 or args.threads < 1:
+        parser.error("--chunk-mib, --stride and --threads must be at least 1")
+    try:
+        _reset_peak()
+    except OSError as exc:
+        print(
+            f"cannot reset the peak RSS here (/proc/self/clear_refs: {exc}); peaks cannot be measured", file=sys.stderr
+        )
+        return 2
+    report = measure(args)
+    print(table(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if all(row["result"] == "PASS" for row in report["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
