@@ -226,8 +226,8 @@ class _ChunkWrite:
         return torch.from_numpy(new_bits.view(f"<i{width}")).view(self.tensor.dtype).to(old_K.device)
 
     def prepare(self) -> None:
-        """Read the values the write will replace and compute the new ones. Every write of a patch is prepared
-        before any is applied, so tensors that share memory (tied weights) all see the base state."""
+        """Read the values the write will replace and compute the new ones. When tensors share memory (tied
+        weights), every write of a patch is prepared before any is applied, so that all of them see the base."""
         if self.span is not None:  # numpy path: one chunk of a contiguous CPU tensor
             self.old_K = torch.from_numpy(bit_view(self.tensor).numpy()[self.indices_K]).view(self.tensor.dtype)
         else:
@@ -251,6 +251,11 @@ class _ChunkWrite:
             self.tensor.copy_(flat.view(self.tensor.shape))
         self.written = True
         self.hashes = state_chunk_digests({"t": self.tensor})["t"]
+
+    def prepare_and_apply(self) -> None:
+        """:meth:`prepare` then :meth:`apply`, in one job (tensors that share no memory)."""
+        self.prepare()
+        self.apply()
 
     def undo(self) -> None:
         """Restore the values :meth:`apply` overwrote (a no-op when it never wrote)."""
@@ -286,6 +291,13 @@ def _plan_writes(
             if hi > lo:
                 plan.append((entry.name, i, _ChunkWrite(target, indices_K[lo:hi], entry.values[lo:hi], delta, span)))
     return plan
+
+
+def _shares_memory(state: Mapping[str, torch.Tensor], names: Sequence[str]) -> bool:
+    """Whether two of the named tensors share storage (tied weights): their writes must all be prepared from
+    the base before any is applied."""
+    storages = [state[name].untyped_storage().data_ptr() for name in names]
+    return len(set(storages)) != len(storages)
 
 
 def apply_patch(
@@ -339,8 +351,11 @@ def apply_patch(
     plan = _plan_writes(state, decoded.entries, header.value_mode == "delta")
     with torch.no_grad():
         try:
-            parallel_map(lambda item: item[2].prepare(), plan)
-            parallel_map(lambda item: item[2].apply(), plan)
+            if _shares_memory(state, [entry.name for entry in decoded.entries]):
+                parallel_map(lambda item: item[2].prepare(), plan)
+                parallel_map(lambda item: item[2].apply(), plan)
+            else:  # each chunk read, written and re-hashed while it is in cache
+                parallel_map(lambda item: item[2].prepare_and_apply(), plan)
             for name, chunk, write in plan:
                 if chunk is None:
                     chunk_hashes[name] = write.hashes
