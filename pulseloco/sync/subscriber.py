@@ -89,6 +89,9 @@ class UpdateReport:
     path: str
     published: float = 0.0
     changed: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    #: wall-clock time (seconds since the epoch) at which the model held ``version``, before the head was read
+    #: again for ``lag``
+    held_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -758,7 +761,7 @@ class Subscriber:
                 received, changed, path = received + result[0], result[1], result[2]
                 self._changed = None
             self._sync_model(model, target)
-            seconds, digest = time.perf_counter() - started, self.digest
+            seconds, digest, held_at = time.perf_counter() - started, self.digest, time.time()
         report = UpdateReport(
             version=head.version,
             previous=previous,
@@ -769,6 +772,7 @@ class Subscriber:
             lag=self._lag(head.version),
             path=path,
             published=head.time,
+            held_at=held_at,
             changed=_union_indices(self._changed) if self._changed is not None else None,
         )
         self._request_announce()
