@@ -215,17 +215,24 @@ def decode_indices(code: IndexCode, count: int, numel: int) -> np.ndarray:
         raise InvalidIndicesError(f"rice stream holds {ones.size} codes, header says {count}")
     if ones[-1] < unary.size - 8:
         raise PayloadSizeError("rice unary stream has trailing bytes")
-    quotients_K = (np.diff(ones, prepend=np.int64(-1)) - 1).astype(np.uint64)
-    if int(quotients_K.max()) > (numel >> k):
+    # The i-th one sits at ones[i] = (q_0 + ... + q_i) + i, so the quotients' prefix sums are ones - i and
+    # index_i = ((ones_i - i) << k) + (r_0 + ... + r_i) + i: no per-gap pass. Every step adds a gap plus one,
+    # so the indices are strictly increasing as long as nothing overflows, which the two bounds below ensure
+    # (both sums are at most the last index, which must be below numel <= 2**40).
+    if int(ones[-1]) - (count - 1) > (numel >> k):
         raise InvalidIndicesError(f"index gap exceeds the tensor's {numel} elements")
     remainders_K = _unpack_fixed(data[unary_bytes:], count, k)
     pad_bits = -(count * k) % 8
     if pad_bits and data[-1] & ((1 << pad_bits) - 1):
         raise InvalidIndicesError("rice remainder stream has nonzero padding bits")
-    gaps_K = (quotients_K << np.uint64(k)) | remainders_K
-    if int(gaps_K.max()) >= numel:
+    if k and float(remainders_K.sum(dtype=np.float64)) >= numel:
         raise InvalidIndicesError(f"index gap exceeds the tensor's {numel} elements")
-    indices_K = np.cumsum(gaps_K.astype(np.int64) + 1) - 1
-    if int(indices_K[-1]) >= numel or (count > 1 and not bool(np.all(indices_K[1:] > indices_K[:-1]))):
+    steps = np.arange(count, dtype=np.int64)
+    indices_K = ones - steps
+    indices_K <<= k
+    if k:
+        indices_K += np.cumsum(remainders_K.astype(np.int64))
+    indices_K += steps
+    if int(indices_K[-1]) >= numel:
         raise InvalidIndicesError(f"index {int(indices_K[-1])} out of range for a tensor of {numel} elements")
     return indices_K
