@@ -45,20 +45,39 @@ class TransformersEngine:
     """Generation with a ``transformers`` causal LM (the baseline rollout engine; also what the recipes score
     with). A rollout worker holds the model in BF16, exactly as published.
 
+    On a CPU model :meth:`weights` are the model's own floating-point state-dict tensors. On a GPU model they are
+    a BF16 *shadow* in host memory (``shadow``, default: the model is not on the CPU). The subscriber patches and
+    digests the shadow on the CPU, and :meth:`weights_updated` copies only the changed elements to the GPU. So a
+    version never moves the whole state across the bus to be hashed, at the cost of one BF16 copy in host memory.
+
     Args:
-        model: a causal LM; :meth:`weights` are its floating-point state-dict tensors.
+        model: a causal LM.
         tokenizer: its tokenizer (left padding is set for batched generation).
+        shadow: keep a host shadow (see above); None chooses by the model's device.
     """
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, *, shadow: bool | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"
-        self._weights = {
+        self._params = {
             name: t
             for name, t in self.model.state_dict().items()
             if isinstance(t, torch.Tensor) and t.is_floating_point()
         }
+        if shadow is None:
+            shadow = any(t.device.type != "cpu" for t in self._params.values())
+        self.shadow = shadow
+        self._weights = self._params
+        if shadow:  # one host copy per storage, so tied weights stay tied in the shadow
+            copies: dict[int, torch.Tensor] = {}
+            self._weights = {}
+            for name, t in self._params.items():
+                key = t.untyped_storage().data_ptr()
+                if key not in copies or copies[key].shape != t.shape:
+                    pin = t.device.type == "cuda"  # pinned: the copies to the GPU run asynchronously
+                    copies[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t.detach())
+                self._weights[name] = copies[key]
 
     @classmethod
     def from_pretrained(cls, model_name_or_path: str, *, device: torch.device | str = "cpu") -> TransformersEngine:
@@ -75,8 +94,24 @@ class TransformersEngine:
     def weights(self) -> MutableMapping[str, torch.Tensor]:
         return self._weights
 
+    @torch.no_grad()
     def weights_updated(self, changed: Mapping[str, torch.Tensor] | None = None, *, version: int | None = None) -> None:
-        """Nothing to do: :meth:`weights` are views of the model's own parameters."""
+        """Without a shadow, nothing to do: :meth:`weights` are the model's own parameters. With one, copy the
+        ``changed`` elements (every element of every tensor when None) from the shadow to the model; a tensor
+        absent from ``changed`` did not change."""
+        if not self.shadow:
+            return
+        for name, param in self._params.items():
+            source = self._weights[name]
+            if changed is None or not param.is_contiguous():
+                param.copy_(source.to(param.device, non_blocking=True))
+                continue
+            indices = changed.get(name)
+            if indices is None or indices.numel() == 0:
+                continue
+            flat = param.view(-1)
+            idx = indices.to(torch.int64)
+            flat.index_copy_(0, idx.to(param.device), source.reshape(-1).index_select(0, idx).to(param.device))
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None = None) -> list[str]:
