@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -185,6 +186,7 @@ class SparseAverager(StateTransfer):
         self._aggregations: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._current_round = 0
         self._snapshot: StateSnapshot | None = None
+        self._snapshot_lock = threading.Lock()
         self.disputed: set[str] = set()
         """Owners whose average this peer refused as an outlier (:meth:`_screen_aggregate`); published with its
         state record, so that no peer repairs from them (:meth:`pulseloco.loco.optimizer.PulseLoCo._catch_up`)."""

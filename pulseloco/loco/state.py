@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 from dataclasses import dataclass, field
 
 # hivemind's ServicerBase recognises streaming handlers by typing.AsyncIterator hints (their ``_name``).
@@ -61,17 +62,27 @@ class StateTransfer(ServicerBase):
     chunk_bytes: int
     _host: P2PHost
     _snapshot: StateSnapshot | None
+    _snapshot_lock: threading.Lock
 
-    def set_snapshot(self, snapshot: StateSnapshot) -> None:
-        """Serve ``snapshot`` (tensors are not copied: pass tensors that will not be modified)."""
-        self._snapshot = snapshot
+    def set_snapshot(self, snapshot: StateSnapshot | None) -> None:
+        """Serve ``snapshot``, or nothing (``None``: requests are refused until the next snapshot).
+
+        Tensors are not copied: the caller may pass its live tensors, provided it withdraws the snapshot
+        (``set_snapshot(None)``) before it modifies them. This waits for a request that is reading the current
+        snapshot's tensors, so that no request ever serves a half-modified state."""
+        with self._snapshot_lock:
+            self._snapshot = snapshot
 
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Stream the latest snapshot: header, then theta's bytes, then the momentum's bytes (refusal: ``ok``
         False and a ``reason`` when there is no state yet)."""
-        snapshot = self._snapshot
+        with self._snapshot_lock:  # the owner may not modify the tensors while they are copied out
+            snapshot = self._snapshot
+            if snapshot is not None:
+                tensors = [snapshot.theta_N] + ([snapshot.momentum_N] if snapshot.momentum_N is not None else [])
+                buffers = [tensor.detach().cpu().contiguous().numpy().tobytes() for tensor in tensors]
         if snapshot is None:
             for message in stream_messages(runtime_pb2.ExpertResponse, {"ok": False, "reason": "no state yet"}):
                 yield message
@@ -85,8 +96,6 @@ class StateTransfer(ServicerBase):
             "momentum": has_momentum,
             "ledger": {str(r): e.to_json() for r, e in sorted(snapshot.ledger.items())},
         }
-        tensors = [snapshot.theta_N] + ([snapshot.momentum_N] if snapshot.momentum_N is not None else [])
-        buffers = [tensor.detach().cpu().contiguous().numpy().tobytes() for tensor in tensors]
         for message in stream_messages(runtime_pb2.ExpertResponse, header, buffers, chunk_bytes=self.chunk_bytes):
             yield message
 
