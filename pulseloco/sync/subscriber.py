@@ -7,7 +7,10 @@ every step is verified by state digest; a digest mismatch falls back to an ancho
 atomically under a lock, so a reader holding :attr:`Subscriber.lock` never sees half-applied weights.
 
 A subscriber on the swarm is also a relay: it serves the objects it holds and says so in the DHT, so the
-publisher's upload does not grow with the number of workers. It says so only while others can reach it
+publisher's upload does not grow with the number of workers. It registers and announces an object as soon as
+the object's signed envelope verified, and forwards the payload's chunks while they still arrive (a pipelined
+relay tree); downstreams verify the SHA-256 themselves, and a download that fails ends its downstream streams
+with an error (they try another provider). It says so only while others can reach it
 (:func:`pulseloco.swarm.is_reachable`: a server-mode peer, or one holding a relay address from
 ``use_auto_relay``): a client-mode worker behind NAT that announced itself would be tried first by every other
 subscriber, fail ("routing: not found") and send them all back to the publisher.
