@@ -47,11 +47,21 @@ def _get_pool(size: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+def parallel_map(
+    fn: Callable[[T], R],
+    items: Iterable[T],
+    *,
+    cost: Callable[[T], float] | None = None,
+    inline_below: float = 0.0,
+) -> list[R]:
     """``[fn(x) for x in items]``, run on :func:`num_threads` threads; results keep the order of ``items``.
 
-    With one thread, or one item, everything runs inline. The first exception raised by ``fn`` propagates
-    (after every submitted job has finished, so no job still touches the caller's buffers).
+    ``cost``: an estimate of each job's work. Jobs are then started largest first, so that a large job does not
+    start last and run alone. Jobs that cost less than ``inline_below`` run in the calling thread while the pool
+    works on the others. Small numpy calls hold the GIL for most of their time, and threads fighting over it
+    are slower than one thread. With one thread, or one item, everything runs inline. The first exception
+    raised by ``fn`` propagates, after every submitted job has finished, so that no job still touches the
+    caller's buffers.
     """
     work = list(items)
     threads = num_threads()
@@ -59,15 +69,27 @@ def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         return [fn(x) for x in work]
     if threading.current_thread().name.startswith("pulseloco-codec"):
         return [fn(x) for x in work]  # nested call from a pool job: run inline rather than deadlock the pool
-    futures = [_get_pool(threads).submit(fn, x) for x in work]
-    results: list[R] = []
+    costs = [0.0] * len(work) if cost is None else [cost(x) for x in work]
+    order = sorted(range(len(work)), key=lambda i: -costs[i])
+    pooled = [i for i in order if cost is None or costs[i] >= inline_below]
+    pool = _get_pool(threads)
+    futures = {i: pool.submit(fn, work[i]) for i in pooled}
+    results: dict[int, R] = {}
     error: BaseException | None = None
-    for future in futures:
+    for i in order:
+        if i in futures:
+            continue
         try:
-            results.append(future.result())
-        except BaseException as exc:  # wait for the rest before raising: they may write into shared arrays
+            results[i] = fn(work[i])
+        except BaseException as exc:  # finish the pooled jobs before raising: they may write into shared arrays
+            error = exc
+            break
+    for i, future in futures.items():
+        try:
+            results[i] = future.result()
+        except BaseException as exc:
             if error is None:
                 error = exc
     if error is not None:
         raise error
-    return results
+    return [results[i] for i in range(len(work))]

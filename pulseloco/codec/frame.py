@@ -72,6 +72,8 @@ MAX_HEADER_BYTES = 16 << 20
 DEFAULT_MAX_ELEMENTS = 1 << 31
 #: Bound on a single tensor's element count accepted from the wire.
 MAX_NUMEL = 1 << 40
+#: Tensors with fewer entries are coded in the calling thread (their numpy calls are too short to share cores).
+_POOLED_COUNT = 1 << 16
 #: Sections above this size are compressed with zstd worker threads.
 _THREADED_BYTES = 8 << 20
 
@@ -222,7 +224,7 @@ def encode_payload(
         }
         return info, code.data, planes
 
-    encoded = parallel_map(encode_entry, entries)
+    encoded = parallel_map(encode_entry, entries, cost=lambda entry: entry.indices.numel(), inline_below=_POOLED_COUNT)
     tensors = [info for info, _, _ in encoded]
     index_parts = [data for _, data, _ in encoded]
     planes: dict[int, list[bytes]] = {}
@@ -460,5 +462,7 @@ def decode_payload(
             values=values_K,
         )
 
-    entries = parallel_map(decode_entry, range(len(header.tensors)))
+    entries = parallel_map(
+        decode_entry, range(len(header.tensors)), cost=lambda i: header.tensors[i]["count"], inline_below=_POOLED_COUNT
+    )
     return DecodedPayload(header=header, entries=tuple(entries))

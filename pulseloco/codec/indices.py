@@ -127,8 +127,8 @@ def _unpack_fixed(data: bytes, count: int, k: int) -> np.ndarray:
     if k == 0 or count == 0:
         return np.zeros(count, dtype=np.uint64)
     groups = -(-count // 8)
-    buf = np.zeros(groups * k, dtype=np.uint8)
     raw = np.frombuffer(data, dtype=np.uint8)
+    buf = np.zeros(groups * k, dtype=np.uint8)
     buf[: raw.size] = raw
     rows = buf.reshape(groups, k)
     work = _work_dtype(k)
@@ -194,7 +194,7 @@ def decode_indices(code: IndexCode, count: int, numel: int) -> np.ndarray:
         bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
         if bits[numel:].any():
             raise InvalidIndicesError("bitmask has bits set past the end of the tensor")
-        indices_K = np.flatnonzero(bits[:numel])
+        indices_K = np.flatnonzero(bits[:numel].view(bool))  # 0/1 bytes: the bool fast path
         if indices_K.size != count:
             raise InvalidIndicesError(f"bitmask holds {indices_K.size} indices, header says {count}")
         return indices_K.astype(np.int64)
@@ -210,7 +210,7 @@ def decode_indices(code: IndexCode, count: int, numel: int) -> np.ndarray:
     if unary_bytes < (count + 7) // 8:
         raise PayloadSizeError(f"rice stream of {len(data)} bytes is too short for {count} indices")
     unary = np.unpackbits(np.frombuffer(data, dtype=np.uint8, count=unary_bytes))
-    ones = np.flatnonzero(unary)
+    ones = np.flatnonzero(unary.view(bool))  # 0/1 bytes: the bool fast path
     if ones.size != count:
         raise InvalidIndicesError(f"rice stream holds {ones.size} codes, header says {count}")
     if ones[-1] < unary.size - 8:

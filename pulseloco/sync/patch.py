@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 
 from pulseloco.codec import DEFAULT_MAX_ELEMENTS, SparseTensor, decode_payload, encode_payload, peek_header
 from pulseloco.codec.bits import bit_format, bit_view, changed_indices
-from pulseloco.digest import chunk_spans, combine_digest, hash_chunk, state_chunk_digests
+from pulseloco.digest import DIGEST_CHUNK_BYTES, chunk_spans, combine_digest, hash_chunk, state_chunk_digests
 from pulseloco.errors import DigestMismatchError, PatchError, StalePatchError, TensorMismatchError
 from pulseloco.parallel import parallel_map
 
@@ -74,6 +75,19 @@ def _on_cpu(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
+_scratch = threading.local()
+
+
+def _scratch_mask(size: int) -> np.ndarray:
+    """A reused per-thread bool buffer of ``size`` (at most one digest chunk's elements): a fresh mask per chunk
+    would be a fresh mapping and its page faults on every call (glibc maps large allocations)."""
+    buf: np.ndarray | None = getattr(_scratch, "mask", None)
+    if buf is None or buf.size < size:
+        buf = np.empty(max(size, DIGEST_CHUNK_BYTES), dtype=bool)
+        _scratch.mask = buf
+    return buf[:size]
+
+
 def _diff_chunk(
     base_bits: np.ndarray, new_bits: np.ndarray, start: int, end: int, hash_base: bool, hash_new: bool, delta: bool
 ) -> _Diff:
@@ -81,7 +95,9 @@ def _diff_chunk(
     b, n = base_bits[start:end], new_bits[start:end]
     base_hashes = [hash_chunk(b.view(np.uint8))] if hash_base else None
     new_hashes = [hash_chunk(n.view(np.uint8))] if hash_new else None
-    local = np.flatnonzero(b != n)
+    mask = _scratch_mask(end - start)
+    np.not_equal(b, n, out=mask)
+    local = np.flatnonzero(mask)
     return _Diff(local + start, n[local], b[local] if delta else None, base_hashes, new_hashes)
 
 

@@ -285,10 +285,10 @@ class Publisher:
     def _publish_one(self, version: int, state: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
         objects: list[tuple[str, bytes, bytes]] = []
-        digest = state_digest(state)
         if self._base is not None:
             if set(self._base) != set(state) or any(self._base[k].shape != state[k].shape for k in state):
                 raise ConfigError("the model's tensor names or shapes changed between versions; use a new run_id")
+            # make_patch hashes the new state in the same pass as the comparison; its header carries the digest.
             payload = make_patch(
                 self._base,
                 state,
@@ -296,10 +296,12 @@ class Publisher:
                 base_version=self._version,
                 values=self.values,
                 base_digest=self._digest,
-                new_digest=digest,
             )
+            digest = peek_header(payload).result_digest
             env = _envelope(self.run_id, "patch", version, self._version, digest, self._digest, payload)
             objects.append(("patch", payload, sign_envelope(self._key, env)))
+        else:
+            digest = state_digest(state)
         new_anchor = self._base is None or self._since_anchor + 1 >= self.anchor_every
         if new_anchor:
             payload = anchor_bytes(state, metadata={"run_id": self.run_id, "version": str(version)})
