@@ -542,6 +542,7 @@ class Subscriber:
         max_payload_bytes, timeout: limits for one object and one update.
         relay_max_bytes: bound on the bytes the relay holds (objects complete and in progress, anchors included;
             oldest complete ones not being served are evicted first; an object that does not fit is not relayed).
+            A subscriber that does not serve (``relay=False``, or a ``source`` such as a directory) holds nothing.
         relay_uploads: downloads the relay serves at once (others are told ``busy`` and look elsewhere).
         chunk_timeout: seconds one message of a download may take; a relay ends its downstreams with an error
             when its own download stalls that long.
@@ -579,8 +580,11 @@ class Subscriber:
         self.version: int | None = None
         self.digest = ""
         self.provider_ttl = provider_ttl
+        # Only a subscriber that serves others holds objects for them: one that reads a directory, or does not
+        # relay, would keep an anchor (a second full BF16 copy) in memory for nobody.
+        serving = source is None and dht is not None and relay
         self._relay = _Relay(
-            max_bytes=relay_max_bytes,
+            max_bytes=relay_max_bytes if serving else 0,
             max_uploads=relay_uploads,
             stall_timeout=chunk_timeout,
             on_change=self._request_announce,
