@@ -655,7 +655,7 @@ class Subscriber:
             return
         with torch.no_grad():
             for name, t in state.items():
-                t.copy_(target[name].to(t.device, t.dtype))
+                t.copy_(target[name])  # converts dtype and device in place: no tensor-sized temporary
 
     def _apply_anchor(self, target: MutableMapping[str, torch.Tensor], env: Envelope, payload: bytes) -> None:
         loaded = load_anchor(payload, expected_digest=env.digest)
