@@ -83,6 +83,19 @@ def reap_children_at_exit() -> Iterator[None]:
     _kill_and_reap([proc for proc in _descendants() if not _is_mp_helper(proc)], reason="end of test session")
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Run with torch (and pulseloco's codec pool) on one thread, and restore the thread count afterwards (the
+    test may set other counts meanwhile). Bit-exact comparisons need the same reduction order in a reference and
+    the code under test."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of a tiny warm model (``scripts/warm_model.py --size tiny``), built once per test session in

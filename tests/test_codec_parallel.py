@@ -10,7 +10,6 @@ With a CUDA device the last test runs the real GPU path against the CPU bytes.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,13 +20,6 @@ import pulseloco.sync.patch as patch_module
 from pulseloco.codec import decode_payload, peek_header
 from pulseloco.digest import DIGEST_CHUNK_BYTES
 from pulseloco.sync import apply_patch, make_patch, state_digest
-
-
-@pytest.fixture
-def threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 def _states(density: float, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -74,7 +66,7 @@ def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (emb if k in ("emb", "lm_head") else v.clone()) for k, v in state.items()}
 
 
-def test_state_digest_matches_the_documented_scheme(threads: None) -> None:
+def test_state_digest_matches_the_documented_scheme(one_thread: None) -> None:
     base, new = _states(0.01, 0)
     for n in (1, 3):
         torch.set_num_threads(n)
@@ -87,7 +79,7 @@ def test_state_digest_matches_the_documented_scheme(threads: None) -> None:
 
 @pytest.mark.parametrize("mode", ["absolute", "delta"])
 @pytest.mark.parametrize("density", [0.01, 0.4])
-def test_bytes_and_states_do_not_depend_on_the_thread_count(threads: None, mode: str, density: float) -> None:
+def test_bytes_and_states_do_not_depend_on_the_thread_count(one_thread: None, mode: str, density: float) -> None:
     base, new = _states(density, 1)
     payloads, digests, applied = [], [], []
     for n in (1, 2, 4):
@@ -111,7 +103,7 @@ def test_bytes_and_states_do_not_depend_on_the_thread_count(threads: None, mode:
     assert given == payloads[0]
 
 
-def test_large_value_section_is_compressed_identically_on_any_thread_count(threads: None) -> None:
+def test_large_value_section_is_compressed_identically_on_any_thread_count(one_thread: None) -> None:
     """A value section above 8 MiB goes through zstd's multithreaded mode, whose output must not depend on the
     number of workers."""
     gen = torch.Generator().manual_seed(5)

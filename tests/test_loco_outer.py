@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,16 +15,9 @@ from pulseloco import PulseLoCo
 from pulseloco.errors import ConfigError, TensorMismatchError
 from pulseloco.loco.outer import NesterovOuterOptimizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 H = 3
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Bit-exact comparisons need the same reduction order in the reference and the optimizer."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -3,8 +3,6 @@ whole-tensor round, for every placement, chunk size, selector and parameter dtyp
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from loco_helpers import flat_params, load_flat, make_model
@@ -14,16 +12,9 @@ from pulseloco.errors import ConfigError
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.selection import make_selector, select_in_place
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 ROUNDS = 3
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Bit-exact comparisons need the same reduction order in the reference and the optimizer."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

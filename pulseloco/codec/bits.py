@@ -24,6 +24,7 @@ __all__ = [
     "bit_view",
     "changed_indices",
     "from_wire_values",
+    "modular_add",
     "modular_delta",
     "rotl1",
     "rotr1",
@@ -123,16 +124,26 @@ def zigzag_decode(zig_K: np.ndarray) -> np.ndarray:
     return (zig_K >> 1) ^ neg.view(zig_K.dtype)
 
 
-def modular_delta(base_K: torch.Tensor, new_K: torch.Tensor) -> np.ndarray:
-    """Bit-pattern difference ``new - base`` modulo 2**bits as unsigned numpy bits (wraps by design)."""
-    return _as_unsigned(new_K.cpu()) - _as_unsigned(base_K.cpu())
+def _unsigned(bits_K: np.ndarray) -> np.dtype:
+    return np.dtype(f"<u{bits_K.dtype.itemsize}")
+
+
+def modular_delta(base_K: np.ndarray, new_K: np.ndarray) -> np.ndarray:
+    """Bit-pattern difference ``new - base`` of two integer arrays of one width, modulo 2**bits (wraps by
+    design), in the inputs' dtype."""
+    return (new_K.view(_unsigned(new_K)) - base_K.view(_unsigned(base_K))).view(base_K.dtype)
+
+
+def modular_add(base_K: np.ndarray, delta_K: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`modular_delta`: ``base + delta`` modulo 2**bits, in ``base_K``'s dtype."""
+    return (base_K.view(_unsigned(base_K)) + delta_K.view(_unsigned(delta_K))).view(base_K.dtype)
 
 
 def to_wire_values(values_K: torch.Tensor, mode: str) -> np.ndarray:
     """Transform values for the wire: floats are rotated (:func:`rotl1`), modular deltas zig-zag coded.
 
-    ``values_K`` is a CPU tensor: floats for the ``absolute`` and ``float32`` modes, the unsigned-bits numpy
-    result of :func:`modular_delta` wrapped in a tensor of the signed integer dtype for ``delta``.
+    ``values_K`` is a CPU tensor: floats for the ``absolute`` and ``float32`` modes, the result of
+    :func:`modular_delta` (signed-integer bit patterns) for ``delta``.
     """
     bits = _as_unsigned(values_K)
     return zigzag_encode(bits) if mode == "delta" else rotl1(bits)

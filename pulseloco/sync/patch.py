@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pulseloco.codec import DEFAULT_MAX_ELEMENTS, SparseTensor, decode_payload, encode_payload, peek_header
-from pulseloco.codec.bits import bit_format, bit_view, changed_indices
+from pulseloco.codec.bits import bit_format, bit_view, changed_indices, modular_add, modular_delta
 from pulseloco.digest import DIGEST_CHUNK_BYTES, chunk_spans, combine_digest, hash_chunk, state_chunk_digests
 from pulseloco.errors import DigestMismatchError, PatchError, StalePatchError, TensorMismatchError
 from pulseloco.parallel import parallel_map
@@ -184,9 +184,7 @@ def make_patch(
         if diff is None or diff.indices_K.size == 0:
             continue
         if delta and diff.base_K is not None:
-            width = n.element_size()
-            delta_K = diff.new_K.view(f"<u{width}") - diff.base_K.view(f"<u{width}")  # wraps by design
-            values_K = torch.from_numpy(delta_K.view(f"<i{width}"))
+            values_K = torch.from_numpy(modular_delta(diff.base_K, diff.new_K))
         else:
             values_K = torch.from_numpy(diff.new_K).view(n.dtype)
         entries.append(SparseTensor(name, tuple(n.shape), n.dtype, torch.from_numpy(diff.indices_K), values_K))
@@ -235,11 +233,9 @@ class _ChunkWrite:
     def _new_values(self, old_K: torch.Tensor) -> torch.Tensor:
         if not self.delta:
             return self.values_K.to(old_K.device)
-        # New bit patterns = old + delta modulo 2**bits; unsigned numpy addition wraps by definition.
-        width = old_K.element_size()
-        old_bits = old_K.cpu().view(bit_format(self.tensor.dtype).int_dtype).numpy().view(f"<u{width}")
-        new_bits = old_bits + self.values_K.numpy().view(f"<u{width}")
-        return torch.from_numpy(new_bits.view(f"<i{width}")).view(self.tensor.dtype).to(old_K.device)
+        old_bits = old_K.cpu().view(bit_format(self.tensor.dtype).int_dtype).numpy()
+        new_bits = modular_add(old_bits, self.values_K.numpy())
+        return torch.from_numpy(new_bits).view(self.tensor.dtype).to(old_K.device)
 
     def prepare(self) -> None:
         """Read the values the write will replace and compute the new ones. When tensors share memory (tied
@@ -251,22 +247,25 @@ class _ChunkWrite:
             self.old_K = flat.index_select(0, torch.from_numpy(self.indices_K).to(flat.device))
         self.new_K = self._new_values(self.old_K)
 
-    def apply(self) -> None:
-        """Write the prepared values and hash what was written."""
-        int_dtype = bit_format(self.tensor.dtype).int_dtype
-        if self.span is not None:
-            bits = bit_view(self.tensor).numpy()
-            bits[self.indices_K] = self.new_K.view(int_dtype).numpy()
-            self.written = True
-            start, end = self.span
-            self.hashes = [hash_chunk(bits[start:end].view(np.uint8))]
+    def _write(self, values_K: torch.Tensor) -> None:
+        if self.span is not None:  # numpy path: one chunk of a contiguous CPU tensor
+            int_dtype = bit_format(self.tensor.dtype).int_dtype
+            bit_view(self.tensor).numpy()[self.indices_K] = values_K.view(int_dtype).numpy()
             return
         flat = self.tensor.view(-1) if self.tensor.is_contiguous() else self.tensor.reshape(-1).clone()
-        flat.index_copy_(0, torch.from_numpy(self.indices_K).to(flat.device), self.new_K)
+        flat.index_copy_(0, torch.from_numpy(self.indices_K).to(flat.device), values_K)
         if not self.tensor.is_contiguous():
             self.tensor.copy_(flat.view(self.tensor.shape))
+
+    def apply(self) -> None:
+        """Write the prepared values and hash what was written (the chunk, or every chunk of the tensor)."""
+        self._write(self.new_K)
         self.written = True
-        self.hashes = state_chunk_digests({"t": self.tensor})["t"]
+        if self.span is not None:
+            start, end = self.span
+            self.hashes = [hash_chunk(bit_view(self.tensor).numpy()[start:end].view(np.uint8))]
+        else:
+            self.hashes = state_chunk_digests({"t": self.tensor})["t"]
 
     def prepare_and_apply(self) -> None:
         """:meth:`prepare` then :meth:`apply`, in one job (tensors that share no memory)."""
@@ -275,17 +274,8 @@ class _ChunkWrite:
 
     def undo(self) -> None:
         """Restore the values :meth:`apply` overwrote (a no-op when it never wrote)."""
-        if not self.written or self.old_K is None:
-            return
-        if self.span is not None:
-            bit_view(self.tensor).numpy()[self.indices_K] = self.old_K.view(
-                bit_format(self.tensor.dtype).int_dtype
-            ).numpy()
-            return
-        flat = self.tensor.view(-1) if self.tensor.is_contiguous() else self.tensor.reshape(-1).clone()
-        flat.index_copy_(0, torch.from_numpy(self.indices_K).to(flat.device), self.old_K)
-        if not self.tensor.is_contiguous():
-            self.tensor.copy_(flat.view(self.tensor.shape))
+        if self.written and self.old_K is not None:
+            self._write(self.old_K)
 
 
 def _plan_writes(
