@@ -4,7 +4,9 @@
 signed by the publisher) or the chain of patches when further behind, and an anchor plus patches when it has
 nothing usable. Every object is authenticated (Ed25519 envelope over the payload's SHA-256) before use and
 every step is verified by state digest; a digest mismatch falls back to an anchor. Each step is applied
-atomically under a lock, so a reader holding :attr:`Subscriber.lock` never sees half-applied weights.
+atomically under a lock, so a reader holding :attr:`Subscriber.lock` never sees half-applied weights. The
+objects of a catch-up are downloaded and authenticated before that lock is taken, so a rollout worker keeps
+generating with the current version while the next one arrives; only applying them waits for the lock.
 
 A subscriber on the swarm is also a relay: it serves the objects it holds and says so in the DHT, so the
 publisher's upload does not grow with the number of workers. It registers and announces an object as soon as
@@ -74,12 +76,12 @@ class UpdateReport:
 
     ``version``: the version the model holds now (the head read when the update started); ``previous``: the one it
     held before (None for none). ``num_changed`` elements changed, ``bytes_received`` payload bytes fetched over
-    ``seconds``. ``digest``: the state digest now held. ``lag``: how many versions the newest head, read again once
-    the update finished, is ahead of ``version`` (versions published while the update ran; 0 when it is current
-    or no head is readable then). ``path``: how it got there (patch, squash, chain or anchor). ``published``: when
-    the publisher signed this version's head (its clock; 0.0 when unknown). ``changed``: the flat indices
-    (int64, sorted, unique) that changed per tensor since ``previous``; None when every element may have changed
-    (an anchor was applied).
+    ``seconds`` (fetching and applying, not the wait for :attr:`Subscriber.lock`). ``digest``: the state digest
+    now held. ``lag``: how many versions the newest head, read again once the update finished, is ahead of
+    ``version`` (versions published while the update ran; 0 when it is current or no head is readable then).
+    ``path``: how it got there (patch, squash, chain or anchor). ``published``: when the publisher signed this
+    version's head (its clock; 0.0 when unknown). ``changed``: the flat indices (int64, sorted, unique) that
+    changed per tensor since ``previous``; None when every element may have changed (an anchor was applied).
     """
 
     version: int
@@ -105,6 +107,18 @@ class Fetched:
     envelope_blob: bytes
     payload: bytes
     kind: str
+
+
+@dataclass(frozen=True)
+class _Prefetch:
+    """Catch-up objects fetched before :attr:`Subscriber.lock` was taken, to go from version ``base`` to ``head``:
+    those of the catch-up path at ``index`` (see :meth:`Subscriber._catch_up_paths`), the earlier paths having
+    served nothing or failed (logged); ``index`` is past the last path, and ``objects`` empty, when all did."""
+
+    base: int
+    head: int
+    index: int
+    objects: list[Fetched]
 
 
 class Source(Protocol):
@@ -736,16 +750,32 @@ class Subscriber:
 
     def update_report(self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> UpdateReport | None:
         """Like :meth:`update`, returning an :class:`UpdateReport` (None when already current or nothing is
-        published yet)."""
+        published yet).
+
+        When the model holds a version and the head is ahead, the catch-up objects (a squash, the next patch or
+        the patch chain) are downloaded and authenticated (envelope signature, payload SHA-256) *before*
+        :attr:`lock` is taken, so a rollout worker holding the lock keeps generating meanwhile; the lock is held
+        only to apply them (each verified by state digest) and to hand the result to ``model``. Fallbacks (the
+        next catch-up path after one that fails to apply, then an anchor and its patch chain) fetch under the
+        lock. Assumes a single updating thread (the :meth:`follow` thread, or the caller's): the version read
+        before taking the lock is checked again under it, and objects fetched for another base are discarded.
+
+        Raises :class:`pulseloco.errors.PatchError` when no provider brings the model to the head; errors reading
+        the head propagate (e.g. :class:`pulseloco.errors.UnauthorizedError` for one the publisher did not sign).
+        Either way the model still holds its previous complete version.
+        """
         head = self.source.head()
         if head is None:
             self._note_no_head()
             return None
         self._no_head_since, self._no_head_warned = None, False
+        started = time.perf_counter()
+        prefetched = self._prefetch(head)  # downloads while a rollout may hold the lock and generate
+        waiting = time.perf_counter()
         with self.lock:
+            waited = time.perf_counter() - waiting
             if self.version == head.version and self.digest == head.digest:
                 return None
-            started = time.perf_counter()
             previous = self.version
             target = self._target_state(model)
             received, changed, path = 0, 0, ""
@@ -755,7 +785,7 @@ class Subscriber:
             elif self.version is not None:
                 # apply_patch checks the state's digest against each patch's base (a state changed behind our
                 # back is refused there and recovered from an anchor), so no extra full-state digest here
-                result = self._catch_up(target, head)
+                result = self._catch_up(target, head, prefetched)
                 if result is not None:
                     received, changed, path = result
             if self.version != head.version:
@@ -768,7 +798,7 @@ class Subscriber:
                 received, changed, path = received + result[0], result[1], result[2]
                 self._changed = None
             self._sync_model(model, target)
-            seconds, digest, held_at = time.perf_counter() - started, self.digest, time.time()
+            seconds, digest, held_at = time.perf_counter() - started - waited, self.digest, time.time()
         report = UpdateReport(
             version=head.version,
             previous=previous,
@@ -901,11 +931,11 @@ class Subscriber:
             v = base
         return chain[::-1]
 
-    def _catch_up(self, target: MutableMapping[str, torch.Tensor], head: Head) -> tuple[int, int, str] | None:
-        """From the current version by one patch, a squash, or the patch chain; None on failure."""
-        current = self.version
-        if current is None or head.version <= current:
-            return None
+    def _catch_up_paths(self, head: Head, current: int) -> list[tuple[str, Callable[[], list[Fetched] | None]]]:
+        """The ways from ``current`` to ``head`` in the order they are tried, each a name and a function that
+        fetches (and authenticates) its objects: a squash when more than one behind, then the next patch or the
+        chain. A function returns None (or nothing) when no provider served the objects and raises what the
+        source raises (:class:`PayloadError` for objects that do not authenticate)."""
 
         def by_squash() -> list[Fetched] | None:
             got = self.source.fetch(FetchRequest("squash", head.version, current))
@@ -919,15 +949,66 @@ class Subscriber:
         ]
         if head.version - current > 1:
             paths.insert(0, ("squash", by_squash))
-        for name, get in paths:
+        return paths
+
+    @staticmethod
+    def _fetch_path(name: str, get: Callable[[], list[Fetched] | None]) -> list[Fetched] | None:
+        """The objects of one catch-up path; None when it served nothing or they failed (logged as a warning)."""
+        try:
+            return get() or None
+        except (StalePatchError, DigestMismatchError, PayloadError) as exc:
+            logger.warning("catch-up by %s failed error=%s; trying the next path", name, exc)
+            return None
+
+    def _prefetch(self, head: Head) -> _Prefetch | None:
+        """Fetch, without :attr:`lock`, the objects of the first catch-up path that serves them; None when there
+        is no catch-up to prepare (no version held, already at or past the head, or full checkpoints).
+
+        Touches neither the model nor the version (a rollout may be generating with them); relies on a single
+        updating thread, so that the version read here is still the one held when the lock is taken (checked
+        again by :meth:`_catch_up`). Errors other than those of a failing path (logged) propagate, with the
+        model untouched."""
+        current = self.version
+        if self.full_checkpoints or current is None or head.version <= current:
+            return None
+        paths = self._catch_up_paths(head, current)
+        for index, (name, get) in enumerate(paths):
+            objects = self._fetch_path(name, get)
+            if objects:
+                return _Prefetch(current, head.version, index, objects)
+        return _Prefetch(current, head.version, len(paths), [])
+
+    def _catch_up(
+        self, target: MutableMapping[str, torch.Tensor], head: Head, prefetched: _Prefetch | None = None
+    ) -> tuple[int, int, str] | None:
+        """From the current version by one patch, a squash, or the patch chain; None on failure (the state then
+        holds the last version applied completely). Call with :attr:`lock` held.
+
+        ``prefetched``: objects :meth:`_prefetch` fetched for this base and head; they are applied first, the
+        paths that failed to fetch are not tried again, and the later paths are fetched here if they fail to
+        apply. Objects fetched for another base or head are discarded."""
+        current = self.version
+        if current is None or head.version <= current:
+            return None
+        paths = self._catch_up_paths(head, current)
+        first: list[Fetched] | None = None
+        if prefetched is not None:
+            if (prefetched.base, prefetched.head) == (current, head.version):
+                paths, first = paths[prefetched.index :], prefetched.objects
+            else:
+                logger.debug(
+                    "discarding objects fetched for v%d->v%d: now at v%s", prefetched.base, prefetched.head, current
+                )
+        for index, (name, get) in enumerate(paths):
+            objects = first if index == 0 and first else self._fetch_path(name, get)
+            if not objects:
+                continue
             try:
-                objects = get()
-                if not objects:
-                    continue
                 changed = self._apply_chain(target, objects)
-                return sum(len(o.payload) for o in objects), changed, name
             except (StalePatchError, DigestMismatchError, PayloadError) as exc:
                 logger.warning("catch-up by %s failed error=%s; trying the next path", name, exc)
+                continue
+            return sum(len(o.payload) for o in objects), changed, name
         return None
 
     def _apply_objects(
@@ -985,7 +1066,9 @@ class Subscriber:
     ) -> threading.Thread:
         """Keep ``model`` current in a background thread (until :meth:`close`); errors are logged and retried.
 
-        Hold :attr:`lock` while generating so an update never lands mid-generation.
+        Hold :attr:`lock` while generating so an update never lands mid-generation; the next version downloads
+        meanwhile and is applied once the lock is released. While it follows, do not call :meth:`update` from
+        another thread: updates assume one updating thread.
         """
 
         def loop() -> None:

@@ -47,6 +47,9 @@ __all__ = [
     "Provided",
     "SwarmEndpoint",
     "SyncServicer",
+    "head_key",
+    "read_head",
+    "read_head_record",
 ]
 
 #: The request kind of :meth:`SwarmEndpoint.probe`: no provider holds it, so every live one answers "missing".
@@ -212,7 +215,7 @@ class SwarmEndpoint:
     def __init__(self, dht: hivemind.DHT, run_id: str, *, name: str = "pulsesync") -> None:
         self.dht = dht
         self.run_id = run_id
-        self.head_key = f"pulseloco:{run_id}:head"
+        self.head_key = head_key(run_id)
         self.providers_key = f"pulseloco:{run_id}:providers"
         self._host = P2PHost(dht, name=f"{name}-p2p")
         self.p2p: P2P = self._host.p2p
@@ -241,36 +244,12 @@ class SwarmEndpoint:
             return False
 
     def get_head_record(self, *, timeout: float = 10.0) -> bytes | None:
-        """The newest head record's bytes, NOT verified (callers verify; ``pulseloco status`` may only show it).
-
-        None when there is no record, when it is not bytes of at most ``MAX_ENVELOPE_BYTES`` (logged), or when
-        the lookup does not finish within ``timeout`` s (logged).
-        """
-        future = self.dht.get(self.head_key, latest=True, return_future=True)
-        try:
-            found = future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            logger.warning("DHT lookup timed out key=%s timeout=%.1f", self.head_key, timeout)
-            return None
-        if found is None:
-            return None
-        value = found.value
-        if not isinstance(value, bytes) or len(value) > MAX_ENVELOPE_BYTES:
-            logger.warning("ignoring malformed head record run=%s", self.run_id)
-            return None
-        return value
+        """The newest head record's bytes, NOT verified (see :func:`read_head_record`)."""
+        return read_head_record(self.dht, self.run_id, timeout=timeout)
 
     def get_head(self, key: Ed25519PublicKey, *, timeout: float = 10.0) -> Envelope | None:
-        """The newest head record that verifies under ``key``, or None. Forged records are logged, skipped."""
-        value = self.get_head_record(timeout=timeout)
-        if value is None:
-            return None
-        try:
-            env = verify_envelope(key, value, run_id=self.run_id)
-        except (UnauthorizedError, PayloadError) as exc:
-            logger.warning("ignoring head record that fails verification run=%s error=%s", self.run_id, exc)
-            return None
-        return env if env.kind == "head" else None
+        """The newest head record that verifies under ``key``, or None (see :func:`read_head`)."""
+        return read_head(self.dht, self.run_id, key, timeout=timeout)
 
     def announce_provider(
         self,
@@ -508,6 +487,47 @@ class SwarmEndpoint:
     def close(self) -> None:
         """Remove handlers, close the replica and stop the loop (bounded; errors are logged, not raised)."""
         self._host.close()
+
+
+def head_key(run_id: str) -> str:
+    """The DHT key of run ``run_id``'s signed head record."""
+    return f"pulseloco:{run_id}:head"
+
+
+def read_head_record(dht: hivemind.DHT, run_id: str, *, timeout: float = 10.0) -> bytes | None:
+    """The newest head record's bytes, NOT verified (callers verify; ``pulseloco status`` may only show it).
+
+    None when there is no record, when it is not bytes of at most ``MAX_ENVELOPE_BYTES`` (logged), or when
+    the lookup does not finish within ``timeout`` s (logged).
+    """
+    key = head_key(run_id)
+    future = dht.get(key, latest=True, return_future=True)
+    try:
+        found = future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        logger.warning("DHT lookup timed out key=%s timeout=%.1f", key, timeout)
+        return None
+    if found is None:
+        return None
+    value = found.value
+    if not isinstance(value, bytes) or len(value) > MAX_ENVELOPE_BYTES:
+        logger.warning("ignoring malformed head record run=%s", run_id)
+        return None
+    return value
+
+
+def read_head(dht: hivemind.DHT, run_id: str, key: Ed25519PublicKey, *, timeout: float = 10.0) -> Envelope | None:
+    """The newest head record of ``run_id`` that verifies under ``key``, or None (nothing published, a lookup
+    past ``timeout``, or a forged or malformed record, which is logged and skipped)."""
+    value = read_head_record(dht, run_id, timeout=timeout)
+    if value is None:
+        return None
+    try:
+        env = verify_envelope(key, value, run_id=run_id)
+    except (UnauthorizedError, PayloadError) as exc:
+        logger.warning("ignoring head record that fails verification run=%s error=%s", run_id, exc)
+        return None
+    return env if env.kind == "head" else None
 
 
 def now() -> float:
