@@ -71,11 +71,13 @@ def build_trainer(
     dtype: Any = None,
     num_local_processes: int = 1,
     callbacks: list[Any] | None = None,
+    rollout_func: Any = None,
 ) -> Any:
     """This recipe's TRL ``GRPOTrainer``: the model (``load_causal_lm`` in ``dtype``, default the checkpoint's) and
     tokenizer from ``model_name_or_path``, the task's prompts (``task_args.num_train_prompts``, drawn with
     ``training_args.seed``), the exact-match reward. Its model is untrained when this returns. Raises
     ``ConfigError`` as ``load_causal_lm`` does (missing or unreadable weights, too large for this machine).
+    ``rollout_func``: TRL's, for completions generated elsewhere (``--rollouts swarm``).
     Also used by ``scripts/sparsity_study.py``."""
     from trl import GRPOTrainer
 
@@ -96,16 +98,17 @@ def build_trainer(
         train_dataset=train_dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
+        rollout_func=rollout_func,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     from trl import GRPOConfig, ModelConfig
 
-    from pulseloco.integrations.args import PulseLoCoArguments
+    from pulseloco.integrations.args import PulseLoCoArguments, RolloutArguments
 
-    task_args, training_args, model_args, pulse_args = common.parse_args(
-        (TaskArguments, GRPOConfig, ModelConfig, PulseLoCoArguments), argv, PROG
+    task_args, training_args, model_args, pulse_args, rollout_args = common.parse_args(
+        (TaskArguments, GRPOConfig, ModelConfig, PulseLoCoArguments, RolloutArguments), argv, PROG
     )
     if not model_args.model_name_or_path:
         raise common.ConfigError(
@@ -115,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = tasks.spec_for_model(model_args.model_name_or_path, task_args.task, task_args.max_operand)
     common.check_output_dir(training_args.output_dir, training_args.resume_from_checkpoint)
     callbacks = common.swarm_callbacks(pulse_args, training_args)
+    rollout_func = rollout_args.rollout_func(pulse_args, output_dir=training_args.output_dir)
 
     from accelerate import PartialState
 
@@ -129,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=model_args.dtype if model_args.dtype not in (None, "auto") else None,
         num_local_processes=state.num_processes,
         callbacks=callbacks,
+        rollout_func=rollout_func,
     )
     model, tokenizer = trainer.model, trainer.processing_class
     reward_before = (
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     state.print(
         f"grpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters from "
-        f"{model_args.model_name_or_path}, strategy={pulse_args.strategy}, processes={state.num_processes}, "
+        f"{model_args.model_name_or_path}, strategy={pulse_args.strategy}, rollouts={rollout_args.rollouts}, "
+        f"processes={state.num_processes}, "
         f"max_steps={training_args.max_steps}, task={spec.task} max_operand={spec.max_operand}, "
         f"held-out greedy reward {reward_before}"
     )

@@ -69,6 +69,19 @@ class WorkerArguments:
     wait_warning: float = field(
         default=60.0, metadata={"help": "Say what the worker waits for when no version arrived after this long."}
     )
+    serve_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the trainers' rollouts: announce this worker in the DHT and answer their leases "
+            "(trainers run recipes/grpo.py --rollouts swarm). Versions are then not scored."
+        },
+    )
+    lease_max_new_tokens: int = field(
+        default=512, metadata={"help": "With --serve_rollouts: the longest completion a lease may ask for."}
+    )
+    max_queue: int = field(
+        default=8, metadata={"help": "With --serve_rollouts: leases waiting at once; more are answered busy."}
+    )
 
     def __post_init__(self) -> None:
         tasks.TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
@@ -78,7 +91,7 @@ class WorkerArguments:
             raise ValueError(f"vllm_dtype must be bfloat16 or float32, got {self.vllm_dtype!r}")
         if self.compare_full_reload and self.engine != "vllm":
             raise ValueError("--compare_full_reload needs --engine vllm")
-        for name in ("num_prompts", "max_new_tokens"):
+        for name in ("num_prompts", "max_new_tokens", "lease_max_new_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("interval", "update_timeout", "wait_warning"):
@@ -116,6 +129,24 @@ def main(argv: list[str] | None = None) -> None:
         engine = TransformersEngine.from_pretrained(args.model_name_or_path)
     dht = make_dht(swarm_config)
     subscriber = Subscriber(dht, swarm.policy_run_id, public_key, timeout=args.update_timeout)
+    server = None
+    if args.serve_rollouts:
+        from transformers import AutoConfig
+
+        from pulseloco.rollouts.worker import RolloutServer
+
+        vocab_size = max(len(engine.tokenizer), int(AutoConfig.from_pretrained(args.model_name_or_path).vocab_size))
+        server = RolloutServer(
+            dht,
+            swarm.policy_run_id,
+            engine,
+            subscriber,
+            engine_name=args.engine,
+            vocab_size=vocab_size,
+            max_new_tokens=args.lease_max_new_tokens,
+            max_queue=args.max_queue,
+        )
+        print(f"rollout: serving leases peer_id={server.peer_id}", flush=True)
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     log = output / "rollouts.jsonl"
@@ -141,11 +172,15 @@ def main(argv: list[str] | None = None) -> None:
                 loaded = time.perf_counter()
                 engine.weights_updated(report.changed, version=report.version)
                 seconds_load = time.perf_counter() - loaded
+                if server is not None:
+                    server.weights_loaded(report.version, report.digest)
                 seconds_to_serve = time.time() - report.published if report.published else None
                 full_reload = vllm_engine.reload_all() if vllm_engine and args.compare_full_reload else None
-                with subscriber.lock:
-                    completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
-                reward = tasks.score(completions, problems)
+                reward = None
+                if server is None:  # a serving worker spends its time on the trainers' leases
+                    with subscriber.lock:
+                        completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
+                    reward = tasks.score(completions, problems)
                 record = {
                     "version": report.version,
                     "reward": reward,
@@ -160,11 +195,14 @@ def main(argv: list[str] | None = None) -> None:
                     "path": report.path,
                     "time": round(time.time(), 3),
                 }
+                if server is not None:
+                    record.update(leases_served=server.num_served, tokens_per_s=round(server.tokens_per_s, 2))
                 with log.open("a", encoding="utf-8") as fh:
                     fh.write(json.dumps(record) + "\n")
                 serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
+                scored = f" reward={reward:.3f}" if reward is not None else f" leases_served={server.num_served}"
                 print(
-                    f"rollout: version={report.version} reward={reward:.3f} digest={report.digest} "
+                    f"rollout: version={report.version}{scored} digest={report.digest} "
                     f"changed={report.num_changed} bytes={report.bytes_received} path={report.path} "
                     f"load={seconds_load:.3f}s{serve}",
                     flush=True,
@@ -188,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                 break
             stop.wait(args.interval)
     finally:
+        if server is not None:
+            server.close()
         subscriber.close()
         dht.shutdown()
         if vllm_engine is not None:

@@ -4,7 +4,8 @@
   (TRL's ``GRPOTrainer``, ``SFTTrainer``, a plain ``Trainer``) a PULSELoCo peer that publishes its versions;
 - :class:`PulseLoCoArguments`: the same options as one dataclass for ``TrlParser`` / ``HfArgumentParser``;
 - :mod:`~pulseloco.integrations.models`: loading pretrained checkpoints with one-line errors;
-- :mod:`~pulseloco.integrations.rollout`: rollout engines that PULSESync keeps current.
+- :mod:`~pulseloco.integrations.rollout`: rollout engines that PULSESync keeps current;
+- :class:`SwarmRollouts`: a TRL ``rollout_func`` whose completions come from the swarm's rollout workers.
 
 Importing this package is cheap: the submodules (transformers, torch, hivemind) load on first use.
 """
@@ -17,9 +18,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pulseloco.integrations.args import PulseLoCoArguments
     from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
+    from pulseloco.integrations.swarm_rollouts import SwarmRollouts
     from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback
 
-__all__ = ["PulseLoCoArguments", "PulseLoCoCallback", "PulseSyncCallback", "RolloutEngine", "TransformersEngine"]
+__all__ = [
+    "PulseLoCoArguments",
+    "PulseLoCoCallback",
+    "PulseSyncCallback",
+    "RolloutEngine",
+    "SwarmRollouts",
+    "TransformersEngine",
+]
 
 _LAZY = {
     "PulseLoCoArguments": "pulseloco.integrations.args",
@@ -27,6 +36,7 @@ _LAZY = {
     "PulseSyncCallback": "pulseloco.integrations.trainer",
     "RolloutEngine": "pulseloco.integrations.rollout",
     "TransformersEngine": "pulseloco.integrations.rollout",
+    "SwarmRollouts": "pulseloco.integrations.swarm_rollouts",
 }
 
 

@@ -244,3 +244,82 @@ class PulseLoCoArguments(SwarmArguments):
                 )
             )
         return callbacks
+
+
+ROLLOUT_SOURCES = ("local", "swarm")
+
+
+@dataclass(kw_only=True)
+class RolloutArguments:
+    """Where a GRPO trainer's completions come from: its own model (TRL's generation) or the swarm's rollout
+    workers (:class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`, TRL's ``rollout_func``)."""
+
+    rollouts: str = field(
+        default="local",
+        metadata=_help(
+            "local: the trainer generates its completions itself. swarm: rollout workers that follow this run's "
+            "versions generate them (recipes/rollout_worker.py --serve_rollouts)."
+        ),
+    )
+    rollout_fallback: str = field(
+        default="local",
+        metadata=_help("With --rollouts swarm and no usable worker for --rollout_timeout s: local (generate) or wait."),
+    )
+    max_lag: int = field(
+        default=2, metadata=_help("A completion made with version v is trained on only up to version v + max_lag.")
+    )
+    lease_timeout: float = field(
+        default=60.0, metadata=_help("Seconds a worker has for one lease; then it goes to another worker.")
+    )
+    rollout_timeout: float = field(
+        default=60.0, metadata=_help("Seconds without any usable rollout worker before --rollout_fallback.")
+    )
+    rollout_lookahead: bool = field(
+        default=True, metadata=_help("Send the next batch to the workers while the trainer trains on this one.")
+    )
+    public_key: str | None = field(
+        default=None,
+        metadata=_help(
+            "The publisher's public key (.pub of `pulseloco keygen`); with --rollouts swarm on a trainer that does "
+            "not --publish itself."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.rollouts not in ROLLOUT_SOURCES:
+            raise ConfigError(f"rollouts must be one of {', '.join(ROLLOUT_SOURCES)}, got {self.rollouts!r}")
+        from pulseloco.integrations.swarm_rollouts import FALLBACKS
+
+        if self.rollout_fallback not in FALLBACKS:
+            raise ConfigError(f"rollout_fallback must be one of {', '.join(FALLBACKS)}, got {self.rollout_fallback!r}")
+        if self.max_lag < 0:
+            raise ConfigError(f"max_lag must be >= 0, got {self.max_lag}")
+        for name in ("lease_timeout", "rollout_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+
+    def rollout_func(self, pulse_args: PulseLoCoArguments, *, output_dir: str | Path | None = None) -> Any:
+        """The ``rollout_func`` for TRL's ``GRPOTrainer``: a :class:`SwarmRollouts` with ``--rollouts swarm``, else
+        None (TRL generates). It joins the swarm of ``pulse_args`` (the DHT of the PulseLoCo or PulseSync callback
+        when there is one) and writes ``<output_dir>/rollouts.jsonl``. Raises :class:`ConfigError` when neither
+        ``--public_key`` nor ``--publish`` says which versions exist."""
+        if self.rollouts == "local":
+            return None
+        from pulseloco.integrations.swarm_rollouts import SwarmRollouts
+
+        if not self.public_key and not pulse_args.publish:
+            raise ConfigError(
+                "--rollouts swarm needs --public_key PATH (the publisher's .pub file), or --publish on this trainer"
+            )
+        return SwarmRollouts(
+            swarm=pulse_args.swarm_config(),
+            run_id=pulse_args.run_id,
+            public_key=self.public_key,
+            max_lag=self.max_lag,
+            lease_timeout=self.lease_timeout,
+            rollout_timeout=self.rollout_timeout,
+            fallback=self.rollout_fallback,
+            lookahead=self.rollout_lookahead,
+            metrics_path=None if output_dir is None else Path(output_dir) / "rollouts.jsonl",
+        )

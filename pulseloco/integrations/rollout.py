@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -20,7 +21,21 @@ from pulseloco.integrations.models import load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RolloutEngine", "TransformersEngine"]
+__all__ = ["Completion", "RolloutEngine", "TransformersEngine"]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion in token ids.
+
+    ``token_ids``: the generated tokens, the end-of-sequence token included when generation stopped on it, nothing
+    after it. ``logprobs``: per token, its log-probability under the distribution it was sampled from (the logits
+    divided by the temperature, then softmax), which is what the trainer's importance-sampling correction compares
+    with its own.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
 
 
 class RolloutEngine(Protocol):
@@ -38,6 +53,14 @@ class RolloutEngine(Protocol):
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None = None) -> list[str]:
         """One completion per prompt (greedy when ``temperature`` is ``None``), without special tokens."""
+        ...
+
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
+    ) -> list[Completion]:
+        """One completion per prompt (token ids, repeated by the caller for several samples), sampled with plain
+        ``temperature`` (no top-k or top-p) and their sampling log-probabilities. ``seed`` makes the sampling
+        repeatable on the same engine and device."""
         ...
 
 
@@ -123,6 +146,61 @@ class TransformersEngine:
             return self._generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)
         finally:
             self.model.train(was_training)
+
+    @torch.no_grad()
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
+    ) -> list[Completion]:
+        """Sample one completion per prompt with plain ``temperature`` and return each token's log-probability under
+        the distribution it was drawn from (``generate``'s processed scores: the logits divided by the temperature).
+        Prompts are left-padded into one batch. ``seed`` seeds torch's global generator first (a rollout worker
+        generates in one thread). Raises ``ValueError`` for an empty prompt or a temperature that is not positive."""
+        if not prompt_ids:
+            return []
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
+            attention_mask[row, width - len(ids) :] = 1
+        if seed is not None:
+            torch.manual_seed(seed)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out = self.model.generate(
+                input_ids=input_ids.to(self.model.device),
+                attention_mask=attention_mask.to(self.model.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=pad,
+                eos_token_id=self.tokenizer.eos_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        finally:
+            self.model.train(was_training)
+        tokens = out.sequences[:, width:].cpu()
+        # scores: one (batch, vocab) tensor of processed logits per generated position
+        logprobs = torch.stack([s.float().log_softmax(-1).cpu() for s in out.scores], dim=1)
+        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        eos = self.tokenizer.eos_token_id
+        completions = []
+        for row in range(tokens.shape[0]):
+            ids = tokens[row].tolist()
+            length = len(ids)
+            if eos is not None and eos in ids:
+                length = ids.index(eos) + 1  # keep the end-of-sequence token, drop the padding after it
+            completions.append(Completion(ids[:length], chosen[row, :length].tolist()))
+        return completions
 
     def _generate(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float | None) -> list[str]:
         batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)

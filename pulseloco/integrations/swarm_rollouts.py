@@ -1,0 +1,427 @@
+"""Completions for TRL's ``GRPOTrainer`` from the swarm's rollout workers: a ``rollout_func``.
+
+    from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback, SwarmRollouts
+
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...,
+                          callbacks=[PulseLoCoCallback(...), PulseSyncCallback(signing_key="keys/publisher")],
+                          rollout_func=SwarmRollouts(run_id="my-run", public_key="keys/publisher.pub"))
+
+TRL calls the rollout function once per generation round with this process's prompts (each repeated
+``num_generations`` times); :class:`SwarmRollouts` tokenizes them as TRL would (TRL's own ``_tokenize_prompts``:
+the chat template is applied here, at the backend boundary), has the rollout workers that follow ``<run_id>.policy``
+generate ``num_generations`` completions of each prompt (:class:`pulseloco.rollouts.client.RolloutClient`: leases,
+re-leases, checked replies), and returns ``prompt_ids``, ``completion_ids`` and the workers' sampling ``logprobs``.
+TRL then decodes the completions and computes the rewards itself: a worker's own scores are never used.
+
+- **Asynchrony**: once a batch is back, the batch TRL will ask for next is already sent to the workers (predicted
+  from a second iterator over the trainer's own train dataloader, and checked against the prompts TRL then passes:
+  a wrong prediction is discarded and lookahead turned off, never trained on), so the workers generate while the
+  trainer trains.
+- **Lag**: a completion made with version v is used at the newest published version v' only if v' - v <= ``max_lag``;
+  older ones are dropped, counted and generated again.
+- **Off-policy correction**: TRL's truncated importance sampling (``vllm_importance_sampling_correction``, its mode
+  and ``vllm_importance_sampling_clip_*``) runs in the installed TRL only where ``use_vllm`` is set. When the
+  correction is on, the first call sets ``use_vllm`` on this trainer so that TRL computes the ratio between its
+  own log-probabilities and the workers' and multiplies the loss by it; TRL's hook that would push weights to a
+  vLLM engine is given an object whose ``sync_weights`` does nothing, because the workers receive the weights by
+  PULSESync (:class:`PulseSyncCallback`). Sampling is plain temperature: TRL's ``top_p``, ``top_k``, ``min_p`` and
+  ``repetition_penalty`` must be off, since the workers' log-probabilities would otherwise not be those of the
+  distribution sampled from.
+- **No workers**: after ``rollout_timeout`` seconds without a usable worker, ``fallback="local"`` generates the
+  batch with the trainer's own model (saying so), and ``fallback="wait"`` keeps waiting with a warning every
+  ``rollout_timeout`` seconds.
+
+Under ``accelerate launch`` with several processes, every process's prompts are gathered on the main process
+(the only one in the swarm), generated there, and each process gets its own slice back.
+
+Failure behaviour: bad arguments raise :class:`pulseloco.errors.ConfigError` at construction, and a trainer
+configuration this path cannot serve (sampling filters, multimodal prompts, no DHT or key to be found) raises it at
+the first call. Neither fallback raises for want of workers (``local`` generates, ``wait`` waits), and nothing a worker
+sends raises here (bad replies are refused and re-leased).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import TrainerCallback
+
+from pulseloco.errors import ConfigError
+from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback, _JsonLines
+from pulseloco.rollouts.client import GroupResult, NoWorkersError, RolloutClient
+from pulseloco.swarm import SwarmConfig
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["FALLBACKS", "SwarmRollouts"]
+
+FALLBACKS = ("local", "wait")
+
+
+class _PulseSyncWeights:
+    """Stands where TRL keeps its vLLM weight sync (``trainer.vllm_generation``): TRL calls ``sync_weights()``
+    before each rollout round, and on this path the workers get the weights by PULSESync instead."""
+
+    def sync_weights(self) -> None:
+        return None
+
+
+@dataclass
+class _Pending:
+    key: str
+    prompt_ids: list[list[int]]
+    groups: list[list[int]]
+    num_samples: int
+    future: concurrent.futures.Future[list[GroupResult]]
+
+
+def _group(rows: list[Any], num_generations: int) -> int:
+    """How many consecutive rows share a prompt: ``num_generations`` when the rows come in such runs, else 1."""
+    if num_generations > 1 and len(rows) % num_generations == 0:
+        for start in range(0, len(rows), num_generations):
+            if any(rows[start + i] != rows[start] for i in range(1, num_generations)):
+                return 1
+        return num_generations
+    return 1
+
+
+class SwarmRollouts:
+    """A TRL ``rollout_func`` whose completions come from the swarm's rollout workers (module docstring).
+
+    Args (keyword-only):
+        dht: the DHT to use; default: that of a :class:`PulseLoCoCallback` or :class:`PulseSyncCallback` on the same
+            trainer, else one started from ``swarm`` at the first call.
+        swarm: how to join when there is no DHT to reuse.
+        run_id: the swarm run (workers follow ``<run_id>.policy``).
+        public_key: the publisher's public key or its path; default: the key of a :class:`PulseSyncCallback` on the
+            same trainer.
+        max_lag: versions a completion may be behind the newest published version when it is used.
+        lease_timeout: seconds a worker has for one lease (a worker that dies mid-lease costs at most this).
+        rollout_timeout: seconds without a usable worker before the fallback.
+        fallback: ``local`` (generate with the trainer's model) or ``wait``.
+        lookahead: send the next batch to the workers before TRL asks for it.
+        leases_per_worker: leases of this trainer running on one worker at once.
+        metrics_path: append one JSON line per generation round (lag histogram, dropped, refused, wait seconds).
+
+    Attributes: ``client`` (the :class:`RolloutClient`, after the first call), ``seconds_waiting`` (total time
+    TRL waited in this function), ``num_local`` (rounds generated locally).
+    """
+
+    def __init__(
+        self,
+        *,
+        dht: Any | None = None,
+        swarm: SwarmConfig | None = None,
+        run_id: str = "pulseloco",
+        public_key: Any | None = None,
+        max_lag: int = 2,
+        lease_timeout: float = 60.0,
+        rollout_timeout: float = 60.0,
+        fallback: str = "local",
+        lookahead: bool = True,
+        leases_per_worker: int = 2,
+        metrics_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if fallback not in FALLBACKS:
+            raise ConfigError(f"rollout fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
+        if max_lag < 0:
+            raise ConfigError(f"max_lag must be >= 0, got {max_lag}")
+        for name, value in (("lease_timeout", lease_timeout), ("rollout_timeout", rollout_timeout)):
+            if not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if leases_per_worker < 1:
+            raise ConfigError(f"leases_per_worker must be at least 1, got {leases_per_worker}")
+        if isinstance(public_key, str | os.PathLike):
+            from pulseloco.sync.signing import load_public_key
+
+            public_key = load_public_key(public_key)  # fails here, with a clear message, not mid-training
+        self.dht = dht
+        self.swarm = swarm
+        self.run_id = run_id
+        self.public_key = public_key
+        self.max_lag = max_lag
+        self.lease_timeout = lease_timeout
+        self.rollout_timeout = rollout_timeout
+        self.fallback = fallback
+        self.lookahead = lookahead
+        self.leases_per_worker = leases_per_worker
+        self.metrics = _JsonLines(metrics_path) if metrics_path is not None else None
+        self.client: RolloutClient | None = None
+        self.seconds_waiting = 0.0
+        self.num_local = 0
+        self.num_rounds = 0
+        self._owned_dht: Any | None = None
+        self._pending: _Pending | None = None
+        self._predictions: Iterator[list[Any]] | None = None
+        self._local_engine: Any | None = None
+        self._started = False
+
+    # ---- TRL's entry point --------------------------------------------------------------------------------
+
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        if not self._started:
+            self._start(trainer)
+        accelerator = trainer.accelerator
+        if accelerator.num_processes == 1:
+            return self._generate(prompts, trainer)
+        from accelerate.utils import broadcast_object_list, gather_object
+
+        everyone = gather_object([prompts])  # one list of prompts per process, in rank order
+        box: list[Any] = [None]
+        if accelerator.is_main_process:
+            box[0] = self._generate([p for part in everyone for p in part], trainer)
+        broadcast_object_list(box, from_process=0)
+        start = sum(len(part) for part in everyone[: accelerator.process_index])
+        end = start + len(prompts)
+        return {key: values[start:end] for key, values in box[0].items()}
+
+    def _start(self, trainer: Any) -> None:
+        """Check that this path can serve ``trainer``; find or start the DHT and the key; turn TRL's
+        importance-sampling correction on (see the module docstring)."""
+        self._started = True
+        args = trainer.args
+        if trainer.top_p != 1.0 or trainer.top_k not in (None, 0) or trainer.min_p is not None:
+            raise ConfigError(
+                "swarm rollouts sample with plain temperature, so that the workers' log-probabilities are those of "
+                f"the distribution sampled from: set top_p 1.0, top_k 0 and no min_p (got top_p={trainer.top_p}, "
+                f"top_k={trainer.top_k}, min_p={trainer.min_p})"
+            )
+        if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
+            raise ConfigError("swarm rollouts sample with plain temperature: set repetition_penalty 1.0")
+        if args.vllm_importance_sampling_correction and not trainer.use_vllm:
+            trainer.use_vllm = True
+            trainer.vllm_generation = _PulseSyncWeights()
+            trainer._last_loaded_step = trainer.state.global_step
+        if not trainer.accelerator.is_main_process:
+            return
+        callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
+        if self.dht is None:
+            for callback in callbacks:
+                if isinstance(callback, PulseLoCoCallback) and callback.dht is not None:
+                    self.dht = callback.dht
+                    break
+                if isinstance(callback, PulseSyncCallback) and callback.publisher is not None:
+                    self.dht = callback.publisher.dht
+                    break
+        if self.public_key is None:
+            for callback in callbacks:
+                if isinstance(callback, PulseSyncCallback) and callback.signing_key is not None:
+                    self.public_key = callback.signing_key.public_key()
+        if self.public_key is None:
+            raise ConfigError(
+                "swarm rollouts need the publisher's public key (--public_key PATH, the .pub file of `pulseloco "
+                "keygen`) to know which versions exist, or a PulseSyncCallback on this trainer"
+            )
+        if self.dht is None:
+            from pulseloco.swarm import make_dht
+
+            self.dht = self._owned_dht = make_dht(self.swarm or SwarmConfig())
+        vocab_size = len(trainer.processing_class)
+        self.client = RolloutClient(
+            self.dht,
+            f"{self.run_id}.policy",
+            self.public_key,
+            vocab_size=max(vocab_size, int(getattr(trainer.model.config, "vocab_size", 0) or 0)),
+            max_lag=self.max_lag,
+            lease_timeout=self.lease_timeout,
+            rollout_timeout=self.rollout_timeout,
+            leases_per_worker=self.leases_per_worker,
+            seed=args.seed,
+        )
+        trainer.add_callback(_CloseAtEnd(self))
+        print(
+            f"rollouts: from the swarm's workers of run_id={self.run_id}.policy max_lag={self.max_lag} "
+            f"fallback={self.fallback}",
+            flush=True,
+        )
+
+    # ---- one generation round -----------------------------------------------------------------------------
+
+    def _generate(self, rows: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        assert self.client is not None  # noqa: S101 (set by _start on the main process, which alone gets here)
+        started = time.monotonic()
+        training = trainer.model.training
+        num_generations = trainer.num_generations if training else trainer.num_generations_eval
+        pending = self._take_or_submit(rows, trainer)
+        fallback = False
+        try:
+            results = pending.future.result(timeout=None if self.fallback == "wait" else self._wait_bound())
+        except (NoWorkersError, concurrent.futures.TimeoutError) as exc:
+            pending.future.cancel()
+            logger.warning("rollouts: %s; generating this batch with the trainer's own model", exc)
+            print(f"rollouts: no workers ({exc}); generating this round locally", flush=True)
+            results = self._generate_locally(trainer, pending)
+            fallback = True
+        newest = self.client.newest_version()
+        stale = [i for i, r in enumerate(results) if r.version >= 0 and self.client.lag(r.version) > self.max_lag]
+        if stale:  # generated before a newer version arrived: drop, count, generate again at the current one
+            self.client.stats.stale_dropped += len(stale) * pending.num_samples
+            again = self.client.submit(
+                [pending.groups[i] for i in stale],
+                num_samples=pending.num_samples,
+                max_new_tokens=trainer.max_completion_length,
+                temperature=trainer.temperature,
+                wait=self.fallback == "wait",
+            )
+            for i, result in zip(stale, again.result()):
+                results[i] = result
+        if training and self.lookahead and not fallback:
+            self._submit_prediction(trainer)
+        waited = time.monotonic() - started
+        self.seconds_waiting += waited
+        self.num_rounds += 1
+        self._record(trainer, results, pending.num_samples, newest, waited, fallback, num_generations)
+        completion_ids, logprobs = [], []
+        for result in results:
+            completion_ids.extend(result.completion_ids)
+            logprobs.extend(result.logprobs)
+        return {"prompt_ids": pending.prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def _wait_bound(self) -> float:
+        # the client raises NoWorkersError after rollout_timeout idle; this bounds a batch that keeps failing
+        return self.rollout_timeout + 10 * self.lease_timeout
+
+    def _take_or_submit(self, rows: list[Any], trainer: Any) -> _Pending:
+        key = json.dumps(rows, sort_keys=True, default=str)
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.key == key:
+            return pending
+        if pending is not None:  # the prediction was wrong: never train on it, and stop predicting
+            pending.future.cancel()
+            self._predictions = None
+            self.lookahead = False
+            logger.info("rollouts: the predicted batch was not the one TRL asked for; lookahead turned off")
+        return self._submit(rows, key, trainer)
+
+    def _submit(self, rows: list[Any], key: str, trainer: Any) -> _Pending:
+        assert self.client is not None  # noqa: S101
+        num_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        per_group = _group(rows, num_generations)
+        prompt_ids, images, multimodal = trainer._tokenize_prompts(rows)  # TRL's own tokenization
+        if images is not None or multimodal:
+            raise ConfigError("swarm rollouts generate from text prompts only (this batch has images)")
+        prompt_ids = [list(map(int, ids)) for ids in prompt_ids]
+        groups = [prompt_ids[start] for start in range(0, len(rows), per_group)]
+        future = self.client.submit(
+            groups,
+            num_samples=per_group,
+            max_new_tokens=trainer.max_completion_length,
+            temperature=trainer.temperature,
+            wait=self.fallback == "wait",
+        )
+        return _Pending(key, prompt_ids, groups, per_group, future)
+
+    def _submit_prediction(self, trainer: Any) -> None:
+        if self._predictions is None:
+            self._predictions = self._predicted_rounds(trainer)
+            next(self._predictions, None)  # the round just served
+        rows = next(self._predictions, None)
+        if rows is not None:
+            self._pending = self._submit(rows, json.dumps(rows, sort_keys=True, default=str), trainer)
+
+    @staticmethod
+    def _predicted_rounds(trainer: Any) -> Iterator[list[Any]]:
+        """The prompts of TRL's generation rounds, from a second iterator over the trainer's train dataloader (its
+        sampler is seeded, so it yields the same batches; TRL generates on every ``steps_per_generation *
+        num_iterations``-th batch)."""
+        every = trainer.args.steps_per_generation * trainer.num_iterations
+        while True:
+            loader = trainer.get_train_dataloader()
+            for position, batch in enumerate(loader):
+                if position % every == 0:
+                    yield [row["prompt"] for row in batch]
+
+    def _generate_locally(self, trainer: Any, pending: _Pending) -> list[GroupResult]:
+        from pulseloco.integrations.rollout import TransformersEngine
+
+        if self._local_engine is None:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            self._local_engine = TransformersEngine(model, trainer.processing_class, shadow=False)
+        self.num_local += 1
+        prompts = [group for group in pending.groups for _ in range(pending.num_samples)]
+        completions = self._local_engine.generate_ids(
+            prompts, max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature
+        )
+        results = []
+        for g in range(len(pending.groups)):
+            mine = completions[g * pending.num_samples : (g + 1) * pending.num_samples]
+            results.append(GroupResult(-1, "", [c.token_ids for c in mine], [c.logprobs for c in mine], "local"))
+        return results
+
+    def _record(
+        self,
+        trainer: Any,
+        results: list[GroupResult],
+        num_samples: int,
+        newest: int | None,
+        waited: float,
+        fallback: bool,
+        num_generations: int,
+    ) -> None:
+        assert self.client is not None  # noqa: S101
+        stats = self.client.stats
+        lags = [self.client.lag(r.version) for r in results if r.version >= 0]
+        for lag in lags:
+            stats.lag[lag] += num_samples
+        workers = sorted({r.worker for r in results})
+        mode = "train" if trainer.model.training else "eval"
+        metrics = trainer._metrics[mode]  # TRL logs these with its own (report_to)
+        metrics["rollouts/lag_mean"].append(sum(lags) / len(lags) if lags else 0.0)
+        metrics["rollouts/wait_seconds"].append(waited)
+        metrics["rollouts/stale_dropped"].append(float(stats.stale_dropped))
+        metrics["rollouts/refused"].append(float(stats.refused))
+        metrics["rollouts/local"].append(1.0 if fallback else 0.0)
+        if self.metrics is not None:
+            by_worker: dict[str, int] = {}
+            for r in results:
+                by_worker[r.worker] = by_worker.get(r.worker, 0) + len(r.completion_ids)
+            self.metrics.write(
+                event="rollouts",
+                round=self.num_rounds,
+                step=trainer.state.global_step,
+                mode=mode,
+                newest_version=newest,
+                versions=sorted({r.version for r in results}),
+                lags=sorted(lags),
+                completions=len(results) * num_samples,
+                num_generations=num_generations,
+                by_worker=by_worker,
+                workers=workers,
+                seconds_waiting=round(waited, 4),
+                local=fallback,
+                stale_dropped=stats.stale_dropped,
+                refused=stats.refused,
+                failed=stats.failed,
+                released=stats.released,
+                refused_workers=dict(stats.refusals),
+            )
+
+    def close(self) -> None:
+        """Cancel a batch still in flight, close the client and a DHT this object started. Idempotent."""
+        if self._pending is not None:
+            self._pending.future.cancel()
+            self._pending = None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self._owned_dht is not None:
+            self._owned_dht.shutdown()
+            self._owned_dht = None
+
+
+class _CloseAtEnd(TrainerCallback):
+    """Closes a :class:`SwarmRollouts` when training ends (added to the trainer's callbacks at the first call)."""
+
+    def __init__(self, rollouts: SwarmRollouts) -> None:
+        self.rollouts = rollouts
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.rollouts.close()
+

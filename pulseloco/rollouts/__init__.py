@@ -1,0 +1,8 @@
+"""The rollout loop across the swarm: rollout workers generate the trainers' data.
+
+- :mod:`~pulseloco.rollouts.protocol`: leases, replies and worker records, and the checks of each;
+- :mod:`~pulseloco.rollouts.worker`: :class:`RolloutServer`, a worker's lease handler beside its subscriber;
+- :mod:`~pulseloco.rollouts.client`: :class:`RolloutClient`, the trainer's leases, re-leases and reply checks.
+
+TRL's ``GRPOTrainer`` uses them through :class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`.
+"""

@@ -1,0 +1,359 @@
+"""The trainer's side of the rollout loop: leases to the swarm's rollout workers, re-leased until every prompt is
+answered once, with every reply checked.
+
+A :class:`RolloutClient` turns a batch of prompt groups (one prompt, ``num_samples`` completions) into leases and
+runs them on the workers it finds in the DHT (:func:`pulseloco.rollouts.protocol.workers_key`):
+
+- at most ``leases_per_worker`` leases of this trainer run on a worker at once, and a worker gets its next lease
+  as soon as one of its own returns, so faster workers take proportionally more leases (leases are cut to about
+  ``1 / (workers x leases_per_worker)`` of the batch, so there are enough to balance);
+- a lease that fails (the worker died, hung past the lease's deadline, answered busy or not ready, or sent a reply
+  that does not pass :func:`pulseloco.rollouts.protocol.decode_reply`) goes back to the front of the queue and
+  goes to another worker; a group's result is taken once, from the first lease that returns it verified, so no
+  prompt is answered twice and none is dropped;
+- a reply must name a published version (read from the publisher's signed head record, whose digest it must
+  match) no more than ``max_lag`` versions behind the newest; an older one is dropped and counted, and its groups
+  are generated again;
+- a worker whose replies fail those checks ``max_refusals`` times in a row is refused for the rest of the run
+  (logged with the reason).
+
+Failure behaviour: when no worker is usable for ``rollout_timeout`` seconds while leases wait, the batch fails with
+:class:`NoWorkersError` (or, with ``wait=True``, a warning says so every ``rollout_timeout`` seconds and the batch
+keeps waiting). Every remote call is bounded by the lease's deadline. Nothing a worker sends can raise anything
+but a refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import math
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+
+from pulseloco.errors import PayloadError, SwarmError
+from pulseloco.p2p import P2PHost, read_stream
+from pulseloco.rollouts.protocol import (
+    Lease,
+    Samples,
+    WorkerInfo,
+    decode_reply,
+    parse_worker_record,
+    reply_max_bytes,
+    workers_key,
+)
+from pulseloco.rollouts.worker import RolloutServicer, rollout_namespace
+from pulseloco.sync.transport import read_head
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GroupResult", "NoWorkersError", "RolloutClient", "RolloutStats"]
+
+
+class NoWorkersError(SwarmError):
+    """No rollout worker was usable for ``rollout_timeout`` seconds while leases waited."""
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """The ``num_samples`` completions of one prompt, as one worker generated them with ``version``."""
+
+    version: int
+    digest: str
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    worker: str
+
+
+@dataclass
+class RolloutStats:
+    """Counters of a client's whole run (what ``pulseloco status`` and the metrics report)."""
+
+    leases: int = 0
+    released: int = 0
+    failed: int = 0
+    refused: int = 0
+    stale_dropped: int = 0
+    by_worker: collections.Counter[str] = field(default_factory=collections.Counter)
+    refusals: dict[str, str] = field(default_factory=dict)
+    lag: collections.Counter[int] = field(default_factory=collections.Counter)
+
+
+@dataclass
+class _Batch:
+    groups: list[list[int]]
+    num_samples: int
+    max_new_tokens: int
+    temperature: float
+    results: dict[int, GroupResult] = field(default_factory=dict)
+
+
+class RolloutClient:
+    """Runs batches of prompt groups on the swarm's rollout workers (see the module docstring).
+
+    Args:
+        dht: this trainer's running DHT.
+        run_id: the PULSESync run the workers follow (``<run_id>.policy``).
+        public_key: the publisher's key; the head record it signed says which versions exist.
+        vocab_size: token ids in replies must be below it.
+        max_lag: a completion made with version v is used only while the newest version is at most v + max_lag.
+        lease_timeout: seconds a worker has for one lease (its deadline); a worker that dies costs at most this.
+        rollout_timeout: seconds without any usable worker before a batch fails (or warns, with ``wait``).
+        leases_per_worker: leases of this trainer running on one worker at once.
+        max_refusals: replies in a row that fail the checks before a worker is refused for the run.
+        seed: seeds the leases' sampling seeds.
+    """
+
+    def __init__(
+        self,
+        dht: Any,
+        run_id: str,
+        public_key: Ed25519PublicKey,
+        *,
+        vocab_size: int,
+        max_lag: int = 2,
+        lease_timeout: float = 60.0,
+        rollout_timeout: float = 60.0,
+        leases_per_worker: int = 2,
+        max_refusals: int = 3,
+        seed: int = 0,
+    ) -> None:
+        if max_lag < 0 or leases_per_worker < 1 or max_refusals < 1:
+            raise ValueError("max_lag must be >= 0, leases_per_worker and max_refusals >= 1")
+        if not (lease_timeout > 0 and rollout_timeout > 0):
+            raise ValueError("lease_timeout and rollout_timeout must be positive")
+        self.dht = dht
+        self.run_id = run_id
+        self.public_key = public_key
+        self.vocab_size = vocab_size
+        self.max_lag = max_lag
+        self.lease_timeout = lease_timeout
+        self.rollout_timeout = rollout_timeout
+        self.leases_per_worker = leases_per_worker
+        self.max_refusals = max_refusals
+        self.stats = RolloutStats()
+        self.published: dict[int, str] = {}  # version -> state digest, from the signed head records seen
+        self._rng = random.Random(seed)
+        self._inflight: collections.Counter[str] = collections.Counter()
+        self._strikes: collections.Counter[str] = collections.Counter()
+        self._cooldown: dict[str, float] = {}
+        self._workers: dict[str, WorkerInfo] = {}
+        self._workers_read = 0.0
+        self.host = P2PHost(dht, name="rollout-client")
+
+    # ---- what the swarm says ------------------------------------------------------------------------------
+
+    def newest_version(self) -> int | None:
+        """Read the publisher's head record now; returns the newest published version (None before any)."""
+        env = read_head(self.dht, self.run_id, self.public_key, timeout=10.0)
+        if env is not None:
+            self.published[env.version] = env.digest
+        return max(self.published) if self.published else None
+
+    def workers(self, *, max_age: float = 2.0) -> dict[str, WorkerInfo]:
+        """The workers' DHT records (re-read when older than ``max_age`` s), refused workers left out."""
+        if time.monotonic() - self._workers_read >= max_age:
+            self._workers_read = time.monotonic()
+            found: dict[str, WorkerInfo] = {}
+            try:
+                record = self.dht.get(workers_key(self.run_id), latest=True, return_future=True).result(10.0)
+            except concurrent.futures.TimeoutError:
+                logger.warning("DHT lookup of the rollout workers timed out")
+                record = None
+            if record is not None and isinstance(record.value, dict):
+                for subkey, item in record.value.items():
+                    info = parse_worker_record(getattr(item, "value", None))
+                    if isinstance(subkey, str) and info is not None:
+                        found[subkey] = info
+            self._workers = found
+        return {peer: info for peer, info in self._workers.items() if peer not in self.stats.refusals}
+
+    def check_version(self, version: int, digest: str) -> str | None:
+        """Why a reply's version claim is refused (None when it is a published version with its digest)."""
+        if version not in self.published and (not self.published or version > max(self.published)):
+            self.newest_version()  # a version published since we last looked
+        if version not in self.published:
+            return f"version {version} was not published (or not seen by this trainer)"
+        if self.published[version] != digest:
+            return f"digest {digest[:16]} is not the published digest of version {version}"
+        return None
+
+    def lag(self, version: int) -> int:
+        """Versions between ``version`` and the newest published one known."""
+        return max(self.published, default=version) - version
+
+    # ---- running batches ----------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        groups: Sequence[Sequence[int]],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float,
+        wait: bool = False,
+    ) -> concurrent.futures.Future[list[GroupResult]]:
+        """Start generating ``num_samples`` completions of each prompt in ``groups`` (token ids); returns at once.
+
+        The future's result lists one :class:`GroupResult` per group, in order. It fails with
+        :class:`NoWorkersError` as the module docstring says.
+        """
+        batch = _Batch([list(g) for g in groups], num_samples, max_new_tokens, temperature)
+        return asyncio.run_coroutine_threadsafe(self._run(batch, wait), self.host.loop.loop)
+
+    def _lease(self, batch: _Batch, indices: list[int]) -> Lease:
+        return Lease(
+            run_id=self.run_id,
+            lease_id=uuid.uuid4().hex,
+            prompts=[batch.groups[i] for i in indices],
+            num_samples=batch.num_samples,
+            max_new_tokens=batch.max_new_tokens,
+            temperature=batch.temperature,
+            seed=self._rng.getrandbits(63),
+            deadline_s=self.lease_timeout,
+        )
+
+    async def _run(self, batch: _Batch, wait: bool) -> list[GroupResult]:
+        loop = asyncio.get_running_loop()
+        workers = await loop.run_in_executor(None, self.workers)
+        size = max(1, math.ceil(len(batch.groups) / max(1, len(workers) * self.leases_per_worker)))
+        pending = collections.deque(
+            list(range(start, min(start + size, len(batch.groups)))) for start in range(0, len(batch.groups), size)
+        )
+        running: dict[asyncio.Task[tuple[str, Any]], tuple[list[int], str, Lease]] = {}
+        idle_since = time.monotonic()
+        try:
+            while pending or running:
+                if pending:
+                    workers = await loop.run_in_executor(None, self.workers)
+                    now = time.monotonic()
+                    free = [
+                        peer
+                        for peer, info in workers.items()
+                        if info.version >= 0
+                        and self._inflight[peer] < self.leases_per_worker
+                        and self._cooldown.get(peer, 0.0) <= now
+                    ]
+                    # fastest first; a worker without a measurement yet goes last
+                    free.sort(key=lambda p: (-workers[p].tokens_per_s, self._inflight[p], workers[p].queue))
+                    for peer in free:
+                        while pending and self._inflight[peer] < self.leases_per_worker:
+                            indices = pending.popleft()
+                            lease = self._lease(batch, indices)
+                            self._inflight[peer] += 1
+                            self.stats.leases += 1
+                            running[asyncio.create_task(self._call(peer, lease))] = (indices, peer, lease)
+                    if running:
+                        idle_since = now
+                    elif now - idle_since > self.rollout_timeout:
+                        swarm_run = self.run_id.removesuffix(".policy")
+                        message = (
+                            f"no rollout worker of run {self.run_id!r} took a lease for {self.rollout_timeout:.0f} s "
+                            f"({len(workers)} announced and usable); start one with `python recipes/rollout_worker.py "
+                            f"--serve_rollouts --run_id {swarm_run} --initial_peers MADDR`"
+                        )
+                        if not wait:
+                            raise NoWorkersError(message)
+                        logger.warning("%s; still waiting", message)
+                        idle_since = now
+                if not running:
+                    await asyncio.sleep(0.25)
+                    continue
+                done, _ = await asyncio.wait(running, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    indices, peer, lease = running.pop(task)
+                    self._inflight[peer] -= 1
+                    kind, value = task.result()
+                    if kind == "ok":
+                        kind, value = await loop.run_in_executor(None, self._accept, batch, indices, peer, value)
+                    if kind != "ok":
+                        self._note_failure(peer, lease, kind, str(value))
+                        pending.appendleft(indices)
+        finally:
+            for task in running:
+                task.cancel()
+                self._inflight[running[task][1]] -= 1
+        return [batch.results[i] for i in range(len(batch.groups))]
+
+    async def _call(self, peer: str, lease: Lease) -> tuple[str, Any]:
+        """One lease on one worker: ``("ok", Samples)`` or ``(failure kind, reason)``; never raises."""
+        try:
+            namespace = rollout_namespace(self.run_id)
+            stub = RolloutServicer.get_stub(self.host.p2p, PeerID.from_base58(peer), namespace=namespace)
+
+            async def exchange() -> tuple[dict[str, Any], bytes]:
+                stream = await stub.rpc_generate(runtime_pb2.ExpertRequest(metadata=lease.encode()))
+                return await read_stream(stream, max_bytes=reply_max_bytes(lease), timeout=lease.deadline_s)
+
+            header, payload = await asyncio.wait_for(exchange(), lease.deadline_s + 5.0)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            return "failed", f"no reply within the lease's deadline of {lease.deadline_s:.0f} s"
+        except PayloadError as exc:
+            return "refused", str(exc)
+        except Exception as exc:  # the daemon reports a dead or unreachable peer as assorted errors
+            lines = str(exc).strip().splitlines()
+            return "failed", f"{type(exc).__name__}: {lines[0] if lines else 'no detail'}"
+        status = header.get("status")
+        if status in ("busy", "not_ready"):
+            return str(status), f"worker answered {status}"
+        if status != "ok":
+            return "failed", f"worker answered {str(status)[:20]!r}: {str(header.get('error'))[:300]}"
+        try:
+            return "ok", decode_reply(lease, header, payload, vocab_size=self.vocab_size)
+        except PayloadError as exc:
+            return "refused", str(exc)
+
+    def _accept(self, batch: _Batch, indices: list[int], peer: str, samples: Samples) -> tuple[str, Any]:
+        """Check a decoded reply's version claim and lag; store its groups. Runs in an executor (reads the DHT)."""
+        why = self.check_version(samples.version, samples.digest)
+        if why is not None:
+            return "refused", why
+        lag = self.lag(samples.version)
+        if lag > self.max_lag:
+            self.stats.stale_dropped += len(indices) * batch.num_samples
+            return "stale", f"version {samples.version} is {lag} versions behind (max_lag {self.max_lag})"
+        self._strikes[peer] = 0
+        self.stats.by_worker[peer] += len(indices) * batch.num_samples
+        for position, index in enumerate(indices):
+            if index not in batch.results:  # taken once: a late duplicate of a re-leased group is ignored
+                batch.results[index] = GroupResult(
+                    samples.version, samples.digest, samples.completion_ids[position], samples.logprobs[position], peer
+                )
+        return "ok", None
+
+    def _note_failure(self, peer: str, lease: Lease, kind: str, reason: str) -> None:
+        self.stats.released += 1
+        if kind in ("busy", "not_ready"):
+            self._cooldown[peer] = time.monotonic() + 1.0
+            logger.debug("lease %s back in the queue: worker=%s %s", lease.lease_id, peer, reason)
+            return
+        if kind == "stale":
+            logger.info("dropped stale completions worker=%s %s; generating them again", peer, reason)
+            return
+        if kind == "refused":
+            self.stats.refused += 1
+            self._strikes[peer] += 1
+            logger.warning("refused reply worker=%s lease=%s reason=%s", peer, lease.lease_id, reason)
+            if self._strikes[peer] >= self.max_refusals:
+                self.stats.refusals[peer] = reason
+                logger.warning("refusing worker %s for the rest of the run: %s", peer, reason)
+            return
+        self.stats.failed += 1
+        self._cooldown[peer] = time.monotonic() + 5.0
+        logger.warning("lease failed worker=%s lease=%s reason=%s; leasing it again", peer, lease.lease_id, reason)
+
+    def close(self) -> None:
+        """Stop the client's P2P host (bounded; never raises)."""
+        self.host.close()
