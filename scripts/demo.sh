@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv (scripts/_setup.sh), makes or reuses a small warm model, then runs a PULSELoCo + PULSESync GRPO
-# swarm on 127.0.0.1 with TRL's GRPOTrainer and prints a table.
+# swarm on 127.0.0.1 with TRL's GRPOTrainer, whose completions all come from a rollout worker, and prints a table.
 #
 #   scripts/demo.sh                   the swarm demo (first run: about 3 minutes more to make the warm model)
 #   scripts/demo.sh --out DIR         put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
@@ -14,14 +14,17 @@
 #      (cached under ~/.cache/pulseloco, or $PULSELOCO_CACHE; later runs reuse it)
 #   1. a bootstrap node: `pulseloco dht`
 #   2. two GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/grpo-tiny.yaml
-#      --strategy pulseloco`; peer 0 publishes each consensus version with PULSESync, signed with a key made by
-#      `pulseloco keygen` in a temporary directory (removed on exit, never written to the repo)
-#   3. one rollout worker: `recipes/rollout_worker.py`, following the published versions until the last one; it
-#      generates with vLLM (--engine vllm --compare_full_reload) when vLLM is installed (scripts/_setup.sh installs
-#      the CPU build by default; PULSELOCO_VLLM=none skips it), else with transformers
+#      --strategy pulseloco --rollouts swarm --rollout_fallback wait`: they generate nothing themselves, every
+#      completion comes from the rollout worker; peer 0 publishes each consensus version with PULSESync, signed
+#      with a key made by `pulseloco keygen` in a temporary directory (removed on exit, never written to the repo)
+#   3. one rollout worker: `recipes/rollout_worker.py --serve_rollouts`, following the published versions until
+#      the last one and generating the trainers' completions with them; it generates with vLLM (--engine vllm)
+#      when vLLM is installed (scripts/_setup.sh installs the CPU build by default; PULSELOCO_VLLM=none skips it),
+#      else with transformers
 # Then scripts/demo_report.py prints the reward before and after, bytes sent against DiLoCo and DDP, patch bytes
-# against full BF16 checkpoints, and whether every digest matched. Everything started is stopped on exit,
-# Ctrl-C or SIGTERM. Needs no stdin; exits non-zero if a process failed or a digest did not match.
+# against full BF16 checkpoints, the rollouts per worker with their version lag, and whether every digest matched.
+# Everything started is stopped on exit, Ctrl-C or SIGTERM. Needs no stdin; exits non-zero if a process failed or
+# a digest did not match.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 
@@ -143,22 +146,24 @@ say "bootstrap node: $BOOTSTRAP"
 
 ENGINE_ARGS=(--engine transformers)
 if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
-    ENGINE_ARGS=(--engine vllm --compare_full_reload)
+    ENGINE_ARGS=(--engine vllm)
 fi
 start worker "$PYTHON" recipes/rollout_worker.py --model_name_or_path "$MODEL" --run_id "$RUN_ID" \
     --initial_peers "$BOOTSTRAP" --public_key "$KEYS/publisher.pub" --until_version "$LAST_VERSION" \
-    --max_seconds "$TIMEOUT" --output_dir "$OUT/worker" "${ENGINE_ARGS[@]}"
+    --max_seconds "$TIMEOUT" --output_dir "$OUT/worker" --serve_rollouts "${ENGINE_ARGS[@]}"
 # the worker follows from the first version: it is ready (vLLM takes a while to start) before the trainers start
 wait_for_line worker 'rollout: following' 300 >/dev/null
 LAUNCH=(accelerate launch -q --config_file recipes/accelerate_configs/single_process.yaml)
 PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --strategy pulseloco --run_id "$RUN_ID"
-    --initial_peers "$BOOTSTRAP" --target_group_size 2 --matchmaking_time 60 --max_steps "$STEPS")
+    --initial_peers "$BOOTSTRAP" --target_group_size 2 --matchmaking_time 60 --max_steps "$STEPS"
+    --rollouts swarm --rollout_fallback wait)
 # peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
 start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 0 --output_dir "$OUT/peer0" --linger 20 \
     --publish --signing_key "$KEYS/publisher"
-start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 1 --output_dir "$OUT/peer1" --linger 5
-say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) and a rollout worker (${ENGINE_ARGS[1]}," \
-    "until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
+start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 1 --output_dir "$OUT/peer1" --linger 5 \
+    --public_key "$KEYS/publisher.pub"
+say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) fed by a rollout worker" \
+    "(${ENGINE_ARGS[1]}, until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
 
 failed=()
 for name in peer0 peer1 worker; do

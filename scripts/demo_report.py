@@ -6,7 +6,8 @@
 Reads, per GRPO trainer peer ``RUN_DIR/peer*/``: ``pulseloco_rounds.jsonl`` (PulseLoCo's rounds),
 ``trainer_state.json`` (TRL's logs), ``grpo_eval.json`` (held-out greedy reward before and after) and, for the
 publisher, ``pulsesync_versions.jsonl`` and its version store ``versions/``; and ``RUN_DIR/worker/rollouts.jsonl``
-(the rollout worker). It prints:
+(the rollout worker) and, with ``--rollouts swarm``, ``RUN_DIR/peer*/rollouts.jsonl`` (each trainer's rollout
+rounds). It prints:
 
 * per peer: steps, outer rounds, the sampled GRPO reward (first and last log), the held-out greedy reward before
   and after, the bytes it sent, and what DiLoCo and DDP would have sent for the same run:
@@ -14,6 +15,8 @@ publisher, ``pulsesync_versions.jsonl`` and its version store ``versions/``; and
   a ring all-reduce sends ``2 (W - 1) / W * 4 * params`` bytes per worker (``4 * params`` with W = 2 workers);
 * PULSESync: the version store's patches against full BF16 checkpoints (``2 * params`` bytes, the store's anchor
   size), and what the rollout worker received against one full checkpoint per version;
+* rollouts: per trainer, the completions each rollout worker generated (and any generated locally), the version
+  lag they were trained at, dropped-stale and refused counts, and the sampled reward at each log step;
 * digests: every round's ``theta_digest`` equal across peers, and every version the rollout worker held equal to
   the digest the publisher announced for it.
 
@@ -240,16 +243,62 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
         f"digests: rollout worker vs publisher: {versions_match}/{len(rollouts)} versions equal{held} -> "
         f"{'MATCH' if worker_ok else 'MISMATCH'}"
     )
-    if rollouts:
-        first, last = rollouts[0], rollouts[-1]
+    scored = [r for r in rollouts if r.get("reward") is not None]
+    if scored:
+        first, last = scored[0], scored[-1]
         out.append(
             f"rollout worker greedy reward: v{first['version']} {first['reward']:.3f} -> "
             f"v{last['version']} {last['reward']:.3f}"
         )
-        out.extend(serving_lines(rollouts))
+    out.extend(serving_lines(rollouts))
+    loop = rollout_loop(peer_dirs)
+    if loop["peers"]:
+        out.append("")
+        out.extend(loop["lines"])
     ok = ok and theta_ok and worker_ok
-    data = {"peers": peers, "sync": sync, "digests": digests, "seconds": seconds, "ok": ok}
+    data = {"peers": peers, "sync": sync, "digests": digests, "rollouts": loop["peers"], "seconds": seconds, "ok": ok}
     return "\n".join(out), data, ok
+
+
+def rollout_loop(peer_dirs: list[Path]) -> dict[str, Any]:
+    """Per trainer peer with ``rollouts.jsonl`` (``--rollouts swarm``): completions per worker, lag histogram,
+    dropped and refused counts, and the sampled reward at each of TRL's log steps."""
+    peers: dict[str, Any] = {}
+    lines: list[str] = []
+    rows = []
+    for peer_dir in peer_dirs:
+        rounds = [r for r in read_events(peer_dir / "rollouts.jsonl") if r.get("mode") == "train"]
+        if not rounds:
+            continue
+        by_worker: dict[str, int] = {}
+        lags: dict[int, int] = {}
+        for r in rounds:
+            for worker, count in r.get("by_worker", {}).items():
+                by_worker[worker] = by_worker.get(worker, 0) + count
+            per_lag = r["completions"] // max(1, len(r.get("lags") or [1]))
+            for lag in r.get("lags", []):
+                lags[lag] = lags.get(lag, 0) + per_lag
+        last = rounds[-1]
+        history = read_json(peer_dir / "trainer_state.json").get("log_history", [])
+        curve = [round(h["reward"], 3) for h in history if "reward" in h]
+        peers[peer_dir.name] = {
+            "rounds": len(rounds), "by_worker": by_worker, "lag_histogram": lags,
+            "stale_dropped": last.get("stale_dropped", 0), "refused": last.get("refused", 0),
+            "seconds_waiting": round(sum(r.get("seconds_waiting", 0.0) for r in rounds), 2), "reward_curve": curve,
+        }  # fmt: skip
+        workers = ", ".join(f"{'local' if w == 'local' else w[-6:]}: {n}" for w, n in sorted(by_worker.items()))
+        histogram = " ".join(f"{lag}:{n}" for lag, n in sorted(lags.items()))
+        rows.append(
+            [peer_dir.name, str(len(rounds)), workers, histogram, str(peers[peer_dir.name]["stale_dropped"]),
+             str(peers[peer_dir.name]["refused"]), f"{peers[peer_dir.name]['seconds_waiting']:.1f}"]
+        )  # fmt: skip
+    if rows:
+        header = ["peer", "rounds", "completions by worker", "lag: completions", "stale dropped", "refused", "wait s"]
+        lines.append("rollouts (TRL's rollout_func, from the swarm's workers):")
+        lines.append(table(header, rows))
+        for name, peer in peers.items():
+            lines.append(f"{name} sampled reward per log step: {' '.join(f'{x:.3f}' for x in peer['reward_curve'])}")
+    return {"peers": peers, "lines": lines}
 
 
 def serving_lines(rollouts: list[dict[str, Any]]) -> list[str]:
