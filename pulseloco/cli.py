@@ -280,7 +280,8 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sync-run-id",
         default=None,
-        help="the PULSESync run (default: RUN_ID.policy as the recipes publish, then RUN_ID)",
+        help="the PULSESync run: head, providers, rollout workers (default: RUN_ID.policy as the recipes publish, "
+        "then RUN_ID)",
     )
     parser.add_argument("--public-key", default=None, help="the publisher's public key: verify the head record")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (for scripts)")
@@ -316,7 +317,11 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[a
     "keygen": (_cmd_keygen, "make an Ed25519 signing key for publishing", _add_keygen_arguments),
     "sync": (_cmd_version, "PULSESync: serve or follow weight versions", _add_sync_arguments),
     "dht": (_cmd_dht, "run a bootstrap node and print how others join", _add_dht_arguments),
-    "status": (_cmd_status, "show the run's peers, digests and PULSESync head from the DHT", _add_status_arguments),
+    "status": (
+        _cmd_status,
+        "show the run's peers, digests, PULSESync head and rollout workers from the DHT",
+        _add_status_arguments,
+    ),
 }
 """Command name -> (handler, one-line help, argument builder). A new command adds one row here."""
 

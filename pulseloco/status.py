@@ -3,7 +3,9 @@
 Reads, never writes: the PULSELoCo state records (``{run_id}_loco_state``, one per peer: last completed round,
 parameter digest, client mode, whether that round was complete) and the PULSESync head and providers records
 (``pulseloco:<sync run>:head`` / ``:providers``) of the run the recipes publish, ``<run_id>.policy`` (then
-``<run_id>`` itself, for a ``pulseloco sync serve --run-id <run_id>``).
+``<run_id>`` itself, for a ``pulseloco sync serve --run-id <run_id>``), and the rollout workers' records of that run
+(``pulseloco:<sync run>:rollout_workers``, one per worker: engine, version held, throughput, queue, leases served;
+:func:`pulseloco.rollouts.protocol.workers_key`).
 
 Agreement rule (the exit code):
 
@@ -27,10 +29,15 @@ arguments or a swarm that cannot be joined (the CLI's business; :func:`collect_s
 A provider is *reachable* when its fetch handler answers a probe (:meth:`SwarmEndpoint.probe
 <pulseloco.sync.transport.SwarmEndpoint.probe>`: one libp2p dial and a one-message "missing" answer for an
 object kind nobody holds) within the probe timeout.
+
+A rollout worker's *lag* is the head version minus the version it serves (None while the head is unknown or the
+worker holds no version yet). Workers are shown, never counted in the exit code; their records are unsigned hints
+(a malformed one is skipped and counted in :attr:`SwarmStatus.malformed_workers`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import time
@@ -41,6 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulseloco.errors import PayloadError, UnauthorizedError
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
+from pulseloco.rollouts.protocol import parse_worker_record, workers_key
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +61,11 @@ __all__ = [
     "PeerReport",
     "ProviderReport",
     "SwarmStatus",
+    "WorkerReport",
     "classify_peers",
     "collect_status",
     "render_text",
+    "to_json",
 ]
 
 EXIT_AGREE = 0
@@ -107,6 +117,23 @@ class ProviderReport:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class WorkerReport:
+    """One rollout worker's DHT record (:class:`pulseloco.rollouts.protocol.WorkerInfo`): the ``version`` it
+    serves (-1: none yet), ``lag`` behind the head (None when the head or the worker's version is unknown),
+    measured throughput, leases waiting in its ``queue`` and ``served`` so far, its ``max_new_tokens`` limit."""
+
+    peer_id: str
+    engine: str
+    version: int
+    lag: int | None
+    tokens_per_s: float
+    samples_per_s: float
+    queue: int
+    served: int
+    max_new_tokens: int
+
+
 @dataclass
 class SwarmStatus:
     """Everything ``pulseloco status`` found for a run; :attr:`exit_code` applies the module's agreement rule."""
@@ -124,6 +151,12 @@ class SwarmStatus:
     providers: list[ProviderReport] = field(default_factory=list)
     probe_timeout: float | None = None
     """Seconds each provider had to answer the probe; None when providers were not probed."""
+    workers: list[WorkerReport] = field(default_factory=list)
+    """The rollout workers' valid records, newest version first, then by peer id."""
+    workers_key: str | None = None
+    """The DHT key the worker records were read from (None when no run id had any)."""
+    malformed_workers: int = 0
+    """Worker records skipped there because they were malformed."""
 
     @property
     def disagreeing(self) -> list[PeerReport]:
@@ -230,6 +263,76 @@ def _sync_status(
             endpoint.close()
 
 
+_MAX_PEER_ID = 128
+"""Longest worker subkey accepted (a base58 libp2p peer id is about 52 characters)."""
+
+
+def _read_workers(dht: Any, run_id: str, timeout: float) -> tuple[dict[str, Any], int]:
+    """The valid worker records under :func:`workers_key` ``(run_id)`` (``{peer id: WorkerInfo}``) and how many
+    were malformed. A lookup that times out or fails is logged and counts as no record."""
+    key = workers_key(run_id)
+    try:
+        found = dht.get(key, latest=True, return_future=True).result(timeout)
+    except concurrent.futures.TimeoutError:
+        logger.warning("DHT lookup timed out key=%s timeout=%.1f", key, timeout)
+        return {}, 0
+    except Exception as exc:  # a DHT shutting down or a daemon error: report what we have, never raise
+        logger.warning("DHT lookup failed key=%s error=%r", key, exc)
+        return {}, 0
+    if found is None:
+        return {}, 0
+    if not isinstance(found.value, dict):  # a plain value stored under the key, not one per worker
+        return {}, 1
+    workers, malformed = {}, 0
+    for subkey, item in found.value.items():
+        info = parse_worker_record(getattr(item, "value", None))
+        # strangers write these, and the text prints them: a peer id or engine name that could hold terminal
+        # escapes, or a peer id no libp2p id is that long, is malformed
+        if (
+            isinstance(subkey, str)
+            and 0 < len(subkey) <= _MAX_PEER_ID
+            and subkey.isprintable()
+            and info is not None
+            and info.engine.isprintable()
+        ):
+            workers[subkey] = info
+        else:
+            malformed += 1
+    return workers, malformed
+
+
+def _workers_status(report: SwarmStatus, dht: Any, timeout: float) -> None:
+    """Fill the rollout workers of ``report`` from the first PULSESync run id with any worker record: the run whose
+    head or providers were found first, then the other run ids looked up."""
+    candidates = [report.sync_run_id] if report.sync_run_id is not None else []
+    candidates += [r for r in report.sync_run_ids if r != report.sync_run_id]
+    head = report.head.version if report.head is not None else None
+    for run_id in candidates:
+        workers, malformed = _read_workers(dht, run_id, timeout)
+        if not workers and not malformed:
+            continue
+        report.workers_key = workers_key(run_id)
+        report.malformed_workers = malformed
+        if malformed:
+            logger.warning("skipped %d malformed rollout worker record(s) key=%s", malformed, report.workers_key)
+        for peer, info in sorted(workers.items(), key=lambda kv: (-kv[1].version, kv[0])):
+            lag = head - info.version if head is not None and info.version >= 0 else None
+            report.workers.append(
+                WorkerReport(
+                    peer,
+                    info.engine,
+                    info.version,
+                    lag,
+                    info.tokens_per_s,
+                    info.samples_per_s,
+                    info.queue,
+                    info.served,
+                    info.max_new_tokens,
+                )
+            )
+        return
+
+
 def collect_status(
     dht: Any,
     run_id: str = DEFAULT_RUN_ID,
@@ -244,7 +347,8 @@ def collect_status(
     Args:
         dht: the DHT to read through; left running (the caller shuts it down).
         run_id: the PULSELoCo run id.
-        sync_run_id: the PULSESync run to look up; default ``<run_id>.policy``, then ``<run_id>``.
+        sync_run_id: the PULSESync run to look up (head, providers, rollout workers); default ``<run_id>.policy``,
+            then ``<run_id>``.
         public_key: the publisher's key, to verify the head; without it the head is shown unverified.
         timeout: seconds for each DHT lookup.
         probe_timeout: seconds each provider has to answer the reachability probe; None skips the probe.
@@ -271,14 +375,16 @@ def collect_status(
         sync_run_ids=[sync_run_id] if sync_run_id is not None else [f"{run_id}.policy", run_id],
     )
     _sync_status(report, dht, public_key, timeout, probe_timeout)
+    _workers_status(report, dht, timeout)
     logger.info(
-        "status run=%s peers=%d reference_round=%s disagree=%d sync_run=%s providers=%d",
+        "status run=%s peers=%d reference_round=%s disagree=%d sync_run=%s providers=%d workers=%d",
         run_id,
         len(peers),
         reference,
         len(report.disagreeing),
         report.sync_run_id,
         len(report.providers),
+        len(report.workers),
     )
     return report
 
@@ -296,8 +402,33 @@ def _versions(p: ProviderReport) -> str:
     return f"v{p.min_version}-v{p.max_version} ({p.num_versions} versions)"
 
 
+def _worker_lines(report: SwarmStatus) -> list[str]:
+    """The rollout workers' part of :func:`render_text`: a count line, then one line per worker."""
+    if report.workers_key is None:
+        keys = ", ".join(repr(workers_key(r)) for r in report.sync_run_ids)
+        return [f"rollout workers: none announced under DHT key(s) {keys}"]
+    skipped = f", {report.malformed_workers} malformed record(s) skipped" if report.malformed_workers else ""
+    lines = [f"rollout workers: {len(report.workers)} under DHT key {report.workers_key!r}{skipped}"]
+    if not report.workers:
+        return lines
+    width = max(len("PEER"), *(len(w.peer_id) for w in report.workers))
+    engine_width = max(len("ENGINE"), *(len(w.engine) for w in report.workers))
+    lines.append(
+        f"  {'PEER':<{width}}  {'ENGINE':<{engine_width}}  VERSION     LAG  TOKENS/S  SAMPLES/S  QUEUE  SERVED"
+    )
+    for w in report.workers:
+        version = "none" if w.version < 0 else f"v{w.version}"
+        lag = "-" if w.lag is None else str(w.lag)
+        lines.append(
+            f"  {w.peer_id:<{width}}  {w.engine:<{engine_width}}  {version:>7}  {lag:>6}  {w.tokens_per_s:>8.1f}  "
+            f"{w.samples_per_s:>9.2f}  {w.queue:>5}  {w.served:>6}"
+        )
+    return lines
+
+
 def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
-    """A human-readable summary: the peer table, the PULSESync head and providers, and a verdict line."""
+    """A human-readable summary: the peer table, the PULSESync head and providers, the rollout workers, and a
+    verdict line."""
     lines: list[str] = []
     if not report.peers:
         lines.append(
@@ -370,6 +501,7 @@ def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
                     reach = f"  UNREACHABLE: {prov.error}"
                 lines.append(f"  {prov.peer_id:<{width}}  {role:<9}  {_versions(prov)}{reach}")
 
+    lines.extend(_worker_lines(report))
     if not report.peers:
         lines.append("verdict: nothing to compare (no PULSELoCo state records)")
     elif report.disagreeing:

@@ -1,6 +1,7 @@
 """``pulseloco status`` against a real swarm: hivemind DHTs on 127.0.0.1 holding real PULSELoCo state records
-(written by :class:`Matchmaker` from three peers, one in client mode) and a real PULSESync publisher's head and
-providers records; the command runs as a subprocess, the way an operator runs it."""
+(written by :class:`Matchmaker` from three peers, one in client mode), a real PULSESync publisher's head and
+providers records, and rollout worker records stored the way :class:`RolloutServer` announces them (good ones and
+malformed ones); the command runs as a subprocess, the way an operator runs it."""
 
 from __future__ import annotations
 
@@ -21,14 +22,25 @@ from sync_helpers import maddrs, start_dht, wait_for
 
 from pulseloco.cli import main
 from pulseloco.loco.matchmaking import Matchmaker, PeerState
-from pulseloco.status import classify_peers, collect_status, render_text
+from pulseloco.rollouts.protocol import WorkerInfo, workers_key
+from pulseloco.status import SwarmStatus, WorkerReport, classify_peers, collect_status, render_text, to_json
 from pulseloco.sync.publisher import Publisher
-from pulseloco.sync.signing import generate_key, save_keypair
+from pulseloco.sync.signing import generate_key, load_public_key, save_keypair
 from pulseloco.sync.transport import SwarmEndpoint
 
 CLI = [sys.executable, "-m", "pulseloco"]
 AGREE_RUN = "status-agree"
 SPLIT_RUN = "status-split"
+WORKERS_ONLY_RUN = "status-workers-only"
+"""A run with rollout worker records but no PULSELoCo, head or provider record."""
+GOOD_WORKER = "12D3KooWGoodWorkerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
+FRESH_WORKER = "12D3KooWFreshWorkerBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
+BAD_WORKER = "12D3KooWBadWorkerCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
+ESCAPE_WORKER = "12D3KooWEscapeWorkerDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDD"
+GOOD_INFO = WorkerInfo("transformers", 1, 123.4, 5.5, 2, 17, 64)
+"""Serves v1 while the head is v2: lag 1."""
+FRESH_INFO = WorkerInfo("vllm", -1, 0.0, 0.0, 0, 0, 128)
+"""Holds no version yet: no lag."""
 
 
 @dataclass
@@ -102,6 +114,29 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
             wait_for(lambda: len(reader.get_providers(timeout=5.0)) == 2, 20, "two provider records")
         finally:
             reader.close()
+        # rollout workers as RolloutServer.announce stores them, plus what a stranger could store there
+        worker_records = {
+            GOOD_WORKER: GOOD_INFO.to_record(),
+            FRESH_WORKER: FRESH_INFO.to_record(),
+            BAD_WORKER: {"engine": "vllm", "version": "2", "queue": 0},  # malformed: skipped
+            ESCAPE_WORKER: {**GOOD_INFO.to_record(), "engine": "vllm\x1b[2J"},  # terminal escapes: skipped
+        }
+        for subkey, record in worker_records.items():
+            assert dht_c.store(
+                workers_key(f"{AGREE_RUN}.policy"), record, expiration_time=get_dht_time() + 600, subkey=subkey
+            )
+        assert dht_c.store(
+            workers_key(f"{WORKERS_ONLY_RUN}.policy"),
+            GOOD_INFO.to_record(),
+            expiration_time=get_dht_time() + 600,
+            subkey=GOOD_WORKER,
+        )
+
+        def _workers_stored() -> bool:
+            found = bootstrap.get(workers_key(f"{AGREE_RUN}.policy"), latest=True)
+            return found is not None and isinstance(found.value, dict) and len(found.value) == len(worker_records)
+
+        wait_for(_workers_stored, 20, "four worker records")
         yield Swarm(
             bootstrap, peers, publisher.endpoint.peer_id.to_base58(), ghost_id, public_key, other_key, initial[0]
         )
@@ -136,6 +171,13 @@ def test_agreeing_run_prints_peers_head_and_providers(swarm: Swarm) -> None:
     assert "publisher" in publisher_line and "reachable" in publisher_line and "UNREACHABLE" not in publisher_line
     ghost_line = next(line for line in providers if swarm.ghost_id in line)
     assert "relay" in ghost_line and "UNREACHABLE" in ghost_line
+    workers_key_text = repr(workers_key(f"{AGREE_RUN}.policy"))
+    assert f"rollout workers: 2 under DHT key {workers_key_text}, 2 malformed record(s) skipped" in out
+    good_line = next(line for line in out.splitlines() if GOOD_WORKER in line)
+    assert good_line.split() == [GOOD_WORKER, "transformers", "v1", "1", "123.4", "5.50", "2", "17"]
+    fresh_line = next(line for line in out.splitlines() if FRESH_WORKER in line)
+    assert fresh_line.split() == [FRESH_WORKER, "vllm", "none", "-", "0.0", "0.00", "0", "0"]
+    assert BAD_WORKER not in out and ESCAPE_WORKER not in out and "\x1b" not in out
     assert out.strip().splitlines()[-1] == "verdict: digests agree at round 5"
     assert "Traceback" not in result.stderr
 
@@ -169,6 +211,12 @@ def test_disagreeing_run_exits_1_and_json_names_the_peer(swarm: Swarm) -> None:
     assert head["version"] == 2
     assert report["probe_timeout"] is None
     assert all(p["reachable"] is None for p in report["providers"])
+    # the rollout workers of that run: the lag is against the head shown (v2), malformed records left out
+    assert report["workers_key"] == workers_key(f"{AGREE_RUN}.policy") and report["malformed_workers"] == 2
+    assert report["workers"] == [
+        {"peer_id": GOOD_WORKER, "lag": 1, **GOOD_INFO.to_record()},
+        {"peer_id": FRESH_WORKER, "lag": None, **FRESH_INFO.to_record()},
+    ]
 
 
 def test_bad_multiaddr_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -216,7 +264,63 @@ def test_collect_status_in_process_for_scripts(swarm: Swarm) -> None:
     text = render_text(report)
     assert "no state records under DHT key 'nobody-runs-this_loco_state'" in text
     assert "no head or provider records for run id(s) 'nobody-runs-this.policy', 'nobody-runs-this'" in text
+    assert report.workers == [] and report.workers_key is None and report.malformed_workers == 0
+    assert (
+        "rollout workers: none announced under DHT key(s) 'pulseloco:nobody-runs-this.policy:rollout_workers', "
+        "'pulseloco:nobody-runs-this:rollout_workers'"
+    ) in text
     assert "verdict: nothing to compare" in text
+
+
+def test_collect_status_lists_rollout_workers_with_their_lag(swarm: Swarm) -> None:
+    """Worker records are read from the PULSESync run found, lagged against its head, malformed ones skipped; the
+    workers never change the exit code."""
+    report = collect_status(swarm.bootstrap, AGREE_RUN, public_key=load_public_key(swarm.public_key))
+    assert report.sync_run_id == f"{AGREE_RUN}.policy" and report.head is not None and report.head.version == 2
+    assert report.workers == [
+        WorkerReport(GOOD_WORKER, "transformers", 1, 1, 123.4, 5.5, 2, 17, 64),
+        WorkerReport(FRESH_WORKER, "vllm", -1, None, 0.0, 0.0, 0, 0, 128),
+    ]
+    assert report.workers_key == workers_key(f"{AGREE_RUN}.policy") and report.malformed_workers == 2
+    assert report.exit_code == 0
+    text = render_text(report)
+    assert "2 malformed record(s) skipped" in text and BAD_WORKER not in text and ESCAPE_WORKER not in text
+    header = next(line for line in text.splitlines() if "TOKENS/S" in line)
+    assert header.split() == ["PEER", "ENGINE", "VERSION", "LAG", "TOKENS/S", "SAMPLES/S", "QUEUE", "SERVED"]
+    as_json = json.loads(to_json(report))
+    assert [(w["peer_id"], w["version"], w["lag"]) for w in as_json["workers"]] == [
+        (GOOD_WORKER, 1, 1),
+        (FRESH_WORKER, -1, None),
+    ]
+    assert as_json["malformed_workers"] == 2
+
+    # workers but no head (publisher gone, or not started): listed from the run ids looked up, no lag
+    report = collect_status(swarm.bootstrap, WORKERS_ONLY_RUN, probe_timeout=None)
+    assert report.sync_run_id is None and report.head is None
+    assert report.workers == [WorkerReport(GOOD_WORKER, "transformers", 1, None, 123.4, 5.5, 2, 17, 64)]
+    assert report.workers_key == workers_key(f"{WORKERS_ONLY_RUN}.policy") and report.malformed_workers == 0
+    text = render_text(report)
+    assert "no head or provider records" in text and "malformed" not in text
+    assert next(line for line in text.splitlines() if GOOD_WORKER in line).split()[2:4] == ["v1", "-"]
+
+
+def test_render_text_of_workers_without_a_dht() -> None:
+    """The table's columns and the lag rule on a hand-made report (no network)."""
+    report = SwarmStatus(
+        run_id="r",
+        state_key="r_loco_state",
+        sync_run_ids=["r.policy", "r"],
+        workers=[WorkerReport("peer-a", "vllm", 7, 3, 2048.0, 12.25, 4, 99, 256)],
+        workers_key="pulseloco:r.policy:rollout_workers",
+        malformed_workers=1,
+    )
+    text = render_text(report)
+    assert (
+        "rollout workers: 1 under DHT key 'pulseloco:r.policy:rollout_workers', 1 malformed record(s) skipped" in text
+    )
+    line = next(line for line in text.splitlines() if "peer-a" in line)
+    assert line.split() == ["peer-a", "vllm", "v7", "3", "2048.0", "12.25", "4", "99"]
+    assert report.to_dict()["workers"][0]["max_new_tokens"] == 256
 
 
 def test_agreement_rule() -> None:
