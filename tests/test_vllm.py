@@ -217,3 +217,95 @@ def test_vllm_engine_follows_pulsesync_bit_exactly(engine: Any, vllm_model_dir: 
         publisher.close()
         dht_sub.shutdown()
         dht_pub.shutdown()
+
+
+TEMPERATURE = 0.7
+"""Not 1, so that raw (pre-temperature) log-probabilities would fail the comparison with the reference."""
+IDS_MAX_NEW_TOKENS = 96
+LOGPROB_TOLERANCE = 1e-3
+"""Nats between vLLM's processed logprobs and the transformers reference, both computing in FP32 on the same BF16
+values (measured: 3.1e-6 at most, 4.9e-7 on average over 11,217 tokens; 1e-3 leaves room for other CPUs' kernels,
+and far below the gap to raw logprobs, up to 1.4 nats here)."""
+
+
+@torch.no_grad()
+def _reference_logits(
+    model_dir: Path, state: dict[str, torch.Tensor], prompts: list[list[int]], completions: list[list[int]]
+) -> list[torch.Tensor]:
+    """Per completion, the logits (one row per completion token, at the position that predicted it) of a
+    transformers forward pass over prompt + completion, computing in FP32 on the BF16 values of ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, tensor in model.state_dict().items():
+        tensor.copy_(state[name].float())
+    rows = [p + c for p, c in zip(prompts, completions)]
+    width = max(len(r) for r in rows)
+    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):  # right padding: causal attention leaves the real positions as they are
+        input_ids[i, : len(row)] = torch.tensor(row)
+        attention_mask[i, : len(row)] = 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    return [logits[i, len(p) - 1 : len(p) + len(c) - 1] for i, (p, c) in enumerate(zip(prompts, completions))]
+
+
+def _logprob_gaps(got: list[Any], logits: list[torch.Tensor], t: float) -> torch.Tensor:
+    """``|returned logprob - log_softmax(logits / t)[token]|`` over every completion token."""
+    gaps = []
+    for c, rows in zip(got, logits):
+        ref = (rows / t).log_softmax(-1).gather(-1, torch.tensor(c.token_ids).unsqueeze(-1)).squeeze(-1)
+        gaps.append((torch.tensor(c.logprobs) - ref).abs())
+    return torch.cat(gaps)
+
+
+def test_vllm_generate_ids_sampling_logprobs(engine: Any, vllm_model_dir: Path) -> None:
+    """``generate_ids``: completions end on EOS (kept) or at the length limit, their logprobs are those of the
+    temperature-scaled distribution (a transformers forward pass over the same BF16 weights), a seed repeats them,
+    and a prompt repeated in one call gets different samples.
+
+    The engine first goes back to the checkpoint's own (random) weights, whatever another test loaded: they give
+    every token, EOS included, a fair chance (the arithmetic trainer's versions never end on EOS)."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(vllm_model_dir, dtype=torch.bfloat16).state_dict()
+    for name, tensor in engine.weights().items():
+        tensor.copy_(initial[name])
+    engine.weights_updated(None)
+    tokenizer = engine.tokenizer
+    eos = tokenizer.eos_token_id
+    distinct = [
+        tokenizer(p, add_special_tokens=False)["input_ids"]
+        for p, _ in tasks.eval_problems(tasks.TaskSpec(task="add", max_operand=9), 16)
+    ]
+    prompts = distinct * 8  # a group of samples per prompt, as GRPO asks
+    got = engine.generate_ids(prompts, max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=11)
+    assert len(got) == len(prompts)
+    ended_on_eos = 0
+    for c in got:
+        assert 1 <= len(c.token_ids) == len(c.logprobs) <= IDS_MAX_NEW_TOKENS
+        assert eos not in c.token_ids[:-1]  # nothing after the end-of-sequence token
+        if c.token_ids[-1] == eos:
+            ended_on_eos += 1
+        else:
+            assert len(c.token_ids) == IDS_MAX_NEW_TOKENS  # stopped by the length limit
+    assert ended_on_eos > 0, "no completion stopped on EOS: the check that vLLM keeps it did not run"
+    assert len({tuple(c.token_ids) for c in got}) > len(distinct)  # repeated prompts got different samples
+
+    completions = [c.token_ids for c in got]
+    logits = _reference_logits(vllm_model_dir, dict(engine.weights()), prompts, completions)
+    diffs = _logprob_gaps(got, logits, TEMPERATURE)
+    assert diffs.max().item() < LOGPROB_TOLERANCE, f"max |vLLM - reference| = {diffs.max().item():.2e} nats"
+    raw_gap = _logprob_gaps(got, logits, 1.0)  # what vLLM's default (raw) logprobs would have been
+    assert raw_gap.max().item() > 100 * LOGPROB_TOLERANCE  # the check tells processed from raw logprobs
+    print(  # shown with -s: the measured agreement
+        f"generate_ids: {len(got)} completions, {diffs.numel()} tokens, {ended_on_eos} ended on EOS; "
+        f"max |vLLM - reference| {diffs.max().item():.2e} nats (mean {diffs.mean().item():.2e}); "
+        f"max |vLLM - raw| {raw_gap.max().item():.2f}"
+    )
+
+    again = engine.generate_ids(prompts, max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=11)
+    assert [c.token_ids for c in again] == completions
+    assert [c.logprobs for c in again] == [c.logprobs for c in got]
+    other = engine.generate_ids(prompts, max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=12)
+    assert [c.token_ids for c in other] != completions

@@ -16,13 +16,17 @@ Two halves, one in each process:
   ``load_checkpoint_weight_patches``, which goes through the model's own ``load_weights``: checkpoint names are
   mapped to vLLM's fused and tensor-parallel parameters there (``qkv_proj``, ``gate_up_proj``, tied embeddings).
 
-A version is all or nothing for generation: updates and ``generate`` run under one lock, so a generation runs
-on one version from start to end, and every completion carries the version it used (vLLM's
-``weight_versions`` spans, which this engine sets). A patch that fails verification never reaches vLLM (the
-subscriber keeps the previous version, and so does the engine). If loading into vLLM fails half-way, the engine
-reloads every tensor from the BF16 state (which holds the verified new version); if that fails too,
-:class:`EngineStateError` is raised and :meth:`VLLMEngine.generate` refuses to run until a later update loads
-completely.
+A version is all or nothing for generation: updates and ``generate`` / ``generate_ids`` run under one lock, so a
+generation runs on one version from start to end, and every completion of ``generate_versioned`` carries the
+version it used (vLLM's ``weight_versions`` spans, which this engine sets). A patch that fails verification never
+reaches vLLM (the subscriber keeps the previous version, and so does the engine). If loading into vLLM fails
+half-way, the engine reloads every tensor from the BF16 state (which holds the verified new version); if that fails
+too, :class:`EngineStateError` is raised and :meth:`VLLMEngine.generate` and :meth:`VLLMEngine.generate_ids` refuse
+to run until a later update loads completely.
+
+:meth:`VLLMEngine.generate_ids` samples in token ids with plain temperature and returns each sampled token's
+log-probability under the distribution it was drawn from: vLLM runs with ``logprobs_mode="processed_logprobs"``
+(its default reports the raw logits' log-softmax, before the temperature).
 
 vLLM holds only unquantized weights here (``dtype`` bfloat16, or float32 holding the same BF16 values): a
 quantized engine repacks its weights after loading, which elementwise updates do not support.
@@ -42,6 +46,7 @@ import torch
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+from pulseloco.integrations.rollout import Completion
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +57,10 @@ BACKEND = "pulsesync"
 
 #: KV cache of the CPU build unless given: enough for rollouts of small models beside the trainers on one machine.
 CPU_KV_CACHE_BYTES = 1 << 30
+
+#: vLLM's ``logprobs_mode`` here: the log-softmax of the logits after the temperature (what the sample was drawn
+#: from), which the trainer's importance-sampling correction compares with its own.
+LOGPROBS_MODE = "processed_logprobs"
 
 #: Bytes of values per ``update_weights`` call when whole tensors are sent (an anchor, a recovery, the baseline).
 DENSE_CHUNK_BYTES = 256 << 20
@@ -301,15 +310,22 @@ class VLLMEngine:
 
         ``dtype``: vLLM's compute dtype, ``bfloat16`` (the published precision) or ``float32`` (the same BF16
         values, computed in FP32). ``kv_cache_memory_bytes``: vLLM's default on GPUs (a fraction of free memory),
-        :data:`CPU_KV_CACHE_BYTES` on the CPU build. Other keyword arguments go to ``vllm.LLM``. vLLM starts its
+        :data:`CPU_KV_CACHE_BYTES` on the CPU build. vLLM reports :data:`LOGPROBS_MODE` log-probabilities (after
+        the temperature; :meth:`generate_ids` needs them). Other keyword arguments go to ``vllm.LLM``. vLLM starts its
         engine in child processes: a script that calls this needs the ``if __name__ == "__main__":`` guard.
 
         Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
         :func:`pulseloco.integrations.models.load_causal_lm`), vLLM refuses the model (for example a head size its
-        attention backend lacks: the CPU build needs at least 32) or ``dtype`` is not one of the two.
+        attention backend lacks: the CPU build needs at least 32), ``dtype`` is not one of the two, or
+        ``logprobs_mode`` is given and is not :data:`LOGPROBS_MODE`.
         """
         if dtype not in ("bfloat16", "float32"):
             raise ConfigError(f"vLLM dtype must be bfloat16 or float32 (it holds BF16 weights), got {dtype!r}")
+        if llm_kwargs.setdefault("logprobs_mode", LOGPROBS_MODE) != LOGPROBS_MODE:
+            raise ConfigError(
+                f"vLLM logprobs_mode must be {LOGPROBS_MODE!r} (the sampling distribution's log-probabilities, after "
+                f"the temperature), got {llm_kwargs['logprobs_mode']!r}"
+            )
         vllm = _import_vllm()
         from vllm.config import WeightTransferConfig
 
@@ -477,6 +493,69 @@ class VLLMEngine:
             spans = getattr(completion, "weight_versions", None) or []
             versions.append(",".join(sorted({str(getattr(s, "version", s)) for s in spans})))
         return Generation(texts, token_ids, versions)
+
+    def generate_ids(
+        self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
+    ) -> list[Completion]:
+        """Sample one completion per prompt (token ids) with plain ``temperature`` (no top-k, top-p or min-p) and
+        return each token's log-probability under the distribution it was drawn from (vLLM's processed logprobs:
+        the logits divided by the temperature, log-softmax). A completion that stopped on the end-of-sequence token
+        (the tokenizer's, or another the checkpoint's ``generation_config`` names) ends with it; one that did not
+        has ``max_new_tokens`` tokens.
+
+        ``seed``: prompt ``i`` samples from its own generator seeded with ``seed + i`` (repeatable on the same
+        engine and device, and a prompt repeated for several samples still gets different ones); None draws from
+        vLLM's global generator. Raises ``ValueError`` for an empty prompt or a temperature that is not positive
+        (vLLM's own validation error above 2), :class:`ConfigError` when vLLM does not report processed logprobs (an
+        ``llm`` not made by :meth:`from_pretrained`), and :class:`EngineStateError` while vLLM's weights are not a
+        complete version.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompt_ids:
+            return []
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("every prompt needs at least one token")
+        mode = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "logprobs_mode", None)
+        if mode != LOGPROBS_MODE:
+            raise ConfigError(
+                f"vLLM reports {mode!r} log-probabilities; generate_ids needs {LOGPROBS_MODE!r} (after the "
+                "temperature): create the LLM with logprobs_mode=LOGPROBS_MODE, as from_pretrained does"
+            )
+        params = [
+            SamplingParams(
+                temperature=float(temperature),
+                top_p=1.0,
+                top_k=0,  # 0 disables top-k
+                min_p=0.0,
+                max_tokens=max_new_tokens,
+                seed=None if seed is None else seed + i,
+                logprobs=0,  # the sampled token's own log-probability only
+                ignore_eos=False,
+                detokenize=False,  # token ids only: no text, so skip_special_tokens does not apply
+            )
+            for i in range(len(prompt_ids))
+        ]
+        token_prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompt_ids]
+        with self._lock:
+            if not self._consistent:
+                raise EngineStateError("vLLM's weights are not a complete version (the last load failed)")
+            outputs = self.llm.generate(token_prompts, params, use_tqdm=False)
+        completions = []
+        for out in outputs:
+            completion = out.outputs[0]
+            # vLLM appends the token it stopped on (EOS or a stop token id) before it stops, with its logprob
+            ids = [int(t) for t in completion.token_ids]
+            steps = completion.logprobs
+            if steps is None or len(steps) != len(ids):
+                raise RuntimeError(
+                    f"vLLM returned {0 if steps is None else len(steps)} logprob entries for {len(ids)} tokens"
+                )
+            completions.append(Completion(ids, [float(step[t].logprob) for step, t in zip(steps, ids)]))
+        return completions
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop vLLM's engine processes (waits up to ``timeout`` s, then vLLM kills them)."""
