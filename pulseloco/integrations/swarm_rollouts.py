@@ -80,6 +80,7 @@ class _Pending:
     groups: list[list[int]]
     num_samples: int
     future: concurrent.futures.Future[list[GroupResult]]
+    prefetched: bool = False
 
 
 def _group(rows: list[Any], num_generations: int) -> int:
@@ -251,38 +252,57 @@ class SwarmRollouts:
         num_generations = trainer.num_generations if training else trainer.num_generations_eval
         pending = self._take_or_submit(rows, trainer)
         fallback = False
-        try:
-            results = pending.future.result(timeout=None if self.fallback == "wait" else self._wait_bound())
-        except (NoWorkersError, concurrent.futures.TimeoutError) as exc:
-            pending.future.cancel()
-            logger.warning("rollouts: %s; generating this batch with the trainer's own model", exc)
-            print(f"rollouts: no workers ({exc}); generating this round locally", flush=True)
-            results = self._generate_locally(trainer, pending)
-            fallback = True
+        results, fallback = self._collect(trainer, pending.future, pending.groups, pending.num_samples)
         newest = self.client.newest_version()
         stale = [i for i, r in enumerate(results) if r.version >= 0 and self.client.lag(r.version) > self.max_lag]
         if stale:  # generated before a newer version arrived: drop, count, generate again at the current one
             self.client.stats.stale_dropped += len(stale) * pending.num_samples
-            again = self.client.submit(
-                [pending.groups[i] for i in stale],
-                num_samples=pending.num_samples,
-                max_new_tokens=trainer.max_completion_length,
-                temperature=trainer.temperature,
-                wait=self.fallback == "wait",
-            )
-            for i, result in zip(stale, again.result()):
+            groups = [pending.groups[i] for i in stale]
+            again, local = self._collect(trainer, self._submit_groups(groups, pending.num_samples, trainer), groups,
+                                         pending.num_samples)  # fmt: skip
+            fallback = fallback or local
+            for i, result in zip(stale, again):
                 results[i] = result
         if training and self.lookahead and not fallback:
             self._submit_prediction(trainer)
         waited = time.monotonic() - started
         self.seconds_waiting += waited
         self.num_rounds += 1
-        self._record(trainer, results, pending.num_samples, newest, waited, fallback, num_generations)
+        self._record(trainer, results, pending, newest, waited, fallback, num_generations)
         completion_ids, logprobs = [], []
         for result in results:
             completion_ids.extend(result.completion_ids)
             logprobs.extend(result.logprobs)
         return {"prompt_ids": pending.prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def _collect(
+        self,
+        trainer: Any,
+        future: concurrent.futures.Future[list[GroupResult]],
+        groups: list[list[int]],
+        num_samples: int,
+    ) -> tuple[list[GroupResult], bool]:
+        """The results of ``future``, or, when no worker took its leases (``fallback="local"``), the same groups
+        generated with the trainer's own model; the flag says which."""
+        try:
+            return future.result(timeout=None if self.fallback == "wait" else self._wait_bound()), False
+        except (NoWorkersError, concurrent.futures.TimeoutError) as exc:
+            future.cancel()
+            logger.warning("rollouts: %s; generating this batch with the trainer's own model", exc)
+            print(f"rollouts: no workers ({exc}); generating this round locally", flush=True)
+            return self._generate_locally(trainer, groups, num_samples), True
+
+    def _submit_groups(
+        self, groups: list[list[int]], num_samples: int, trainer: Any
+    ) -> concurrent.futures.Future[list[GroupResult]]:
+        assert self.client is not None  # noqa: S101
+        return self.client.submit(
+            groups,
+            num_samples=num_samples,
+            max_new_tokens=trainer.max_completion_length,
+            temperature=trainer.temperature,
+            wait=self.fallback == "wait",
+        )
 
     def _wait_bound(self) -> float:
         # the client raises NoWorkersError after rollout_timeout idle; this bounds a batch that keeps failing
@@ -292,6 +312,7 @@ class SwarmRollouts:
         key = json.dumps(rows, sort_keys=True, default=str)
         pending, self._pending = self._pending, None
         if pending is not None and pending.key == key:
+            pending.prefetched = True
             return pending
         if pending is not None:  # the prediction was wrong: never train on it, and stop predicting
             pending.future.cancel()
@@ -309,14 +330,7 @@ class SwarmRollouts:
             raise ConfigError("swarm rollouts generate from text prompts only (this batch has images)")
         prompt_ids = [list(map(int, ids)) for ids in prompt_ids]
         groups = [prompt_ids[start] for start in range(0, len(rows), per_group)]
-        future = self.client.submit(
-            groups,
-            num_samples=per_group,
-            max_new_tokens=trainer.max_completion_length,
-            temperature=trainer.temperature,
-            wait=self.fallback == "wait",
-        )
-        return _Pending(key, prompt_ids, groups, per_group, future)
+        return _Pending(key, prompt_ids, groups, per_group, self._submit_groups(groups, per_group, trainer))
 
     def _submit_prediction(self, trainer: Any) -> None:
         if self._predictions is None:
@@ -338,20 +352,20 @@ class SwarmRollouts:
                 if position % every == 0:
                     yield [row["prompt"] for row in batch]
 
-    def _generate_locally(self, trainer: Any, pending: _Pending) -> list[GroupResult]:
+    def _generate_locally(self, trainer: Any, groups: list[list[int]], num_samples: int) -> list[GroupResult]:
         from pulseloco.integrations.rollout import TransformersEngine
 
         if self._local_engine is None:
             model = trainer.accelerator.unwrap_model(trainer.model)
             self._local_engine = TransformersEngine(model, trainer.processing_class, shadow=False)
         self.num_local += 1
-        prompts = [group for group in pending.groups for _ in range(pending.num_samples)]
+        prompts = [group for group in groups for _ in range(num_samples)]
         completions = self._local_engine.generate_ids(
             prompts, max_new_tokens=trainer.max_completion_length, temperature=trainer.temperature
         )
         results = []
-        for g in range(len(pending.groups)):
-            mine = completions[g * pending.num_samples : (g + 1) * pending.num_samples]
+        for g in range(len(groups)):
+            mine = completions[g * num_samples : (g + 1) * num_samples]
             results.append(GroupResult(-1, "", [c.token_ids for c in mine], [c.logprobs for c in mine], "local"))
         return results
 
@@ -359,7 +373,7 @@ class SwarmRollouts:
         self,
         trainer: Any,
         results: list[GroupResult],
-        num_samples: int,
+        pending: _Pending,
         newest: int | None,
         waited: float,
         fallback: bool,
@@ -367,6 +381,7 @@ class SwarmRollouts:
     ) -> None:
         assert self.client is not None  # noqa: S101
         stats = self.client.stats
+        num_samples = pending.num_samples
         lags = [self.client.lag(r.version) for r in results if r.version >= 0]
         for lag in lags:
             stats.lag[lag] += num_samples
@@ -396,6 +411,7 @@ class SwarmRollouts:
                 workers=workers,
                 seconds_waiting=round(waited, 4),
                 local=fallback,
+                prefetched=pending.prefetched,
                 stale_dropped=stats.stale_dropped,
                 refused=stats.refused,
                 failed=stats.failed,
