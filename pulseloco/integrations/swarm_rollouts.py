@@ -60,7 +60,7 @@ from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FALLBACKS", "SwarmRollouts"]
+__all__ = ["FALLBACKS", "SwarmRollouts", "enable_importance_sampling"]
 
 FALLBACKS = ("local", "wait")
 
@@ -71,6 +71,19 @@ class _PulseSyncWeights:
 
     def sync_weights(self) -> None:
         return None
+
+
+def enable_importance_sampling(trainer: Any) -> bool:
+    """Make TRL's ``GRPOTrainer`` apply its truncated importance-sampling correction to a ``rollout_func``'s
+    completions (module docstring): sets ``use_vllm`` on ``trainer`` and gives it a ``vllm_generation`` whose
+    ``sync_weights`` does nothing. Returns whether it changed anything: not when the correction is off
+    (``vllm_importance_sampling_correction=False``) or ``use_vllm`` is already set (TRL does it itself)."""
+    if not trainer.args.vllm_importance_sampling_correction or trainer.use_vllm:
+        return False
+    trainer.use_vllm = True
+    trainer.vllm_generation = _PulseSyncWeights()
+    trainer._last_loaded_step = trainer.state.global_step
+    return True
 
 
 @dataclass
@@ -196,10 +209,7 @@ class SwarmRollouts:
             )
         if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
             raise ConfigError("swarm rollouts sample with plain temperature: set repetition_penalty 1.0")
-        if args.vllm_importance_sampling_correction and not trainer.use_vllm:
-            trainer.use_vllm = True
-            trainer.vllm_generation = _PulseSyncWeights()
-            trainer._last_loaded_step = trainer.state.global_step
+        enable_importance_sampling(trainer)
         if not trainer.accelerator.is_main_process:
             return
         callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
