@@ -79,6 +79,13 @@ class WorkerArguments:
     lease_max_new_tokens: int = field(
         default=512, metadata={"help": "With --serve_rollouts: the longest completion a lease may ask for."}
     )
+    full_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "The baseline of an ordinary weight push: fetch a full BF16 copy of every version instead of "
+            "patches (the publisher must run with --anchor_every 1)."
+        },
+    )
     max_queue: int = field(
         default=8, metadata={"help": "With --serve_rollouts: leases waiting at once; more are answered busy."}
     )
@@ -128,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         engine = TransformersEngine.from_pretrained(args.model_name_or_path)
     dht = make_dht(swarm_config)
-    subscriber = Subscriber(dht, swarm.policy_run_id, public_key, timeout=args.update_timeout)
+    subscriber = Subscriber(
+        dht, swarm.policy_run_id, public_key, timeout=args.update_timeout, full_checkpoints=args.full_checkpoints
+    )
     server = None
     if args.serve_rollouts:
         from transformers import AutoConfig

@@ -218,8 +218,8 @@ class SwarmRollouts:
                 if isinstance(callback, PulseLoCoCallback) and callback.dht is not None:
                     self.dht = callback.dht
                     break
-                if isinstance(callback, PulseSyncCallback) and callback.publisher is not None:
-                    self.dht = callback.publisher.dht
+                if isinstance(callback, PulseSyncCallback) and callback.dht_in_use is not None:
+                    self.dht = callback.dht_in_use
                     break
         if self.public_key is None:
             for callback in callbacks:

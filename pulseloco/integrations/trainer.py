@@ -400,6 +400,14 @@ class PulseSyncCallback(TrainerCallback):
         self._owns_publisher = True
         print(f"pulsesync: publishing run_id={run_id} store={store}", flush=True)
 
+    @property
+    def dht_in_use(self) -> Any | None:
+        """The DHT the publisher runs on (given, started by this callback, or its PulseLoCoCallback's); None before
+        the publisher exists and on processes other than the main one."""
+        if self.publisher is None or self.publisher.endpoint is None:
+            return None
+        return self.publisher.endpoint.dht
+
     def _record(self, version: int, digest: str, patch_bytes: int) -> None:
         if self.metrics is not None:
             self.metrics.write(event="publish", version=version, digest=digest, patch_bytes=patch_bytes)

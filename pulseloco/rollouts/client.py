@@ -53,6 +53,7 @@ from pulseloco.rollouts.protocol import (
     workers_key,
 )
 from pulseloco.rollouts.worker import RolloutServicer, rollout_namespace
+from pulseloco.sync.signing import verify_envelope
 from pulseloco.sync.transport import read_head
 
 logger = logging.getLogger(__name__)
@@ -178,12 +179,24 @@ class RolloutClient:
             self._workers = found
         return {peer: info for peer, info in self._workers.items() if peer not in self.stats.refusals}
 
-    def check_version(self, version: int, digest: str) -> str | None:
-        """Why a reply's version claim is refused (None when it is a published version with its digest)."""
+    def check_version(self, version: int, digest: str, envelope: bytes = b"") -> str | None:
+        """Why a reply's version claim is refused (None when it is a published version with its digest).
+
+        A version this trainer saw in a head record is checked against that record's digest. Another one (published
+        and superseded between two reads) is accepted when ``envelope`` is the publisher's signed envelope of
+        that version and digest (the worker passes on the envelope of the object it applied last)."""
         if version not in self.published and (not self.published or version > max(self.published)):
             self.newest_version()  # a version published since we last looked
+        if version not in self.published and envelope:
+            try:
+                env = verify_envelope(self.public_key, envelope, run_id=self.run_id)
+            except PayloadError as exc:  # UnauthorizedError is one too
+                return f"the envelope of version {version} does not verify: {exc}"
+            if env.version != version or env.digest != digest:
+                return f"the signed envelope names version {env.version}, digest {env.digest[:16]}, not the claimed"
+            self.published[version] = digest
         if version not in self.published:
-            return f"version {version} was not published (or not seen by this trainer)"
+            return f"version {version} was not published (no head record or signed envelope says so)"
         if self.published[version] != digest:
             return f"digest {digest[:16]} is not the published digest of version {version}"
         return None
@@ -317,7 +330,7 @@ class RolloutClient:
 
     def _accept(self, batch: _Batch, indices: list[int], peer: str, samples: Samples) -> tuple[str, Any]:
         """Check a decoded reply's version claim and lag; store its groups. Runs in an executor (reads the DHT)."""
-        why = self.check_version(samples.version, samples.digest)
+        why = self.check_version(samples.version, samples.digest, samples.envelope)
         if why is not None:
             return "refused", why
         lag = self.lag(samples.version)

@@ -19,6 +19,8 @@ message raises :class:`pulseloco.errors.PayloadError` with the reason.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 import re
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from pulseloco.errors import PayloadError, PayloadSizeError
+from pulseloco.sync.signing import MAX_ENVELOPE_BYTES
 
 __all__ = [
     "MAX_LEASE_BYTES",
@@ -157,7 +160,9 @@ class ReplyHeader:
 
     ``status``: ``ok``, ``busy`` (its queue is full: ask another worker), ``not_ready`` (it holds no version yet)
     or ``error`` (the lease was refused; ``error`` says why). When ok: ``version`` and ``digest`` of the weights
-    every completion of the lease was generated with, and the lengths that cut the payload.
+    every completion of the lease was generated with, ``envelope`` (base64): the publisher's signed envelope of the
+    object that brought the worker to that version, which proves the claim to a trainer that never saw that
+    version's head record, and the lengths that cut the payload.
     """
 
     status: str
@@ -168,6 +173,7 @@ class ReplyHeader:
     completion_lengths: tuple[int, ...] = ()
     error: str = ""
     seconds: float = 0.0
+    envelope: str = ""
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -186,10 +192,16 @@ class Samples:
     completion_ids: list[list[list[int]]]
     logprobs: list[list[list[float]]]
     seconds: float = 0.0
+    envelope: bytes = b""
 
 
 def encode_reply(
-    lease: Lease, version: int, digest: str, completions: list[tuple[list[int], list[float]]], seconds: float
+    lease: Lease,
+    version: int,
+    digest: str,
+    completions: list[tuple[list[int], list[float]]],
+    seconds: float,
+    envelope: bytes = b"",
 ) -> tuple[ReplyHeader, list[bytes]]:
     """The header and payload buffers of an ok reply: ``completions`` in lease order (prompt-major)."""
     prompt_tokens = np.asarray([t for p in lease.prompts for t in p], dtype="<i4")
@@ -203,6 +215,7 @@ def encode_reply(
         prompt_lengths=tuple(len(p) for p in lease.prompts),
         completion_lengths=tuple(len(ids) for ids, _ in completions),
         seconds=round(seconds, 4),
+        envelope=base64.b64encode(envelope).decode(),
     )
     return header, [prompt_tokens.tobytes(), completion_tokens.tobytes(), logprobs.tobytes()]
 
@@ -273,6 +286,13 @@ def decode_reply(lease: Lease, header: dict[str, Any], payload: bytes, *, vocab_
             lps_p.append(logprob_list[ends[k] : ends[k + 1]])
         completion_ids.append(ids_p)
         completion_logprobs.append(lps_p)
+    raw_envelope = header.get("envelope", "")
+    if not isinstance(raw_envelope, str) or len(raw_envelope) > 2 * MAX_ENVELOPE_BYTES:
+        raise PayloadError("reply's envelope is not a base64 string of a bounded size")
+    try:
+        envelope = base64.b64decode(raw_envelope, validate=True)
+    except (binascii.Error, ValueError):
+        raise PayloadError("reply's envelope is not valid base64") from None
     seconds = header.get("seconds", 0.0)
     return Samples(
         version=version,
@@ -280,6 +300,7 @@ def decode_reply(lease: Lease, header: dict[str, Any], payload: bytes, *, vocab_
         completion_ids=completion_ids,
         logprobs=completion_logprobs,
         seconds=float(seconds) if isinstance(seconds, int | float) and math.isfinite(seconds) else 0.0,
+        envelope=envelope,
     )
 
 

@@ -247,6 +247,7 @@ class RolloutServer:
                     return ReplyHeader("not_ready", lease.lease_id), []
                 self._cond.wait(timeout=0.5)
             version, digest = self._loaded
+            envelope = self.subscriber.envelope  # its signature vouches for (version, digest)
             prompts = [prompt for prompt in lease.prompts for _ in range(lease.num_samples)]
             started = time.perf_counter()
             completions = self.engine.generate_ids(
@@ -264,7 +265,8 @@ class RolloutServer:
             num_tokens,
             seconds,
         )
-        return encode_reply(lease, version, digest, [(c.token_ids, c.logprobs) for c in completions], seconds)
+        completed = [(c.token_ids, c.logprobs) for c in completions]
+        return encode_reply(lease, version, digest, completed, seconds, envelope)
 
     def _note_throughput(self, tokens_per_s: float, samples_per_s: float) -> None:
         if self.tokens_per_s == 0:

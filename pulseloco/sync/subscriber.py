@@ -593,6 +593,9 @@ class Subscriber:
         self.lock = threading.RLock()
         self.version: int | None = None
         self.digest = ""
+        #: the publisher's signed envelope of the object that brought the state to ``version`` (its signature
+        #: vouches for ``version`` and ``digest`` to anyone holding the public key: rollout workers pass it on)
+        self.envelope = b""
         self.provider_ttl = provider_ttl
         # Only a subscriber that serves others holds objects for them: one that reads a directory, or does not
         # relay, would keep an anchor (a second full BF16 copy) in memory for nobody.
@@ -908,7 +911,7 @@ class Subscriber:
             if self._changed is not None:
                 for name, indices in info.changed.items():
                     self._changed.setdefault(name, []).append(indices)
-            self.version, self.digest = obj.envelope.version, info.digest
+            self.version, self.digest, self.envelope = obj.envelope.version, info.digest, obj.envelope_blob
             if keep:
                 self._keep(obj)
             else:
@@ -1016,11 +1019,12 @@ class Subscriber:
     ) -> int | None:
         """Anchor then patches, all or nothing: on failure the previous tensors and version are restored."""
         backup = {k: v.clone() for k, v in target.items()}
-        previous = (self.version, self.digest)
+        previous = (self.version, self.digest, self.envelope)
         adopted = not target
         try:
             self._apply_anchor(target, anchor.envelope, anchor.payload)
             self.version, self.digest = anchor.envelope.version, anchor.envelope.digest
+            self.envelope = anchor.envelope_blob
             if keep:
                 self._keep(anchor)
             changed = self._apply_chain(target, chain, keep=keep)
@@ -1031,7 +1035,7 @@ class Subscriber:
                     target.clear()
                 for k, v in backup.items():
                     target[k].copy_(v)
-            self.version, self.digest = previous
+            self.version, self.digest, self.envelope = previous
             return None
         return changed
 
