@@ -17,6 +17,13 @@ extra): the subscriber patches the engine's BF16 state in checkpoint coordinates
 loaded into the running engine. ``--compare_full_reload`` also times loading every tensor into the same engine
 for each version (``seconds_full_reload``), the baseline that a full-checkpoint push would need at the least.
 ``--engine transformers`` generates with the ``transformers`` model itself.
+
+``--serve_rollouts`` makes the worker generate the trainers' GRPO completions (``recipes/grpo.py --rollouts swarm``):
+it announces itself in the DHT with the version it serves and its throughput, answers the trainers' leases with
+token ids, sampling log-probabilities and the version (with the publisher's signed envelope of it) it generated
+with (:class:`pulseloco.rollouts.worker.RolloutServer`), downloads the next version while it generates, and does
+not score the versions itself. ``--full_checkpoints`` fetches a full BF16 copy of every version instead of patches
+(the baseline; the publisher runs with ``--anchor_every 1``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,747 @@
+#!/usr/bin/env python
+"""Benchmark the rollout loop: one GRPO trainer (recipes/grpo.py) with rollout workers (recipes/rollout_worker.py).
+
+    source .venv/bin/activate
+    python scripts/bench_rollouts.py                                    # every case below (~25 min on 2 cores)
+    python scripts/bench_rollouts.py --cases local,swarm1,swarm2,swarm4 --steps 32
+    python scripts/bench_rollouts.py --cases nolimit-patch,netns-patch,netns-full --net-steps 16 --rate 100mbit
+    python scripts/bench_rollouts.py --cases local,swarm1 --seeds 0,1,2   # quality: local vs swarm over seeds
+    python scripts/bench_rollouts.py --report-only                      # rebuild the tables from the JSON
+
+Cases (``--cases``, comma-separated):
+  * ``local``: the trainer generates its own completions (``--rollouts local``), the reference for (a).
+  * ``swarm1``, ``swarm2``, ``swarm4``: ``--rollouts swarm`` with 1, 2, 4 rollout workers (``--serve_rollouts``)
+    on loopback; same model (the cached tiny warm model, ``scripts/warm_model.py --size tiny``), seed, steps.
+  * ``netns-patch``, ``netns-full``: the trainer (and the swarm's bootstrap node) and every worker each in its own
+    network namespace behind ``tc tbf`` at ``--rate`` both ways (scripts/netns.py), on a larger model (below):
+    PULSESync patches (anchor every 10 versions) against a full BF16 copy per version (the trainer publishes with
+    ``--anchor_every 1`` and the workers run with ``--full_checkpoints``).
+  * ``nolimit-patch``: the netns-patch run on loopback without any link limit (the "ideal datacenter" reference).
+
+Every swarm case: a bootstrap DHT node (``python -m pulseloco dht``) first, then the workers (waited for until
+each prints that it serves leases), then the trainer, a lone PULSELoCo peer with one outer round at the end
+(``--strategy pulseloco --inner_steps STEPS --target_group_size 1``), publishing a version after every optimizer
+step (``--publish --publish_every 1``), ``--rollouts swarm --rollout_fallback wait --max_lag 2``. The local case
+runs the same trainer with ``--rollouts local``. With ``--seeds``, every case runs once per seed and a quality
+table gives each case's held-out greedy reward after training (``--eval-prompts`` problems) and last logged
+training reward over the seeds: the swarm's rollouts should learn as well as local generation.
+
+Measured from the run's own files: train seconds (``grpo_eval.json``: the time in
+``trainer.train``), trained samples = steps x per_device_train_batch_size, samples/s, steps/min, the sum of
+``seconds_waiting`` in the trainer's ``rollouts.jsonl`` over the train seconds, the lag histogram, stale-dropped and
+refused counts, rounds generated locally, the published patch sizes (``pulsesync_versions.jsonl``), and per worker
+and version ``seconds_to_serve`` / ``bytes_received`` / ``path`` (the workers' ``rollouts.jsonl``). Reward: the
+held-out greedy reward before and after (``grpo_eval.json``) and the last logged training reward.
+
+The larger model of the netns cases (``--net-layers``, ``--net-intermediate``): the tiny warm model grown in
+depth and MLP width (a Llama built from a config: hidden 64, extra decoder layers and a wider MLP initialised
+N(0, 0.02), the new layers' RMSNorm weights scaled by ``--net-norm-scale`` so that the warm model's answers
+survive), so that GRPO still has rewards to learn from while a full BF16 copy is tens of MB. It is written once to
+``$PULSELOCO_CACHE``/``~/.cache/pulseloco``/models/bench-rollouts-<hash>.
+
+Output: tables on stdout, ``results/bench-rollouts/bench_rollouts.json`` and
+``bench_rollouts.md``; run directories (logs, jsonl files) under ``--workdir`` (kept with ``--keep``).
+Every process this script starts is killed (its process group) and every namespace deleted on exit, errors and
+Ctrl-C included; every wait is bounded (``--case-timeout``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from netns import NetNS, rate_label  # scripts/ is on sys.path when run as a script
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "results" / "bench-rollouts"
+CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
+ACCELERATE_CONFIG = REPO / "recipes" / "accelerate_configs" / "single_process.yaml"
+TINY_CASES = ("local", "swarm1", "swarm2", "swarm4")
+NET_CASES = ("nolimit-patch", "netns-patch", "netns-full")
+ALL_CASES = TINY_CASES + NET_CASES
+BATCH = 16  # per_device_train_batch_size of grpo-tiny.yaml: completions per step
+READY_MARK = "rollout: serving leases"
+
+
+def log(msg: str) -> None:
+    print(f"[bench_rollouts {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Arguments and cases
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    name: str
+    workers: int  # 0: local generation
+    model: str  # "tiny" or "net"
+    netns: bool = False
+    full: bool = False
+    seed: int = 0
+
+    @property
+    def run_name(self) -> str:
+        return f"{self.name}-s{self.seed}"
+
+    @property
+    def label(self) -> str:
+        if self.workers == 0:
+            return "local"
+        link = "netns" if self.netns else "loopback"
+        return f"{self.workers} worker(s), {'full' if self.full else 'patch'}, {link}"
+
+
+def make_case(name: str, net_workers: int) -> Case:
+    if name == "local":
+        return Case(name, 0, "tiny")
+    if m := re.fullmatch(r"swarm(\d+)", name):
+        return Case(name, int(m.group(1)), "tiny")
+    if name == "nolimit-patch":
+        return Case(name, net_workers, "net")
+    if name == "netns-patch":
+        return Case(name, net_workers, "net", netns=True)
+    if name == "netns-full":
+        return Case(name, net_workers, "net", netns=True, full=True)
+    raise ValueError(f"unknown case {name!r}")
+
+
+def parse_cases(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if not names:
+        raise ValueError("--cases is empty")
+    for name in names:
+        if name not in ALL_CASES and not re.fullmatch(r"swarm[1-9]\d?", name):
+            raise ValueError(f"unknown case {name!r}; choose from {','.join(ALL_CASES)} (or swarmN)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--cases has duplicates: {text}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--cases", default=",".join(ALL_CASES), help=f"comma-separated subset of {','.join(ALL_CASES)}")
+    ap.add_argument("--steps", type=int, default=64, help="trainer steps of the tiny-model cases")
+    ap.add_argument("--net-steps", type=int, default=16, help="trainer steps of the netns / nolimit cases")
+    ap.add_argument("--net-workers", type=int, default=2, help="rollout workers of the netns / nolimit cases")
+    ap.add_argument("--rate", default="100mbit", help="tc tbf rate of every namespace's link, both ways")
+    ap.add_argument("--lr", type=float, default=None, help="learning rate of the tiny cases (default: the config's)")
+    ap.add_argument("--net-lr", type=float, default=3e-6, help="learning rate of the netns / nolimit cases")
+    ap.add_argument("--net-layers", type=int, default=16, help="decoder layers of the netns model (tiny: 2)")
+    ap.add_argument("--net-intermediate", type=int, default=8192, help="MLP width of the netns model (tiny: 192)")
+    ap.add_argument("--net-norm-scale", type=float, default=0.05, help="RMSNorm weight of the netns model's new layers")
+    ap.add_argument("--max-lag", type=int, default=2, help="grpo.py --max_lag")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds; every case runs once per seed")
+    ap.add_argument("--eval-prompts", type=int, default=256, help="held-out problems scored greedily before/after")
+    ap.add_argument("--worker-threads", type=int, default=1, help="OMP/torch threads per rollout worker")
+    ap.add_argument("--case-timeout", type=float, default=600.0, help="seconds one case may take in all")
+    ap.add_argument("--startup-timeout", type=float, default=240.0, help="seconds for the workers to be serving")
+    ap.add_argument("--workdir", default=None, help="run directories (default: a temporary directory)")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument("--out", default=str(RESULTS), help="where bench_rollouts.json and .md go")
+    ap.add_argument("--report-only", action="store_true", help="rebuild the tables from <out>/bench_rollouts.json")
+    return ap
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Checks the arguments; returns the case names. Raises ValueError naming the bad one."""
+    names = parse_cases(args.cases)
+    for name in ("steps", "net_steps", "net_workers", "net_layers", "net_intermediate", "worker_threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.net_layers < 2 or args.net_intermediate < 192:
+        raise ValueError("--net-layers must be >= 2 and --net-intermediate >= 192 (the tiny model's)")
+    if args.max_lag < 0:
+        raise ValueError(f"--max-lag must be >= 0, got {args.max_lag}")
+    for name in ("case_timeout", "startup_timeout", "net_lr", "net_norm_scale"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.lr is not None and not args.lr > 0:
+        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if not re.fullmatch(r"\d+(,\d+)*", args.seeds):
+        raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if args.eval_prompts < 1:
+        raise ValueError(f"--eval-prompts must be at least 1, got {args.eval_prompts}")
+    if not re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", args.rate):
+        raise ValueError(f"--rate must look like 100mbit, got {args.rate!r}")
+    return names
+
+
+# --------------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------------
+
+
+def tiny_model() -> str:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "warm_model.py"), "--size", "tiny"],
+        capture_output=True, text=True, timeout=1800, check=True, cwd=REPO,
+    )  # fmt: skip
+    return out.stdout.strip().splitlines()[-1].removeprefix("warm model: ").strip()
+
+
+def grown_model(base: str, layers: int, intermediate: int, norm_scale: float, seed: int) -> tuple[str, dict]:
+    """The tiny warm model grown to ``layers`` decoder layers and MLP width ``intermediate`` (module docstring);
+    cached by a hash of its settings. Returns its directory and a description (parameters, BF16 bytes, rewards)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    key = json.dumps([base, layers, intermediate, norm_scale, seed, 1])
+    cache = Path(os.environ.get("PULSELOCO_CACHE", Path.home() / ".cache" / "pulseloco")) / "models"
+    out = cache / f"bench-rollouts-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    marker = out / "bench_rollouts_model.json"
+    if marker.is_file():
+        return str(out), json.loads(marker.read_text())
+    small = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = LlamaConfig.from_pretrained(base)
+    old_layers, old_inter = cfg.num_hidden_layers, cfg.intermediate_size
+    cfg.num_hidden_layers, cfg.intermediate_size = layers, intermediate
+    torch.manual_seed(seed)
+    big = LlamaForCausalLM(cfg)  # N(0, initializer_range=0.02) everywhere, norms 1
+    big_sd, small_sd = big.state_dict(), small.state_dict()
+    with torch.no_grad():
+        for name, t in small_sd.items():
+            target = big_sd[name]
+            if target.shape == t.shape:
+                target.copy_(t)
+            elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+                target[:old_inter].copy_(t)
+            elif name.endswith("down_proj.weight"):
+                target[:, :old_inter].copy_(t)
+            else:
+                raise RuntimeError(f"cannot grow {name}: {tuple(t.shape)} -> {tuple(target.shape)}")
+        for i in range(old_layers, layers):  # new layers: small norms so they barely move the residual stream
+            big.model.layers[i].input_layernorm.weight.fill_(norm_scale)
+            big.model.layers[i].post_attention_layernorm.weight.fill_(norm_scale)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=cache))
+    big.save_pretrained(tmp)
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "pulseloco_warm.json"):
+        if (Path(base) / extra).is_file():
+            shutil.copy2(Path(base) / extra, tmp / extra)
+    sys.path.insert(0, str(REPO / "recipes"))
+    import tasks
+
+    from pulseloco.integrations.rollout import TransformersEngine
+
+    spec = tasks.spec_for_model(base, None, None)
+    problems = tasks.eval_problems(spec, 64)
+
+    def reward(model_dir: Path) -> float:
+        engine = TransformersEngine.from_pretrained(str(model_dir))
+        return tasks.score(engine.generate([p for p, _ in problems], max_new_tokens=6), problems)
+
+    num_params = sum(p.numel() for p in big.parameters())
+    info = {
+        "base": base,
+        "num_hidden_layers": layers,
+        "intermediate_size": intermediate,
+        "hidden_size": cfg.hidden_size,
+        "new_layer_norm_scale": norm_scale,
+        "num_params": num_params,
+        "bf16_bytes": 2 * num_params,
+        "greedy_reward_base": reward(Path(base)),
+        "greedy_reward_grown": reward(tmp),
+    }
+    (tmp / "bench_rollouts_model.json").write_text(json.dumps(info, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return str(out), info
+
+
+# --------------------------------------------------------------------------------------------------
+# Processes
+# --------------------------------------------------------------------------------------------------
+
+
+class Procs:
+    """Processes started by this script, each leading its own process group (its DHT and p2pd children too)."""
+
+    def __init__(self) -> None:
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def start(self, name: str, cmd: list[str], log_path: Path, *, ns: str | None = None, env: dict | None = None):
+        if ns is not None:
+            cmd = ["ip", "netns", "exec", ns, *cmd]
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        with open(log_path, "wb") as fh:
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        self.procs.append((name, proc, log_path))
+        return proc
+
+    def stop_all(self, grace: float = 15.0) -> None:
+        """SIGTERM every group, wait (bounded), then SIGKILL what is left. Idempotent."""
+        procs, self.procs = self.procs, []
+        for _, proc, _ in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for _, proc, _ in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for _, proc, _ in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    rx = re.compile(pattern)
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        if m := rx.search(text):
+            return m
+        if proc.poll() is not None:
+            raise RuntimeError(f"{path.name}: exited with {proc.returncode} before {pattern!r}:\n{tail(path)}")
+        time.sleep(0.5)
+    raise TimeoutError(f"{path.name}: no {pattern!r} within {timeout:.0f} s:\n{tail(path)}")
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, keys: tuple[Path, Path],
+             net: NetNS | None) -> dict[str, Any]:  # fmt: skip
+    run_dir = workdir / case.run_name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    procs = Procs()
+    started = time.monotonic()
+    deadline = started + args.case_timeout
+    net_case = case.model == "net"
+    steps = args.net_steps if net_case else args.steps
+    lr = args.net_lr if net_case else args.lr
+    run_id = f"bench{os.getpid()}{case.name.replace('-', '')}s{case.seed}"
+
+    def host(i: int) -> str:
+        return net.host(i) if case.netns and net is not None else "127.0.0.1"
+
+    def ns(i: int) -> str | None:
+        return net.peer_ns(i) if case.netns and net is not None else None
+
+    try:
+        initial: list[str] = []
+        if case.workers:
+            boot_log = run_dir / "dht.log"
+            boot = procs.start(
+                "dht",
+                [sys.executable, "-m", "pulseloco", "dht", "--host-maddrs", f"/ip4/{host(0)}/tcp/0"],
+                boot_log,
+                ns=ns(0),
+            )
+            initial = [wait_for_line(boot_log, r"multiaddr: (\S+)", boot, 120).group(1)]
+            worker_procs = []
+            for w in range(case.workers):
+                wdir = run_dir / f"worker{w}"
+                cmd = [sys.executable, str(REPO / "recipes" / "rollout_worker.py")]
+                if case.full:
+                    cmd += ["--full_checkpoints"]
+                cmd += [
+                    "--model_name_or_path", model, "--run_id", run_id, "--initial_peers", *initial,
+                    "--host_maddrs", f"/ip4/{host(w + 1)}/tcp/0", "--public_key", str(keys[1]),
+                    "--output_dir", str(wdir), "--serve_rollouts", "--max_seconds", str(int(args.case_timeout)),
+                    "--update_timeout", "300", "--interval", "0.2",
+                ]  # fmt: skip
+                threads = str(args.worker_threads)
+                env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+                wdir.mkdir()
+                worker_procs.append((procs.start(f"worker{w}", cmd, wdir / "worker.log", ns=ns(w + 1), env=env), wdir))
+            for proc, wdir in worker_procs:
+                left = min(args.startup_timeout, deadline - time.monotonic())
+                wait_for_line(wdir / "worker.log", re.escape(READY_MARK), proc, max(1.0, left))
+            log(f"{case.name}: {case.workers} worker(s) serving after {time.monotonic() - started:.0f} s")
+        out_dir = run_dir / "trainer"
+        cmd = [
+            str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(ACCELERATE_CONFIG),
+            str(REPO / "recipes" / "grpo.py"), "--config", str(CONFIG), "--model_name_or_path", model,
+            "--output_dir", str(out_dir), "--max_steps", str(steps), "--seed", str(case.seed),
+            "--num_eval_prompts", str(args.eval_prompts),
+            # one PULSELoCo outer round at the end (a lone trainer); versions are published every step
+            "--strategy", "pulseloco", "--inner_steps", str(steps), "--target_group_size", "1",
+            "--matchmaking_time", "2", "--logging_steps", "4", "--linger", "2",
+        ]  # fmt: skip
+        if lr is not None:
+            cmd += ["--learning_rate", str(lr)]
+        if case.workers:
+            cmd += [
+                "--rollouts", "swarm", "--publish", "--signing_key", str(keys[0]), "--publish_every", "1",
+                "--anchor_every", "1" if case.full else "10", "--run_id", run_id, "--initial_peers", *initial,
+                "--host_maddrs", f"/ip4/{host(0)}/tcp/0", "--rollout_fallback", "wait",
+                "--max_lag", str(args.max_lag),
+            ]  # fmt: skip
+        else:
+            cmd += ["--rollouts", "local"]
+        trainer_log = run_dir / "trainer.log"
+        trainer = procs.start("trainer", cmd, trainer_log, ns=ns(0))
+        log(f"{case.name}: trainer started ({steps} steps)")
+        try:
+            code = trainer.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{case.name}: trainer not done within --case-timeout:\n{tail(trainer_log)}") from None
+        if code != 0:
+            raise RuntimeError(f"{case.name}: trainer exited with {code}:\n{tail(trainer_log)}")
+        time.sleep(1.0)  # workers write their last version's line
+    except (RuntimeError, TimeoutError, OSError) as exc:  # keep what the run wrote so far
+        procs.stop_all()
+        result = collect(case, run_dir, steps, lr, partial=True)
+        result["error"] = str(exc)
+        result["wall_seconds"] = round(time.monotonic() - started, 1)
+        return result
+    finally:
+        procs.stop_all()
+    result = collect(case, run_dir, steps, lr)
+    result["wall_seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading a run's files
+# --------------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def summarize_run(
+    *,
+    steps: int,
+    train_seconds: float,
+    rollouts: list[dict[str, Any]],
+    published: list[dict[str, Any]],
+    workers: list[list[dict[str, Any]]],
+    batch: int = BATCH,
+) -> dict[str, Any]:
+    """The metrics of one run from its records (pure: the tests feed it sample JSON lines)."""
+    train_rounds = [r for r in rollouts if r.get("mode", "train") == "train"]
+    waiting = sum(float(r.get("seconds_waiting", 0.0)) for r in train_rounds)
+    lags: Counter[int] = Counter()
+    for r in train_rounds:
+        lags.update(int(x) for x in r.get("lags", []))
+    last = train_rounds[-1] if train_rounds else {}
+    by_worker: Counter[str] = Counter()
+    for r in train_rounds:
+        by_worker.update({k: int(v) for k, v in r.get("by_worker", {}).items()})
+    versions = [p for p in published if p.get("event", "publish") == "publish"]
+    patch_bytes = [int(p["patch_bytes"]) for p in versions if p.get("patch_bytes") is not None]
+    serve = [float(v["seconds_to_serve"]) for w in workers for v in w if v.get("seconds_to_serve") is not None]
+    received = [int(v["bytes_received"]) for w in workers for v in w if v.get("bytes_received") is not None]
+    paths = Counter(str(v.get("path")) for w in workers for v in w)
+    samples = steps * batch
+    return {
+        "steps": steps,
+        "samples": samples,
+        "train_seconds": round(train_seconds, 2),
+        "samples_per_s": round(samples / train_seconds, 3) if train_seconds > 0 else None,
+        "steps_per_min": round(60 * steps / train_seconds, 2) if train_seconds > 0 else None,
+        "rounds": len(train_rounds),
+        "seconds_waiting": round(waiting, 2),
+        "wait_fraction": round(waiting / train_seconds, 3) if train_seconds > 0 else None,
+        "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
+        "stale_dropped": int(last.get("stale_dropped", 0)),
+        "refused": int(last.get("refused", 0)),
+        "failed": int(last.get("failed", 0)),
+        "local_rounds": sum(1 for r in train_rounds if r.get("local")),
+        "completions_by_worker": dict(sorted(by_worker.items())),
+        "versions_published": len(versions),
+        "patch_bytes": patch_bytes,
+        "patch_bytes_median": percentile([float(b) for b in patch_bytes[1:]], 0.5),  # version 1 is the anchor
+        "worker_versions": [len(w) for w in workers],
+        "worker_paths": dict(sorted(paths.items())),
+        "bytes_received_per_version_median": percentile([float(b) for b in received], 0.5),
+        "seconds_to_serve": [round(s, 3) for s in serve],
+        "seconds_to_serve_median": round(percentile(serve, 0.5), 3) if serve else None,
+        "seconds_to_serve_p90": round(percentile(serve, 0.9), 3) if serve else None,
+        "seconds_to_serve_max": round(max(serve), 3) if serve else None,
+    }
+
+
+def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial: bool = False) -> dict[str, Any]:
+    """The metrics of a run directory; ``partial``: of a run that did not finish (steps and seconds from the
+    trainer's rollouts.jsonl: its rounds and the time from the first to the last)."""
+    out_dir = run_dir / "trainer"
+    rounds = [r for r in read_jsonl(out_dir / "rollouts.jsonl") if r.get("mode", "train") == "train"]
+    if partial or not (out_dir / "grpo_eval.json").is_file():
+        seconds = rounds[-1]["time"] - rounds[0]["time"] if len(rounds) > 1 else 0.0
+        evaluation = {"seconds": seconds}
+        steps = max(0, len(rounds) - 1)
+    else:
+        evaluation = json.loads((out_dir / "grpo_eval.json").read_text())
+    state_path = out_dir / "trainer_state.json"
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    rewards = [h["reward"] for h in state.get("log_history", []) if "reward" in h]
+    workers = [read_jsonl(d / "rollouts.jsonl") for d in sorted(run_dir.glob("worker*"))]
+    result = {
+        **asdict(case),
+        "label": case.label,
+        "run_name": case.run_name,
+        "learning_rate": lr,
+        "reward_before": evaluation.get("reward_before"),
+        "reward_after": evaluation.get("reward_after"),
+        "train_reward_last": rewards[-1] if rewards else None,
+        **summarize_run(
+            steps=steps if partial else int(state.get("global_step", steps)),
+            train_seconds=float(evaluation["seconds"]),
+            rollouts=read_jsonl(out_dir / "rollouts.jsonl"),
+            published=read_jsonl(out_dir / "pulsesync_versions.jsonl"),
+            workers=workers,
+        ),
+    }
+    return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, nd: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _mb(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1e6:.3f} MB"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def build_tables(results: list[dict[str, Any]]) -> str:
+    """Markdown tables of the results (pure)."""
+    by = {r["name"]: r for r in results if r.get("samples_per_s")}
+    out: list[str] = []
+    tiny = [r for r in results if r.get("model") == "tiny" and r.get("steps")]
+    if tiny:
+        local = by.get("local")
+        rows = []
+        for r in tiny:
+            rows.append([
+                r["name"], r["workers"], r["steps"], r["train_seconds"], r["samples_per_s"], r["steps_per_min"],
+                ratio(r["samples_per_s"], local["samples_per_s"]) if local else None,
+                r["seconds_waiting"], r["wait_fraction"], r["reward_before"], r["reward_after"],
+                r["train_reward_last"],
+            ])  # fmt: skip
+        out.append("### (a) Throughput vs rollout workers (tiny warm model, loopback)\n")
+        out.append(md_table(
+            ["case", "workers", "steps", "train s", "samples/s", "steps/min", "x local", "wait s", "wait frac",
+             "greedy reward before", "after", "last train reward"], rows))  # fmt: skip
+    net = [r for r in results if r.get("model") == "net" and r.get("steps")]
+    if net:
+        rows = []
+        for r in net:
+            rows.append([
+                r["name"], r["workers"], "full BF16" if r["full"] else "patches", r["steps"], r["train_seconds"],
+                r["samples_per_s"], r["steps_per_min"], r["wait_fraction"], _mb(r["patch_bytes_median"]),
+                _mb(r["bytes_received_per_version_median"]), r["seconds_to_serve_median"], r["reward_after"],
+            ])  # fmt: skip
+        out.append("\n### (b) Rate-limited links: patches vs full copies\n")
+        out.append(md_table(
+            ["case", "workers", "sync", "steps", "train s", "samples/s", "steps/min", "wait frac",
+             "published/version (median)", "received/version (median)", "to serve median s", "reward after"],
+            rows))  # fmt: skip
+        p, f, n = by.get("netns-patch"), by.get("netns-full"), by.get("nolimit-patch")
+        out.append("")
+        out.append(
+            "- throughput patches / full copies (same link): "
+            f"{_fmt(ratio(p and p['samples_per_s'], f and f['samples_per_s']), 3)}"
+        )
+        out.append(
+            "- throughput patches over the link / same workers without a link limit: "
+            f"{_fmt(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
+        )
+    done = [r for r in results if r.get("steps") and r["workers"]]
+    if done:
+        rows = []
+        for r in done:
+            hist = " ".join(f"{k}:{v}" for k, v in r["lag_histogram"].items()) or "-"
+            rows.append([
+                r["name"], hist, r["stale_dropped"], r["refused"], r["failed"], r["local_rounds"],
+                r["versions_published"], "/".join(str(v) for v in r["worker_versions"]),
+                " ".join(f"{k}:{v}" for k, v in r["worker_paths"].items()),
+                r["seconds_to_serve_median"], r["seconds_to_serve_p90"], r["seconds_to_serve_max"],
+            ])  # fmt: skip
+        out.append("\n### (c) Lag, drops, publish-to-serving latency\n")
+        out.append(md_table(
+            ["case", "lag histogram (lag:completion groups)", "stale dropped", "refused", "failed", "local rounds",
+             "versions published", "versions served per worker", "update paths", "to serve median s", "p90 s",
+             "max s"], rows))  # fmt: skip
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r.get("reward_after") is not None:
+            by_case.setdefault(r["name"], []).append(r)
+    if any(len(runs) > 1 for runs in by_case.values()):
+        rows = []
+        for name, runs in by_case.items():
+            after = [r["reward_after"] for r in runs]
+            train = [r["train_reward_last"] for r in runs if r.get("train_reward_last") is not None]
+            rows.append([
+                name, " ".join(str(r.get("seed")) for r in runs), runs[0]["reward_before"],
+                " ".join(f"{x:.3f}" for x in after), sum(after) / len(after), min(after), max(after),
+                " ".join(f"{x:.3f}" for x in train), sum(train) / len(train) if train else None,
+            ])  # fmt: skip
+        out.append("\n### Quality over seeds: held-out greedy reward after training\n")
+        out.append(md_table(
+            ["case", "seeds", "greedy before", "greedy after (per seed)", "mean", "min", "max",
+             "last train reward (per seed)", "mean"], rows))  # fmt: skip
+    failed = [r for r in results if "error" in r]
+    if failed:
+        out.append("\n### Failed cases\n")
+        out += [f"- {r['name']} (rows above: partial, up to the stall): {r['error'].splitlines()[0]}" for r in failed]
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------------
+
+
+def write_outputs(payload: dict[str, Any], out: Path) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_rollouts.json").write_text(json.dumps(payload, indent=1) + "\n")
+    head = [f"# bench_rollouts ({payload.get('date', '')})", "", f"command: `{payload.get('command', '')}`", ""]
+    if payload.get("net_model"):
+        m = payload["net_model"]
+        head.append(
+            f"netns model: tiny warm model grown to {m['num_hidden_layers']} layers x hidden {m['hidden_size']} "
+            f"x MLP {m['intermediate_size']}: {m['num_params'] / 1e6:.1f}M parameters, "
+            f"{m['bf16_bytes'] / 1e6:.1f} MB in BF16; greedy reward {m['greedy_reward_base']:.3f} (tiny) -> "
+            f"{m['greedy_reward_grown']:.3f} (grown); link {payload.get('rate_label', '')}"
+        )
+        head.append("")
+    text = "\n".join(head) + build_tables(payload["results"])
+    (out / "bench_rollouts.md").write_text(text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report_only:
+        print(write_outputs(json.loads((out / "bench_rollouts.json").read_text()), out))
+        return 0
+    try:
+        names = validate(args)
+    except ValueError as exc:
+        ap.error(str(exc))
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    cases = [replace(make_case(n, args.net_workers), seed=seed) for seed in seeds for n in names]
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="brollouts"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    net: NetNS | None = None
+    payload: dict[str, Any] = {
+        "command": "python scripts/bench_rollouts.py " + " ".join(argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "cpus": os.cpu_count(),
+        "rate_label": rate_label(args.rate),
+        "args": vars(args),
+        "results": [],
+    }
+    results: list[dict[str, Any]] = payload["results"]
+    try:
+        from pulseloco.sync.signing import generate_key, save_keypair
+
+        keys = save_keypair(generate_key(), workdir / "publisher.key")
+        tiny = tiny_model()
+        payload["tiny_model"] = tiny
+        net_model = None
+        if any(c.model == "net" for c in cases):
+            net_model, payload["net_model"] = grown_model(
+                tiny, args.net_layers, args.net_intermediate, args.net_norm_scale, seeds[0]
+            )
+            log(f"netns model {net_model}: {payload['net_model']}")
+        if any(c.netns for c in cases):
+            reason = NetNS.unavailable_reason()
+            if reason is None:
+                net = NetNS(args.net_workers + 1, args.rate, prefix="plbr")
+                atexit.register(net.teardown)
+                try:
+                    net.setup()
+                except Exception as exc:
+                    net.teardown()
+                    net, reason = None, f"namespace setup failed: {exc}"
+            if reason is not None:
+                log(f"netns cases skipped: {reason}")
+                for c in [c for c in cases if c.netns]:
+                    results.append({**asdict(c), "label": c.label, "error": f"skipped: {reason}"})
+                cases = [c for c in cases if not c.netns]
+        for case in cases:
+            log(f"case {case.run_name}: {case.label}")
+            try:
+                result = run_case(case, args, net_model if case.model == "net" else tiny, workdir, keys, net)
+            except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as exc:
+                log(f"case {case.name} failed: {exc}")
+                result = {**asdict(case), "label": case.label, "error": str(exc)}
+            results.append(result)
+            write_outputs(payload, out)
+            log(f"case {case.run_name}: {json.dumps({k: result.get(k) for k in ('samples_per_s', 'wait_fraction')})}")
+    finally:
+        if net is not None:
+            net.teardown()
+        if not args.keep and not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif results:
+            log(f"run directories kept in {workdir}")
+    text = write_outputs(payload, out)
+    print(text)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
