@@ -63,6 +63,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["FALLBACKS", "SwarmRollouts", "enable_importance_sampling"]
 
 FALLBACKS = ("local", "wait")
+#: Times a round's stale groups are generated again by the workers before the trainer generates them itself.
+MAX_REGENERATIONS = 3
 
 
 class _PulseSyncWeights:
@@ -263,22 +265,32 @@ class SwarmRollouts:
         pending = self._take_or_submit(rows, trainer)
         fallback = False
         results, fallback = self._collect(trainer, pending.future, pending.groups, pending.num_samples)
-        newest = self.client.newest_version()
-        stale = [i for i, r in enumerate(results) if r.version >= 0 and self.client.lag(r.version) > self.max_lag]
-        if stale:  # generated before a newer version arrived: drop, count, generate again at the current one
+        # Groups generated more than max_lag versions before the newest are dropped, counted and generated again;
+        # the newest may move meanwhile, so check again, a bounded number of times, then generate what is still
+        # stale here (lag 0). The lags recorded are those of this last check.
+        for attempt in range(MAX_REGENERATIONS + 1):
+            newest = self.client.newest_version()
+            stale = [i for i, r in enumerate(results) if r.version >= 0 and self.client.lag(r.version) > self.max_lag]
+            if not stale:
+                break
             self.client.stats.stale_dropped += len(stale) * pending.num_samples
             groups = [pending.groups[i] for i in stale]
-            again, local = self._collect(trainer, self._submit_groups(groups, pending.num_samples, trainer), groups,
-                                         pending.num_samples)  # fmt: skip
+            if attempt == MAX_REGENERATIONS:
+                logger.warning("rollouts: %d groups still stale; generating them with the trainer's model", len(stale))
+                again, local = self._generate_locally(trainer, groups, pending.num_samples), True
+            else:
+                future = self._submit_groups(groups, pending.num_samples, trainer)
+                again, local = self._collect(trainer, future, groups, pending.num_samples)
             fallback = fallback or local
             for i, result in zip(stale, again):
                 results[i] = result
+        lags = [self.client.lag(r.version) for r in results if r.version >= 0]  # before anything moves the newest
         if training and self.lookahead and not fallback:
             self._submit_prediction(trainer)
         waited = time.monotonic() - started
         self.seconds_waiting += waited
         self.num_rounds += 1
-        self._record(trainer, results, pending, newest, waited, fallback, num_generations)
+        self._record(trainer, results, pending, newest, lags, waited, fallback, num_generations)
         completion_ids, logprobs = [], []
         for result in results:
             completion_ids.extend(result.completion_ids)
@@ -385,6 +397,7 @@ class SwarmRollouts:
         results: list[GroupResult],
         pending: _Pending,
         newest: int | None,
+        lags: list[int],
         waited: float,
         fallback: bool,
         num_generations: int,
@@ -392,7 +405,6 @@ class SwarmRollouts:
         assert self.client is not None  # noqa: S101
         stats = self.client.stats
         num_samples = pending.num_samples
-        lags = [self.client.lag(r.version) for r in results if r.version >= 0]
         for lag in lags:
             stats.lag[lag] += num_samples
         workers = sorted({r.worker for r in results})
