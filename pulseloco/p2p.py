@@ -232,15 +232,15 @@ async def read_stream(
     Waits at most ``first_timeout`` (default ``timeout``) seconds for the header and ``timeout`` seconds for
     every later message, end of stream included; ``on_message(header, message)`` sees every message once the
     header is known (for traffic counters). Raises :class:`TimeoutError` when a wait runs out,
-    :class:`PayloadError` when the stream is empty or its header is not a JSON object with an integer
-    ``size``, :class:`PayloadSizeError` when ``size`` exceeds ``max_bytes`` (before any chunk is read) or more
-    bytes arrive than declared, :class:`TruncatedPayloadError` when the stream ends early.
+    :class:`TruncatedPayloadError` when the stream is empty or ends early, :class:`PayloadError` when its header
+    is not a JSON object with an integer ``size``, :class:`PayloadSizeError` when ``size`` exceeds ``max_bytes``
+    (before any chunk is read) or more bytes arrive than declared.
     """
     iterator = messages.__aiter__()
     try:
         first = await asyncio.wait_for(iterator.__anext__(), timeout if first_timeout is None else first_timeout)
-    except StopAsyncIteration:
-        raise PayloadError("the stream ended without a header") from None
+    except StopAsyncIteration:  # the sender died or hung up before answering
+        raise TruncatedPayloadError("the stream ended without a header") from None
     header = parse_header(first.metadata)
     if on_message is not None:
         on_message(header, first)

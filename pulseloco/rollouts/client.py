@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from pulseloco.errors import PayloadError, SwarmError
+from pulseloco.errors import PayloadError, SwarmError, TruncatedPayloadError
 from pulseloco.p2p import P2PHost, read_stream
 from pulseloco.rollouts.protocol import (
     Lease,
@@ -236,7 +236,31 @@ class RolloutClient:
             deadline_s=self.lease_timeout,
         )
 
+    def _usable(self, workers: dict[str, WorkerInfo], batch: _Batch) -> tuple[list[str], str]:
+        """Workers that may take a lease of ``batch`` now, fastest first, and why the others may not (for the
+        message when none is usable)."""
+        now = time.monotonic()
+        newest = max(self.published, default=None)
+        free, why = [], collections.Counter[str]()
+        for peer, info in workers.items():
+            if info.version < 0:
+                why["holds no version yet"] += 1
+            elif newest is not None and newest - info.version > self.max_lag:
+                why[f"more than max_lag={self.max_lag} versions behind"] += 1
+            elif info.max_new_tokens < batch.max_new_tokens:
+                why[f"takes at most {info.max_new_tokens} new tokens, {batch.max_new_tokens} asked"] += 1
+            elif self._cooldown.get(peer, 0.0) > now:
+                why["cooling down after a failure"] += 1
+            elif self._inflight[peer] < self.leases_per_worker:
+                free.append(peer)
+        # fastest first; a worker without a measurement yet goes last
+        free.sort(key=lambda p: (-workers[p].tokens_per_s, self._inflight[p], workers[p].queue))
+        return free, ", ".join(f"{n} {reason}" for reason, n in why.items())
+
     async def _run(self, batch: _Batch, wait: bool) -> list[GroupResult]:
+        """Lease ``batch`` until every group has a result. Fails with :class:`NoWorkersError` (or warns, with
+        ``wait``) when no lease was running for ``rollout_timeout`` s, or when every lease failed for
+        ``rollout_timeout + lease_timeout`` s (workers that answer but cannot serve this batch)."""
         loop = asyncio.get_running_loop()
         workers = await loop.run_in_executor(None, self.workers)
         size = max(1, math.ceil(len(batch.groups) / max(1, len(workers) * self.leases_per_worker)))
@@ -244,21 +268,17 @@ class RolloutClient:
             list(range(start, min(start + size, len(batch.groups)))) for start in range(0, len(batch.groups), size)
         )
         running: dict[asyncio.Task[tuple[str, Any]], tuple[list[int], str, Lease]] = {}
-        idle_since = time.monotonic()
+        idle_since = last_ok = head_read = time.monotonic()
+        last_failure = ""
         try:
             while pending or running:
+                now = time.monotonic()
+                if now - head_read >= 2.0:  # the lag is measured against the newest version: keep it current
+                    head_read = now
+                    await loop.run_in_executor(None, self.newest_version)
                 if pending:
                     workers = await loop.run_in_executor(None, self.workers)
-                    now = time.monotonic()
-                    free = [
-                        peer
-                        for peer, info in workers.items()
-                        if info.version >= 0
-                        and self._inflight[peer] < self.leases_per_worker
-                        and self._cooldown.get(peer, 0.0) <= now
-                    ]
-                    # fastest first; a worker without a measurement yet goes last
-                    free.sort(key=lambda p: (-workers[p].tokens_per_s, self._inflight[p], workers[p].queue))
+                    free, unusable = self._usable(workers, batch)
                     for peer in free:
                         while pending and self._inflight[peer] < self.leases_per_worker:
                             indices = pending.popleft()
@@ -268,17 +288,25 @@ class RolloutClient:
                             running[asyncio.create_task(self._call(peer, lease))] = (indices, peer, lease)
                     if running:
                         idle_since = now
-                    elif now - idle_since > self.rollout_timeout:
+                    failing = now - last_ok > self.rollout_timeout + self.lease_timeout
+                    if now - idle_since > self.rollout_timeout or failing:
                         swarm_run = self.run_id.removesuffix(".policy")
-                        message = (
-                            f"no rollout worker of run {self.run_id!r} took a lease for {self.rollout_timeout:.0f} s "
-                            f"({len(workers)} announced and usable); start one with `python recipes/rollout_worker.py "
-                            f"--serve_rollouts --run_id {swarm_run} --initial_peers MADDR`"
-                        )
+                        if failing:
+                            message = (
+                                f"every lease to the rollout workers of run {self.run_id!r} failed for "
+                                f"{now - last_ok:.0f} s (last: {last_failure})"
+                            )
+                        else:
+                            message = (
+                                f"no rollout worker of run {self.run_id!r} could take a lease for "
+                                f"{self.rollout_timeout:.0f} s ({len(workers)} announced"
+                                f"{': ' + unusable if unusable else ''}); start one with `python recipes/"
+                                f"rollout_worker.py --serve_rollouts --run_id {swarm_run} --initial_peers MADDR`"
+                            )
                         if not wait:
                             raise NoWorkersError(message)
                         logger.warning("%s; still waiting", message)
-                        idle_since = now
+                        idle_since = last_ok = now
                 if not running:
                     await asyncio.sleep(0.25)
                     continue
@@ -289,7 +317,10 @@ class RolloutClient:
                     kind, value = task.result()
                     if kind == "ok":
                         kind, value = await loop.run_in_executor(None, self._accept, batch, indices, peer, value)
-                    if kind != "ok":
+                    if kind == "ok":
+                        last_ok = time.monotonic()
+                    else:
+                        last_failure = f"worker {peer[-8:]}: {kind}: {value}"
                         self._note_failure(peer, lease, kind, str(value))
                         pending.appendleft(indices)
         finally:
@@ -313,6 +344,8 @@ class RolloutClient:
             raise
         except TimeoutError:
             return "failed", f"no reply within the lease's deadline of {lease.deadline_s:.0f} s"
+        except TruncatedPayloadError as exc:  # the worker died or hung up mid-reply: honest workers do that too
+            return "failed", str(exc)
         except PayloadError as exc:
             return "refused", str(exc)
         except Exception as exc:  # the daemon reports a dead or unreachable peer as assorted errors
@@ -352,7 +385,8 @@ class RolloutClient:
             self._cooldown[peer] = time.monotonic() + 1.0
             logger.debug("lease %s back in the queue: worker=%s %s", lease.lease_id, peer, reason)
             return
-        if kind == "stale":
+        if kind == "stale":  # the worker falls behind: others first, until its record shows it caught up
+            self._cooldown[peer] = time.monotonic() + 2.0
             logger.info("dropped stale completions worker=%s %s; generating them again", peer, reason)
             return
         if kind == "refused":

@@ -1,0 +1,229 @@
+"""Helpers for the rollout-loop tests (tests/test_rollouts.py): a tiny model directory, rollout worker processes
+(honest, slow, stale or rogue), and a reference for the workers' sampling log-probabilities.
+
+Everything is real: the model is a randomly initialized ``transformers`` Llama saved with ``save_pretrained`` beside
+the recipes' byte-level tokenizer (no download, seconds to build), the workers are ``spawn`` processes with their
+own hivemind DHT on 127.0.0.1, a :class:`pulseloco.sync.subscriber.Subscriber` following the publisher, a
+:class:`pulseloco.integrations.rollout.TransformersEngine` in BF16 and a
+:class:`pulseloco.rollouts.worker.RolloutServer`, exactly as ``recipes/rollout_worker.py --serve_rollouts`` sets
+them up. A worker can be told to misbehave (:data:`MODES`) by wrapping its engine or the reply encoding of its
+real server, so a rogue speaks the real protocol on the real handler.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from sync_helpers import _serve_requests, _worker_logging, start_dht
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+TINY_LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+)
+"""A Llama small enough that a lease of a few dozen completions takes a fraction of a second on one CPU thread. The
+large ``initializer_range`` makes its next-token distributions depend visibly on the context, so that a completion
+scored under another prompt than its own gets other log-probabilities."""
+
+MODES = ("honest", "slow", "vocab", "digest", "version", "envelope", "forged", "oversize", "garbage")
+"""How a worker answers leases: ``honest``; ``slow`` (honest, after ``delay`` seconds per lease); ``vocab`` (token
+ids beyond the vocabulary); ``digest`` (claims a digest that is not the published one); ``version`` (claims a
+version that was never published, with no envelope); ``envelope`` (the same claim with the publisher's genuine
+envelope of the version it holds); ``forged`` (the same claim with an envelope of that version signed by another
+key); ``oversize`` (completions longer than the lease allows: a payload above the reader's bound); ``garbage`` (a
+reply header that is not JSON)."""
+
+LEASE_MAX_NEW_TOKENS = 64
+
+
+def byte_tokenizer() -> Any:
+    """The recipes' byte-level tokenizer (recipes/pretrain.py): one token per byte, then EOS and PAD."""
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    import pretrain
+
+    return pretrain.byte_level_tokenizer(TINY_LLAMA["max_position_embeddings"])
+
+
+def save_tiny_model(path: Path, seed: int = 0) -> Path:
+    """A random-init tiny Llama with the byte-level tokenizer, saved as a Hugging Face model directory (what
+    ``--model_name_or_path`` takes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **TINY_LLAMA,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def reference_logprobs(
+    model: torch.nn.Module, prompt: list[int], completion: list[int], temperature: float
+) -> list[float]:
+    """Each completion token's log-probability under ``softmax(logits / temperature)`` given the prompt and the
+    completion before it (teacher forcing, one unpadded sequence)."""
+    ids = torch.tensor([prompt + completion])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : len(prompt) + len(completion) - 1].float()
+    logprobs = (logits / temperature).log_softmax(-1)
+    return logprobs.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+# ---- the worker process ----------------------------------------------------------------------------------------
+
+
+class _Behaviour:
+    """Stands where the server's engine is: generates with the real engine, then answers as ``mode`` says."""
+
+    def __init__(self, engine: Any, vocab_size: int) -> None:
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.mode = "honest"
+        self.delay = 0.0
+        self.started = 0
+
+    def generate_ids(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None = None) -> Any:
+        from pulseloco.integrations.rollout import Completion
+
+        self.started += 1
+        if self.mode == "slow":
+            time.sleep(self.delay)
+        completions = self.engine.generate_ids(
+            prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+        )
+        if self.mode == "vocab":
+            return [Completion([self.vocab_size + 7] * len(c.token_ids), c.logprobs) for c in completions]
+        if self.mode == "oversize":
+            length = 3 * max_new_tokens
+            return [Completion([1] * length, [-1.0] * length) for _ in completions]
+        return completions
+
+
+def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, options: dict) -> None:
+    """A rollout worker in its own process, driven over ``conn`` (:class:`sync_helpers.WorkerProcess`).
+
+    Requests:
+
+    - ``start(initial_peers)`` -> peer id (the model is loaded before, so that the process can be spawned while the
+      swarm it joins is still starting);
+    - ``update(version)``: follow the publisher until the engine serves ``version`` (``weights_updated`` and then
+      ``server.weights_loaded``, as recipes/rollout_worker.py does) -> the served version and digest;
+    - ``mode(name, delay)``: how to answer leases from now on (:data:`MODES`);
+    - ``stats`` -> the server's counters and the leases the engine started;
+    - ``close``.
+
+    ``options`` go to :class:`RolloutServer`.
+    """
+    _worker_logging()
+    torch.set_num_threads(1)
+    import pulseloco.rollouts.worker as worker_module
+    from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.rollouts.worker import RolloutServer
+    from pulseloco.sync.signing import Envelope, generate_key, load_public_key, sign_envelope
+    from pulseloco.sync.subscriber import Subscriber
+
+    engine = TransformersEngine.from_pretrained(model_dir)
+    vocab_size = max(len(engine.tokenizer), int(engine.model.config.vocab_size))
+    behaviour = _Behaviour(engine, vocab_size)
+    state: dict[str, Any] = {}
+
+    real_encode = worker_module.encode_reply
+    real_stream = worker_module.stream_messages
+
+    stranger = generate_key()
+
+    def encode_reply(
+        lease: Any, version: int, digest: str, completions: Any, seconds: float, envelope: bytes = b""
+    ) -> Any:
+        if behaviour.mode == "digest":
+            digest = "0" * len(digest)
+        if behaviour.mode in ("version", "envelope", "forged"):
+            version += 1000
+        if behaviour.mode == "version":
+            envelope = b""
+        if behaviour.mode == "forged":
+            fields = Envelope(run_id, "patch", version, version - 1, digest, digest, "0" * 64, 1)
+            envelope = sign_envelope(stranger, fields)
+        return real_encode(lease, version, digest, completions, seconds, envelope)
+
+    def stream_messages(message_type: Any, header: dict, payload: Any = (), **kwargs: Any) -> Any:
+        if behaviour.mode == "garbage" and header.get("status") == "ok":
+            yield message_type(metadata=b"\x00{not json")
+            return
+        yield from real_stream(message_type, header, payload, **kwargs)
+
+    worker_module.encode_reply = encode_reply
+    worker_module.stream_messages = stream_messages
+
+    def start(initial_peers: list[str]) -> str:
+        state["dht"] = start_dht(initial_peers)
+        state["sub"] = Subscriber(state["dht"], run_id, load_public_key(public_pem), timeout=30)
+        server_options = {"max_new_tokens": LEASE_MAX_NEW_TOKENS, "announce_every": 1.0, **options}
+        state["server"] = RolloutServer(
+            state["dht"],
+            run_id,
+            behaviour,
+            state["sub"],
+            engine_name="transformers",
+            vocab_size=vocab_size,
+            **server_options,
+        )
+        return state["server"].peer_id
+
+    def update(version: int, timeout: float = 60.0) -> dict:
+        sub, server = state["sub"], state["server"]
+        deadline = time.monotonic() + timeout
+        while server.version != version:
+            report = sub.update_report(engine.weights())
+            if report is not None:
+                engine.weights_updated(report.changed, version=report.version)
+                server.weights_loaded(report.version, report.digest)
+            elif time.monotonic() > deadline:
+                raise TimeoutError(f"version {version} did not arrive in {timeout:.0f} s (holding {sub.version})")
+            else:
+                time.sleep(0.05)
+        return {"version": server.version, "digest": sub.digest}
+
+    def mode(name: str, delay: float = 0.0) -> None:
+        if name not in MODES:
+            raise ValueError(f"unknown mode {name!r}")
+        behaviour.mode, behaviour.delay = name, delay
+
+    def stats() -> dict:
+        server = state["server"]
+        return {
+            "served": server.num_served,
+            "refused": server.num_refused,
+            "expired": server.num_expired,
+            "started": behaviour.started,
+            "version": server.version,
+        }
+
+    def close() -> None:
+        if "server" in state:
+            state["server"].close()
+        if "sub" in state:
+            state["sub"].close()
+            state["dht"].shutdown()
+
+    _serve_requests(conn, {"start": start, "update": update, "mode": mode, "stats": stats, "close": close})

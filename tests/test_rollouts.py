@@ -1,0 +1,887 @@
+"""The rollout loop: lease and reply checks, workers on a real swarm, and GRPO trainers fed by them.
+
+1. The protocol (:mod:`pulseloco.rollouts.protocol`), pure: every malformed lease, reply and worker record is
+   refused with a reason, and good ones round-trip exactly.
+2. A real swarm on 127.0.0.1 (one module-wide DHT and :class:`Publisher` in this process, two rollout worker
+   processes built as recipes/rollout_worker.py --serve_rollouts builds them, tests/rollout_helpers.py): a
+   :class:`RolloutClient` here runs batches on them, with one worker honest, slow and then killed, stale, or rogue.
+   The honest replies are checked against the published versions and digests and, token by token, against the
+   published weights' sampling log-probabilities for the group's own prompt.
+3. The recipes as users run them: ``recipes/grpo.py --rollouts swarm`` alone (falls back to local generation), with
+   bad flags (exit 2, one line), and fed by one ``recipes/rollout_worker.py --serve_rollouts``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+from cryptography.hazmat.primitives import serialization
+from hivemind.utils import get_dht_time
+from rollout_helpers import reference_logprobs, rollout_worker, save_tiny_model
+from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dht, wait_for
+
+from pulseloco.errors import PayloadError, PayloadSizeError
+from pulseloco.rollouts.client import NoWorkersError, RolloutClient
+from pulseloco.rollouts.protocol import (
+    LOGPROB_SLACK,
+    MAX_LEASE_BYTES,
+    MAX_PROMPTS_PER_LEASE,
+    Lease,
+    WorkerInfo,
+    decode_lease,
+    decode_reply,
+    encode_reply,
+    parse_worker_record,
+    workers_key,
+)
+from pulseloco.sync.signing import MAX_ENVELOPE_BYTES
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"
+CONFIG = RECIPES / "configs" / "grpo-tiny.yaml"
+RUN = "rollouts-test"
+POLICY = f"{RUN}.policy"
+VOCAB = 258
+"""The tiny model's vocabulary: 256 bytes, EOS and PAD (tests/rollout_helpers.py)."""
+
+
+# ================================================================================================================
+# 1. the protocol
+# ================================================================================================================
+
+PROTO_RUN = "proto.policy"
+LIMITS = dict(run_id=PROTO_RUN, vocab_size=VOCAB, max_new_tokens=8, max_prompt_tokens=16)
+
+
+def lease_blob(**changes: Any) -> bytes:
+    raw: dict[str, Any] = dict(
+        run_id=PROTO_RUN,
+        lease_id="lease-0a",
+        prompts=[[1, 2, 3], [4, 5]],
+        num_samples=2,
+        max_new_tokens=4,
+        temperature=1.0,
+        seed=7,
+        deadline_s=30.0,
+    )
+    for key, value in changes.items():
+        if value is ...:
+            del raw[key]
+        else:
+            raw[key] = value
+    return json.dumps(raw).encode()
+
+
+def test_a_good_lease_round_trips() -> None:
+    lease = decode_lease(lease_blob(), **LIMITS)
+    assert lease == Lease(PROTO_RUN, "lease-0a", [[1, 2, 3], [4, 5]], 2, 4, 1.0, 7, 30.0)
+    assert decode_lease(lease.encode(), **LIMITS) == lease
+    assert lease.num_completions == 4
+    # the limits themselves are allowed
+    edge = dict(prompts=[[0] * 16, [VOCAB - 1]], max_new_tokens=8, temperature=10, num_samples=256, seed=2**63 - 1)
+    assert decode_lease(lease_blob(**edge), **LIMITS).prompts == [[0] * 16, [VOCAB - 1]]
+
+
+@pytest.mark.parametrize(
+    "changes, reason",
+    [
+        ({"run_id": "other.policy"}, "lease for run 'other.policy'"),
+        ({"run_id": ...}, "lease for run None"),
+        ({"lease_id": ""}, "malformed lease_id"),
+        ({"lease_id": "has space"}, "malformed lease_id"),
+        ({"lease_id": "x" * 81}, "malformed lease_id"),
+        ({"lease_id": 12}, "malformed lease_id"),
+        ({"prompts": []}, "prompts must be a list"),
+        ({"prompts": "1 2 3"}, "prompts must be a list"),
+        ({"prompts": [[1]] * (MAX_PROMPTS_PER_LEASE + 1)}, "prompts must be a list"),
+        ({"prompts": [[1, 2], []]}, "each prompt must be a list of 1 to 16"),
+        ({"prompts": [[1] * 17]}, "each prompt must be a list of 1 to 16"),
+        ({"prompts": [[1, 2], "ab"]}, "each prompt must be a list"),
+        ({"prompts": [[1, VOCAB]]}, "prompt token ids must be integers in [0, 258)"),
+        ({"prompts": [[-1, 2]]}, "prompt token ids must be integers"),
+        ({"prompts": [[1.0, 2]]}, "prompt token ids must be integers"),
+        ({"prompts": [[True, 2]]}, "prompt token ids must be integers"),
+        ({"num_samples": 0}, "num_samples must be an integer in [1, 256]"),
+        ({"num_samples": 257}, "num_samples must be an integer in [1, 256]"),
+        ({"num_samples": True}, "num_samples must be an integer"),
+        ({"num_samples": "2"}, "num_samples must be an integer"),
+        ({"num_samples": ...}, "num_samples must be an integer"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer in [1, 8]"),
+        ({"max_new_tokens": 9}, "max_new_tokens must be an integer in [1, 8]"),
+        ({"temperature": 0}, "temperature must be in (0.0, 10.0]"),
+        ({"temperature": -1.0}, "temperature must be in"),
+        ({"temperature": 10.5}, "temperature must be in"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"temperature": float("inf")}, "temperature must be a finite number"),
+        ({"temperature": "1.0"}, "temperature must be a finite number"),
+        ({"temperature": True}, "temperature must be a finite number"),
+        ({"seed": -1}, "seed must be an integer"),
+        ({"seed": 2**63}, "seed must be an integer"),
+        ({"deadline_s": 0}, "deadline_s must be in"),
+        ({"deadline_s": 1e6}, "deadline_s must be in"),
+    ],
+)
+def test_decode_lease_refuses(changes: dict[str, Any], reason: str) -> None:
+    with pytest.raises(PayloadError) as caught:
+        decode_lease(lease_blob(**changes), **LIMITS)
+    assert reason in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "blob, reason",
+    [
+        (b"", "lease is not JSON"),
+        (b"\xff\xfe", "lease is not JSON"),
+        (b"{not json", "lease is not JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "lease is not JSON"),
+        (b"[1, 2]", "lease must be a JSON object"),
+        (b'"a string"', "lease must be a JSON object"),
+    ],
+)
+def test_decode_lease_refuses_what_is_not_a_json_object(blob: bytes, reason: str) -> None:
+    with pytest.raises(PayloadError) as caught:
+        decode_lease(blob, **LIMITS)
+    assert reason in str(caught.value)
+
+
+def test_decode_lease_refuses_oversized_requests_before_parsing() -> None:
+    good = lease_blob()
+    padded = good[:-1] + b" " * (MAX_LEASE_BYTES - len(good)) + b"}"
+    assert len(padded) == MAX_LEASE_BYTES
+    assert decode_lease(padded, **LIMITS).lease_id == "lease-0a"  # exactly at the limit: fine
+    with pytest.raises(PayloadSizeError, match="above the limit"):
+        decode_lease(padded[:-1] + b" }", **LIMITS)
+    with pytest.raises(PayloadSizeError):
+        decode_lease(b"x" * (MAX_LEASE_BYTES + 1), **LIMITS)  # refused on its size, not as bad JSON
+
+
+# ---- replies ---------------------------------------------------------------------------------------------------
+
+REPLY_LEASE = Lease(PROTO_RUN, "lease-0b", [[10, 11, 12], [13, 14]], 2, 4, 1.0, 3, 30.0)
+COMPLETIONS = [
+    ([1, 2, 3, 4], [-0.5, -1.25, -2.0, -0.125]),
+    ([256], [-3.0]),
+    ([5, 6], [-0.25, 0.0]),
+    ([257, 7, 8], [-1.5, -4.0, -0.75]),
+]
+DIGEST = "0123456789abcdef" * 2
+
+
+ENVELOPE = b'{"fields": {"version": 5}, "sig": "..."}'
+"""Carried as opaque bytes (base64 in the header); the client verifies it (see the rogue worker tests)."""
+
+
+def good_reply() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The header of an honest reply to :data:`REPLY_LEASE` and its payload's three arrays (to corrupt one)."""
+    header, buffers = encode_reply(REPLY_LEASE, 5, DIGEST, COMPLETIONS, 0.25, ENVELOPE)
+    parts = {
+        "prompts": np.frombuffer(buffers[0], dtype="<i4").copy(),
+        "tokens": np.frombuffer(buffers[1], dtype="<i4").copy(),
+        "logprobs": np.frombuffer(buffers[2], dtype="<f4").copy(),
+    }
+    return {**header.to_json(), "size": sum(len(b) for b in buffers)}, parts
+
+
+def payload(parts: dict[str, np.ndarray]) -> bytes:
+    return parts["prompts"].tobytes() + parts["tokens"].tobytes() + parts["logprobs"].tobytes()
+
+
+def test_a_good_reply_round_trips_exactly() -> None:
+    header, parts = good_reply()
+    assert header["status"] == "ok" and header["lease_id"] == "lease-0b"
+    assert header["prompt_lengths"] == [3, 2] and header["completion_lengths"] == [4, 1, 2, 3]
+    assert header["size"] == len(payload(parts)) == 4 * 5 + 8 * 10
+    samples = decode_reply(REPLY_LEASE, json.loads(json.dumps(header)), payload(parts), vocab_size=VOCAB)
+    assert (samples.version, samples.digest, samples.seconds, samples.envelope) == (5, DIGEST, 0.25, ENVELOPE)
+    assert samples.completion_ids == [[[1, 2, 3, 4], [256]], [[5, 6], [257, 7, 8]]]
+    assert samples.logprobs == [[[-0.5, -1.25, -2.0, -0.125], [-3.0]], [[-0.25, 0.0], [-1.5, -4.0, -0.75]]]
+
+
+def _set(key: str, value: Any):
+    def corrupt(header: dict[str, Any], parts: dict[str, np.ndarray]) -> None:
+        header[key] = value
+
+    return corrupt
+
+
+def _poke(part: str, index: int, value: float):
+    def corrupt(header: dict[str, Any], parts: dict[str, np.ndarray]) -> None:
+        parts[part][index] = value
+
+    return corrupt
+
+
+def _lengths(key: str, lengths: list[int]):
+    return _set(key, lengths)
+
+
+def _resize(delta: int):
+    def corrupt(header: dict[str, Any], parts: dict[str, np.ndarray]) -> None:
+        if delta > 0:
+            parts["logprobs"] = np.concatenate([parts["logprobs"], np.zeros(delta, dtype="<f4")])
+        else:
+            parts["logprobs"] = parts["logprobs"][:delta]
+
+    return corrupt
+
+
+@pytest.mark.parametrize(
+    "corrupt, error, reason",
+    [
+        (_set("lease_id", "lease-other"), PayloadError, "reply names lease 'lease-other'"),
+        (_set("lease_id", None), PayloadError, "reply names lease None"),
+        (_set("version", -1), PayloadError, "no valid version"),
+        (_set("version", "5"), PayloadError, "no valid version"),
+        (_set("version", True), PayloadError, "no valid version"),
+        (_set("version", 5.0), PayloadError, "no valid version"),
+        (_set("version", None), PayloadError, "no valid version"),
+        (_set("digest", ""), PayloadError, "no valid digest"),
+        (_set("digest", "XYZ"), PayloadError, "no valid digest"),
+        (_set("digest", DIGEST.upper()), PayloadError, "no valid digest"),
+        (_set("digest", "a" * 129), PayloadError, "no valid digest"),
+        (_set("digest", 12), PayloadError, "no valid digest"),
+        (_lengths("completion_lengths", [4, 1, 2]), PayloadError, "completion_lengths must list 4 lengths"),
+        (_lengths("completion_lengths", [4, 1, 2, 3, 1]), PayloadError, "completion_lengths must list 4 lengths"),
+        (_lengths("completion_lengths", [5, 1, 1, 3]), PayloadError, "completion_lengths must hold integers in [1, 4]"),
+        (_lengths("completion_lengths", [0, 1, 2, 3]), PayloadError, "completion_lengths must hold integers in [1, 4]"),
+        (_lengths("completion_lengths", [4, 1, 2, "3"]), PayloadError, "completion_lengths must hold integers"),
+        (_set("completion_lengths", None), PayloadError, "completion_lengths must list 4 lengths"),
+        (_lengths("prompt_lengths", [3]), PayloadError, "prompt_lengths must list 2 lengths"),
+        (_lengths("prompt_lengths", [2, 3]), PayloadError, "does not echo the lease's prompts (their lengths differ)"),
+        (_lengths("completion_lengths", [3, 1, 2, 3]), PayloadSizeError, "reply payload has 100 bytes"),
+        (_resize(1), PayloadSizeError, "reply payload has 104 bytes, its lengths say 100"),
+        (_resize(-1), PayloadSizeError, "reply payload has 96 bytes, its lengths say 100"),
+        (_poke("prompts", 4, 15), PayloadError, "does not echo the lease's prompts exactly"),
+        (_poke("prompts", 0, 11), PayloadError, "does not echo the lease's prompts exactly"),
+        (_poke("tokens", 3, VOCAB), PayloadError, "token ids outside [0, 258)"),
+        (_poke("tokens", 9, 2**31 - 1), PayloadError, "token ids outside"),
+        (_poke("tokens", 0, -1), PayloadError, "token ids outside"),
+        (_poke("logprobs", 2, float("nan")), PayloadError, "not finite"),
+        (_poke("logprobs", 2, float("-inf")), PayloadError, "not finite"),
+        (_poke("logprobs", 9, 0.5), PayloadError, "above 0"),
+        (_poke("logprobs", 0, 2 * LOGPROB_SLACK), PayloadError, "above 0"),
+        (_set("envelope", 5), PayloadError, "reply's envelope is not a base64 string of a bounded size"),
+        (_set("envelope", "A" * (2 * MAX_ENVELOPE_BYTES + 4)), PayloadError, "not a base64 string of a bounded"),
+        (_set("envelope", "not base64!"), PayloadError, "reply's envelope is not valid base64"),
+        (_set("envelope", "QUJ"), PayloadError, "reply's envelope is not valid base64"),
+    ],
+)
+def test_decode_reply_refuses_a_reply_with_one_thing_wrong(corrupt: Any, error: type, reason: str) -> None:
+    header, parts = good_reply()
+    corrupt(header, parts)
+    with pytest.raises(error) as caught:
+        decode_reply(REPLY_LEASE, header, payload(parts), vocab_size=VOCAB)
+    assert reason in str(caught.value)
+
+
+def test_decode_reply_takes_rounding_slack_and_the_last_token_id() -> None:
+    header, parts = good_reply()
+    parts["logprobs"][0] = LOGPROB_SLACK / 2  # log-softmax rounding just above 0
+    parts["tokens"][0] = VOCAB - 1
+    del header["envelope"]  # optional: a version the trainer saw as head needs none
+    samples = decode_reply(REPLY_LEASE, header, payload(parts), vocab_size=VOCAB)
+    assert samples.completion_ids[0][0][0] == VOCAB - 1 and samples.envelope == b""
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        [],
+        "transformers",
+        {},
+        {"engine": "transformers"},
+        *(
+            dict(
+                {
+                    "engine": "transformers",
+                    "version": 3,
+                    "tokens_per_s": 10.0,
+                    "samples_per_s": 1.0,
+                    "queue": 0,
+                    "served": 2,
+                    "max_new_tokens": 64,
+                },
+                **change,
+            )
+            for change in [
+                {"engine": 5},
+                {"engine": "x" * 33},
+                {"version": "3"},
+                {"version": True},
+                {"version": -2},
+                {"version": 2**62},
+                {"version": 3.0},
+                {"queue": 1.5},
+                {"served": None},
+                {"max_new_tokens": -5},
+                {"tokens_per_s": -1.0},
+                {"tokens_per_s": float("nan")},
+                {"samples_per_s": float("inf")},
+                {"samples_per_s": "fast"},
+                {"tokens_per_s": False},
+            ]
+        ),
+    ],
+)
+def test_parse_worker_record_returns_none_for_malformed_values(value: Any) -> None:
+    assert parse_worker_record(value) is None
+
+
+def test_parse_worker_record_reads_what_a_worker_announces() -> None:
+    info = WorkerInfo("transformers", -1, 0.0, 0.0, 0, 0, 512)
+    assert parse_worker_record(info.to_record()) == info
+    info = WorkerInfo("vllm", 12, 1500, 3.5, 2, 40, 64)
+    parsed = parse_worker_record({**info.to_record(), "extra": "ignored"})
+    assert parsed == info and isinstance(parsed.tokens_per_s, float)
+    assert workers_key("r.policy") == "pulseloco:r.policy:rollout_workers"
+
+
+# ================================================================================================================
+# 2. workers on a real swarm
+# ================================================================================================================
+
+
+def public_pem(key: Any) -> bytes:
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def random_prompts(num: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 11, (num,), generator=gen).tolist()
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+def kill_tree(worker: WorkerProcess) -> None:
+    """SIGKILL a worker process and everything it started (its DHT and libp2p daemon): the machine is gone."""
+    main = psutil.Process(worker.process.pid)
+    children = main.children(recursive=True)
+    for proc in [main, *children]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+    worker.process.join(10)  # reaped by multiprocessing, so that is_alive() says so
+    psutil.wait_procs(children, timeout=10)
+
+
+class Swarm:
+    """The module's swarm: this process's DHT and publisher, two rollout worker processes ``A`` and ``B``."""
+
+    def __init__(self, dht: Any, model_dir: Path, store: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from pulseloco.sync.publisher import Publisher
+        from pulseloco.sync.signing import generate_key
+
+        self.dht = dht
+        self.model_dir = model_dir
+        self.key = generate_key()
+        self.workers: dict[str, WorkerProcess] = {}
+        self.peer_ids: dict[str, str] = {}
+        self.publisher: Any = None
+        self.digests: dict[int, str] = {}
+        try:
+            for name in ("A", "B"):  # spawned first: they import and load while the publisher starts
+                self.workers[name] = self._spawn(name)
+            self.publisher = Publisher(dht, POLICY, self.key, store)
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir)  # the trainer's FP32 weights
+            self.gen = torch.Generator().manual_seed(5)
+            self.publish()
+            for name in self.workers:
+                self.workers[name].send("start", maddrs(dht))
+            for name, worker in self.workers.items():
+                self.peer_ids[name] = worker.receive(timeout=120)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, name: str) -> WorkerProcess:
+        return WorkerProcess(
+            rollout_worker, POLICY, public_pem(self.key), str(self.model_dir), {}, name=f"worker-{name}"
+        )
+
+    @property
+    def version(self) -> int:
+        assert self.publisher.version is not None
+        return self.publisher.version
+
+    @torch.no_grad()
+    def publish(self) -> int:
+        """A training step's worth of change (small noise on every weight), published and flushed."""
+        for param in self.model.parameters():
+            param.add_(torch.randn(param.shape, generator=self.gen) * 1e-2)
+        self.publisher.publish(self.model)
+        version = self.publisher.flush(timeout=60)
+        assert version is not None
+        self.digests[version] = self.publisher.digest
+        assert self.digests[version] == bf16_digest(self.model)
+        return version
+
+    def sync(self, names: list[str] | None = None) -> None:
+        """Bring workers to the newest version (each serves it when this returns)."""
+        names = list(self.workers) if names is None else names
+        for name in names:
+            self.workers[name].send("update", self.version)
+        for name in names:
+            served = self.workers[name].receive(timeout=90)
+            assert served == {"version": self.version, "digest": self.digests[self.version]}, (name, served)
+
+    def ready(self) -> None:
+        """Every worker alive (a killed one is replaced), honest, serving the newest version."""
+        for name, worker in list(self.workers.items()):
+            if not worker.process.is_alive():
+                worker.close(timeout=5)
+                # its record lives on for its TTL: overwrite it with a newer, malformed one that clients skip
+                self.dht.store(workers_key(POLICY), {"gone": True}, get_dht_time() + 60, subkey=self.peer_ids[name])
+                self.workers[name] = self._spawn(name)
+                self.peer_ids[name] = self.workers[name].call("start", maddrs(self.dht), timeout=120)
+        for worker in self.workers.values():
+            worker.call("mode", "honest")
+        self.sync()
+
+    @contextlib.contextmanager
+    def client(self, **options: Any) -> Iterator[RolloutClient]:
+        client = RolloutClient(self.dht, POLICY, self.key.public_key(), vocab_size=VOCAB, **options)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    def wait_for_records(self, client: RolloutClient, versions: dict[str, int] | None = None) -> None:
+        """Wait until the DHT shows each worker at its version (default: all at the newest)."""
+        want = {self.peer_ids[n]: v for n, v in (versions or dict.fromkeys(self.workers, self.version)).items()}
+
+        def announced() -> bool:
+            found = client.workers(max_age=0)
+            return all(peer in found and found[peer].version == v for peer, v in want.items())
+
+        wait_for(announced, 30, f"worker records at {want}", interval=0.2)
+
+    def close(self) -> None:
+        close_all(list(self.workers.values()))
+        if self.publisher is not None:
+            self.publisher.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("rollout-model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def dht() -> Iterator[Any]:
+    """This module's DHT: the publisher's and the clients' here, and the swarm's first peer for everyone else."""
+    node = start_dht()
+    yield node
+    node.shutdown()
+
+
+@pytest.fixture(scope="module")
+def swarm_module(dht: Any, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
+    swarm = Swarm(dht, model_dir, tmp_path_factory.mktemp("rollout-store"))
+    yield swarm
+    swarm.close()
+
+
+@pytest.fixture
+def swarm(swarm_module: Swarm) -> Swarm:
+    swarm_module.ready()
+    return swarm_module
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_is_shared_by_both_workers_and_every_group_answered_once(swarm: Swarm) -> None:
+    prompts = random_prompts(12, seed=1)
+    version = swarm.version
+    with swarm.client(lease_timeout=30, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        results = client.submit(prompts, num_samples=4, max_new_tokens=16, temperature=1.0).result(timeout=90)
+        stats = client.stats
+    assert len(results) == len(prompts)
+    for result in results:
+        assert (result.version, result.digest) == (version, swarm.digests[version])
+        assert len(result.completion_ids) == len(result.logprobs) == 4
+        for ids, logprobs in zip(result.completion_ids, result.logprobs):
+            assert 1 <= len(ids) == len(logprobs) <= 16
+            assert all(0 <= t < VOCAB for t in ids)
+            assert all(math.isfinite(lp) and lp <= LOGPROB_SLACK for lp in logprobs)
+    # 12 groups cut for 2 workers x 2 leases each: 4 leases of 3 groups, 2 to each worker, none re-leased
+    assert (stats.leases, stats.released, stats.failed, stats.refused, stats.stale_dropped) == (4, 0, 0, 0, 0)
+    assert dict(stats.by_worker) == {swarm.peer_ids["A"]: 24, swarm.peer_ids["B"]: 24}
+    assert {r.worker for r in results} == set(swarm.peer_ids.values())
+    assert not stats.refusals
+
+    # The completions are samples of the published weights for their own group's prompt: the workers'
+    # log-probabilities match the published BF16 weights' (teacher forcing here, batched generation there)
+    reference = copy.deepcopy(swarm.model).to(torch.bfloat16).eval()
+    assert bf16_digest(reference) == swarm.digests[version]
+    own, other = [], []
+    for g, result in enumerate(results):
+        for ids, logprobs in zip(result.completion_ids, result.logprobs):
+            expected = reference_logprobs(reference, prompts[g], ids, 1.0)
+            own.append(max(abs(a - b) for a, b in zip(logprobs, expected)))
+            wrong = reference_logprobs(reference, prompts[(g + 1) % len(prompts)], ids, 1.0)
+            other.append(max(abs(a - b) for a, b in zip(logprobs, wrong)))
+    # BF16 rounding differs between a padded batch and one sequence (about 0.07 at most here); a completion scored
+    # under another group's prompt is off by 1.5 or more
+    assert max(own) < 0.3, max(own)
+    assert sorted(other)[len(other) // 4] > 1.0, sorted(other)
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_workers_completions_are_dropped_and_generated_again(swarm: Swarm) -> None:
+    """B stops following at version v while A follows to v + max_lag + 1: B's replies are dropped as stale and
+    their groups generated again by A.
+
+    The client last read the head at v, so B's record does not look stale when the batch starts (a worker that
+    falls behind while it holds leases): B takes leases, A's first reply (B is slower) makes the client read the
+    newer head, and B's replies are then dropped, B cooled down and skipped while its record shows it behind."""
+    max_lag = 1
+    old = swarm.version
+    swarm.workers["B"].call("mode", "slow", 1.5)
+    with swarm.client(max_lag=max_lag, lease_timeout=30, rollout_timeout=30) as client:
+        assert client.newest_version() == old  # this trainer saw B's version published
+        for _ in range(max_lag + 1):
+            swarm.publish()
+        swarm.sync(["A"])
+        assert swarm.version == old + max_lag + 1  # the client has not read the head since
+        swarm.wait_for_records(client, {"A": swarm.version, "B": old})
+        future = client.submit(random_prompts(8, seed=2), num_samples=2, max_new_tokens=8, temperature=1.0)
+        results = future.result(timeout=60)
+        stats = client.stats
+    assert len(results) == 8 and all(len(r.completion_ids) == 2 for r in results)
+    assert {(r.version, r.digest, r.worker) for r in results} == {
+        (swarm.version, swarm.digests[swarm.version], swarm.peer_ids["A"])
+    }
+    # B generated (it took two of the four leases at the start) and every one of its completions was dropped
+    assert swarm.workers["B"].call("stats")["served"] >= 2
+    assert stats.stale_dropped >= 8 and stats.stale_dropped % 4 == 0, stats
+    assert swarm.peer_ids["B"] not in stats.by_worker
+    assert stats.refused == 0 and not stats.refusals  # stale is not dishonest
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_one_version_behind_is_not_refused(swarm: Swarm) -> None:
+    """B serves v, A serves v + 1, max_lag 2: B's completions are honest and within the lag. This trainer's client
+    starts after v + 1 was published (a trainer joining a running swarm), so it never saw v as the head: B's reply
+    proves v with the publisher's signed envelope of the object that brought it there."""
+    old = swarm.version
+    swarm.publish()
+    swarm.sync(["A"])
+    with swarm.client(max_lag=2, max_refusals=2, lease_timeout=30, rollout_timeout=30) as client:
+        swarm.wait_for_records(client, {"A": old + 1, "B": old})
+        results = client.submit(random_prompts(8, seed=7), num_samples=2, max_new_tokens=8, temperature=1.0).result(
+            timeout=60
+        )
+        stats = client.stats
+    assert len(results) == 8  # A completes the batch either way
+    assert stats.refused == 0 and not stats.refusals, stats
+    assert swarm.peer_ids["B"] in stats.by_worker
+    assert {(r.version, r.digest) for r in results} <= {(v, swarm.digests[v]) for v in (old, old + 1)}
+
+
+@pytest.mark.timeout(60)
+def test_only_stale_workers_end_the_batch(swarm: Swarm) -> None:
+    """Both workers hold a version more than max_lag behind the newest: none is usable, so the batch fails with
+    NoWorkersError after rollout_timeout (as with no workers at all) instead of regenerating forever."""
+    with swarm.client(max_lag=0, lease_timeout=30, rollout_timeout=2) as client:
+        swarm.wait_for_records(client)
+        old = swarm.version
+        assert client.newest_version() == old
+        swarm.publish()  # the workers do not follow
+        assert client.newest_version() == old + 1
+        future = client.submit(random_prompts(4, seed=6), num_samples=2, max_new_tokens=4, temperature=1.0)
+        try:
+            with pytest.raises(NoWorkersError, match=r"2 more than max_lag=0 versions behind"):
+                future.result(timeout=6)
+        finally:
+            future.cancel()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "mode, reason",
+    [
+        ("vocab", "reply holds token ids outside [0, 258)"),
+        ("digest", "digest 0000000000000000 is not the published digest of version {v}"),
+        ("version", "version {claimed} was not published (no head record or signed envelope says so)"),
+        ("envelope", "the signed envelope names version {v}, digest {digest}, not the claimed"),
+        ("forged", "the envelope of version {claimed} does not verify"),
+        ("oversize", "above the limit of"),
+        ("garbage", "message header is not JSON"),
+    ],
+)
+def test_a_rogue_worker_is_refused_and_the_honest_one_completes_the_batch(swarm: Swarm, mode: str, reason: str) -> None:
+    """B answers on the real handler with a reply that fails a check: each reply is refused (never raised), after
+    max_refusals B is refused for the run with the reason, and A generates every group. (A rogue that claims
+    another version claims v + 1000.)"""
+    swarm.workers["B"].call("mode", mode)
+    reason = reason.format(v=swarm.version, claimed=swarm.version + 1000, digest=swarm.digests[swarm.version][:16])
+    with swarm.client(max_refusals=2, lease_timeout=30, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        results = client.submit(random_prompts(8, seed=3), num_samples=2, max_new_tokens=8, temperature=1.0).result(
+            timeout=90
+        )
+        stats = client.stats
+        assert swarm.peer_ids["B"] not in client.workers(max_age=0)  # no more leases for it
+    rogue = swarm.peer_ids["B"]
+    assert list(stats.refusals) == [rogue] and reason in stats.refusals[rogue], stats.refusals
+    assert stats.refused >= 2 and stats.failed == 0
+    assert rogue not in stats.by_worker
+    assert len(results) == 8
+    assert {(r.version, r.digest, r.worker) for r in results} == {
+        (swarm.version, swarm.digests[swarm.version], swarm.peer_ids["A"])
+    }
+    assert swarm.workers["B"].call("stats")["served"] >= 2  # it did answer; its answers were refused
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_lease_costs_at_most_its_lease_timeout(swarm: Swarm) -> None:
+    """B takes its leases, starts generating slowly and is SIGKILLed with its DHT and daemon: its leases go to A,
+    the batch completes with every group answered once, within the lease timeout and a margin. (Runs last among
+    the swarm tests: B is replaced if a later test needs it.)"""
+    lease_timeout = 8.0
+    swarm.workers["B"].call("mode", "slow", 5.0)
+    prompts = random_prompts(12, seed=4)
+    with swarm.client(lease_timeout=lease_timeout, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        future = client.submit(prompts, num_samples=4, max_new_tokens=16, temperature=1.0)
+        wait_for(lambda: swarm.workers["B"].call("stats")["started"] >= 1, 30, "B to start its first lease")
+        kill_tree(swarm.workers["B"])
+        killed = time.monotonic()
+        results = future.result(timeout=lease_timeout + 60)
+        elapsed = time.monotonic() - killed
+        stats = client.stats
+    assert elapsed < lease_timeout + 10, elapsed
+    assert len(results) == 12
+    assert all(len(r.completion_ids) == 4 and r.worker == swarm.peer_ids["A"] for r in results)
+    assert all(r.version == swarm.version for r in results)
+    # B's two leases (one generating, one queued) came back, as did any later one sent to it (no dial)
+    assert stats.released >= 2 and stats.failed == stats.released, stats
+    assert dict(stats.by_worker) == {swarm.peer_ids["A"]: 48}  # each group taken once, all from A
+    assert stats.stale_dropped == 0 and not stats.refusals
+    assert stats.refused == 0  # a dead worker is not a dishonest one
+
+
+@pytest.mark.timeout(60)
+def test_no_workers_fails_the_batch_or_keeps_waiting(dht: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """No worker follows the run: after rollout_timeout the batch fails with a message saying how to start one, or,
+    with ``wait``, a warning says so every rollout_timeout and the batch waits until cancelled."""
+    from pulseloco.sync.signing import generate_key
+
+    key = generate_key().public_key()
+    with contextlib.closing(RolloutClient(dht, "nobody.policy", key, vocab_size=VOCAB, rollout_timeout=2)) as client:
+        started = time.monotonic()
+        with pytest.raises(NoWorkersError) as caught:
+            client.submit([[1, 2, 3]], num_samples=2, max_new_tokens=4, temperature=1.0).result(timeout=30)
+        assert 2 <= time.monotonic() - started < 8
+        message = str(caught.value)
+        assert "no rollout worker of run 'nobody.policy' could take a lease for 2 s" in message
+        assert "python recipes/rollout_worker.py --serve_rollouts --run_id nobody --initial_peers" in message
+
+    caplog.set_level(logging.WARNING, logger="pulseloco.rollouts.client")
+    with contextlib.closing(RolloutClient(dht, "nobody.policy", key, vocab_size=VOCAB, rollout_timeout=1)) as client:
+        future = client.submit([[1, 2, 3]], num_samples=2, max_new_tokens=4, temperature=1.0, wait=True)
+
+        def warned() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+
+        wait_for(lambda: len(warned()) >= 2, 20, "two waiting warnings")
+        assert "--serve_rollouts --run_id nobody" in warned()[0]
+        assert not future.done()
+        future.cancel()
+        wait_for(future.done, 5, "the cancelled batch to end")
+        assert future.cancelled()
+
+
+# ================================================================================================================
+# 3. the recipes
+# ================================================================================================================
+
+RUN_TIMEOUT_S = 240.0
+
+
+class Run:
+    """A recipe process whose stdout and stderr go to a log file."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log = log
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TRL_EXPERIMENTAL_SILENCE="1")
+        with log.open("wb") as fh:
+            self.proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, cwd=log.parent, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, code: int = 0, timeout: float = RUN_TIMEOUT_S) -> str:
+        try:
+            returned = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"{self.log.name} did not finish in {timeout:.0f} s:\n{self.text()[-4000:]}") from None
+        assert returned == code, f"{self.log.name} exited with {returned}:\n{self.text()[-4000:]}"
+        return self.text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture
+def runs() -> Iterator[list[Run]]:
+    started: list[Run] = []
+    yield started
+    for run in started:
+        run.stop()
+
+
+def grpo(model_dir: Path, out: Path, *args: str) -> list[str]:
+    argv = [sys.executable, str(RECIPES / "grpo.py"), "--config", str(CONFIG), "--model_name_or_path", str(model_dir)]
+    small = ["--num_eval_prompts", "4", "--num_train_prompts", "64", "--linger", "0", "--logging_steps", "1"]
+    return [*argv, "--output_dir", str(out), *small, *args]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def keypair(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pulseloco.cli import main as pulseloco_main
+
+    path = tmp_path_factory.mktemp("rollout-keys") / "publisher"
+    assert pulseloco_main(["keygen", "--out", str(path)]) == 0
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_grpo_without_workers_falls_back_to_local_generation(
+    runs: list[Run], tmp_path: Path, model_dir: Path, keypair: Path
+) -> None:
+    """``--rollouts swarm`` on a trainer alone in its swarm: after --rollout_timeout the round is generated by the
+    trainer's own model, it says so and how to start a worker, and training goes on."""
+    out = tmp_path / "alone"
+    swarm_args = ["--run_id", "alone", "--max_steps", "1", "--inner_steps", "1", "--target_group_size", "1"]
+    rollout_args = ["--publish", "--signing_key", str(keypair), "--rollouts", "swarm", "--rollout_timeout", "3"]
+    run = Run(grpo(model_dir, out, *swarm_args, *rollout_args), tmp_path / "alone.log")
+    runs.append(run)
+    log = run.wait()
+    assert "rollouts: from the swarm's workers of run_id=alone.policy" in log
+    assert "rollouts=swarm" in log
+    assert log.count("generating this round locally") == 1, log[-3000:]
+    assert "no rollout worker of run 'alone.policy' could take a lease for 3 s" in log
+    assert "start one with `python recipes/rollout_worker.py --serve_rollouts --run_id alone" in log
+    (record,) = read_jsonl(out / "rollouts.jsonl")
+    assert record["local"] is True and record["workers"] == ["local"] and record["versions"] == [-1], record
+    assert record["completions"] == 16 and record["num_generations"] == 8 and record["seconds_waiting"] >= 3
+    assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 1
+    assert "grpo: done steps=1" in log
+
+
+BAD_FLAGS = [
+    (["--rollouts", "bogus"], "rollouts must be one of local, swarm, got 'bogus'"),
+    (["--rollouts", "swarm", "--rollout_fallback", "x"], "rollout_fallback must be one of local, wait, got 'x'"),
+    (["--rollouts", "swarm", "--max_lag", "-1"], "max_lag must be >= 0, got -1"),
+    (["--rollouts", "swarm", "--lease_timeout", "0"], "lease_timeout must be a positive number of seconds, got 0"),
+    (["--rollouts", "swarm"], "--rollouts swarm needs --public_key PATH (the publisher's .pub file), or --publish"),
+]
+
+
+@pytest.mark.timeout(300)
+def test_grpo_refuses_bad_rollout_flags_with_one_line(runs: list[Run], tmp_path: Path, model_dir: Path) -> None:
+    """Every case raises the recipe's one-line ConfigError before anything is written (checked in this process);
+    the last, refused after the arguments were parsed and the callbacks made, also as a user sees it: exit code 2
+    and that one line, nothing else."""
+    processes = []
+    for i in (len(BAD_FLAGS) - 1,):
+        args, expected = BAD_FLAGS[i]
+        run = Run(grpo(model_dir, tmp_path / f"process{i}", *args), tmp_path / f"process{i}.log")
+        runs.append(run)
+        processes.append((run, args, expected, tmp_path / f"process{i}"))
+
+    from pulseloco.errors import ConfigError
+
+    if str(RECIPES) not in sys.path:
+        sys.path.insert(0, str(RECIPES))
+    import grpo as recipe
+
+    for i, (args, expected) in enumerate(BAD_FLAGS):
+        out = tmp_path / f"bad{i}"
+        with pytest.raises(ConfigError) as caught:
+            recipe.main(grpo(model_dir, out, *args)[2:])
+        assert expected in str(caught.value) and "\n" not in str(caught.value), (args, str(caught.value))
+        assert not out.exists(), args
+    for run, args, expected, out in processes:
+        text = run.wait(code=2)
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("grpo.py: error: ") and expected in lines[0], (args, text)
+        assert not out.exists(), args  # refused before anything was written
+
+
+@pytest.mark.timeout(300)
+def test_grpo_trains_on_a_rollout_workers_completions(
+    runs: list[Run], tmp_path: Path, model_dir: Path, keypair: Path, dht: Any
+) -> None:
+    """One trainer (``--rollouts swarm --publish``) and one ``rollout_worker.py --serve_rollouts``: every round's
+    completions come from the worker at a published version, and TRL computed its importance-sampling ratio
+    between its own log-probabilities and the worker's."""
+    bootstrap = maddrs(dht)[0]
+    out = tmp_path / "trainer"
+    worker_argv = [sys.executable, str(RECIPES / "rollout_worker.py"), "--serve_rollouts"]
+    worker_argv += ["--model_name_or_path", str(model_dir), "--run_id", "fed", "--initial_peers", bootstrap]
+    worker_argv += ["--public_key", f"{keypair}.pub", "--output_dir", str(tmp_path / "worker")]
+    worker_argv += ["--interval", "0.2", "--max_seconds", str(RUN_TIMEOUT_S), "--lease_max_new_tokens", "16"]
+    worker = Run(worker_argv, tmp_path / "worker.log")
+    runs.append(worker)
+    swarm_args = ["--run_id", "fed", "--initial_peers", bootstrap, "--max_steps", "8", "--inner_steps", "8"]
+    swarm_args += ["--target_group_size", "1", "--matchmaking_time", "2"]
+    rollout_args = ["--publish", "--signing_key", str(keypair), "--rollouts", "swarm", "--rollout_timeout", "90"]
+    trainer = Run(grpo(model_dir, out, *swarm_args, *rollout_args), tmp_path / "trainer.log")
+    runs.append(trainer)
+    log = trainer.wait()
+    worker.stop()
+    worker_log = worker.text()
+
+    assert "generating this round locally" not in log, log[-3000:]
+    published = {p["version"]: p["digest"] for p in read_jsonl(out / "pulsesync_versions.jsonl")}
+    assert sorted(published) == [1, 2]  # the starting weights, then the one outer round
+    rounds = read_jsonl(out / "rollouts.jsonl")
+    assert [r["round"] for r in rounds] == list(range(1, 9)), rounds
+    peer = worker_log.split("rollout: serving leases peer_id=")[1].split()[0]
+    for record in rounds:
+        assert record["local"] is False and record["workers"] == [peer], record
+        assert record["by_worker"] == {peer: 16} and record["completions"] == 16
+        assert record["versions"] == [1] and record["lags"] == [0, 0] and record["newest_version"] == 1
+        assert record["refused"] == record["failed"] == record["stale_dropped"] == 0
+    worker_versions = read_jsonl(tmp_path / "worker" / "rollouts.jsonl")
+    assert worker_versions[0]["version"] == 1 and worker_versions[0]["digest"] == published[1]
+
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 8
+    logged = [e for e in state["log_history"] if "sampling/importance_sampling_ratio/mean" in e]
+    assert len(logged) == 8, state["log_history"]
+    for entry in logged:
+        assert 0.5 < entry["sampling/importance_sampling_ratio/mean"] < 2.0, entry
+        # the worker's log-probabilities are those of the trainer's weights (BF16 there, FP32 here)
+        assert entry["sampling/sampling_logp_difference/mean"] < 0.1, entry
+    assert all(e.get("rollouts/local") == 0.0 for e in state["log_history"] if "rollouts/local" in e)
