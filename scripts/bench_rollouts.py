@@ -565,14 +565,16 @@ def build_tables(results: list[dict[str, Any]]) -> str:
         rows = []
         for r in tiny:
             rows.append([
-                r["name"], r["workers"], r["steps"], r["train_seconds"], r["samples_per_s"], r["steps_per_min"],
+                r["name"], r.get("seed"), r["workers"], r["steps"], r["train_seconds"], r["samples_per_s"],
+                r["steps_per_min"],
                 ratio(r["samples_per_s"], local["samples_per_s"]) if local else None,
                 r["seconds_waiting"], r["wait_fraction"], r["reward_before"], r["reward_after"],
                 r["train_reward_last"],
             ])  # fmt: skip
         out.append("### (a) Throughput vs rollout workers (tiny warm model, loopback)\n")
+        out.append("(x local: against the local run of the last seed)\n")
         out.append(md_table(
-            ["case", "workers", "steps", "train s", "samples/s", "steps/min", "x local", "wait s", "wait frac",
+            ["case", "seed", "workers", "steps", "train s", "samples/s", "steps/min", "x local", "wait s", "wait frac",
              "greedy reward before", "after", "last train reward"], rows))  # fmt: skip
     net = [r for r in results if r.get("model") == "net" and r.get("steps")]
     if net:

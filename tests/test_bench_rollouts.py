@@ -113,7 +113,7 @@ def test_build_tables():
     assert "(a) Throughput" in text and "(b) Rate-limited" in text and "(c) Lag" in text
     assert "patches / full copies (same link): 4.000" in text
     assert "without a link limit: 0.500" in text
-    assert "| swarm2 | 2 | 8 |" in text
+    assert "| swarm2 | 0 | 2 | 8 |" in text
     assert "0:2 1:1 2:1" in text
     assert "swarm4" in text.split("Failed cases")[1]
 
