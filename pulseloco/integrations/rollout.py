@@ -21,7 +21,16 @@ from pulseloco.integrations.models import load_causal_lm, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Completion", "RolloutEngine", "TransformersEngine"]
+__all__ = ["Completion", "RolloutEngine", "TransformersEngine", "check_generate_ids"]
+
+
+def check_generate_ids(prompt_ids: Sequence[Sequence[int]], temperature: float) -> None:
+    """What both engines' :meth:`RolloutEngine.generate_ids` refuse: raises ``ValueError`` for a temperature that
+    is not positive or an empty prompt."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token")
 
 
 @dataclass(frozen=True)
@@ -157,10 +166,7 @@ class TransformersEngine:
         generates in one thread). Raises ``ValueError`` for an empty prompt or a temperature that is not positive."""
         if not prompt_ids:
             return []
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        check_generate_ids(prompt_ids, temperature)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)

@@ -46,7 +46,7 @@ import torch
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.models import load_causal_lm, load_tokenizer
-from pulseloco.integrations.rollout import Completion
+from pulseloco.integrations.rollout import Completion, check_generate_ids
 
 logger = logging.getLogger(__name__)
 
@@ -515,10 +515,7 @@ class VLLMEngine:
 
         if not prompt_ids:
             return []
-        if not temperature > 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
-        if any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt needs at least one token")
+        check_generate_ids(prompt_ids, temperature)
         mode = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "logprobs_mode", None)
         if mode != LOGPROBS_MODE:
             raise ConfigError(
