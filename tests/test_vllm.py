@@ -309,3 +309,57 @@ def test_vllm_generate_ids_sampling_logprobs(engine: Any, vllm_model_dir: Path) 
     assert [c.logprobs for c in again] == [c.logprobs for c in got]
     other = engine.generate_ids(prompts, max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=12)
     assert [c.token_ids for c in other] != completions
+
+
+def test_vllm_worker_answers_leases_with_the_published_version(
+    engine: Any, vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    """The rollout loop on vLLM: a worker (the shared engine behind a Subscriber and a RolloutServer, as
+    ``recipes/rollout_worker.py --engine vllm --serve_rollouts`` runs it) answers a trainer's leases over the swarm
+    with the version it follows; every completion's log-probabilities are those of that version's BF16 weights at
+    the lease's temperature (a transformers forward pass)."""
+    from pulseloco.integrations.rollout import Completion
+    from pulseloco.rollouts.client import RolloutClient
+    from pulseloco.rollouts.worker import RolloutServer
+
+    key = generate_key()
+    trainer = ArithmeticTrainer(vllm_model_dir)
+    dht_pub = start_dht()
+    dht_worker = start_dht(maddrs(dht_pub))
+    publisher = Publisher(dht_pub, RUN_ID, key, tmp_path / "store", anchor_every=100)
+    subscriber = Subscriber(dht_worker, RUN_ID, key.public_key(), timeout=30)
+    server = client = None
+    try:
+        version = publisher.publish(trainer.model)
+        assert publisher.flush(timeout=60) == version
+        published = bf16_snapshot(trainer.model)
+        server = RolloutServer(
+            dht_worker, RUN_ID, engine, subscriber, engine_name="vllm", vocab_size=258, max_new_tokens=32,
+            announce_every=0.5,
+        )  # fmt: skip
+        report = subscriber.update_report(engine.weights())
+        assert report is not None and report.version == version
+        engine.weights_updated(report.changed, version=report.version)
+        server.weights_loaded(report.version, report.digest)
+        client = RolloutClient(dht_pub, RUN_ID, key.public_key(), vocab_size=258, lease_timeout=60, rollout_timeout=60)
+        prompts = [
+            engine.tokenizer(p, add_special_tokens=False)["input_ids"]
+            for p, _ in tasks.eval_problems(tasks.TaskSpec(task="add", max_operand=9), 4)
+        ]
+        results = client.submit(prompts, num_samples=3, max_new_tokens=16, temperature=TEMPERATURE).result(timeout=120)
+        assert len(results) == 4 and all(len(r.completion_ids) == 3 for r in results)
+        assert {(r.version, r.digest, r.worker) for r in results} == {(version, report.digest, server.peer_id)}
+        assert client.stats.refused == 0 and client.stats.failed == 0
+        got = [Completion(c, lp) for r in results for c, lp in zip(r.completion_ids, r.logprobs)]
+        repeated = [p for p in prompts for _ in range(3)]
+        logits = _reference_logits(vllm_model_dir, published, repeated, [c.token_ids for c in got])
+        assert _logprob_gaps(got, logits, TEMPERATURE).max().item() < LOGPROB_TOLERANCE
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.close()
+        subscriber.close()
+        publisher.close()
+        dht_worker.shutdown()
+        dht_pub.shutdown()
