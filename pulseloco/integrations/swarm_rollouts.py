@@ -263,7 +263,6 @@ class SwarmRollouts:
         training = trainer.model.training
         num_generations = trainer.num_generations if training else trainer.num_generations_eval
         pending = self._take_or_submit(rows, trainer)
-        fallback = False
         results, fallback = self._collect(trainer, pending.future, pending.groups, pending.num_samples)
         # Groups generated more than max_lag versions before the newest are dropped, counted and generated again;
         # the newest may move meanwhile, so check again, a bounded number of times, then generate what is still

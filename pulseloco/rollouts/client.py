@@ -31,6 +31,7 @@ import concurrent.futures
 import logging
 import math
 import random
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -143,7 +144,12 @@ class RolloutClient:
         self.leases_per_worker = leases_per_worker
         self.max_refusals = max_refusals
         self.stats = RolloutStats()
-        self.published: dict[int, str] = {}  # version -> state digest, from the signed head records seen
+        #: version -> state digest, from the signed head records and envelopes seen; written from the client's
+        #: event loop and the caller's thread, so only through _published_version
+        self.published: dict[int, str] = {}
+        #: the newest version in ``published`` (None before any)
+        self.newest: int | None = None
+        self._published_lock = threading.Lock()
         self._rng = random.Random(seed)
         self._inflight: collections.Counter[str] = collections.Counter()
         self._strikes: collections.Counter[str] = collections.Counter()
@@ -158,8 +164,8 @@ class RolloutClient:
         """Read the publisher's head record now; returns the newest published version (None before any)."""
         env = read_head(self.dht, self.run_id, self.public_key, timeout=10.0)
         if env is not None:
-            self.published[env.version] = env.digest
-        return max(self.published) if self.published else None
+            self._published_version(env.version, env.digest)
+        return self.newest
 
     def workers(self, *, max_age: float = 2.0) -> dict[str, WorkerInfo]:
         """The workers' DHT records (re-read when older than ``max_age`` s), refused workers left out."""
@@ -185,7 +191,7 @@ class RolloutClient:
         A version this trainer saw in a head record is checked against that record's digest. Another one (published
         and superseded between two reads) is accepted when ``envelope`` is the publisher's signed envelope of
         that version and digest (the worker passes on the envelope of the object it applied last)."""
-        if version not in self.published and (not self.published or version > max(self.published)):
+        if version not in self.published and (self.newest is None or version > self.newest):
             self.newest_version()  # a version published since we last looked
         if version not in self.published and envelope:
             try:
@@ -194,7 +200,7 @@ class RolloutClient:
                 return f"the envelope of version {version} does not verify: {exc}"
             if env.version != version or env.digest != digest:
                 return f"the signed envelope names version {env.version}, digest {env.digest[:16]}, not the claimed"
-            self.published[version] = digest
+            self._published_version(version, digest)
         if version not in self.published:
             return f"version {version} was not published (no head record or signed envelope says so)"
         if self.published[version] != digest:
@@ -203,7 +209,13 @@ class RolloutClient:
 
     def lag(self, version: int) -> int:
         """Versions between ``version`` and the newest published one known."""
-        return max(self.published, default=version) - version
+        newest = self.newest
+        return (newest if newest is not None else version) - version
+
+    def _published_version(self, version: int, digest: str) -> None:
+        with self._published_lock:
+            self.published[version] = digest
+            self.newest = version if self.newest is None else max(self.newest, version)
 
     # ---- running batches ----------------------------------------------------------------------------------
 
@@ -240,7 +252,7 @@ class RolloutClient:
         """Workers that may take a lease of ``batch`` now, fastest first, and why the others may not (for the
         message when none is usable)."""
         now = time.monotonic()
-        newest = max(self.published, default=None)
+        newest = self.newest
         free, why = [], collections.Counter[str]()
         for peer, info in workers.items():
             if info.version < 0:
