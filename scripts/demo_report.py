@@ -13,6 +13,10 @@ rounds). It prints:
   and after, the bytes it sent, and what DiLoCo and DDP would have sent for the same run:
   DiLoCo all-reduces the dense FP32 pseudo-gradient once per round, DDP the FP32 gradients once per optimizer step;
   a ring all-reduce sends ``2 (W - 1) / W * 4 * params`` bytes per worker (``4 * params`` with W = 2 workers);
+  then those bytes per selected entry, split (:func:`pulseloco.loco.metrics.traffic_summary`): the payload (the
+  whole selection as one frame, what the paper's all-gather uploads), indices in bits per entry against their
+  entropy bound, values, the shard sums served per union entry, and headers; ``-`` for metrics files written
+  before the split existed;
 * PULSESync: the version store's patches against full BF16 checkpoints (``2 * params`` bytes, the store's anchor
   size), and what the rollout worker received against one full checkpoint per version;
 * rollouts: per trainer, the completions each rollout worker generated (and any generated locally), the version
@@ -74,7 +78,10 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def phase_bytes(rounds: list[dict[str, Any]], num_params: int, num_workers: int, steps: int) -> dict[str, Any]:
-    """Bytes sent in ``rounds`` against DiLoCo (one dense all-reduce per round) and DDP (one per inner step)."""
+    """Bytes sent in ``rounds`` against DiLoCo (one dense all-reduce per round) and DDP (one per inner step), and
+    their split per selected entry (``traffic``: :func:`pulseloco.loco.metrics.traffic_summary`)."""
+    from pulseloco.loco.metrics import traffic_summary  # here: importing pulseloco loads torch and hivemind
+
     sent = sum(r["bytes_sent"] for r in rounds)
     dense = allreduce_bytes(num_params, num_workers)
     return {
@@ -83,7 +90,25 @@ def phase_bytes(rounds: list[dict[str, Any]], num_params: int, num_workers: int,
         "density": sum(r["density"] for r in rounds) / len(rounds) if rounds else None,
         "diloco_bytes": dense * len(rounds),
         "ddp_bytes": dense * steps,
+        "traffic": traffic_summary(rounds),
     }
+
+
+def split_rows(peers: list[dict[str, Any]]) -> list[list[str]]:
+    """Per peer with rounds: its bytes per selected entry and their split (``-`` where unknown)."""
+    rows = []
+    for p in peers:
+        t = p["bytes"]["traffic"]
+        if not p["bytes"]["rounds"]:
+            continue
+        rows.append(
+            [p["name"], fmt(t["payload_bytes_per_entry"], ".2f"), fmt(t["wire_bytes_per_entry"], ".2f"),
+             f"{fmt(t['index_bits_per_entry'], '.2f')} / {fmt(t['payload_index_bits_per_entry'], '.2f')} / "
+             f"{fmt(t['index_bound_bits_per_entry'], '.2f')}",
+             fmt(t["value_bytes_per_entry"], ".2f"), fmt(t["sum_bytes_per_entry"], ".2f"),
+             fmt(t["header_bytes_per_entry"], ".3f")]
+        )  # fmt: skip
+    return rows
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -181,6 +206,19 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
         f"step; ring all-reduce among {num_workers}: {2 * (num_workers - 1) / max(num_workers, 1) * 4:g} bytes x "
         "params; pulseloco: bytes measured on the wire, indices and FP32 values plus headers)"
     )
+    rows = split_rows(peers)
+    if rows:
+        header = ["peer", "payload B/entry", "wire B/entry", "index bits/entry: parts / payload / bound",
+                  "values B/entry", "sums B/union entry", "headers B/entry"]  # fmt: skip
+        out.append("")
+        out.append(table(header, rows))
+        out.append(
+            "(per selected entry; payload: the whole selection as one frame, what the paper's all-gather uploads; "
+            "wire: parts pushed to the other shard owners plus the sums of its shard served to them; indices and "
+            "values: the pushed parts' sections per entry pushed (and the payload's indices), against the bound "
+            "log2 C(params, k) / k of k uniformly random indices; sums: per entry of the union of the group's "
+            "indices served)"
+        )
 
     # PULSESync
     publisher = next((p for p in peer_dirs if (p / "pulsesync_versions.jsonl").exists()), None)
@@ -304,7 +342,9 @@ def rollout_loop(peer_dirs: list[Path]) -> dict[str, Any]:
 def serving_lines(rollouts: list[dict[str, Any]]) -> list[str]:
     """The rollout engine's update times per version: publish to serving, loading the change into the engine, and
     (``--compare_full_reload``) loading every tensor into the same engine."""
-    lines = []
+    lines: list[str] = []
+    if not rollouts:  # the rollout worker recorded nothing (it failed or never started)
+        return lines
     engine = rollouts[-1].get("engine", "transformers")
     patched = [r for r in rollouts if r.get("path") != "anchor"]
     to_serve = [r["seconds_to_serve"] for r in patched if r.get("seconds_to_serve") is not None]

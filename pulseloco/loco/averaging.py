@@ -24,6 +24,15 @@ shard of the flat parameter space:
 A member's traffic grows with its own payload plus the (sparse) sums, not with the number of peers times the
 model. Client-mode members push and fetch but own no shard and serve nothing.
 
+Byte accounting (:class:`Traffic`, :class:`AllReduceResult`, :class:`pulseloco.loco.metrics.RoundMetrics`). Every
+protobuf message a peer sends or receives for a round is counted at its serialized size (``ByteSize()``, libp2p
+framing not included) where it is sent or read (:meth:`SparseAverager._count`). Each message sent is split
+exactly: the bytes of a contribution frame's index and value sections it carries (their offsets read from the
+frame's header, :func:`pulseloco.codec.peek_header`), the same for a shard sum it serves, and the rest (the
+stream's JSON header, the frame's prefix, JSON header and checksum, protobuf tags and lengths, push replies,
+fetch requests and refusals). The parts add up to the bytes sent. :func:`payload_frame` gives the size of
+the peer's whole selection as one frame (what the paper's all-gather through an object store uploads).
+
 Exactly once (docs/design.md, "Exactly-once contributions"). What a round counted is decided by the owners
 alone: shard ``j``'s sum contains exactly the contributions on its ``accepted`` list, fixed when the owner
 aggregates and sent with the sum. A member therefore derives delivery from the lists it fetched, never from push
@@ -49,25 +58,30 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 # hivemind's ServicerBase recognises streaming handlers by typing.AsyncIterator hints (their ``_name``); the
 # collections.abc alias is not recognised and would silently register a unary handler.
-from typing import Any, AsyncIterator  # noqa: UP035
+from typing import Any, AsyncIterator, TypeVar  # noqa: UP035
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import runtime_pb2
 
+from pulseloco.codec import FrameHeader, peek_header
 from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
-from pulseloco.p2p import CHUNK_BYTES, P2PHost, header_message, parse_header, read_stream, stream_messages
+from pulseloco.p2p import CHUNK_BYTES, Message, P2PHost, header_message, parse_header, read_stream, stream_messages
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AllReduceResult", "SparseAverager", "shard_bounds"]
+__all__ = ["AllReduceResult", "SparseAverager", "Traffic", "payload_frame", "shard_bounds"]
+
+M = TypeVar("M", bound=Message)
 
 CONTRIBUTION_NAME = "pseudo_gradient"
 AGGREGATE_NAME = "pseudo_gradient_sum"
@@ -75,6 +89,8 @@ AGGREGATE_NAME = "pseudo_gradient_sum"
 _KEEP_ROUNDS = 2
 #: Fetches of a shard's sum after the first one failed (each bounded by ``request_timeout``).
 _FETCH_RETRIES = 2
+#: Element bound when reading the headers of this peer's own frames (the receivers' bound is ``numel``).
+_NO_ELEMENT_LIMIT = 1 << 40
 
 
 def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
@@ -88,6 +104,78 @@ def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def payload_frame(
+    numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int, value_dtype: str = "float32"
+) -> FrameHeader:
+    """The header (sizes of the whole frame and of its sections) of a peer's whole selection (sorted global
+    ``indices_K`` into ``numel`` entries, FP32 ``values_K``) encoded as one contribution frame of the wire's codec
+    and ``value_dtype``: what the paper's all-gather through an object store would upload. Encodes it: 3-10 ms
+    of one core per 100k entries (0.06-0.16 s for 2M FP32 values).
+
+    Raises :class:`ValueError` for unsorted or out-of-range indices or an unknown ``value_dtype``."""
+    frame = encode_sparse(
+        CONTRIBUTION_NAME, numel, indices_K, values_K, round_index=round_index, value_dtype=value_dtype
+    )
+    return peek_header(frame, max_elements=_NO_ELEMENT_LIMIT)
+
+
+@dataclass
+class Traffic:
+    """Wire bytes of one round on one peer, counted by :meth:`SparseAverager._count`: whole protobuf messages
+    (``ByteSize()``) and the frame bytes those messages carry.
+
+    ``sent == sent_index + sent_value + sent_sum_index + sent_sum_value + sent_header`` exactly, message by
+    message."""
+
+    sent: int = 0
+    """Every message sent: parts pushed, fetch requests, push replies and refusals, sums served."""
+    received: int = 0
+    """Every message received: parts pushed to this owner, push replies, sums fetched, refusals."""
+    sent_index: int = 0
+    """Bytes of the index sections of the contribution frames this peer pushed to other owners."""
+    sent_value: int = 0
+    """Bytes of the value sections of those frames."""
+    sent_sum_index: int = 0
+    """Bytes of the index sections of the shard sums this owner served to other members (the union of the
+    group's indices in its shard), once per member served."""
+    sent_sum_value: int = 0
+    """Bytes of the value sections of those sums."""
+    sent_header: int = 0
+    """The rest of ``sent``: stream JSON headers, frame prefixes, JSON headers and checksums, protobuf tags and
+    lengths, fetch requests, push replies and refusals."""
+    num_pushed: int = 0
+    """Entries of the contribution frames this peer sent to the end (its own shard's part stays local)."""
+    num_sum_entries: int = 0
+    """Entries of the shard sums this owner served to the end, once per member served."""
+
+
+@dataclass(frozen=True)
+class _FrameLayout:
+    """Where a frame's index and value sections lie (byte offsets into the frame) and its number of entries."""
+
+    index_start: int = 0
+    value_start: int = 0
+    value_stop: int = 0
+    num_entries: int = 0
+
+    @classmethod
+    def of(cls, frame: bytes) -> _FrameLayout:
+        """The layout of ``frame``; a frame that does not parse (never one this peer encoded) counts as all
+        header and no entries."""
+        try:
+            header = peek_header(frame, max_elements=_NO_ELEMENT_LIMIT)
+        except PayloadError:
+            return cls()
+        value_start = header.header_bytes + header.index_bytes
+        return cls(header.header_bytes, value_start, value_start + header.value_bytes, header.num_changed)
+
+    def split(self, start: int, stop: int) -> tuple[int, int]:
+        """How many of the frame's bytes ``[start, stop)`` lie in its index section and in its value section."""
+        index = max(0, min(stop, self.value_start) - max(start, self.index_start))
+        value = max(0, min(stop, self.value_stop) - max(start, self.value_start))
+        return index, value
 
 
 def _peak(values_K: torch.Tensor) -> float:
@@ -104,6 +192,11 @@ class AllReduceResult:
     the sum could not be fetched. ``returned_K``: one flag per entry this peer sent, True where its shard's list
     does not show it counted (the caller puts those back into its residual). ``complete`` is False if any
     shard's sum is missing, so this peer's theta may differ from the others' (the caller repairs and reconciles).
+
+    Bytes (:class:`Traffic`, counted until this peer's exchange ended): ``bytes_sent`` / ``bytes_received`` every
+    message; ``bytes_sent == sent_index_bytes + sent_value_bytes + sent_sum_index_bytes + sent_sum_value_bytes +
+    sent_header_bytes``. ``payload_bytes``: this peer's whole selection as one frame (:func:`payload_frame`;
+    ``payload_index_bytes`` / ``payload_value_bytes`` its sections).
     """
 
     group: Group
@@ -117,6 +210,16 @@ class AllReduceResult:
     bytes_received: int
     accepted: tuple[tuple[str, ...] | None, ...] = ()
     bounds: tuple[tuple[int, int], ...] = ()
+    payload_bytes: int = 0
+    payload_index_bytes: int = 0
+    payload_value_bytes: int = 0
+    sent_index_bytes: int = 0
+    sent_value_bytes: int = 0
+    sent_sum_index_bytes: int = 0
+    sent_sum_value_bytes: int = 0
+    sent_header_bytes: int = 0
+    num_pushed: int = 0
+    num_sum_entries: int = 0
 
     @property
     def num_contributors(self) -> int:
@@ -141,13 +244,14 @@ class _OwnedShard:
     awaiting: frozenset[str] | None = None
     header: dict[str, Any] | None = None
     payload: bytes = b""
+    layout: _FrameLayout = field(default_factory=_FrameLayout)
     num_rejected: int = 0
 
 
-def _refusal(reason: str) -> runtime_pb2.ExpertResponse:
-    """The one message of a refused stream (:func:`pulseloco.p2p.read_stream` reads it): ``ok`` False, the
-    ``reason`` and no payload."""
-    return header_message(runtime_pb2.ExpertResponse, {"ok": False, "reason": reason, "size": 0})
+def _refusal(reason: str) -> dict[str, Any]:
+    """The header of the one message of a refused stream (:func:`pulseloco.p2p.read_stream` reads it): ``ok``
+    False, the ``reason`` and no payload."""
+    return {"ok": False, "reason": reason, "size": 0}
 
 
 class SparseAverager(StateTransfer):
@@ -182,7 +286,9 @@ class SparseAverager(StateTransfer):
         self.chunk_bytes = chunk_bytes
         self.namespace = f"{run_id}_loco"
         self._owned: dict[tuple[int, str], _OwnedShard] = {}
-        self._traffic: dict[int, list[int]] = {}
+        self._traffic: dict[int, Traffic] = {}
+        # Encodes the whole selection (payload_bytes) while the exchange waits on the network.
+        self._payload_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseloco-payload")
         self._aggregations: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._current_round = 0
         self._snapshot: StateSnapshot | None = None
@@ -205,6 +311,7 @@ class SparseAverager(StateTransfer):
         """Remove the handlers, close the P2P replica and stop the background loop (the DHT itself is the
         caller's); never raises."""
         self._host.close(timeout=self.request_timeout)
+        self._payload_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def max_payload_bytes(self) -> int:
@@ -223,10 +330,54 @@ class SparseAverager(StateTransfer):
             del self._traffic[r]
 
     # -- owner side ---------------------------------------------------------------------------------------
-    def _count(self, round_index: int, sent: int = 0, received: int = 0) -> None:
-        counters = self._traffic.setdefault(round_index, [0, 0])
-        counters[0] += sent
-        counters[1] += received
+    def _count(
+        self,
+        round_index: int,
+        sent: int = 0,
+        received: int = 0,
+        *,
+        index: int = 0,
+        value: int = 0,
+        is_sum: bool = False,
+    ) -> None:
+        """Add one message to the round's :class:`Traffic` (event-loop thread only): ``sent`` / ``received`` its
+        serialized size, ``index`` / ``value`` the bytes of a contribution frame's (with ``is_sum``, a shard
+        sum's) sections among the ``sent`` bytes; the rest of ``sent`` counts as header."""
+        traffic = self._traffic.setdefault(round_index, Traffic())
+        traffic.sent += sent
+        traffic.received += received
+        if is_sum:
+            traffic.sent_sum_index += index
+            traffic.sent_sum_value += value
+        else:
+            traffic.sent_index += index
+            traffic.sent_value += value
+        traffic.sent_header += sent - index - value
+
+    def _counted(self, round_index: int, messages: Iterator[M], layout: _FrameLayout, *, is_sum: bool) -> Iterator[M]:
+        """``messages`` (one :func:`~pulseloco.p2p.stream_messages` stream of a frame of ``layout``), each counted
+        as sent and split into the frame's sections as it goes out; the frame's entries are counted once its last
+        message went out."""
+        offset = 0
+        for i, message in enumerate(messages):
+            index = value = 0
+            if i:  # the first message is the stream's JSON header, the others carry the frame's bytes in order
+                stop = offset + len(message.metadata)
+                index, value = layout.split(offset, stop)
+                offset = stop
+            self._count(round_index, sent=message.ByteSize(), index=index, value=value, is_sum=is_sum)
+            yield message
+        traffic = self._traffic.setdefault(round_index, Traffic())
+        if is_sum:
+            traffic.num_sum_entries += layout.num_entries
+        else:
+            traffic.num_pushed += layout.num_entries
+
+    def _reply(self, round_index: int, header: dict[str, Any]) -> runtime_pb2.ExpertResponse:
+        """A one-message answer (push acknowledgement, refusal), counted as sent in ``round_index``."""
+        message = header_message(runtime_pb2.ExpertResponse, header)
+        self._count(round_index, sent=message.ByteSize())
+        return message
 
     def _owned_shard(self, round_index: int, group_id: str) -> _OwnedShard | None:
         """The owner state for ``(round, group)``, created on demand for rounds near the current one."""
@@ -258,10 +409,12 @@ class SparseAverager(StateTransfer):
     ) -> runtime_pb2.ExpertResponse:
         """Receive one member's part of this owner's shard (header first, then chunks)."""
         sender = context.remote_id.to_base58()
+        round_key = -1  # the round the stream's header names, once read (-1: none, not counted in any round)
 
         def count(header: dict[str, Any], message: runtime_pb2.ExpertRequest) -> None:
-            round_key = header.get("round")
-            self._count(round_key if isinstance(round_key, int) else -1, received=message.ByteSize())
+            nonlocal round_key
+            round_key = header["round"] if isinstance(header.get("round"), int) else -1
+            self._count(round_key, received=message.ByteSize())
 
         try:
             header, payload = await read_stream(
@@ -269,14 +422,14 @@ class SparseAverager(StateTransfer):
             )
         except (TimeoutError, PayloadError) as exc:
             logger.warning("push refused sender=%s error=%r", sender, exc)
-            return header_message(runtime_pb2.ExpertResponse, {"ok": False, "reason": repr(exc)})
+            return self._reply(round_key, {"ok": False, "reason": repr(exc)})
         if not isinstance(header.get("round"), int) or not isinstance(header.get("group"), str):
-            return header_message(runtime_pb2.ExpertResponse, {"ok": False, "reason": "missing round or group"})
+            return self._reply(round_key, {"ok": False, "reason": "missing round or group"})
         shard = self._owned_shard(header["round"], header["group"])
         reason = "round out of range" if shard is None else self._add_contribution(shard, sender, payload)
         if reason is not None:
             logger.info("push refused sender=%s round=%s reason=%s", sender, header["round"], reason)
-        return header_message(runtime_pb2.ExpertResponse, {"ok": reason is None, "reason": reason})
+        return self._reply(header["round"], {"ok": reason is None, "reason": reason})
 
     async def rpc_fetch(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -286,28 +439,30 @@ class SparseAverager(StateTransfer):
         try:
             header = parse_header(request.metadata)
         except PayloadError as exc:
-            yield _refusal(str(exc))
+            self._count(-1, received=request.ByteSize())
+            yield self._reply(-1, _refusal(str(exc)))
             return
         round_index, group_id = header.get("round"), header.get("group")
+        round_key = round_index if isinstance(round_index, int) else -1
+        self._count(round_key, received=request.ByteSize())
         shard = None
         if isinstance(round_index, int) and isinstance(group_id, str):
             shard = self._owned_shard(round_index, group_id)
         if shard is None:
-            yield _refusal("unknown round or group")
+            yield self._reply(round_key, _refusal("unknown round or group"))
             return
         try:
             await asyncio.wait_for(shard.done.wait(), timeout=self.averaging_timeout + self.request_timeout)
         except TimeoutError:
-            yield _refusal("aggregation did not finish")
+            yield self._reply(round_key, _refusal("aggregation did not finish"))
             return
         if shard.expected is None or requester not in shard.expected or shard.header is None:
-            yield _refusal("not a member of this group")
+            yield self._reply(round_key, _refusal("not a member of this group"))
             return
         messages = stream_messages(
             runtime_pb2.ExpertResponse, shard.header, [shard.payload], chunk_bytes=self.chunk_bytes
         )
-        for message in messages:
-            self._count(shard.round, sent=message.ByteSize())
+        for message in self._counted(shard.round, messages, shard.layout, is_sum=True):
             yield message
         shard.fetched.add(requester)
         if shard.awaiting is not None and shard.awaiting <= shard.fetched:
@@ -331,6 +486,7 @@ class SparseAverager(StateTransfer):
         header, payload, num_rejected = await loop.run_in_executor(
             None, self._sum_contributions, shard.round, shard.numel or 0, contributions
         )
+        shard.layout = await loop.run_in_executor(None, _FrameLayout.of, payload)
         shard.header, shard.payload, shard.num_rejected = header, payload, num_rejected
         shard.done.set()
 
@@ -370,10 +526,11 @@ class SparseAverager(StateTransfer):
     # -- member side ----------------------------------------------------------------------------------------
     async def _push(self, owner: str, header: dict[str, Any], payload: bytes, deadline: float) -> bool:
         round_index = header["round"]
+        layout = _FrameLayout.of(payload)
 
         async def _requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
-            for message in stream_messages(runtime_pb2.ExpertRequest, header, [payload], chunk_bytes=self.chunk_bytes):
-                self._count(round_index, sent=message.ByteSize())
+            messages = stream_messages(runtime_pb2.ExpertRequest, header, [payload], chunk_bytes=self.chunk_bytes)
+            for message in self._counted(round_index, messages, layout, is_sum=False):
                 yield message
 
         try:
@@ -414,10 +571,10 @@ class SparseAverager(StateTransfer):
 
     async def _exchange(
         self, group: Group, parts: list[bytes], deadline: float
-    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], int, list[int]]:
+    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], int, Traffic]:
         """Push ``parts`` (one per shard), aggregate the own shard, fetch every shard's sum (retrying failed
-        fetches). Returns the sums (``None`` where none could be fetched), the own shard's rejections and this
-        round's traffic ``[sent, received]``."""
+        fetches). Returns the sums (``None`` where none could be fetched), the own shard's rejections and a copy
+        of this round's traffic so far."""
         self._prune(group.round)
         base = {"round": group.round, "group": group.group_id}
         own_index = group.servers.index(self.peer_id) if self.peer_id in group.servers else None
@@ -465,7 +622,11 @@ class SparseAverager(StateTransfer):
                     group.round,
                     sorted(owned.awaiting - owned.fetched),
                 )
-        return results, num_rejected, list(self._traffic.get(group.round, [0, 0]))
+        return results, num_rejected, await self._traffic_copy(group.round)
+
+    async def _traffic_copy(self, round_index: int) -> Traffic:
+        """A copy of the round's :class:`Traffic` (a coroutine: the counters are only touched on the loop)."""
+        return replace(self._traffic.get(round_index, Traffic()))
 
     async def _collect(
         self, group: Group, results: list[tuple[dict[str, Any], bytes] | None], deadline: float
@@ -538,6 +699,8 @@ class SparseAverager(StateTransfer):
         peer (or whose sum could not be fetched) are flagged in ``returned_K``. Waits at most
         ``averaging_timeout`` plus twice ``request_timeout``, and one more ``request_timeout`` plus a second
         to collect the sums again when that wait was cut short (a stalled process resuming past its deadline).
+        Encodes the whole selection once more for ``payload_bytes`` (:func:`payload_frame`) on another thread
+        during the exchange when the group has more than one shard owner.
         """
         self._current_round = group.round
         bounds = shard_bounds(self.numel, len(group.servers))
@@ -556,9 +719,16 @@ class SparseAverager(StateTransfer):
                     value_dtype=value_dtype,
                 )
             )
+        # The whole selection as one frame (payload_bytes): the one part when there is one shard, else encoded on
+        # another thread while the exchange waits on the network.
+        whole_frame: Future[FrameHeader] | None = None
+        if len(parts) > 1:
+            whole_frame = self._payload_pool.submit(
+                payload_frame, self.numel, indices_K, values_K, round_index=group.round, value_dtype=value_dtype
+            )
         deadline = time.monotonic() + self.averaging_timeout
         results: list[tuple[dict[str, Any], bytes] | None] = [None] * len(bounds)
-        num_rejected, traffic = 0, [0, 0]
+        num_rejected, traffic = 0, Traffic()
         try:
             results, num_rejected, traffic = self._host.run(
                 self._exchange(group, parts, deadline), timeout=self.averaging_timeout + 2 * self.request_timeout
@@ -571,6 +741,11 @@ class SparseAverager(StateTransfer):
                 )
             except (SwarmError, TimeoutError) as again:
                 logger.warning("collecting the sums failed round=%d error=%s", group.round, again)
+            try:  # what was counted until now, read on the loop that counts
+                traffic = self._host.run(self._traffic_copy(group.round), timeout=self.request_timeout)
+            except (SwarmError, TimeoutError) as error:
+                logger.warning("reading the traffic counters failed round=%d error=%s", group.round, error)
+        whole = peek_header(parts[0], max_elements=_NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
         returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
         own_peaks = [_peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
         all_indices, all_average = [], []
@@ -612,8 +787,18 @@ class SparseAverager(StateTransfer):
             complete=all(a is not None for a in accepted_lists),
             live_peers=frozenset(live_peers),
             num_rejected=num_rejected,
-            bytes_sent=traffic[0],
-            bytes_received=traffic[1],
+            bytes_sent=traffic.sent,
+            bytes_received=traffic.received,
             accepted=tuple(accepted_lists),
             bounds=tuple(bounds),
+            payload_bytes=whole.total_bytes,
+            payload_index_bytes=whole.index_bytes,
+            payload_value_bytes=whole.value_bytes,
+            sent_index_bytes=traffic.sent_index,
+            sent_value_bytes=traffic.sent_value,
+            sent_sum_index_bytes=traffic.sent_sum_index,
+            sent_sum_value_bytes=traffic.sent_sum_value,
+            sent_header_bytes=traffic.sent_header,
+            num_pushed=traffic.num_pushed,
+            num_sum_entries=traffic.num_sum_entries,
         )

@@ -30,13 +30,14 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from hivemind.utils import get_dht_time
 
+from pulseloco.codec import FrameHeader
 from pulseloco.errors import ConfigError, StateDownloadError, TensorMismatchError
-from pulseloco.loco.averaging import AllReduceResult, SparseAverager
+from pulseloco.loco.averaging import AllReduceResult, SparseAverager, payload_frame
 from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
 from pulseloco.loco.metrics import MetricsWriter, RoundMetrics
@@ -66,6 +67,46 @@ def _distributed() -> tuple[bool, int]:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return False, 0
     return torch.distributed.get_world_size() > 1, torch.distributed.get_rank()
+
+
+class _ByteSplit(TypedDict, total=False):
+    """The byte accounting fields of :class:`RoundMetrics` (see there)."""
+
+    payload_bytes: int
+    payload_index_bytes: int
+    payload_value_bytes: int
+    sent_index_bytes: int
+    sent_value_bytes: int
+    sent_sum_bytes: int
+    sent_sum_index_bytes: int
+    sent_sum_value_bytes: int
+    sent_header_bytes: int
+    num_pushed: int
+    num_sum_entries: int
+
+
+def _byte_split(result: AllReduceResult | None, payload: FrameHeader | None) -> _ByteSplit:
+    """The byte accounting fields of :class:`RoundMetrics`: from the averaging ``result``, else (no swarm, or
+    the round sat out: ``payload`` None) only the payload's sizes (nothing was sent)."""
+    if result is None:
+        return {
+            "payload_bytes": payload.total_bytes if payload is not None else 0,
+            "payload_index_bytes": payload.index_bytes if payload is not None else 0,
+            "payload_value_bytes": payload.value_bytes if payload is not None else 0,
+        }
+    return {
+        "payload_bytes": result.payload_bytes,
+        "payload_index_bytes": result.payload_index_bytes,
+        "payload_value_bytes": result.payload_value_bytes,
+        "sent_index_bytes": result.sent_index_bytes,
+        "sent_value_bytes": result.sent_value_bytes,
+        "sent_sum_bytes": result.sent_sum_index_bytes + result.sent_sum_value_bytes,
+        "sent_sum_index_bytes": result.sent_sum_index_bytes,
+        "sent_sum_value_bytes": result.sent_sum_value_bytes,
+        "sent_header_bytes": result.sent_header_bytes,
+        "num_pushed": result.num_pushed,
+        "num_sum_entries": result.num_sum_entries,
+    }
 
 
 class PulseLoCo:
@@ -668,21 +709,23 @@ class PulseLoCo:
         if self.inner_optimizer is not None:
             self.inner_optimizer.state.clear()
 
-    def _average(self) -> tuple[AllReduceResult | None, int, torch.Tensor, torch.Tensor]:
+    def _average(self) -> tuple[AllReduceResult | None, int, torch.Tensor, torch.Tensor, FrameHeader | None]:
         """Select from the signal (held in ``residual_N``, which becomes the residual again) and average;
         returns the result (None without swarm averaging), the number of peers (0 when it sat the round out),
-        and the selected indices and values."""
+        the selected indices and values, and without swarm averaging the header of the selection encoded as one
+        frame (``payload_bytes``; the result carries it otherwise)."""
         indices_K, values_K, value_dtype = select_in_place(
             self.selector, self.theta_N, self.residual_N, chunk_numel=self.chunk_numel
         )
         if self.averager is None or self.matchmaker is None:
-            return None, 1, indices_K, values_K
+            payload = payload_frame(self.numel, indices_K, values_K, round_index=self.round, value_dtype=value_dtype)
+            return None, 1, indices_K, values_K, payload
         expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
         group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
         if group is None:
             self.residual_N.index_add_(0, indices_K, values_K)  # back to the signal, exactly (below)
             self.ledger.record(self.round, LedgerEntry(None), None)
-            return None, 0, indices_K[:0], values_K[:0]  # sat the round out: in no group
+            return None, 0, indices_K[:0], values_K[:0], None  # sat the round out: in no group
         indices_cpu, values_cpu = indices_K.cpu(), values_K.cpu()
         result = self.averager.all_reduce(group, indices_cpu, values_cpu, value_dtype)
         if bool(result.returned_K.any()):
@@ -698,7 +741,7 @@ class PulseLoCo:
             LedgerEntry(group.group_id, result.accepted),
             Pending(group.group_id, indices_cpu.clone(), values_cpu.clone(), offsets, counted),
         )
-        return result, len(group.members), indices_K, values_K
+        return result, len(group.members), indices_K, values_K, None
 
     def _outer_round(self, seconds_inner: float, start: float) -> RoundMetrics:
         # The pseudo-gradient is theta (as the round starts) minus the local parameters; it is never held whole:
@@ -713,7 +756,7 @@ class PulseLoCo:
         self._add_pseudo_gradient(theta_start_N, finite)
         del theta_start_N
         round_index = self.round
-        result, num_peers, indices_K, values_K = self._average()
+        result, num_peers, indices_K, values_K, payload = self._average()
         num_sent = int(indices_K.numel())
         if self.averager is None:
             self._zeros_momentum()
@@ -762,6 +805,7 @@ class PulseLoCo:
             num_contributors=result.num_contributors if result is not None else int(self.averager is None),
             complete=result.complete if result is not None else True,
             num_reconciled=self._num_reconciled,
+            **_byte_split(result, payload),
         )
         logger.info(
             "outer round=%d num_peers=%d num_sent=%d density=%.4g bytes_sent=%d seconds_sync=%.2f digest=%s",
