@@ -46,7 +46,10 @@ class TaskArguments:
         default=None, metadata={"help": "Operands 0..max_operand; default: what the warm model was taught, else 99."}
     )
     num_train_prompts: int = field(default=4096, metadata={"help": "Training prompts (drawn with --seed)."})
-    num_eval_prompts: int = field(default=64, metadata={"help": "Held-out prompts scored greedily before and after."})
+    num_eval_prompts: int = field(
+        default=64,
+        metadata={"help": "Held-out prompts scored greedily before and after (all of them where the task has fewer)."},
+    )
 
     def __post_init__(self) -> None:
         tasks.TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         engine = TransformersEngine(trainer.model, tokenizer)
         reward_after = greedy_reward(engine, spec, task_args.num_eval_prompts, training_args.max_completion_length)
         result = {"reward_before": reward_before, "reward_after": reward_after, "seconds": seconds}
-        result["num_eval_prompts"] = task_args.num_eval_prompts
+        result["num_eval_prompts"] = len(tasks.eval_problems(spec, task_args.num_eval_prompts))
         (Path(training_args.output_dir) / "grpo_eval.json").write_text(json.dumps(result, indent=1) + "\n")
         print(
             f"grpo: done steps={trainer.state.global_step} greedy_reward {reward_before:.3f} -> {reward_after:.3f} "

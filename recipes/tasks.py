@@ -72,8 +72,21 @@ def make_problems(spec: TaskSpec, num: int, seed: int) -> list[tuple[str, str]]:
     return problems
 
 
+def all_problems(spec: TaskSpec) -> list[tuple[str, str]]:
+    """Every distinct problem of ``spec``, in a fixed order (``(max_operand + 1) ** 2`` for add, half that for sub)."""
+    n = spec.max_operand + 1
+    if spec.task == "add":
+        return [(f"{a}+{b}=", str(a + b)) for a in range(n) for b in range(n)]
+    return [(f"{a}-{b}=", str(a - b)) for a in range(n) for b in range(a + 1)]
+
+
 def eval_problems(spec: TaskSpec, num: int) -> list[tuple[str, str]]:
-    """The fixed held-out problems every run scores with."""
+    """The fixed problems every run scores with: ``num`` drawn with :data:`EVAL_SEED`, or, when the task has at most
+    ``num`` distinct problems (single-digit sums: 100), every one of them once. Such a task is too small to hold
+    any problem out, so its score is the exact accuracy on the whole task rather than an estimate of it."""
+    n = spec.max_operand + 1
+    if (n * n if spec.task == "add" else n * (n + 1) // 2) <= num:
+        return all_problems(spec)
     return make_problems(spec, num, EVAL_SEED)
 
 

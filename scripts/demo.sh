@@ -13,7 +13,7 @@
 #   0. scripts/warm_model.py --size demo: a small Llama pretrained on local text, then taught the task's format
 #      (cached under ~/.cache/pulseloco, or $PULSELOCO_CACHE; later runs reuse it)
 #   1. a bootstrap node: `pulseloco dht`
-#   2. two GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/grpo-tiny.yaml
+#   2. two GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/grpo-demo.yaml
 #      --strategy pulseloco --rollouts swarm --rollout_fallback wait`: they generate nothing themselves, every
 #      completion comes from the rollout worker; peer 0 publishes each consensus version with PULSESync, signed
 #      with a key made by `pulseloco keygen` in a temporary directory (removed on exit, never written to the repo)
@@ -21,7 +21,9 @@
 #      the last one and generating the trainers' completions with them; it generates with vLLM (--engine vllm)
 #      when vLLM is installed (scripts/_setup.sh installs the CPU build by default; PULSELOCO_VLLM=none skips it),
 #      else with transformers
-# Then scripts/demo_report.py prints the reward before and after, bytes sent against DiLoCo and DDP, patch bytes
+# Then scripts/demo_report.py prints what RL gained (greedy reward before and after on the task's 100 problems, with
+# standard errors, and the sampled reward), bytes sent against DiLoCo and DDP (and whether the run was in PULSE's
+# sparse regime: at the demo's learning rate it is not), patch bytes
 # against full BF16 checkpoints, the rollouts per worker with their version lag, and whether every digest matched.
 # Everything started is stopped on exit, Ctrl-C or SIGTERM. Needs no stdin; exits non-zero if a process failed or
 # a digest did not match.
@@ -41,12 +43,12 @@ while [[ $# -gt 0 ]]; do
         --out) OUT="$2"; shift 2 ;;
         --steps) STEPS="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
-        -h|--help) sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "demo.sh: error: unknown option $1 (see scripts/demo.sh --help)" >&2; exit 2 ;;
     esac
 done
 
-CONFIG=recipes/configs/grpo-tiny.yaml
+CONFIG=recipes/configs/grpo-demo.yaml
 RUN_ID="demo-$$"
 INNER_STEPS=8
 if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || (( STEPS == 0 || STEPS % INNER_STEPS )); then

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -111,6 +112,53 @@ def split_rows(peers: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a success rate ``p`` measured on ``n`` problems."""
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n > 0 else float("nan")
+
+
+SPARSE_REGIME_DENSITY = 0.05
+"""Mean fraction of entries sent per round at or below which a run is in PULSE's sparse regime. The paper measures
+about 99% of the per-step BF16 updates invisible at lr 1e-6 to 3e-6 (about 1% of the entries change per step), a few
+percent per round of H steps; above this the byte ratio is that of a learning rate the paper's argument does not
+cover."""
+
+
+def regime(p: dict[str, Any]) -> str:
+    """Where a peer's run stands against PULSE's sparse regime: its learning rate and mean density per round."""
+    density = p["bytes"]["density"]
+    if density is None:
+        return "-"
+    lr = f"lr {p['learning_rate']:.0e}, " if p.get("learning_rate") else ""
+    where = "sparse regime" if density <= SPARSE_REGIME_DENSITY else "ABOVE the sparse regime"
+    return f"{where} ({lr}{density:.1%}/round)"
+
+
+def gain_lines(peers: list[dict[str, Any]]) -> list[str]:
+    """What RL gained: the consensus model's greedy reward before and after, with standard errors, and the sampled
+    reward of TRL's logs over the first and last quarter of the run."""
+    p = next((p for p in peers if p["greedy_reward_after"] is not None and p["num_eval_prompts"]), None)
+    if p is None or p["greedy_reward_before"] is None:
+        return ["what RL gained: unknown (no peer wrote grpo_eval.json)"]
+    n, before, after = int(p["num_eval_prompts"]), float(p["greedy_reward_before"]), float(p["greedy_reward_after"])
+    lines = [
+        f"what RL gained: greedy reward {before:.3f} +- {binomial_se(before, n):.3f} -> {after:.3f} +- "
+        f"{binomial_se(after, n):.3f} ({after - before:+.3f}) on {n} problems (+- one standard error)"
+    ]
+    first = _mean([q["sampled_reward_first_quarter"] for q in peers if q["sampled_reward_first_quarter"] is not None])
+    last = _mean([q["sampled_reward_last_quarter"] for q in peers if q["sampled_reward_last_quarter"] is not None])
+    if first is not None and last is not None:
+        lines.append(
+            f"                sampled reward (TRL's logs, mean over the peers): first quarter {first:.3f} -> last "
+            f"quarter {last:.3f} ({last - first:+.3f})"
+        )
+    return lines
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
         return dict(json.loads(path.read_text(encoding="utf-8")))
@@ -125,6 +173,7 @@ def peer_summary(peer_dir: Path, num_workers: int) -> dict[str, Any]:
     state = read_json(peer_dir / "trainer_state.json")
     evaluation = read_json(peer_dir / "grpo_eval.json")
     sampled = [e["reward"] for e in state.get("log_history", []) if "reward" in e]
+    rates = [e["learning_rate"] for e in state.get("log_history", []) if "learning_rate" in e]
     num_params = rounds[0]["numel"] if rounds else 0
     steps = int(state.get("global_step", 0))
     inner_steps = steps // len(rounds) if rounds else None
@@ -140,6 +189,10 @@ def peer_summary(peer_dir: Path, num_workers: int) -> dict[str, Any]:
         "sampled_reward_last": sampled[-1] if sampled else None,
         "greedy_reward_before": evaluation.get("reward_before"),
         "greedy_reward_after": evaluation.get("reward_after"),
+        "num_eval_prompts": evaluation.get("num_eval_prompts"),
+        "sampled_reward_first_quarter": _mean(sampled[: max(1, len(sampled) // 4)]),
+        "sampled_reward_last_quarter": _mean(sampled[-max(1, len(sampled) // 4) :]),
+        "learning_rate": max(rates, default=None),
         "bytes": phase_bytes(rounds, num_params, num_workers, steps),
         "density_first": rounds[0]["density"] if rounds else None,
         "density_last": rounds[-1]["density"] if rounds else None,
@@ -187,7 +240,11 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
         for p in peers
     ]  # fmt: skip
     out.append(table(["peer", "steps", "rounds", "sampled reward (first -> last log)", "greedy reward"], rows))
-    out.append("(greedy reward: held-out problems of recipes/tasks.py before and after GRPO, the consensus model)")
+    out.append(
+        "(greedy reward: the evaluation problems of recipes/tasks.py before and after GRPO, the consensus model; "
+        "every problem where the task has no more than --num_eval_prompts)"
+    )
+    out.extend(gain_lines(peers))
     out.append("")
     rows = []
     for p in peers:
@@ -197,14 +254,17 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
         rows.append(
             [p["name"], str(b["rounds"]), f"{fmt(p['density_first'], '.4f')} -> {fmt(p['density_last'], '.4f')}",
              human(b["bytes_sent"]), f"{human(b['diloco_bytes'])} ({ratio(b['diloco_bytes'], b['bytes_sent'])})",
-             f"{human(b['ddp_bytes'])} ({ratio(b['ddp_bytes'], b['bytes_sent'])})"]
+             f"{human(b['ddp_bytes'])} ({ratio(b['ddp_bytes'], b['bytes_sent'])})", regime(p)]
         )  # fmt: skip
-    header = ["peer", "rounds", "density (first -> last)", "bytes sent", "DiLoCo would send", "DDP would send"]
+    header = ["peer", "rounds", "density (first -> last)", "bytes sent", "DiLoCo would send", "DDP would send",
+              "regime"]  # fmt: skip
     out.append(table(header, rows))
     out.append(
         f"(DiLoCo: dense FP32 pseudo-gradient all-reduced once per round; DDP: FP32 gradients once per optimizer "
         f"step; ring all-reduce among {num_workers}: {2 * (num_workers - 1) / max(num_workers, 1) * 4:g} bytes x "
-        "params; pulseloco: bytes measured on the wire, indices and FP32 values plus headers)"
+        "params; pulseloco: bytes measured on the wire, indices and FP32 values plus headers; regime: PULSE's "
+        f"sparse regime is at most {SPARSE_REGIME_DENSITY:.0%} of the entries per round (the paper: about 1% per step "
+        "at lr 1e-6 to 3e-6); above it the ratio is not the paper's)"
     )
     rows = split_rows(peers)
     if rows:
