@@ -31,6 +31,16 @@ optimizer steps, default 256, H = ``inner_steps`` = 8) and the same number of wo
   PULSESync (``--publish``, a key made by ``pulseloco keygen`` in the runs directory), so the table has the patch
   bytes per version against a full BF16 copy (``2 * num_params``) for the same run.
 
+**Bytes, wire and payload.** Wire bytes are what a worker sent (above: for a swarm peer its pushed parts plus the
+sums of its shard it served to the others, headers included). Payload bytes are its own compressed
+pseudo-gradient as one frame (``payload_bytes`` in ``pulseloco_rounds.jsonl``): what the paper's all-gather
+through an object store uploads; DiLoCo's is its dense FP32 frame, ddp's an estimate, ``4 * num_params`` per
+optimizer step. Both per worker over the run and per worker and round (ddp: per ``inner_steps`` optimizer steps of
+the swarm strategies), each against DiLoCo's and DDP's. For every swarm run, the rounds of all its peers go through
+:func:`pulseloco.loco.metrics.traffic_summary` (``traffic`` in the JSON) and the wire bytes per selected entry are
+split into indices, values, shard sums (index and value sections) and headers (``bytes_per_entry``; the parts add
+up to the wire bytes), with the index bits per entry against the entropy bound ``log2 C(N, k) / k``.
+
 Seed ``j`` of ``--seeds`` gives every run ``--seed SEED + 1000 j``; swarm peer ``i`` gets ``+ i`` on top (its own
 prompts and samples), pretrain peers ``--data_seed`` instead (the same initial weights). ``--seeds N`` runs N seeds
 at every learning rate; ``--seeds 1,1,3`` gives each learning rate its own count (the default with the default
@@ -43,9 +53,10 @@ strategy "learned" at a learning rate when every seed improved on the warm model
 ``MIN_GAIN`` (0.05, five of the 100 prompts); where it did not, no quality is claimed for it. PULSELoCo "matches
 DiLoCo" at a learning rate when its mean lies within DiLoCo's range over seeds (needs at least 2 seeds).
 
-**Outputs** (``--out``, default ``results/``): ``compare.md`` (a table per learning rate and the targets: pulseloco
+**Outputs** (``--out``, default ``results/``): ``compare.md`` (per learning rate a table, one of wire and payload
+bytes per worker and round, one of the sparse strategies' bytes per selected entry, and the targets: pulseloco
 bytes <= 1/17 of DiLoCo's and <= 1/100 of DDP's, PULSESync patches <= 1/50 of a BF16 copy; the command, date,
-commit and machine), ``compare.json`` (every run and every aggregate), ``compare_reward_bytes.png`` and
+commit and machine; also printed), ``compare.json`` (every run and every aggregate), ``compare_reward_bytes.png`` and
 ``compare_reward_time.png`` (the sampled training reward, seed mean, against bytes sent and training time),
 ``compare_final.png`` (final greedy reward, mean and range, against bytes sent) and ``compare_density.png`` (the
 fraction of entries each round sent, against the round). The runs' logs and output directories go to ``--runs-dir``
@@ -405,9 +416,9 @@ def _interpolate(points: list[tuple[float, float]], x: float) -> float:
 
 
 def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> dict[str, Any]:
-    """What one worker's output directory says: final metric (and where it came from), bytes sent, train time,
-    steps, rounds, density per round, and its curve of (bytes sent, training seconds, logged loss or reward) per
-    logging step."""
+    """What one worker's output directory says: final metric (and where it came from), bytes sent (wire) and
+    payload bytes, train time, steps, rounds, density per round, its round records (swarm peers, for
+    :func:`summarize`), and its curve of (bytes sent, training seconds, logged loss or reward) per logging step."""
     state = read_json(out / "trainer_state.json")
     history = [e for e in state.get("log_history", []) if isinstance(e, dict)]
     steps = state.get("global_step")
@@ -440,9 +451,12 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
     }
     # the curve's x values at a logging step: bytes sent by then, and training seconds by then
     inner = steps // len(rounds) if swarm and rounds and steps else None  # a round every inner_steps steps
+    result["round_records"] = rounds if swarm else []  # pooled over the peers by summarize()
     if inner:
         result["bytes_sent"] = sum(r["bytes_sent"] for r in rounds)
         result["bytes_received"] = sum(r["bytes_received"] for r in rounds)
+        has_payload = all("payload_bytes" in r for r in rounds)  # files written before the field: unknown
+        result["payload_bytes"] = sum(r["payload_bytes"] for r in rounds) if has_payload else None
         ends = [inner * (r["round"] + 1) for r in rounds]  # round r ends at step (r + 1) H, after its outer step
         sent = [(end, r["bytes_sent"]) for end, r in zip(ends, rounds)]
 
@@ -456,6 +470,9 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
         per_step = allreduce_bytes(num_params, num_workers) if num_params is not None and not swarm else None
         result["bytes_sent"] = per_step * steps if per_step is not None and steps is not None else None
         result["bytes_received"] = result["bytes_sent"]
+        # ddp's payload: its FP32 gradient once per optimizer step, as an all-gather through a store would upload it
+        payload_per_step = 4 * num_params if num_params is not None and not swarm else None
+        result["payload_bytes"] = payload_per_step * steps if payload_per_step is not None and steps else None
 
         def sent_by(step: float) -> float:
             return per_step * step if per_step is not None else 0.0
@@ -477,16 +494,57 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
     return result
 
 
+def _per(totals: dict[str, Any] | None, numerator: str, denominator: str) -> float | None:
+    """``totals[numerator] / totals[denominator]``; ``None`` without ``totals``, either key, or a denominator."""
+    if not totals or totals.get(numerator) is None or not totals.get(denominator):
+        return None
+    return float(totals[numerator] / totals[denominator])
+
+
 def _mean(values: list[Any]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None
 
 
+def entry_split(traffic: dict[str, Any] | None) -> dict[str, float | None] | None:
+    """A :func:`~pulseloco.loco.metrics.traffic_summary` as bytes per selected entry: the wire bytes and their
+    parts (``index_bytes + value_bytes + sum_bytes + header_bytes == wire_bytes``: the pushed parts' index and
+    value sections, the shard sums served, everything else), the payload, and the summary's index bits per entry
+    (pushed parts, payload) next to the uniform-subset bound; ``None`` without a summary (ddp), a value ``None``
+    where the records lacked its fields."""
+    if traffic is None:
+        return None
+    selected = traffic["num_sent"]
+
+    def per_entry(key: str) -> float | None:
+        return traffic[key] / selected if traffic[key] is not None and selected else None
+
+    return {
+        "wire_bytes": traffic["wire_bytes_per_entry"],
+        "index_bytes": per_entry("sent_index_bytes"),
+        "value_bytes": per_entry("sent_value_bytes"),
+        "sum_bytes": per_entry("sent_sum_bytes"),
+        "header_bytes": traffic["header_bytes_per_entry"],
+        "payload_bytes": traffic["payload_bytes_per_entry"],
+        "index_bits_pushed": traffic["index_bits_per_entry"],
+        "index_bits_payload": traffic["payload_index_bits_per_entry"],
+        "index_bits_bound": traffic["index_bound_bits_per_entry"],
+        "sum_bytes_per_union_entry": traffic["sum_bytes_per_entry"],
+    }
+
+
 def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]:
-    """One run: final metric (mean over workers), bytes sent per worker, train seconds (slowest worker), wall
-    seconds, density per round (mean over the peers), PULSESync sizes; the curve of the first worker."""
+    """One run: final metric (mean over workers), wire and payload bytes per worker (in total and per round),
+    train seconds (slowest worker), wall seconds, density per round (mean over the peers), the byte split of
+    every peer's rounds together (swarm strategies: ``traffic``, a :func:`~pulseloco.loco.metrics.traffic_summary`,
+    and ``bytes_per_entry``, its :func:`entry_split`), PULSESync sizes; the curve of the first worker."""
     swarm = run.strategy != "ddp"
     workers = [summarize_worker(out, recipe, num_workers, swarm) for out in run.workers]
+    traffic = None
+    if swarm:
+        from pulseloco.loco.metrics import traffic_summary  # here: importing pulseloco.loco loads torch
+
+        traffic = traffic_summary([r for w in workers for r in w["round_records"]])  # every peer's rounds
     if not swarm:  # ddp: the processes it ran, from the recipe's start line ("processes=W")
         found = [int(m) for p in run.procs for m in re.findall(r"processes=(\d+)", p.text())]
         for worker in workers:
@@ -509,6 +567,12 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
         "bytes_per_worker": _mean([w["bytes_sent"] for w in workers]),
         "bytes_received_per_worker": _mean([w["bytes_received"] for w in workers]),
         "bytes_measured": swarm,
+        "payload_bytes_per_worker": _mean([w["payload_bytes"] for w in workers]),
+        "wire_bytes_per_round": _per(traffic, "bytes_sent", "rounds"),
+        "payload_bytes_per_round": _per(traffic, "payload_bytes", "rounds"),
+        "entries_per_round": _per(traffic, "num_sent", "rounds"),
+        "traffic": traffic,
+        "bytes_per_entry": entry_split(traffic),
         "train_seconds": max(seconds) if seconds else None,
         "wall_seconds": max(wall) if wall and len(wall) == len(run.procs) else None,
         "steps": workers[0]["steps"] if workers else None,
@@ -525,7 +589,14 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
 def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (learning rate, strategy) over the seeds of the limited (or only) network: the final metric's mean,
     standard deviation and range, whether every seed improved on the starting model, bytes, times, density per
-    round, PULSESync; ratios to DiLoCo and DDP at the same learning rate; whether the mean lies in DiLoCo's range."""
+    round, PULSESync; ratios to DiLoCo and DDP at the same learning rate; whether the mean lies in DiLoCo's range.
+
+    Bytes: wire (``bytes_per_worker``, ``vs_diloco``, ``vs_ddp``) and payload (``payload_bytes_per_worker``,
+    ``payload_vs_diloco``, ``payload_vs_ddp``) per worker over the run, their means per worker and round
+    (``wire_bytes_per_round``, ``payload_bytes_per_round``; ddp's over ``steps_per_round`` optimizer steps, the
+    swarm strategies' round at that learning rate), the selected entries per worker and round, and the mean over
+    seeds of every value of the runs' ``bytes_per_entry``. Results written before these fields existed give
+    ``None`` there."""
     groups: dict[tuple[float | None, str], list[dict[str, Any]]] = {}
     for r in results:
         if r["limited"] and not r["error"]:
@@ -552,6 +623,13 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 and statistics.fmean(finals) - statistics.fmean(befores) >= MIN_GAIN,
                 "bytes_per_worker": _mean([r["bytes_per_worker"] for r in runs]),
                 "bytes_measured": runs[0]["bytes_measured"],
+                "payload_bytes_per_worker": _mean([r.get("payload_bytes_per_worker") for r in runs]),
+                "wire_bytes_per_round": _mean([r.get("wire_bytes_per_round") for r in runs]),
+                "payload_bytes_per_round": _mean([r.get("payload_bytes_per_round") for r in runs]),
+                "steps": _mean([r.get("steps") for r in runs]),
+                "steps_per_round": _mean([_per(r, "steps", "rounds") for r in runs]),
+                "entries_per_round": _mean([r.get("entries_per_round") for r in runs]),
+                "bytes_per_entry": _mean_dicts([r.get("bytes_per_entry") for r in runs]),
                 "train_seconds": _mean([r["train_seconds"] for r in runs]),
                 "wall_seconds": _mean([r["wall_seconds"] for r in runs]),
                 "density": [_mean([r["density"][i] for r in runs]) for i in range(rounds)],
@@ -560,11 +638,21 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "incomplete_rounds": sum(r["incomplete_rounds"] for r in runs),
             }
         )
+    for row in rows:  # ddp has no rounds: its bytes over as many optimizer steps as the swarm's round
+        swarm_round = _mean([r["steps_per_round"] for r in rows if r["lr"] == row["lr"] and r["strategy"] != "ddp"])
+        if row["strategy"] == "ddp" and swarm_round and row["steps"]:
+            row["steps_per_round"] = swarm_round
+            for key in ("wire_bytes_per_round", "payload_bytes_per_round"):
+                total = row["bytes_per_worker" if key.startswith("wire") else "payload_bytes_per_worker"]
+                row[key] = total * swarm_round / row["steps"] if total is not None else None
     for row in rows:
         same_lr = {r["strategy"]: r for r in rows if r["lr"] == row["lr"]}
         for base in ("diloco", "ddp"):
             b = same_lr.get(base, {}).get("bytes_per_worker")
             row[f"vs_{base}"] = row["bytes_per_worker"] / b if row["bytes_per_worker"] is not None and b else None
+            p = same_lr.get(base, {}).get("payload_bytes_per_worker")
+            own = row["payload_bytes_per_worker"]
+            row[f"payload_vs_{base}"] = own / p if own is not None and p else None
         diloco = same_lr.get("diloco")
         row["within_diloco_range"] = (
             diloco["final_min"] <= row["final_mean"] <= diloco["final_max"]
@@ -573,6 +661,12 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         row["patch_vs_bf16"] = row["patch_bytes"] / row["bf16_copy_bytes"] if row["patch_bytes"] else None
     return rows
+
+
+def _mean_dicts(dicts: list[dict[str, float | None] | None]) -> dict[str, float | None] | None:
+    """Key by key :func:`_mean` of the dicts given (``None`` entries skipped); ``None`` when there are none."""
+    present = [d for d in dicts if d]
+    return {key: _mean([d.get(key) for d in present]) for key in present[0]} if present else None
 
 
 def fraction(value: float | None) -> str:
@@ -641,6 +735,53 @@ def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
     )
 
 
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def byte_tables(at: list[dict[str, Any]]) -> list[str]:
+    """The markdown lines of the two byte tables of one learning rate's rows: wire and payload bytes per worker
+    and round with their ratios to DiLoCo and DDP (every strategy), then the wire bytes per selected entry split
+    into indices, values, shard sums and headers, with the index bits per entry against the entropy bound (the
+    sparse strategies: swarm rows other than diloco). Rows without the fields (an older compare.json): ``-``."""
+    lines = [
+        "| strategy | wire B / worker / round | wire vs DiLoCo | wire vs DDP | payload B / worker / round | "
+        "payload vs DiLoCo | payload vs DDP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in at:
+        est = "" if r["bytes_measured"] else " (est.)"
+        wire, payload = r.get("wire_bytes_per_round"), r.get("payload_bytes_per_round")
+        cells = [
+            r["strategy"],
+            "-" if wire is None else human(wire) + est,
+            fraction(r["vs_diloco"]),
+            fraction(r["vs_ddp"]),
+            "-" if payload is None else human(payload) + est,
+            fraction(r.get("payload_vs_diloco")),
+            fraction(r.get("payload_vs_ddp")),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    sparse = [r for r in at if r["strategy"] not in ("ddp", "diloco") and r.get("bytes_per_entry")]
+    if not sparse:
+        return lines
+    lines += [
+        "| strategy | entries / worker / round | wire B/entry | = indices | + values | + sums (index + value) | "
+        "+ headers | payload B/entry | index bits/entry: pushed / payload / bound |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sparse:
+        e = r["bytes_per_entry"]
+        bits = " / ".join(_number(e[k], ".2f") for k in ("index_bits_pushed", "index_bits_payload", "index_bits_bound"))
+        cells = [r["strategy"], _number(r.get("entries_per_round"), ",.0f")]
+        cells += [_number(e[k], ".2f") for k in ("wire_bytes", "index_bytes", "value_bytes", "sum_bytes")]
+        cells += [_number(e["header_bytes"], ".3f"), _number(e["payload_bytes"], ".2f"), bits]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    return lines
+
+
 def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     metric = meta["metric_label"]
     lrs = list(dict.fromkeys(r["lr"] for r in rows))
@@ -676,11 +817,14 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        lines += byte_tables(at)
         for r in at:
             if r["strategy"].startswith("pulseloco"):
                 lines.append(
                     f"- {r['strategy']} targets: bytes vs DiLoCo {verdict(r['vs_diloco'], TARGETS['diloco'])}, "
-                    f"vs DDP {verdict(r['vs_ddp'], TARGETS['ddp'])}, PULSESync patch vs BF16 copy "
+                    f"vs DDP {verdict(r['vs_ddp'], TARGETS['ddp'])}; payload vs DiLoCo "
+                    f"{verdict(r.get('payload_vs_diloco'), TARGETS['diloco'])}, vs DDP "
+                    f"{verdict(r.get('payload_vs_ddp'), TARGETS['ddp'])}; PULSESync patch vs BF16 copy "
                     f"{verdict(r['patch_vs_bf16'], TARGETS['pulsesync'])}; quality: {quality_verdict(r, diloco)}."
                 )
         lines.append("")
@@ -722,6 +866,24 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
         f"the warm model's and the mean gain at least {MIN_GAIN:g}; where a strategy did not, it is not judged on "
         "quality at that learning rate. "
         "Quality matches DiLoCo when the mean lies within DiLoCo's range over its seeds.",
+        "- wire vs payload (second table): wire bytes are what a worker sent, as above (a swarm peer's pushed "
+        "parts plus the sums of its shard it served to the others, with headers); payload bytes are its own "
+        "compressed pseudo-gradient as ONE frame of the same codec and value precision (`payload_bytes` in "
+        "`pulseloco_rounds.jsonl`): what an all-gather through an object store, as in the paper, would upload. "
+        "DiLoCo's payload is its dense FP32 frame, measured the same way; ddp's (est.) is its FP32 gradient, 4 "
+        "bytes x parameters, once per optimizer step. Per worker and round: over every peer's rounds of a run, "
+        "then mean over seeds; ddp has no rounds, so its bytes are over as many optimizer steps as one round of the "
+        "swarm strategies at that learning rate (inner_steps). The ratios are of the totals per worker over the "
+        "run (the same steps for every strategy).",
+        "- bytes per selected entry (third table, sparse strategies): each total over every peer's rounds of a "
+        "run divided by the entries the peers selected (`num_sent`), then mean over seeds; indices + values + "
+        "sums + headers = wire (up to the cells' rounding). Indices and values: the sections of the parts pushed "
+        "to the other shard owners; sums: the index and value sections of the shard sums a peer served (the "
+        "union of the group's indices in its shard, with FP32 sums), once per member served; headers: everything "
+        "else (stream and frame headers, checksums, protobuf framing, fetch requests, replies). Index bits per "
+        "entry: of the pushed parts per entry pushed, and of the payload per entry selected, against the bound "
+        "log2 C(N, k) / k of k uniformly random positions of N (`pulseloco.loco.metrics.traffic_summary`, "
+        "`index_entropy_bits`).",
         "- density: the fraction of the parameters a peer sent in a round (mean over peers and seeds); DiLoCo "
         "sends all of them, top-k its fixed share.",
         "- PULSESync: peer 0 of each swarm run published every consensus version (`--publish`); the mean size of "
@@ -944,7 +1106,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--workers must be at least 1")
     if args.workers < 2 and "ddp" in strategies:
         log("warning: ddp with one worker sends nothing")
-    defaults = (QUICK if args.quick else GRPO_DEFAULTS) if args.recipe == "grpo" else {"lrs": None, "seeds": "1"}
+    defaults: dict[str, Any] = (
+        (QUICK if args.quick else GRPO_DEFAULTS) if args.recipe == "grpo" else {"lrs": None, "seeds": "1"}
+    )
     if args.quick and args.recipe == "pretrain":
         defaults = {**defaults, "steps": QUICK["steps"]}
     if args.steps is None:
@@ -993,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
     swarm_runs = [p for p in plans if p.strategy != "ddp"]
 
     runner = Runner(runs_dir, netns)
-    stop = {"signal": None}
+    stop: dict[str, int | None] = {"signal": None}
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop["signal"] = signum

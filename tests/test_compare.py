@@ -76,8 +76,33 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
         assert sync["anchors"] == 1 and sync["patches"] == 1 and 0 < sync["mean_patch_bytes"] < sync["bf16_copy_bytes"]
     assert results["diloco"]["density"] == [1.0]
     assert 0 < results["pulseloco"]["density"][0] < 0.5  # an RL learning rate: most updates invisible in BF16
+    for name, r in results.items():  # wire and payload bytes, and the split of the wire bytes: identities only
+        t = r["traffic"]  # traffic_summary of both peers' rounds (one each)
+        assert t["rounds"] == 2 and t["num_sent"] > 0, name
+        parts = t["sent_index_bytes"] + t["sent_value_bytes"] + t["sent_sum_bytes"] + t["sent_header_bytes"]
+        assert parts == t["bytes_sent"] == pytest.approx(2 * r["bytes_per_worker"]), name
+        assert t["sent_sum_bytes"] == t["sent_sum_index_bytes"] + t["sent_sum_value_bytes"], name
+        assert t["payload_bytes"] == pytest.approx(2 * r["payload_bytes_per_worker"]), name
+        assert 0 < t["payload_index_bytes"] + t["payload_value_bytes"] < t["payload_bytes"], name  # + frame header
+        assert r["wire_bytes_per_round"] == pytest.approx(r["bytes_per_worker"]), name  # one round
+        assert r["payload_bytes_per_round"] == pytest.approx(r["payload_bytes_per_worker"]), name
+        assert r["entries_per_round"] == t["num_sent"] / 2, name
+        e = r["bytes_per_entry"]
+        assert e["wire_bytes"] == pytest.approx(t["bytes_sent"] / t["num_sent"]), name
+        split = e["index_bytes"] + e["value_bytes"] + e["sum_bytes"] + e["header_bytes"]
+        assert split == pytest.approx(e["wire_bytes"]), name
+        assert e["payload_bytes"] == pytest.approx(t["payload_bytes"] / t["num_sent"]), name
+        assert e["index_bits_bound"] == pytest.approx(t["index_bound_bits_per_entry"]), name
+    dense = results["diloco"]["traffic"]  # every entry: no index bytes anywhere, a bound of 0 bits
+    assert dense["payload_index_bytes"] == dense["sent_index_bytes"] == dense["sent_sum_index_bytes"] == 0
+    assert results["diloco"]["bytes_per_entry"]["index_bits_bound"] == pytest.approx(0, abs=1e-6)
+    assert results["pulseloco"]["bytes_per_entry"]["index_bits_bound"] > 0
     rows = {r["strategy"]: r for r in report["rows"]}
     assert rows["diloco"]["vs_diloco"] == 1.0 and 0 < rows["pulseloco"]["vs_diloco"] < 1
+    assert rows["diloco"]["payload_vs_diloco"] == 1.0 and rows["pulseloco"]["payload_vs_diloco"] > 0
+    assert rows["pulseloco"]["bytes_per_entry"] == pytest.approx(results["pulseloco"]["bytes_per_entry"])  # 1 seed
+    assert "| strategy | wire B / worker / round | wire vs DiLoCo |" in md
+    assert "index bits/entry: pushed / payload / bound |" in md
     assert (runs / "keys" / "publisher").stat().st_mode & 0o077 == 0  # the signing key: private to its owner
 
     again = tmp_path / "again"  # --report: the same table from the JSON, no runs
@@ -115,6 +140,42 @@ def test_aggregate_judges_quality_by_diloco_range_over_seeds() -> None:
     assert compare.verdict(0.1, compare.TARGETS["diloco"]) == "1/10 (missed by 1.7x)"
     one_seed = {r["strategy"]: r for r in compare.aggregate(runs[:1] + runs[3:4])}
     assert "at least 2 seeds" in compare.quality_verdict(one_seed["pulseloco"], one_seed["diloco"])
+
+
+def test_aggregate_reports_wire_and_payload_bytes_per_round_and_per_entry() -> None:
+    split = {"wire_bytes": 9.0, "index_bytes": 1.0, "value_bytes": 3.0, "sum_bytes": 4.5, "header_bytes": 0.5,
+             "payload_bytes": 5.0, "index_bits_pushed": 8.0, "index_bits_payload": 7.0, "index_bits_bound": 6.0,
+             "sum_bytes_per_union_entry": 4.0}  # fmt: skip
+    swarm = {"steps": 16, "rounds": 2}  # 8 optimizer steps a round
+    runs = [
+        {**fake_run("ddp", 0, 0.3, 16000.0), **swarm, "rounds": 0, "bytes_measured": False,
+         "payload_bytes_per_worker": 32000.0},
+        {**fake_run("diloco", 0, 0.3, 1600.0), **swarm, "payload_bytes_per_worker": 820.0,
+         "wire_bytes_per_round": 800.0, "payload_bytes_per_round": 410.0, "entries_per_round": 100.0,
+         "bytes_per_entry": {**split, "index_bytes": 0.0, "index_bits_bound": 0.0}},
+        *({**fake_run("pulseloco", j, 0.3, 180.0), **swarm, "payload_bytes_per_worker": 100.0 + 20 * j,
+           "wire_bytes_per_round": 90.0, "payload_bytes_per_round": 50.0 + 10 * j, "entries_per_round": 10.0,
+           "bytes_per_entry": {**split, "index_bytes": 1.0 + j, "wire_bytes": 9.0 + j}} for j in range(2)),
+        fake_run("sparseloco", 0, 0.3, 300.0),  # from a compare.json written before these fields
+    ]  # fmt: skip
+    rows = {r["strategy"]: r for r in compare.aggregate(runs)}
+    ddp, diloco, pulse, sparse = rows["ddp"], rows["diloco"], rows["pulseloco"], rows["sparseloco"]
+    assert ddp["steps_per_round"] == 8  # the swarm's round: ddp's bytes over 8 of its 16 steps
+    assert ddp["wire_bytes_per_round"] == 8000 and ddp["payload_bytes_per_round"] == 16000
+    assert pulse["payload_bytes_per_worker"] == 110 and pulse["payload_bytes_per_round"] == 55
+    assert pulse["payload_vs_diloco"] == pytest.approx(110 / 820)
+    assert pulse["payload_vs_ddp"] == pytest.approx(110 / 32000)
+    assert pulse["vs_diloco"] == pytest.approx(180 / 1600) and diloco["payload_vs_diloco"] == 1.0
+    entry = pulse["bytes_per_entry"]  # means over the two seeds: the parts still add up to the wire bytes
+    assert entry["index_bytes"] == 1.5 and entry["wire_bytes"] == 9.5
+    assert entry["index_bytes"] + entry["value_bytes"] + entry["sum_bytes"] + entry["header_bytes"] == 9.5
+    assert sparse["payload_vs_diloco"] is None and sparse["bytes_per_entry"] is None
+    assert sparse["wire_bytes_per_round"] is None and sparse["vs_diloco"] == pytest.approx(300 / 1600)
+    lines = compare.byte_tables(list(rows.values()))
+    assert "| ddp | 8.0 kB (est.) | 10x | 1x | 16.0 kB (est.) | 39x | 1x |" in lines
+    assert "| pulseloco | 10 | 9.50 | 1.50 | 3.00 | 4.50 | 0.500 | 5.00 | 8.00 / 7.00 / 6.00 |" in lines
+    assert "| sparseloco | - | 1/5.33 | 1/53.3 | - | - | - |" in lines
+    assert not any(line.startswith(("| diloco | 1", "| ddp | -")) for line in lines)  # not in the split table
 
 
 def test_seed_and_learning_rate_plans() -> None:
