@@ -121,6 +121,23 @@ SIZES: dict[str, WarmSpec] = {
         sft_steps=100,
         sft_learning_rate=2e-3,
     ),
+    # for the sparse regime (issue 22): 9.18M parameters, wide and shallow, where each weight moves little per step
+    # while a pre-activation sums 1024 of them; single-digit sums; 433 s on 2 cores (2026-11-25), greedy reward
+    # 0.73 on the 100 problems (sft_steps 80 gave 0.11, 240 gave 0.84); scripts/sparsity_study.py --warm-size wide
+    "wide": WarmSpec(
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        pretrain_steps=400,
+        batch_size=16,
+        learning_rate=1.5e-3,
+        warmup_steps=40,
+        max_operand=9,
+        sft_steps=140,
+        sft_learning_rate=1e-3,
+    ),
     # for scripts/compare.py: 9.5M parameters; 12.5 min, greedy reward 0.19
     "compare": WarmSpec(
         hidden_size=384,
@@ -443,7 +460,9 @@ def warm_model(size: str, *, cache_dir: Path | None = None, force: bool = False,
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), required=True, help="tiny (tests), demo, compare")
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), required=True, help="tiny (tests), demo, wide (the sparse regime), compare"
+    )
     parser.add_argument(
         "--cache-dir",
         type=Path,

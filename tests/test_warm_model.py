@@ -146,3 +146,25 @@ def test_terminated_build_leaves_nothing_that_looks_complete(tmp_path: Path) -> 
             proc.wait()
     models = tmp_path / "models"
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.parametrize("size", ["demo", "wide"])
+def test_larger_sizes_build_and_load_reduced(tmp_path: Path, size: str) -> None:
+    """The demo and sparse-regime sizes, built with their shapes and task but a few steps (the full builds take
+    minutes: scripts/warm_model.py --size demo|wide), are Hugging Face checkpoints of that shape, scored on the task."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    spec = warm_model.SIZES[size]
+    reduced = dataclasses.replace(spec, pretrain_steps=3, warmup_steps=1, max_bytes=100_000, sft_steps=2,
+                                  sft_examples=64)  # fmt: skip
+    marker = warm_model.build(size, reduced, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.config.hidden_size == spec.hidden_size
+    assert model.config.num_hidden_layers == spec.num_hidden_layers
+    assert marker["num_parameters"] == sum(p.numel() for p in model.parameters())
+    assert marker["max_operand"] == spec.max_operand == 9
+    assert marker["num_eval_problems"] == 100  # single-digit sums: every problem scored
+    assert 0.0 <= marker["reward"] <= 1.0
+    assert warm_model.read_marker(tmp_path)["size"] == size
