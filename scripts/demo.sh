@@ -6,6 +6,7 @@
 #   scripts/demo.sh --out DIR         put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
 #   scripts/demo.sh --steps N         GRPO optimizer steps per peer (default 160; a multiple of 8, the inner steps)
 #   scripts/demo.sh --timeout S       stop everything after S seconds (default 900)
+#   scripts/demo.sh --seed N          the trainers' seeds are N and N + 1 (default 0): their prompts and samples
 #   scripts/demo.sh --codec [ARGS]    the codec benchmark instead: scripts/bench_codec.py ARGS
 #                                     (for example --codec --small for a quick run)
 #
@@ -38,12 +39,14 @@ fi
 OUT="runs/demo-$(date +%Y%m%d)"
 STEPS=160
 TIMEOUT=900
+SEED=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --out) OUT="$2"; shift 2 ;;
         --steps) STEPS="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
-        -h|--help) sed -n '2,29p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --seed) SEED="$2"; shift 2 ;;
+        -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "demo.sh: error: unknown option $1 (see scripts/demo.sh --help)" >&2; exit 2 ;;
     esac
 done
@@ -53,6 +56,10 @@ RUN_ID="demo-$$"
 INNER_STEPS=8
 if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || (( STEPS == 0 || STEPS % INNER_STEPS )); then
     echo "demo.sh: error: --steps must be a positive multiple of $INNER_STEPS, got $STEPS" >&2
+    exit 2
+fi
+if ! [[ "$SEED" =~ ^[0-9]+$ ]]; then
+    echo "demo.sh: error: --seed must be a non-negative integer, got $SEED" >&2
     exit 2
 fi
 ROUNDS=$(( STEPS / INNER_STEPS ))
@@ -160,9 +167,9 @@ PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --st
     --initial_peers "$BOOTSTRAP" --target_group_size 2 --matchmaking_time 60 --max_steps "$STEPS"
     --rollouts swarm --rollout_fallback wait)
 # peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
-start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 0 --output_dir "$OUT/peer0" --linger 20 \
+start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed "$SEED" --output_dir "$OUT/peer0" --linger 20 \
     --publish --signing_key "$KEYS/publisher"
-start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed 1 --output_dir "$OUT/peer1" --linger 5 \
+start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed "$((SEED + 1))" --output_dir "$OUT/peer1" --linger 5 \
     --public_key "$KEYS/publisher.pub"
 say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) fed by a rollout worker" \
     "(${ENGINE_ARGS[1]}, until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
