@@ -84,10 +84,8 @@ def eval_problems(spec: TaskSpec, num: int) -> list[tuple[str, str]]:
     """The fixed problems every run scores with: ``num`` drawn with :data:`EVAL_SEED`, or, when the task has at most
     ``num`` distinct problems (single-digit sums: 100), every one of them once. Such a task is too small to hold
     any problem out, so its score is the exact accuracy on the whole task rather than an estimate of it."""
-    n = spec.max_operand + 1
-    if (n * n if spec.task == "add" else n * (n + 1) // 2) <= num:
-        return all_problems(spec)
-    return make_problems(spec, num, EVAL_SEED)
+    everything = all_problems(spec)
+    return everything if len(everything) <= num else make_problems(spec, num, EVAL_SEED)
 
 
 def exact_match_reward(completions: Sequence[Any], answer: Sequence[str], **_: Any) -> list[float]:

@@ -99,7 +99,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/: also under `python -I` and when imported
-from demo_report import allreduce_bytes, human, read_events, read_json, store_summary  # scripts/demo_report.py
+# scripts/demo_report.py:
+from demo_report import allreduce_bytes, fmt, human, mean, read_events, read_json, store_summary
 from netns import NetNS, rate_label  # scripts/netns.py
 
 REPO = Path(__file__).resolve().parents[1]
@@ -501,11 +502,6 @@ def _per(totals: dict[str, Any] | None, numerator: str, denominator: str) -> flo
     return float(totals[numerator] / totals[denominator])
 
 
-def _mean(values: list[Any]) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
-
-
 def entry_split(traffic: dict[str, Any] | None) -> dict[str, float | None] | None:
     """A :func:`~pulseloco.loco.metrics.traffic_summary` as bytes per selected entry: the wire bytes and their
     parts (``index_bytes + value_bytes + sum_bytes + header_bytes == wire_bytes``: the pushed parts' index and
@@ -561,13 +557,13 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
         "limited": run.plan.limited,
         "error": run.error,
         "workers": num_workers,
-        "final": _mean([w["final"] for w in workers]),
+        "final": mean([w["final"] for w in workers]),
         "final_source": sources[0] if len(sources) == 1 else ("mixed" if sources else None),
-        "reward_before": _mean([w["reward_before"] for w in workers]),
-        "bytes_per_worker": _mean([w["bytes_sent"] for w in workers]),
-        "bytes_received_per_worker": _mean([w["bytes_received"] for w in workers]),
+        "reward_before": mean([w["reward_before"] for w in workers]),
+        "bytes_per_worker": mean([w["bytes_sent"] for w in workers]),
+        "bytes_received_per_worker": mean([w["bytes_received"] for w in workers]),
         "bytes_measured": swarm,
-        "payload_bytes_per_worker": _mean([w["payload_bytes"] for w in workers]),
+        "payload_bytes_per_worker": mean([w["payload_bytes"] for w in workers]),
         "wire_bytes_per_round": _per(traffic, "bytes_sent", "rounds"),
         "payload_bytes_per_round": _per(traffic, "payload_bytes", "rounds"),
         "entries_per_round": _per(traffic, "num_sent", "rounds"),
@@ -580,7 +576,7 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
         "rounds": workers[0]["rounds"] if workers else 0,
         "incomplete_rounds": sum(w["incomplete_rounds"] for w in workers),
         "group_sizes": sorted({g for w in workers for g in w["group_sizes"]}),
-        "density": [_mean([w["density"][r] for w in workers]) for r in range(num_rounds)],
+        "density": [mean([w["density"][r] for w in workers]) for r in range(num_rounds)],
         "pulsesync": next((w["pulsesync"] for w in workers if "pulsesync" in w), None),
         "curve": workers[0]["curve"] if workers else [],
     }
@@ -612,34 +608,34 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "lr": lr,
                 "strategy": strategy,
                 "seeds": len(runs),
-                "final_mean": _mean(finals),
+                "final_mean": mean(finals),
                 "final_std": statistics.stdev(finals) if len(finals) > 1 else None,
                 "final_min": min(finals, default=None),
                 "final_max": max(finals, default=None),
-                "reward_before": _mean(befores),
+                "reward_before": mean(befores),
                 "improved": bool(finals)
                 and len(befores) == len(finals)
                 and all(f > b for f, b in zip(finals, befores))
                 and statistics.fmean(finals) - statistics.fmean(befores) >= MIN_GAIN,
-                "bytes_per_worker": _mean([r["bytes_per_worker"] for r in runs]),
+                "bytes_per_worker": mean([r["bytes_per_worker"] for r in runs]),
                 "bytes_measured": runs[0]["bytes_measured"],
-                "payload_bytes_per_worker": _mean([r.get("payload_bytes_per_worker") for r in runs]),
-                "wire_bytes_per_round": _mean([r.get("wire_bytes_per_round") for r in runs]),
-                "payload_bytes_per_round": _mean([r.get("payload_bytes_per_round") for r in runs]),
-                "steps": _mean([r.get("steps") for r in runs]),
-                "steps_per_round": _mean([_per(r, "steps", "rounds") for r in runs]),
-                "entries_per_round": _mean([r.get("entries_per_round") for r in runs]),
+                "payload_bytes_per_worker": mean([r.get("payload_bytes_per_worker") for r in runs]),
+                "wire_bytes_per_round": mean([r.get("wire_bytes_per_round") for r in runs]),
+                "payload_bytes_per_round": mean([r.get("payload_bytes_per_round") for r in runs]),
+                "steps": mean([r.get("steps") for r in runs]),
+                "steps_per_round": mean([_per(r, "steps", "rounds") for r in runs]),
+                "entries_per_round": mean([r.get("entries_per_round") for r in runs]),
                 "bytes_per_entry": _mean_dicts([r.get("bytes_per_entry") for r in runs]),
-                "train_seconds": _mean([r["train_seconds"] for r in runs]),
-                "wall_seconds": _mean([r["wall_seconds"] for r in runs]),
-                "density": [_mean([r["density"][i] for r in runs]) for i in range(rounds)],
-                "patch_bytes": _mean([s["mean_patch_bytes"] for s in syncs]),
+                "train_seconds": mean([r["train_seconds"] for r in runs]),
+                "wall_seconds": mean([r["wall_seconds"] for r in runs]),
+                "density": [mean([r["density"][i] for r in runs]) for i in range(rounds)],
+                "patch_bytes": mean([s["mean_patch_bytes"] for s in syncs]),
                 "bf16_copy_bytes": syncs[0]["bf16_copy_bytes"] if syncs else None,
                 "incomplete_rounds": sum(r["incomplete_rounds"] for r in runs),
             }
         )
     for row in rows:  # ddp has no rounds: its bytes over as many optimizer steps as the swarm's round
-        swarm_round = _mean([r["steps_per_round"] for r in rows if r["lr"] == row["lr"] and r["strategy"] != "ddp"])
+        swarm_round = mean([r["steps_per_round"] for r in rows if r["lr"] == row["lr"] and r["strategy"] != "ddp"])
         if row["strategy"] == "ddp" and swarm_round and row["steps"]:
             row["steps_per_round"] = swarm_round
             for key in ("wire_bytes_per_round", "payload_bytes_per_round"):
@@ -666,7 +662,7 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _mean_dicts(dicts: list[dict[str, float | None] | None]) -> dict[str, float | None] | None:
     """Key by key :func:`_mean` of the dicts given (``None`` entries skipped); ``None`` when there are none."""
     present = [d for d in dicts if d]
-    return {key: _mean([d.get(key) for d in present]) for key in present[0]} if present else None
+    return {key: mean([d.get(key) for d in present]) for key in present[0]} if present else None
 
 
 def fraction(value: float | None) -> str:
@@ -735,10 +731,6 @@ def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
     )
 
 
-def _number(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def byte_tables(at: list[dict[str, Any]]) -> list[str]:
     """The markdown lines of the two byte tables of one learning rate's rows: wire and payload bytes per worker
     and round with their ratios to DiLoCo and DDP (every strategy), then the wire bytes per selected entry split
@@ -773,10 +765,10 @@ def byte_tables(at: list[dict[str, Any]]) -> list[str]:
     ]
     for r in sparse:
         e = r["bytes_per_entry"]
-        bits = " / ".join(_number(e[k], ".2f") for k in ("index_bits_pushed", "index_bits_payload", "index_bits_bound"))
-        cells = [r["strategy"], _number(r.get("entries_per_round"), ",.0f")]
-        cells += [_number(e[k], ".2f") for k in ("wire_bytes", "index_bytes", "value_bytes", "sum_bytes")]
-        cells += [_number(e["header_bytes"], ".3f"), _number(e["payload_bytes"], ".2f"), bits]
+        bits = " / ".join(fmt(e[k], ".2f") for k in ("index_bits_pushed", "index_bits_payload", "index_bits_bound"))
+        cells = [r["strategy"], fmt(r.get("entries_per_round"), ",.0f")]
+        cells += [fmt(e[k], ".2f") for k in ("wire_bytes", "index_bytes", "value_bytes", "sum_bytes")]
+        cells += [fmt(e["header_bytes"], ".3f"), fmt(e["payload_bytes"], ".2f"), bits]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     return lines

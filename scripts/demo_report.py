@@ -112,8 +112,10 @@ def split_rows(peers: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
-def _mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
+def mean(values: list[Any]) -> float | None:
+    """The mean of the values that are not ``None``; ``None`` when there are none."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -149,8 +151,8 @@ def gain_lines(peers: list[dict[str, Any]]) -> list[str]:
         f"what RL gained: greedy reward {before:.3f} +- {binomial_se(before, n):.3f} -> {after:.3f} +- "
         f"{binomial_se(after, n):.3f} ({after - before:+.3f}) on {n} problems (+- one standard error)"
     ]
-    first = _mean([q["sampled_reward_first_quarter"] for q in peers if q["sampled_reward_first_quarter"] is not None])
-    last = _mean([q["sampled_reward_last_quarter"] for q in peers if q["sampled_reward_last_quarter"] is not None])
+    first = mean([q["sampled_reward_first_quarter"] for q in peers])
+    last = mean([q["sampled_reward_last_quarter"] for q in peers])
     if first is not None and last is not None:
         lines.append(
             f"                sampled reward (TRL's logs, mean over the peers): first quarter {first:.3f} -> last "
@@ -190,8 +192,8 @@ def peer_summary(peer_dir: Path, num_workers: int) -> dict[str, Any]:
         "greedy_reward_before": evaluation.get("reward_before"),
         "greedy_reward_after": evaluation.get("reward_after"),
         "num_eval_prompts": evaluation.get("num_eval_prompts"),
-        "sampled_reward_first_quarter": _mean(sampled[: max(1, len(sampled) // 4)]),
-        "sampled_reward_last_quarter": _mean(sampled[-max(1, len(sampled) // 4) :]),
+        "sampled_reward_first_quarter": mean(sampled[: max(1, len(sampled) // 4)]),
+        "sampled_reward_last_quarter": mean(sampled[-max(1, len(sampled) // 4) :]),
         "learning_rate": max(rates, default=None),
         "bytes": phase_bytes(rounds, num_params, num_workers, steps),
         "density_first": rounds[0]["density"] if rounds else None,
