@@ -16,8 +16,10 @@
 #   1. a bootstrap node: `pulseloco dht`
 #   2. two GRPO trainer peers: `accelerate launch recipes/grpo.py --config recipes/configs/grpo-demo.yaml
 #      --strategy pulseloco --rollouts swarm --rollout_fallback wait`: they generate nothing themselves, every
-#      completion comes from the rollout worker; peer 0 publishes each consensus version with PULSESync, signed
-#      with a key made by `pulseloco keygen` in a temporary directory (removed on exit, never written to the repo)
+#      completion comes from the rollout worker; peer 0 publishes a version with PULSESync after every optimizer
+#      step (--publish_every 1: the consensus after each round, its own weights between rounds, so that the
+#      rollouts are at most a step or two behind the trainers), signed with a key made by `pulseloco keygen` in a
+#      temporary directory (removed on exit, never written to the repo)
 #   3. one rollout worker: `recipes/rollout_worker.py --serve_rollouts`, following the published versions until
 #      the last one and generating the trainers' completions with them; it generates with vLLM (--engine vllm)
 #      when vLLM is installed (scripts/_setup.sh installs the CPU build by default; PULSELOCO_VLLM=none skips it),
@@ -63,7 +65,7 @@ if ! [[ "$SEED" =~ ^[0-9]+$ ]]; then
     exit 2
 fi
 ROUNDS=$(( STEPS / INNER_STEPS ))
-LAST_VERSION=$(( ROUNDS + 1 ))  # version 1 is the starting model, then one per outer round
+LAST_VERSION=$(( STEPS + 1 ))  # version 1 is the starting model, then one per optimizer step (--publish_every 1)
 
 # Idempotent: the output directory is recreated (metrics files are appended to, so old ones must go).
 rm -rf "$OUT"
@@ -168,7 +170,7 @@ PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --st
     --rollouts swarm --rollout_fallback wait)
 # peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
 start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed "$SEED" --output_dir "$OUT/peer0" --linger 20 \
-    --publish --signing_key "$KEYS/publisher"
+    --publish --publish_every 1 --signing_key "$KEYS/publisher"
 start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed "$((SEED + 1))" --output_dir "$OUT/peer1" --linger 5 \
     --public_key "$KEYS/publisher.pub"
 say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) fed by a rollout worker" \

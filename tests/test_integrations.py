@@ -6,6 +6,7 @@ The GRPOTrainer path through ``accelerate launch`` (two peers and a rollout work
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,36 @@ def test_pulsesync_every_round_publishes_each_consensus_version(tmp_path: Path) 
     follower.update(state)
     assert follower.version == 4 and follower.digest == published[-1]["digest"]
     for name, tensor in trainer.model.state_dict().items():
+        assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("sync_first", [True, False])
+def test_pulsesync_every_step_with_pulseloco_publishes_local_steps_and_each_consensus(
+    tmp_path: Path, sync_first: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """every=1 beside PULSELoCo: a version per optimizer step, and the one of a round's last step is the consensus
+    after the outer step (not the peer's pre-averaging weights), whichever callback runs first."""
+    from pulseloco.cli import main as pulseloco_main
+    from pulseloco.sync.signing import load_public_key
+    from pulseloco.sync.subscriber import Subscriber
+
+    assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
+    loco = PulseLoCoCallback(run_id="sync-steps", inner_steps=3, **LONE_PEER)
+    sync = PulseSyncCallback(every=1, signing_key=str(tmp_path / "key"), metrics_path=tmp_path / "versions.jsonl")
+    with caplog.at_level(logging.INFO, logger="pulseloco.integrations.trainer"):
+        trainer = train(tmp_path / "out", [sync, loco] if sync_first else [loco, sync], max_steps=6)
+    queued = [r.getMessage() for r in caplog.records if r.getMessage().startswith("queued version=")]
+    reasons = [(int(m.split()[1].split("=")[1]), m.split("reason=")[1]) for m in queued]
+    # the start, then one per step: the local weights between rounds, the consensus after each round's last step
+    assert reasons == [(1, "start"), (2, "step"), (3, "step"), (4, "round"), (5, "step"), (6, "step"), (7, "round")]
+    published = rounds(tmp_path / "versions.jsonl")
+    assert published[-1]["version"] == 7  # a queued version may be superseded by the next before it is stored
+    follower = Subscriber.from_directory(tmp_path / "out" / "versions", load_public_key(tmp_path / "key.pub"))
+    state: dict[str, torch.Tensor] = {}
+    follower.update(state)
+    assert follower.version == 7 and follower.digest == published[-1]["digest"]
+    assert loco.loco is not None and loco.loco.round == 2
+    for name, tensor in trainer.model.state_dict().items():  # the consensus: the model holds theta after a round
         assert torch.equal(state[name], tensor.to(torch.bfloat16)), name
 
 

@@ -16,7 +16,9 @@ others receive ``theta`` by broadcast. Its state is saved as ``pulseloco.pt`` in
 restored when the Trainer resumes from one.
 
 :class:`PulseSyncCallback` publishes the consensus weights as a new version after every outer round (or every
-``every`` optimizer steps without PULSELoCo), plus the starting weights as the first version.
+``every`` optimizer steps without PULSELoCo), plus the starting weights as the first version. With PULSELoCo and
+``every=N`` it publishes both: the consensus after every round and, between rounds, this peer's own weights every N
+optimizer steps, so that rollout workers generate with a model at most N steps behind instead of up to a round.
 
 Failure behaviour: bad arguments raise :class:`~pulseloco.errors.ConfigError` at construction; a swarm that cannot
 be joined raises :class:`~pulseloco.errors.ConfigError` on every process at the start of training; resuming from
@@ -262,7 +264,9 @@ class PulseSyncCallback(TrainerCallback):
             training begins, over the DHT of the :class:`PulseLoCoCallback` on the same Trainer (or ``dht``, or
             one it starts from ``swarm``), and closes it when training ends.
         every: ``"round"`` to publish after every outer round of the :class:`PulseLoCoCallback` driving the same
-            model (the consensus ``theta``), or a number of optimizer steps.
+            model (the consensus ``theta``), or a number of optimizer steps N. With a PulseLoCoCallback and N, the
+            consensus is still published after every round (never the pre-averaging weights of a round's last
+            step), and between rounds the publishing peer's local weights every N steps.
         signing_key: the publisher's Ed25519 private key, or a path to it (``pulseloco keygen --out PATH``).
         run_id: the PULSESync run (default: ``<PulseLoCo run_id>.policy``).
         store_dir: the version store (default: ``<output_dir>/versions``).
@@ -315,6 +319,8 @@ class PulseSyncCallback(TrainerCallback):
         self._closed = False
         self._attached = False
         self._step = 0
+        self._loco: PulseLoCoCallback | None = None
+        self._round_at_step_begin: tuple[int, int] | None = None  # (round, inner step) when the step began
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -327,6 +333,8 @@ class PulseSyncCallback(TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if self._loco is not None and self._loco.loco is not None:
+            self._round_at_step_begin = (self._loco.loco.round, self._loco.loco.local_step)
         # Set up at the first step: by then every callback's on_train_begin has run, whatever their order, so a
         # PulseLoCoCallback driving this model exists (and its DHT).
         if self._attached or self._model is None:
@@ -343,16 +351,28 @@ class PulseSyncCallback(TrainerCallback):
         if self.publisher is None and self.signing_key is not None:
             self._make_publisher(args, loco)
         if loco is not None:
-            if self.every == "round":
-                assert loco.loco is not None  # noqa: S101 (checked above)
-                loco.loco.add_round_listener(lambda _loco, _metrics: self._publish("round"))
+            assert loco.loco is not None  # noqa: S101 (checked above)
+            self._loco = loco
+            self._round_at_step_begin = (loco.loco.round, loco.loco.local_step)
+            loco.loco.add_round_listener(lambda _loco, _metrics: self._publish("round"))
             loco.add_close_hooks(self.flush, self.close)  # serve the last version while the peer lingers
         self._publish("start")
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._step = state.global_step
-        if isinstance(self.every, int) and state.global_step % self.every == 0:
-            self._publish("step")
+        if not isinstance(self.every, int) or state.global_step % self.every != 0:
+            return
+        if self._loco is not None and self._loco.loco is not None and self._round_at_step_begin is not None:
+            # A step that ends a round is published by the round listener, after the outer step, whichever of the
+            # two callbacks runs first: the round has run already (its number changed) or is about to (this was
+            # the round's last inner step). A step the gradient scaler skipped counts as no step for PulseLoCo.
+            round_begin, inner_begin = self._round_at_step_begin
+            loco = self._loco.loco
+            if loco.round != round_begin or inner_begin + 1 >= loco.inner_steps:
+                return
+            if getattr(kwargs.get("optimizer"), "step_was_skipped", False):
+                return
+        self._publish("step")
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
