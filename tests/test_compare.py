@@ -22,6 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "compare.py"
+TINY_CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
+"""The tiny model's config (2 prompts a step): the default, grpo-demo.yaml, is for the demo warm model."""
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 HAS_DEPS = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('transformers', 'trl')))"
 """Exits 0 where the Python can import the project's main dependencies (found, not imported: fast)."""
@@ -50,7 +52,8 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
     # --parallel: both strategies at once (times are not compared here); 8 steps are one outer round (inner_steps 8)
     argv = [sys.executable, str(SCRIPT), "--strategies", "diloco,pulseloco", "--workers", "2", "--steps", "8"]
     argv += ["--lrs", "1e-6", "--seeds", "1", "--parallel", "--out", str(out), "--runs-dir", str(runs)]
-    argv += ["--model_name_or_path", str(tiny_warm_model), "--timeout", "150", "--", "--num_eval_prompts", "16"]
+    argv += ["--model_name_or_path", str(tiny_warm_model), "--config", str(TINY_CONFIG), "--timeout", "150"]
+    argv += ["--", "--num_eval_prompts", "16"]
     proc = run_compare(argv, timeout=190)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
