@@ -319,7 +319,7 @@ class PulseSyncCallback(TrainerCallback):
         self._closed = False
         self._attached = False
         self._step = 0
-        self._loco: PulseLoCoCallback | None = None
+        self._loco: PulseLoCo | None = None  # that of a PulseLoCoCallback on the same model, once attached
         self._round_at_step_begin: tuple[int, int] | None = None  # (round, inner step) when the step began
 
     def on_train_begin(
@@ -333,12 +333,15 @@ class PulseSyncCallback(TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._loco is not None and self._loco.loco is not None:
-            self._round_at_step_begin = (self._loco.loco.round, self._loco.loco.local_step)
         # Set up at the first step: by then every callback's on_train_begin has run, whatever their order, so a
         # PulseLoCoCallback driving this model exists (and its DHT).
-        if self._attached or self._model is None:
-            return
+        if not self._attached and self._model is not None:
+            self._attach(args)
+        if self._loco is not None:
+            self._round_at_step_begin = (self._loco.round, self._loco.local_step)
+
+    def _attach(self, args: TrainingArguments) -> None:
+        assert self._model is not None  # noqa: S101 (the caller checks)
         self._attached = True
         loco = _CALLBACK_OF_MODEL.get(self._model)
         if loco is not None and loco.loco is None:
@@ -352,9 +355,8 @@ class PulseSyncCallback(TrainerCallback):
             self._make_publisher(args, loco)
         if loco is not None:
             assert loco.loco is not None  # noqa: S101 (checked above)
-            self._loco = loco
-            self._round_at_step_begin = (loco.loco.round, loco.loco.local_step)
-            loco.loco.add_round_listener(lambda _loco, _metrics: self._publish("round"))
+            self._loco = loco.loco
+            self._loco.add_round_listener(lambda _loco, _metrics: self._publish("round"))
             loco.add_close_hooks(self.flush, self.close)  # serve the last version while the peer lingers
         self._publish("start")
 
@@ -362,13 +364,12 @@ class PulseSyncCallback(TrainerCallback):
         self._step = state.global_step
         if not isinstance(self.every, int) or state.global_step % self.every != 0:
             return
-        if self._loco is not None and self._loco.loco is not None and self._round_at_step_begin is not None:
+        if self._loco is not None and self._round_at_step_begin is not None:
             # A step that ends a round is published by the round listener, after the outer step, whichever of the
             # two callbacks runs first: the round has run already (its number changed) or is about to (this was
             # the round's last inner step). A step the gradient scaler skipped counts as no step for PulseLoCo.
             round_begin, inner_begin = self._round_at_step_begin
-            loco = self._loco.loco
-            if loco.round != round_begin or inner_begin + 1 >= loco.inner_steps:
+            if self._loco.round != round_begin or inner_begin + 1 >= self._loco.inner_steps:
                 return
             if getattr(kwargs.get("optimizer"), "step_was_skipped", False):
                 return
