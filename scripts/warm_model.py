@@ -106,7 +106,8 @@ SIZES: dict[str, WarmSpec] = {
         sft_learning_rate=3e-3,
     ),
     # for scripts/demo.sh: 1.64M parameters, wide and shallow; single-digit sums (100 problems, all of them scored),
-    # greedy reward 0.52; 334 s on 2 cores shared with another job (2026-11-25; about 90 s when idle)
+    # greedy reward 0.52; 334 s on 2 cores shared with another job (2026-11-25; about 90 s when idle). Built again on
+    # a fresh machine: greedy 0.48, 101 s (same spec and seed; the build is not bit-reproducible across machines)
     "demo": WarmSpec(
         hidden_size=256,
         intermediate_size=768,
