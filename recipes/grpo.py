@@ -105,7 +105,9 @@ def build_trainer(
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
+    """Parse ``argv`` and run GRPO. ``own_process``: this process runs the recipe alone (as a script), so that
+    vLLM, when TRL's own ``--use_vllm`` is off, need not be imported (:func:`common.skip_vllm_import`)."""
     from trl import GRPOConfig, ModelConfig
 
     from pulseloco.integrations.args import PulseLoCoArguments, RolloutArguments
@@ -118,6 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             "--model_name_or_path is required: a Hugging Face model directory (python scripts/warm_model.py "
             "makes one) or a hub name"
         )
+    if own_process and not training_args.use_vllm:
+        common.skip_vllm_import()
     spec = tasks.spec_for_model(model_args.model_name_or_path, task_args.task, task_args.max_operand)
     common.check_output_dir(training_args.output_dir, training_args.resume_from_checkpoint)
     callbacks = common.swarm_callbacks(pulse_args, training_args)
@@ -172,4 +176,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    common.run_recipe(PROG, lambda: main(sys.argv[1:]))
+    common.run_recipe(PROG, lambda: main(sys.argv[1:], own_process=True))

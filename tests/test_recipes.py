@@ -318,3 +318,29 @@ def test_rollout_worker_says_what_it_waits_for(runs: list[Run], tmp_path: Path, 
     assert time.monotonic() - started < 120
     assert re.search(r"no version of run_id=nobody\.policy after 2 s; a trainer must run with --publish", text)
     assert "rollout_worker.py: error: version 1 did not arrive" in text
+
+
+def test_a_trainer_process_that_does_not_use_vllm_never_imports_it() -> None:
+    """TRL imports vLLM whenever it is installed (about 6 s of CPU per process); ``common.skip_vllm_import`` keeps
+    it out of a recipe process whose TRL ``use_vllm`` is off, and TRL's trainer (with the swarm's importance-sampling
+    path, ``swarm_rollouts``) still imports. Where vLLM is installed, the same import without the call loads it."""
+    import importlib.util
+
+    probe = (
+        "import sys; sys.path.insert(0, {recipes!r}); import common; {skip}"
+        "import trl.trainer.grpo_trainer, pulseloco.integrations.swarm_rollouts; "
+        "print('vllm loaded' if sys.modules.get('vllm') is not None else 'vllm not loaded')"
+    )
+    cases = {"common.skip_vllm_import(); ": "vllm not loaded"}
+    if importlib.util.find_spec("vllm") is not None:
+        cases[""] = "vllm loaded"
+    for skip, expected in cases.items():
+        result = subprocess.run(
+            [sys.executable, "-c", probe.format(recipes=str(RECIPES), skip=skip)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().splitlines()[-1] == expected, (skip, result.stdout[-2000:])
