@@ -35,13 +35,39 @@ TINY_LLAMA = dict(
 large ``initializer_range`` makes its next-token distributions depend visibly on the context, so that a completion
 scored under another prompt than its own gets other log-probabilities."""
 
-MODES = ("honest", "slow", "vocab", "digest", "version", "envelope", "forged", "oversize", "garbage")
+MODES = (
+    "honest",
+    "slow",
+    "vocab",
+    "digest",
+    "version",
+    "envelope",
+    "forged",
+    "oversize",
+    "garbage",
+    "other_weights",
+    "forged_logprobs",
+    "cherry_pick",
+    "inject",
+    "replay",
+    "truncate",
+)
 """How a worker answers leases: ``honest``; ``slow`` (honest, after ``delay`` seconds per lease); ``vocab`` (token
 ids beyond the vocabulary); ``digest`` (claims a digest that is not the published one); ``version`` (claims a
 version that was never published, with no envelope); ``envelope`` (the same claim with the publisher's genuine
 envelope of the version it holds); ``forged`` (the same claim with an envelope of that version signed by another
 key); ``oversize`` (completions longer than the lease allows: a payload above the reader's bound); ``garbage`` (a
-reply header that is not JSON)."""
+reply header that is not JSON).
+
+The dishonest workers whose replies pass every check of the protocol (the published version and digest, well-formed
+ids and log-probabilities) and that only the trainer's replay of the sampler catches: ``other_weights`` (samples,
+with the lease's seed and the replayable rule, from other weights: the served ones plus noise, while claiming the
+published digest); ``forged_logprobs`` (honest tokens, log-probabilities lowered by 1 nat, which would triple
+TRL's importance weights); ``cherry_pick`` (samples four completions per prompt with seeds of its own and returns the
+most likely one, with its true log-probabilities); ``inject`` (a fixed text, `` 42`` and EOS, with its true
+log-probabilities under the served weights); ``replay`` (answers with the completions it made for the first lease it
+served, under that lease's seed, claiming the version it serves now); ``truncate`` (honest completions cut to half
+their length without an end-of-sequence token)."""
 
 LEASE_MAX_NEW_TOKENS = 64
 
@@ -101,6 +127,8 @@ class _Behaviour:
         self.mode = "honest"
         self.delay = 0.0
         self.started = 0
+        self.first: list[Any] | None = None
+        self.other: Any = None
 
     def generate_ids(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None = None) -> Any:
         from pulseloco.integrations.rollout import Completion
@@ -108,15 +136,59 @@ class _Behaviour:
         self.started += 1
         if self.mode == "slow":
             time.sleep(self.delay)
+        if self.mode in ("other_weights", "cherry_pick", "inject"):
+            return self._dishonest(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         completions = self.engine.generate_ids(
             prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
         )
+        if self.first is None:
+            self.first = completions
+        if self.mode == "replay":  # what it made for its first lease, cycled to this lease's size
+            return [self.first[i % len(self.first)] for i in range(len(completions))]
+        if self.mode == "forged_logprobs":
+            return [Completion(c.token_ids, [lp - 1.0 for lp in c.logprobs]) for c in completions]
+        if self.mode == "truncate":
+            eos = self.engine.tokenizer.eos_token_id
+            cut = [c.token_ids[: max(1, len(c.token_ids) // 2)] for c in completions]
+            return [
+                Completion(ids[:-1] if ids[-1] == eos and len(ids) > 1 else ids, c.logprobs[: len(ids)])
+                for ids, c in zip(cut, completions)
+            ]
         if self.mode == "vocab":
             return [Completion([self.vocab_size + 7] * len(c.token_ids), c.logprobs) for c in completions]
         if self.mode == "oversize":
             length = 3 * max_new_tokens
             return [Completion([1] * length, [-1.0] * length) for _ in completions]
         return completions
+
+
+    def _dishonest(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None) -> Any:
+        from pulseloco.integrations.rollout import Completion, TransformersEngine
+
+        engine = self.engine
+        if self.mode == "other_weights":
+            if self.other is None:  # the served weights plus noise: what a worker with a fine-tuned copy holds
+                import copy
+
+                model = copy.deepcopy(engine.model)
+                gen = torch.Generator().manual_seed(99)
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.add_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.05)
+                self.other = TransformersEngine(model, engine.tokenizer, shadow=False)
+            return self.other.generate_ids(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        if self.mode == "cherry_pick":
+            candidates = [
+                engine.generate_ids(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=1000 + k)
+                for k in range(4)
+            ]
+            return [max(options, key=lambda c: sum(c.logprobs)) for options in zip(*candidates)]
+        text = [int(b) for b in b" 42"] + [engine.tokenizer.eos_token_id]
+        text = text[-max_new_tokens:]
+        out = []
+        for prompt in prompt_ids:  # the text's true log-probabilities under the served weights
+            out.append(Completion(text, reference_logprobs(engine.model, list(prompt), text, temperature)))
+        return out
 
 
 def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, options: dict) -> None:

@@ -650,6 +650,99 @@ def test_a_rogue_worker_is_refused_and_the_honest_one_completes_the_batch(swarm:
     assert swarm.workers["B"].call("stats")["served"] >= 2  # it did answer; its answers were refused
 
 
+def settle_batch(swarm: Swarm, client: RolloutClient, groups: list[list[int]], verifier: Any) -> Any:
+    """A batch through the trainer's path (:func:`pulseloco.integrations.verify.settle`): leased, checked with the
+    trainer's FP32 model, failed leases generated again by the workers (never by the trainer here: a batch that
+    needs it fails the test)."""
+    from pulseloco.integrations.verify import settle
+
+    options = {"num_samples": 2, "max_new_tokens": LEASE_TOKENS, "temperature": 1.0}
+
+    def regenerate(indices: list[int], last: bool) -> list[Any]:
+        assert not last, "the workers did not produce a batch that passes the checks"
+        return client.submit([groups[i] for i in indices], **options).result(timeout=90)
+
+    first = client.submit(groups, **options).result(timeout=90)
+    return settle(
+        first,
+        groups,
+        client=client,
+        verifier=verifier,
+        model=swarm.model,
+        max_lag=2,
+        temperature=1.0,
+        max_new_tokens=LEASE_TOKENS,
+        stop_ids={EOS},
+        regenerate=regenerate,
+        attempts=6,
+    )
+
+
+LEASE_TOKENS = 12
+EOS = 256
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "mode, reason",
+    [
+        ("other_weights", "tokens are not the replayable sampler's choice"),
+        ("forged_logprobs", "log-probabilities differ from the trainer's by 1.0"),
+        ("cherry_pick", "tokens are not the replayable sampler's choice"),
+        ("inject", "tokens are not the replayable sampler's choice"),
+        ("replay", "tokens are not the replayable sampler's choice"),
+        ("truncate", "stopped before max_new_tokens without an end-of-sequence token"),
+    ],
+)
+def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(swarm: Swarm, mode: str, reason: str) -> None:
+    """B's replies pass every protocol check (published version and digest, well-formed), but its completions are
+    not the replayable sampler's: the trainer's checks fail each of its leases, its groups are generated again by A,
+    B is refused after max_refusals failed leases with the reason, and no completion of B is in the batch. A, honest,
+    never fails a check (its gaps stay inside the margin)."""
+    from pulseloco.integrations.verify import RolloutVerifier
+
+    swarm.workers["B"].call("mode", mode)
+    verifier = RolloutVerifier()
+    honest, rogue = swarm.peer_ids["A"], swarm.peer_ids["B"]
+    with swarm.client(max_refusals=2, lease_timeout=30, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        for batch in range(4):  # until B is refused; every batch must come out clean
+            settled = settle_batch(swarm, client, random_prompts(8, seed=10 + batch), verifier)
+            assert {r.worker for r in settled.results} == {honest}
+            if rogue in client.stats.refusals:
+                break
+        stats = client.stats
+    assert list(stats.refusals) == [rogue] and reason in stats.refusals[rogue], (stats.refusals, verifier.stats)
+    assert stats.check_failures[rogue] == 2 and stats.check_failures[honest] == 0
+    assert verifier.stats.failed_leases == 2
+    print(
+        f"{mode}: refused after {stats.check_failures[rogue]} failed leases; honest worker: "
+        f"{verifier.stats.positions} positions checked, worst passing gap {verifier.stats.worst_passing_gap:.3f}, "
+        f"worst passing log-probability error {verifier.stats.worst_passing_logprob_error:.4f}"
+    )
+
+
+def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm) -> None:
+    """Both workers honest, the trainer checking with its FP32 weights what the workers sampled with BF16: every lease
+    passes (false refusals: 0), and the gaps and log-probability errors measured stay well inside the margin."""
+    from pulseloco.integrations.verify import RolloutVerifier
+
+    verifier = RolloutVerifier()
+    with swarm.client(max_refusals=1, lease_timeout=30, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        for batch in range(3):
+            settle_batch(swarm, client, random_prompts(16, seed=20 + batch), verifier)
+        stats = client.stats
+    assert not stats.refusals and stats.check_failed == 0, stats.refusals
+    v = verifier.stats
+    assert v.failed_leases == 0 and v.mismatches == 0 and v.positions > 500
+    assert v.worst_passing_gap < verifier.margin / 4 and v.worst_passing_logprob_error < verifier.max_logprob_error / 4
+    print(
+        f"honest: {v.leases} leases, {v.positions} positions, {v.near} near misses, worst gap "
+        f"{v.worst_passing_gap:.4f}, worst mean log-probability error {v.worst_passing_logprob_error:.5f}"
+    )
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_killed_mid_lease_costs_at_most_its_lease_timeout(swarm: Swarm) -> None:
     """B takes its leases, starts generating slowly and is SIGKILLed with its DHT and daemon: its leases go to A,

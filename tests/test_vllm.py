@@ -223,6 +223,9 @@ TEMPERATURE = 0.7
 """Not 1, so that raw (pre-temperature) log-probabilities would fail the comparison with the reference."""
 IDS_MAX_NEW_TOKENS = 96
 LOGPROB_TOLERANCE = 1e-3
+#: The margin of the replay check here (the trainer's default, :data:`pulseloco.rollouts.client.VERIFY_MARGIN`, is
+#: larger: it also covers the versions a completion may lag behind).
+REPLAY_MARGIN = 0.05
 """Nats between vLLM's processed logprobs and the transformers reference, both computing in FP32 on the same BF16
 values (measured: 3.1e-6 at most, 4.9e-7 on average over 11,217 tokens; 1e-3 leaves room for other CPUs' kernels,
 and far below the gap to raw logprobs, up to 1.4 nats here)."""
@@ -257,6 +260,31 @@ def _logprob_gaps(got: list[Any], logits: list[torch.Tensor], t: float) -> torch
         ref = (rows / t).log_softmax(-1).gather(-1, torch.tensor(c.token_ids).unsqueeze(-1)).squeeze(-1)
         gaps.append((torch.tensor(c.logprobs) - ref).abs())
     return torch.cat(gaps)
+
+
+def _replay(got: list[Any], logits: list[torch.Tensor], *, seed: int, margin: float = REPLAY_MARGIN) -> list[Any]:
+    """:func:`pulseloco.rollouts.sampling.check_completions` over ``got`` (sequence ``i`` is completion ``i``)."""
+    from pulseloco.rollouts.sampling import check_completions
+
+    length = max(len(c.token_ids) for c in got)
+    tokens = torch.zeros((len(got), length), dtype=torch.long)
+    mask = torch.zeros((len(got), length))
+    logprobs = torch.zeros((len(got), length))
+    padded = torch.zeros((len(got), length, logits[0].shape[-1]))
+    for i, (c, rows) in enumerate(zip(got, logits)):
+        n = len(c.token_ids)
+        tokens[i, :n], mask[i, :n], padded[i, :n] = torch.tensor(c.token_ids), 1, rows
+        logprobs[i, :n] = torch.tensor(c.logprobs)
+    return check_completions(
+        padded,
+        tokens,
+        mask,
+        logprobs,
+        temperature=TEMPERATURE,
+        seeds=torch.full((len(got),), seed),
+        sequences=torch.arange(len(got)),
+        margin=margin,
+    )
 
 
 def test_vllm_generate_ids_sampling_logprobs(engine: Any, vllm_model_dir: Path) -> None:
@@ -303,6 +331,15 @@ def test_vllm_generate_ids_sampling_logprobs(engine: Any, vllm_model_dir: Path) 
         f"max |vLLM - reference| {diffs.max().item():.2e} nats (mean {diffs.mean().item():.2e}); "
         f"max |vLLM - raw| {raw_gap.max().item():.2f}"
     )
+
+    # the replayable rule: a trainer's forward pass (transformers, FP32 on the same BF16 values) recomputes every
+    # choice; vLLM's BF16 computation moves the perturbed scores by far less than the margin the trainer allows
+    checks = _replay(got, logits, seed=11)
+    worst = max(r.worst_gap for r in checks)
+    exact = sum(r.checked - r.near - r.mismatches for r in checks)
+    assert sum(r.mismatches for r in checks) == 0, f"vLLM's choices differ from the replay by up to {worst:.3f}"
+    print(f"replay: {exact}/{sum(r.checked for r in checks)} positions exact, largest gap {worst:.2e}")
+    assert sum(r.mismatches for r in _replay(got, logits, seed=12)) > 0  # another seed's noise: the check fails
 
     again = engine.generate_ids(prompts, max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=11)
     assert [c.token_ids for c in again] == completions

@@ -284,6 +284,37 @@ class RolloutArguments:
             "not --publish itself."
         ),
     )
+    verify_rollouts: bool = field(
+        default=True,
+        metadata=_help(
+            "Check the workers' completions with this trainer's model before training on them: each token must be "
+            "the replayable sampler's choice and each log-probability near the trainer's (--no_verify_rollouts: "
+            "trust the workers)."
+        ),
+    )
+    verify_margin: float = field(
+        default=1.0,
+        metadata=_help(
+            "Nats (of logits / temperature plus noise, per version of lag plus one) by which a worker's token may "
+            "trail the sampler's choice without counting as a mismatch: covers engine and device differences."
+        ),
+    )
+    verify_max_mismatch_rate: float = field(
+        default=0.0, metadata=_help("Fraction of a completion's positions that may mismatch before its lease fails.")
+    )
+    verify_max_logprob_error: float = field(
+        default=0.25,
+        metadata=_help(
+            "Mean |worker - trainer| log-probability per token (per version of lag plus one) a lease may have."
+        ),
+    )
+    verify_fraction: float = field(
+        default=1.0, metadata=_help("Fraction of positions whose sampling choice is recomputed (drawn at random).")
+    )
+    max_refusals: int = field(
+        default=3,
+        metadata=_help("Failed leases (bad replies or failed checks) before a worker is refused for the run."),
+    )
 
     def __post_init__(self) -> None:
         if self.rollouts not in ROLLOUT_SOURCES:
@@ -298,6 +329,16 @@ class RolloutArguments:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (self.verify_margin >= 0 and math.isfinite(self.verify_margin)):
+            raise ConfigError(f"verify_margin must be a finite number >= 0, got {self.verify_margin}")
+        if not 0 <= self.verify_max_mismatch_rate < 1:
+            raise ConfigError(f"verify_max_mismatch_rate must be in [0, 1), got {self.verify_max_mismatch_rate}")
+        if not (self.verify_max_logprob_error > 0 and math.isfinite(self.verify_max_logprob_error)):
+            raise ConfigError(f"verify_max_logprob_error must be positive, got {self.verify_max_logprob_error}")
+        if not 0 < self.verify_fraction <= 1:
+            raise ConfigError(f"verify_fraction must be in (0, 1], got {self.verify_fraction}")
+        if self.max_refusals < 1:
+            raise ConfigError(f"max_refusals must be at least 1, got {self.max_refusals}")
 
     def rollout_func(self, pulse_args: PulseLoCoArguments, *, output_dir: str | Path | None = None) -> Any:
         """The ``rollout_func`` for TRL's ``GRPOTrainer``: a :class:`SwarmRollouts` with ``--rollouts swarm``, else
@@ -307,6 +348,7 @@ class RolloutArguments:
         if self.rollouts == "local":
             return None
         from pulseloco.integrations.swarm_rollouts import SwarmRollouts
+        from pulseloco.integrations.verify import RolloutVerifier
 
         if not self.public_key and not pulse_args.publish:
             raise ConfigError(
@@ -321,5 +363,13 @@ class RolloutArguments:
             rollout_timeout=self.rollout_timeout,
             fallback=self.rollout_fallback,
             lookahead=self.rollout_lookahead,
+            verify=self.verify_rollouts,
+            verifier=RolloutVerifier(
+                margin=self.verify_margin,
+                max_mismatch_rate=self.verify_max_mismatch_rate,
+                max_logprob_error=self.verify_max_logprob_error,
+                fraction=self.verify_fraction,
+            ),
+            max_refusals=self.max_refusals,
             metrics_path=None if output_dir is None else Path(output_dir) / "rollouts.jsonl",
         )

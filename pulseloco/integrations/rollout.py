@@ -11,17 +11,20 @@ nothing to reload. :class:`pulseloco.integrations.vllm.VLLMEngine` implements th
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+from pulseloco.rollouts.sampling import choose
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Completion", "RolloutEngine", "TransformersEngine", "check_generate_ids"]
+__all__ = ["Completion", "GumbelLogitsProcessor", "RolloutEngine", "TransformersEngine", "check_generate_ids"]
 
 
 def check_generate_ids(prompt_ids: Sequence[Sequence[int]], temperature: float) -> None:
@@ -68,9 +71,26 @@ class RolloutEngine(Protocol):
         self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
     ) -> list[Completion]:
         """One completion per prompt (token ids, repeated by the caller for several samples), sampled with plain
-        ``temperature`` (no top-k or top-p) and their sampling log-probabilities. ``seed`` makes the sampling
-        repeatable on the same engine and device."""
+        ``temperature`` (no top-k or top-p) by the replayable rule of :mod:`pulseloco.rollouts.sampling` keyed by
+        ``seed`` (prompt ``i`` is sequence ``i``), and their sampling log-probabilities."""
         ...
+
+
+class GumbelLogitsProcessor(LogitsProcessor):
+    """The replayable sampling rule (:func:`pulseloco.rollouts.sampling.choose`) as a ``transformers`` logits
+    processor: row ``i`` of the batch is sequence ``i``, the position is the number of tokens generated so far
+    (the input's length minus ``prompt_width``, the left-padded prompts' width)."""
+
+    def __init__(self, *, seed: int, temperature: float, prompt_width: int) -> None:
+        self.seed = seed
+        self.temperature = temperature
+        self.prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        rows = torch.arange(scores.shape[0], device=scores.device)
+        position = torch.full_like(rows, input_ids.shape[1] - self.prompt_width)
+        chosen = choose(scores, self.temperature, torch.full_like(rows, self.seed), rows, position)
+        return cast(torch.FloatTensor, chosen)
 
 
 class TransformersEngine:
@@ -160,13 +180,16 @@ class TransformersEngine:
     def generate_ids(
         self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
     ) -> list[Completion]:
-        """Sample one completion per prompt with plain ``temperature`` and return each token's log-probability under
-        the distribution it was drawn from (``generate``'s processed scores: the logits divided by the temperature).
-        Prompts are left-padded into one batch. ``seed`` seeds torch's global generator first (a rollout worker
-        generates in one thread). Raises ``ValueError`` for an empty prompt or a temperature that is not positive."""
+        """Sample one completion per prompt with the replayable rule of :mod:`pulseloco.rollouts.sampling` (plain
+        ``temperature``, prompt ``i`` of the call is sequence ``i``) and return each token's log-probability under
+        the distribution it was drawn from (``softmax(logits / temperature)``). Prompts are left-padded into one
+        batch. ``seed``: the key of the noise (None: a random one). Raises ``ValueError`` for an empty prompt or a
+        temperature that is not positive."""
         if not prompt_ids:
             return []
         check_generate_ids(prompt_ids, temperature)
+        if seed is None:
+            seed = random.getrandbits(63)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         width = max(len(p) for p in prompt_ids)
         input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
@@ -174,8 +197,7 @@ class TransformersEngine:
         for row, ids in enumerate(prompt_ids):
             input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
-        if seed is not None:
-            torch.manual_seed(seed)
+        sampler = GumbelLogitsProcessor(seed=seed, temperature=temperature, prompt_width=width)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -183,10 +205,8 @@ class TransformersEngine:
                 input_ids=input_ids.to(self.model.device),
                 attention_mask=attention_mask.to(self.model.device),
                 max_new_tokens=max_new_tokens,
-                do_sample=True,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
+                do_sample=False,  # the processor has chosen: greedy decoding takes its choice
+                logits_processor=LogitsProcessorList([sampler]),
                 pad_token_id=pad,
                 eos_token_id=self.tokenizer.eos_token_id,
                 output_scores=True,
@@ -195,9 +215,8 @@ class TransformersEngine:
         finally:
             self.model.train(was_training)
         tokens = out.sequences[:, width:].cpu()
-        # scores: one (batch, vocab) tensor of processed logits per generated position
-        logprobs = torch.stack([s.float().log_softmax(-1).cpu() for s in out.scores], dim=1)
-        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        # scores: the processor's rows, -inf except at the chosen token, which holds its log-probability
+        chosen = torch.stack([s.float().cpu() for s in out.scores], dim=1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         eos = self.tokenizer.eos_token_id
         completions = []
         for row in range(tokens.shape[0]):

@@ -55,6 +55,7 @@ from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback, _JsonLines
+from pulseloco.integrations.verify import RolloutVerifier, settle, stop_ids
 from pulseloco.rollouts.client import GroupResult, NoWorkersError, RolloutClient
 from pulseloco.swarm import SwarmConfig
 
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["FALLBACKS", "SwarmRollouts", "enable_importance_sampling"]
 
 FALLBACKS = ("local", "wait")
-#: Times a round's stale groups are generated again by the workers before the trainer generates them itself.
+#: Times a round's stale or failing groups are generated again by the workers before the trainer generates them.
 MAX_REGENERATIONS = 3
 
 
@@ -124,6 +125,11 @@ class SwarmRollouts:
         fallback: ``local`` (generate with the trainer's model) or ``wait``.
         lookahead: send the next batch to the workers before TRL asks for it.
         leases_per_worker: leases of this trainer running on one worker at once.
+        verify: check every worker's completions with the trainer's model before TRL sees them
+            (:class:`pulseloco.integrations.verify.RolloutVerifier`); a lease that fails is generated again by
+            other workers and counts against its worker, refused after ``max_refusals``.
+        verifier: the checks' settings (default: :class:`RolloutVerifier`'s).
+        max_refusals: failed leases before a worker is refused for the run.
         metrics_path: append one JSON line per generation round (lag histogram, dropped, refused, wait seconds).
 
     Attributes: ``client`` (the :class:`RolloutClient`, after the first call), ``seconds_waiting`` (total time
@@ -143,6 +149,9 @@ class SwarmRollouts:
         fallback: str = "local",
         lookahead: bool = True,
         leases_per_worker: int = 2,
+        verify: bool = True,
+        verifier: RolloutVerifier | None = None,
+        max_refusals: int = 3,
         metrics_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if fallback not in FALLBACKS:
@@ -154,6 +163,8 @@ class SwarmRollouts:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
         if leases_per_worker < 1:
             raise ConfigError(f"leases_per_worker must be at least 1, got {leases_per_worker}")
+        if max_refusals < 1:
+            raise ConfigError(f"max_refusals must be at least 1, got {max_refusals}")
         if isinstance(public_key, str | os.PathLike):
             from pulseloco.sync.signing import load_public_key
 
@@ -168,6 +179,8 @@ class SwarmRollouts:
         self.fallback = fallback
         self.lookahead = lookahead
         self.leases_per_worker = leases_per_worker
+        self.verifier = (verifier or RolloutVerifier()) if verify else None
+        self.max_refusals = max_refusals
         self.metrics = _JsonLines(metrics_path) if metrics_path is not None else None
         self.client: RolloutClient | None = None
         self.seconds_waiting = 0.0
@@ -246,6 +259,7 @@ class SwarmRollouts:
             lease_timeout=self.lease_timeout,
             rollout_timeout=self.rollout_timeout,
             leases_per_worker=self.leases_per_worker,
+            max_refusals=self.max_refusals,
             seed=args.seed,
         )
         trainer.add_callback(_CloseAtEnd(self))
@@ -264,32 +278,43 @@ class SwarmRollouts:
         num_generations = trainer.num_generations if training else trainer.num_generations_eval
         pending = self._take_or_submit(rows, trainer)
         results, fallback = self._collect(trainer, pending.future, pending.groups, pending.num_samples)
-        # Groups generated more than max_lag versions before the newest are dropped, counted and generated again;
-        # the newest may move meanwhile, so check again, a bounded number of times, then generate what is still
-        # stale here (lag 0). The lags recorded are those of this last check.
-        for attempt in range(MAX_REGENERATIONS + 1):
-            newest = self.client.newest_version()
-            stale = [i for i, r in enumerate(results) if r.version >= 0 and self.client.lag(r.version) > self.max_lag]
-            if not stale:
-                break
-            self.client.stats.stale_dropped += len(stale) * pending.num_samples
-            groups = [pending.groups[i] for i in stale]
-            if attempt == MAX_REGENERATIONS:
-                logger.warning("rollouts: %d groups still stale; generating them with the trainer's model", len(stale))
-                again, local = self._generate_locally(trainer, groups, pending.num_samples), True
-            else:
-                future = self._submit_groups(groups, pending.num_samples, trainer)
-                again, local = self._collect(trainer, future, groups, pending.num_samples)
-            fallback = fallback or local
-            for i, result in zip(stale, again):
-                results[i] = result
+        local = [fallback]
+
+        def regenerate(indices: list[int], last: bool) -> list[GroupResult]:
+            groups = [pending.groups[i] for i in indices]
+            if last:
+                logger.warning(
+                    "rollouts: %d groups still stale or failing the checks; generating them with the trainer's model",
+                    len(indices),
+                )
+                local[0] = True
+                return self._generate_locally(trainer, groups, pending.num_samples)
+            future = self._submit_groups(groups, pending.num_samples, trainer)
+            again, here = self._collect(trainer, future, groups, pending.num_samples)
+            local[0] = local[0] or here
+            return again
+
+        settled = settle(
+            results,
+            pending.groups,
+            client=self.client,
+            verifier=self.verifier,
+            model=trainer.accelerator.unwrap_model(trainer.model),
+            max_lag=self.max_lag,
+            temperature=trainer.temperature,
+            max_new_tokens=trainer.max_completion_length,
+            stop_ids=stop_ids(trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)),
+            regenerate=regenerate,
+            attempts=MAX_REGENERATIONS,
+        )
+        results, newest, verify_seconds, fallback = settled.results, settled.newest, settled.verify_seconds, local[0]
         lags = [self.client.lag(r.version) for r in results if r.version >= 0]  # before anything moves the newest
         if training and self.lookahead and not fallback:
             self._submit_prediction(trainer)
         waited = time.monotonic() - started
         self.seconds_waiting += waited
         self.num_rounds += 1
-        self._record(trainer, results, pending, newest, lags, waited, fallback, num_generations)
+        self._record(trainer, results, pending, newest, lags, waited, fallback, num_generations, verify_seconds)
         completion_ids, logprobs = [], []
         for result in results:
             completion_ids.extend(result.completion_ids)
@@ -400,6 +425,7 @@ class SwarmRollouts:
         waited: float,
         fallback: bool,
         num_generations: int,
+        verify_seconds: float = 0.0,
     ) -> None:
         assert self.client is not None  # noqa: S101
         stats = self.client.stats
@@ -414,6 +440,9 @@ class SwarmRollouts:
         metrics["rollouts/stale_dropped"].append(float(stats.stale_dropped))
         metrics["rollouts/refused"].append(float(stats.refused))
         metrics["rollouts/local"].append(1.0 if fallback else 0.0)
+        metrics["rollouts/check_failed"].append(float(stats.check_failed))
+        metrics["rollouts/refused_workers"].append(float(len(stats.refusals)))
+        metrics["rollouts/verify_seconds"].append(verify_seconds)
         if self.metrics is not None:
             by_worker: dict[str, int] = {}
             for r in results:
@@ -438,7 +467,28 @@ class SwarmRollouts:
                 failed=stats.failed,
                 released=stats.released,
                 refused_workers=dict(stats.refusals),
+                check_failed=stats.check_failed,
+                verify=self._verify_record(verify_seconds),
             )
+
+    def _verify_record(self, seconds: float) -> dict[str, Any] | None:
+        """The checks' counters for the metrics line (None when the checks are off)."""
+        if self.verifier is None:
+            return None
+        v = self.verifier.stats
+        return {
+            "seconds": round(seconds, 4),
+            "total_seconds": round(v.seconds, 4),
+            "leases": v.leases,
+            "failed_leases": v.failed_leases,
+            "completions": v.completions,
+            "positions": v.positions,
+            "mismatches": v.mismatches,
+            "near": v.near,
+            "worst_passing_gap": round(v.worst_passing_gap, 5),
+            "worst_passing_logprob_error": round(v.worst_passing_logprob_error, 5),
+            "last_failure": v.failures[-1] if v.failures else None,
+        }
 
     def close(self) -> None:
         """Cancel a batch still in flight, close the client and a DHT this object started. Idempotent."""
@@ -461,4 +511,3 @@ class _CloseAtEnd(TrainerCallback):
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.rollouts.close()
-

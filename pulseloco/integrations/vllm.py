@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import threading
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -47,10 +48,19 @@ import torch
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.models import load_causal_lm, load_tokenizer
 from pulseloco.integrations.rollout import Completion, check_generate_ids
+from pulseloco.rollouts.sampling import choose
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "EngineStateError", "PulseSyncWeightTransferEngine", "VLLMEngine", "register"]
+__all__ = [
+    "BACKEND",
+    "SAMPLER_ARGS",
+    "EngineStateError",
+    "GumbelSampler",
+    "PulseSyncWeightTransferEngine",
+    "VLLMEngine",
+    "register",
+]
 
 BACKEND = "pulsesync"
 """The name of the weight-transfer backend (``WeightTransferConfig(backend=BACKEND)``)."""
@@ -58,9 +68,14 @@ BACKEND = "pulsesync"
 #: KV cache of the CPU build unless given: enough for rollouts of small models beside the trainers on one machine.
 CPU_KV_CACHE_BYTES = 1 << 30
 
-#: vLLM's ``logprobs_mode`` here: the log-softmax of the logits after the temperature (what the sample was drawn
-#: from), which the trainer's importance-sampling correction compares with its own.
-LOGPROBS_MODE = "processed_logprobs"
+#: vLLM's ``logprobs_mode`` here: the logits after the logits processors. :class:`GumbelSampler` leaves one finite
+#: value per row, the chosen token's log-probability under ``softmax(logits / temperature)`` (what the sample was
+#: drawn from), which the trainer's importance-sampling correction compares with its own.
+LOGPROBS_MODE = "processed_logits"
+
+#: The key of ``SamplingParams.extra_args`` that turns :class:`GumbelSampler` on for a request: a dict with the
+#: lease's ``seed``, the request's ``sequence`` index and the ``temperature``.
+SAMPLER_ARGS = "pulseloco_sampler"
 
 #: Bytes of values per ``update_weights`` call when whole tensors are sent (an anchor, a recovery, the baseline).
 DENSE_CHUNK_BYTES = 256 << 20
@@ -258,6 +273,79 @@ def _modules_of(changed: Mapping[str, torch.Tensor], weights: Mapping[str, torch
     return [name for name in weights if name.rpartition(".")[0].rpartition(".")[0] in parents]
 
 
+def _sampler_base() -> type:
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    return LogitsProcessor
+
+
+try:  # exists only where vLLM is installed (this module imports without it)
+    _SamplerBase: type = _sampler_base()
+except ImportError:  # pragma: no cover - depends on the environment
+    _SamplerBase = object
+
+
+class GumbelSampler(_SamplerBase):
+    """The replayable sampling rule (:func:`pulseloco.rollouts.sampling.choose`) as a vLLM logits processor.
+
+    It acts on the requests whose ``SamplingParams.extra_args`` hold :data:`SAMPLER_ARGS` (seed, sequence index,
+    temperature) and that vLLM decodes greedily (``temperature=0``): each of their rows becomes ``-inf`` except at
+    the chosen token, which holds its log-probability, so vLLM's greedy step takes the choice and reports that
+    value (``logprobs_mode=processed_logits``). The position is the length of the request's output so far (vLLM
+    passes a live reference to it). Other requests pass through untouched.
+    """
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        self.device = device
+        self.requests: dict[int, tuple[int, int, float, list[int]]] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        """Refuse malformed sampler arguments (a ``ValueError`` vLLM turns into its validation error)."""
+        args = (sampling_params.extra_args or {}).get(SAMPLER_ARGS)
+        if args is None:
+            return
+        seed, sequence, temperature = args.get("seed"), args.get("sequence"), args.get("temperature")
+        if not (isinstance(seed, int) and 0 <= seed < 2**63 and isinstance(sequence, int) and sequence >= 0):
+            raise ValueError(f"{SAMPLER_ARGS} needs an integer seed in [0, 2**63) and a sequence index >= 0")
+        if not (isinstance(temperature, int | float) and temperature > 0):
+            raise ValueError(f"{SAMPLER_ARGS} needs a positive temperature, got {temperature!r}")
+        if sampling_params.temperature != 0:
+            raise ValueError(f"{SAMPLER_ARGS} samples itself: the request must be greedy (temperature 0)")
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: Any) -> None:
+        from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+        def state(params: Any, prompt: Any, output: list[int]) -> tuple[int, int, float, list[int]] | None:
+            args = (params.extra_args or {}).get(SAMPLER_ARGS)
+            if args is None:
+                return None
+            return int(args["seed"]), int(args["sequence"]), float(args["temperature"]), output
+
+        process_dict_updates(self.requests, batch_update, state)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.requests:
+            return logits
+        rows = sorted(i for i in self.requests if i < logits.shape[0])
+        if not rows:
+            return logits
+        entries = [self.requests[i] for i in rows]
+        index = torch.tensor(rows, device=logits.device)
+        chosen = choose(
+            logits[index],
+            torch.tensor([e[2] for e in entries]),
+            torch.tensor([e[0] for e in entries], dtype=torch.int64),
+            torch.tensor([e[1] for e in entries], dtype=torch.int64),
+            torch.tensor([len(e[3]) for e in entries], dtype=torch.int64),
+        )
+        logits[index] = chosen.to(logits.dtype)
+        return logits
+
+
 @dataclass(frozen=True)
 class Generation:
     """Completions of one :meth:`VLLMEngine.generate_versioned` call (text and token ids) and the weight
@@ -354,6 +442,7 @@ class VLLMEngine:
                 enforce_eager=enforce_eager,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 weight_transfer_config=WeightTransferConfig(backend=BACKEND),
+                logits_processors=[GumbelSampler],
                 **llm_kwargs,
             )
         except Exception as exc:  # vLLM's own messages say what it does not support (head size, architecture)
@@ -497,18 +586,16 @@ class VLLMEngine:
     def generate_ids(
         self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
     ) -> list[Completion]:
-        """Sample one completion per prompt (token ids) with plain ``temperature`` (no top-k, top-p or min-p) and
-        return each token's log-probability under the distribution it was drawn from (vLLM's processed logprobs:
-        the logits divided by the temperature, log-softmax). A completion that stopped on the end-of-sequence token
-        (the tokenizer's, or another the checkpoint's ``generation_config`` names) ends with it; one that did not
-        has ``max_new_tokens`` tokens.
+        """Sample one completion per prompt (token ids) with plain ``temperature`` by the replayable rule of
+        :mod:`pulseloco.rollouts.sampling` (:class:`GumbelSampler`; prompt ``i`` of the call is sequence ``i``, the
+        noise keyed by ``seed``, None: a random one) and return each token's log-probability under the
+        distribution it was drawn from (``softmax(logits / temperature)``). A completion that stopped on the
+        end-of-sequence token (the tokenizer's, or another the checkpoint's ``generation_config`` names) ends with
+        it; one that did not has ``max_new_tokens`` tokens.
 
-        ``seed``: prompt ``i`` samples from its own generator seeded with ``seed + i`` (repeatable on the same
-        engine and device, and a prompt repeated for several samples still gets different ones); None draws from
-        vLLM's global generator. Raises ``ValueError`` for an empty prompt or a temperature that is not positive
-        (vLLM's own validation error above 2), :class:`ConfigError` when vLLM does not report processed logprobs (an
-        ``llm`` not made by :meth:`from_pretrained`), and :class:`EngineStateError` while vLLM's weights are not a
-        complete version.
+        Raises ``ValueError`` for an empty prompt or a temperature that is not positive, :class:`ConfigError` when
+        vLLM was not started with :class:`GumbelSampler` and :data:`LOGPROBS_MODE` (an ``llm`` not made by
+        :meth:`from_pretrained`), and :class:`EngineStateError` while vLLM's weights are not a complete version.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -516,23 +603,24 @@ class VLLMEngine:
         if not prompt_ids:
             return []
         check_generate_ids(prompt_ids, temperature)
-        mode = getattr(getattr(getattr(self.llm, "llm_engine", None), "model_config", None), "logprobs_mode", None)
-        if mode != LOGPROBS_MODE:
+        model_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
+        mode = getattr(model_config, "logprobs_mode", None)
+        if mode != LOGPROBS_MODE or GumbelSampler not in (getattr(model_config, "logits_processors", None) or []):
             raise ConfigError(
-                f"vLLM reports {mode!r} log-probabilities; generate_ids needs {LOGPROBS_MODE!r} (after the "
-                "temperature): create the LLM with logprobs_mode=LOGPROBS_MODE, as from_pretrained does"
+                f"vLLM runs with logprobs_mode {mode!r} and logits processors "
+                f"{getattr(model_config, 'logits_processors', None)!r}; generate_ids needs {LOGPROBS_MODE!r} and "
+                "GumbelSampler (the replayable sampler): create the engine with VLLMEngine.from_pretrained"
             )
+        if seed is None:
+            seed = random.getrandbits(63)
         params = [
             SamplingParams(
-                temperature=float(temperature),
-                top_p=1.0,
-                top_k=0,  # 0 disables top-k
-                min_p=0.0,
+                temperature=0.0,  # GumbelSampler has chosen: vLLM's greedy step takes the choice
                 max_tokens=max_new_tokens,
-                seed=None if seed is None else seed + i,
                 logprobs=0,  # the sampled token's own log-probability only
                 ignore_eos=False,
                 detokenize=False,  # token ids only: no text, so skip_special_tokens does not apply
+                extra_args={SAMPLER_ARGS: {"seed": seed, "sequence": i, "temperature": float(temperature)}},
             )
             for i in range(len(prompt_ids))
         ]

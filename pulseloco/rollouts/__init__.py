@@ -2,7 +2,8 @@
 
 - :mod:`~pulseloco.rollouts.protocol`: leases, replies and worker records, and the checks of each;
 - :mod:`~pulseloco.rollouts.worker`: :class:`RolloutServer`, a worker's lease handler beside its subscriber;
-- :mod:`~pulseloco.rollouts.client`: :class:`RolloutClient`, the trainer's leases, re-leases and reply checks.
+- :mod:`~pulseloco.rollouts.client`: :class:`RolloutClient`, the trainer's leases, re-leases and reply checks;
+- :mod:`~pulseloco.rollouts.sampling`: the replayable (keyed Gumbel-max) sampling rule and the trainer's check of it.
 
 TRL's ``GRPOTrainer`` uses them through :class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`.
 """

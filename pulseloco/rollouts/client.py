@@ -41,15 +41,19 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
 
 from pulseloco.errors import PayloadError, SwarmError, TruncatedPayloadError
 from pulseloco.p2p import P2PHost, read_stream
 from pulseloco.rollouts.protocol import (
+    MAX_REASON_CHARS,
+    MAX_REFUSALS_LISTED,
     Lease,
     Samples,
     WorkerInfo,
     decode_reply,
     parse_worker_record,
+    refused_key,
     reply_max_bytes,
     workers_key,
 )
@@ -61,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["GroupResult", "NoWorkersError", "RolloutClient", "RolloutStats"]
 
+#: Seconds a trainer's list of refused workers lives in the DHT (a run's length, about).
+REFUSALS_TTL = 24 * 3600.0
+
 
 class NoWorkersError(SwarmError):
     """No rollout worker was usable for ``rollout_timeout`` seconds while leases waited."""
@@ -68,13 +75,18 @@ class NoWorkersError(SwarmError):
 
 @dataclass(frozen=True)
 class GroupResult:
-    """The ``num_samples`` completions of one prompt, as one worker generated them with ``version``."""
+    """The ``num_samples`` completions of one prompt, as one worker generated them with ``version``: in lease
+    ``lease_id``, whose sampling noise is keyed by ``seed``, as its sequences ``sequence``, ``sequence + 1``, ...
+    (:mod:`pulseloco.rollouts.sampling`)."""
 
     version: int
     digest: str
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     worker: str
+    lease_id: str = ""
+    seed: int = 0
+    sequence: int = 0
 
 
 @dataclass
@@ -85,6 +97,8 @@ class RolloutStats:
     released: int = 0
     failed: int = 0
     refused: int = 0
+    check_failed: int = 0
+    check_failures: collections.Counter[str] = field(default_factory=collections.Counter)
     stale_dropped: int = 0
     by_worker: collections.Counter[str] = field(default_factory=collections.Counter)
     refusals: dict[str, str] = field(default_factory=dict)
@@ -112,7 +126,9 @@ class RolloutClient:
         lease_timeout: seconds a worker has for one lease (its deadline); a worker that dies costs at most this.
         rollout_timeout: seconds without any usable worker before a batch fails (or warns, with ``wait``).
         leases_per_worker: leases of this trainer running on one worker at once.
-        max_refusals: replies in a row that fail the checks before a worker is refused for the run.
+        max_refusals: replies in a row that fail the checks of this client, or leases whose completions fail the
+            trainer's checks (:meth:`report_check_failure`, however far apart), before a worker is refused for the
+            run; refusals are logged and stored in the DHT (:func:`pulseloco.rollouts.protocol.refused_key`).
         seed: seeds the leases' sampling seeds.
     """
 
@@ -309,16 +325,26 @@ class RolloutClient:
                                 f"{now - last_ok:.0f} s (last: {last_failure})"
                             )
                         else:
+                            refused = len(self.stats.refusals)
                             message = (
                                 f"no rollout worker of run {self.run_id!r} could take a lease for "
                                 f"{self.rollout_timeout:.0f} s ({len(workers)} announced"
-                                f"{': ' + unusable if unusable else ''}); start one with `python recipes/"
-                                f"rollout_worker.py --serve_rollouts --run_id {swarm_run} --initial_peers MADDR`"
+                                f"{': ' + unusable if unusable else ''}"
+                                f"{f'; {refused} refused for failing the checks' if refused else ''}); start one "
+                                f"with `python recipes/rollout_worker.py --serve_rollouts --run_id {swarm_run} "
+                                "--initial_peers MADDR`"
                             )
                         if not wait:
                             raise NoWorkersError(message)
                         logger.warning("%s; still waiting", message)
                         idle_since = last_ok = now
+                for task, (indices, peer, _lease) in list(running.items()):
+                    if peer in self.stats.refusals:  # refused meanwhile: its open leases go to other workers
+                        task.cancel()
+                        running.pop(task)
+                        self._inflight[peer] -= 1
+                        self.stats.released += 1
+                        pending.appendleft(indices)
                 if not running:
                     await asyncio.sleep(0.25)
                     continue
@@ -375,6 +401,8 @@ class RolloutClient:
 
     def _accept(self, batch: _Batch, indices: list[int], peer: str, samples: Samples) -> tuple[str, Any]:
         """Check a decoded reply's version claim and lag; store its groups. Runs in an executor (reads the DHT)."""
+        if peer in self.stats.refusals:
+            return "released", "the worker was refused while the lease ran"
         why = self.check_version(samples.version, samples.digest, samples.envelope)
         if why is not None:
             return "refused", why
@@ -387,12 +415,21 @@ class RolloutClient:
         for position, index in enumerate(indices):
             if index not in batch.results:  # taken once: a late duplicate of a re-leased group is ignored
                 batch.results[index] = GroupResult(
-                    samples.version, samples.digest, samples.completion_ids[position], samples.logprobs[position], peer
+                    samples.version,
+                    samples.digest,
+                    samples.completion_ids[position],
+                    samples.logprobs[position],
+                    peer,
+                    lease_id=samples.lease_id,
+                    seed=samples.seed,
+                    sequence=position * batch.num_samples,
                 )
         return "ok", None
 
     def _note_failure(self, peer: str, lease: Lease, kind: str, reason: str) -> None:
         self.stats.released += 1
+        if kind == "released":
+            return
         if kind in ("busy", "not_ready"):
             self._cooldown[peer] = time.monotonic() + 1.0
             logger.debug("lease %s back in the queue: worker=%s %s", lease.lease_id, peer, reason)
@@ -406,12 +443,45 @@ class RolloutClient:
             self._strikes[peer] += 1
             logger.warning("refused reply worker=%s lease=%s reason=%s", peer, lease.lease_id, reason)
             if self._strikes[peer] >= self.max_refusals:
-                self.stats.refusals[peer] = reason
-                logger.warning("refusing worker %s for the rest of the run: %s", peer, reason)
+                self.refuse(peer, reason)
             return
         self.stats.failed += 1
         self._cooldown[peer] = time.monotonic() + 5.0
         logger.warning("lease failed worker=%s lease=%s reason=%s; leasing it again", peer, lease.lease_id, reason)
+
+    def report_check_failure(self, peer: str, lease_id: str, reason: str) -> bool:
+        """The trainer found completions of ``lease_id`` that fail its checks (:mod:`pulseloco.rollouts.sampling`):
+        count it against ``peer``, and refuse the worker for the rest of the run at ``max_refusals`` such leases.
+        Returns whether the worker is refused now. Thread-safe enough for its callers (one trainer thread)."""
+        self.stats.check_failed += 1
+        self.stats.check_failures[peer] += 1
+        logger.warning(
+            "completions failed the checks worker=%s lease=%s reason=%s (%d of %d before refusal)",
+            peer,
+            lease_id,
+            reason,
+            self.stats.check_failures[peer],
+            self.max_refusals,
+        )
+        if self.stats.check_failures[peer] >= self.max_refusals and peer not in self.stats.refusals:
+            self.refuse(peer, reason)
+        return peer in self.stats.refusals
+
+    def refuse(self, peer: str, reason: str) -> None:
+        """Refuse ``peer`` for the rest of the run: no more leases, its open leases go to other workers, its replies
+        still in flight are dropped; logged, and listed in the DHT for ``pulseloco status`` (best effort)."""
+        self.stats.refusals[peer] = reason[:MAX_REASON_CHARS]
+        logger.warning("refusing worker %s for the rest of the run: %s", peer, reason)
+        try:
+            self.dht.store(
+                refused_key(self.run_id),
+                dict(list(self.stats.refusals.items())[-MAX_REFUSALS_LISTED:]),
+                expiration_time=get_dht_time() + REFUSALS_TTL,
+                subkey=self.host.peer_id.to_base58(),
+                return_future=True,
+            )
+        except Exception as exc:  # the DHT is shutting down: the log still says it
+            logger.debug("refusal record not stored error=%r", exc)
 
     def close(self) -> None:
         """Stop the client's P2P host (bounded; never raises)."""

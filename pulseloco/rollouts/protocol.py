@@ -41,7 +41,9 @@ __all__ = [
     "decode_lease",
     "decode_reply",
     "encode_reply",
+    "parse_refusals",
     "parse_worker_record",
+    "refused_key",
     "workers_key",
 ]
 
@@ -59,6 +61,29 @@ LOGPROB_SLACK = 1e-3
 def workers_key(run_id: str) -> str:
     """The DHT key under which the rollout workers of PULSESync run ``run_id`` announce themselves."""
     return f"pulseloco:{run_id}:rollout_workers"
+
+
+def refused_key(run_id: str) -> str:
+    """The DHT key under which the trainers of PULSESync run ``run_id`` list the workers they refused (one subkey
+    per trainer: ``{worker peer id: reason}``)."""
+    return f"pulseloco:{run_id}:refused_workers"
+
+
+#: Bounds on a refusal record that ``pulseloco status`` reads (trainers write them; strangers could too).
+MAX_REFUSALS_LISTED = 256
+MAX_REASON_CHARS = 300
+
+
+def parse_refusals(value: Any) -> dict[str, str] | None:
+    """A trainer's refusal record ``{worker peer id: reason}`` from a DHT value, or None when it is malformed."""
+    if not isinstance(value, dict) or len(value) > MAX_REFUSALS_LISTED:
+        return None
+    for k, v in value.items():
+        if not (isinstance(k, str) and 0 < len(k) <= 128 and k.isprintable()):
+            return None
+        if not (isinstance(v, str) and len(v) <= MAX_REASON_CHARS):
+            return None
+    return dict(value)
 
 
 @dataclass(frozen=True)
@@ -115,9 +140,7 @@ def _json_object(blob: bytes, what: str) -> dict[str, Any]:
     return raw
 
 
-def decode_lease(
-    blob: bytes, *, run_id: str, vocab_size: int, max_new_tokens: int, max_prompt_tokens: int
-) -> Lease:
+def decode_lease(blob: bytes, *, run_id: str, vocab_size: int, max_new_tokens: int, max_prompt_tokens: int) -> Lease:
     """Parse and check a lease from the network against this worker's limits.
 
     Raises :class:`PayloadSizeError` for a request above :data:`MAX_LEASE_BYTES`, :class:`PayloadError` for
@@ -193,6 +216,8 @@ class Samples:
     logprobs: list[list[list[float]]]
     seconds: float = 0.0
     envelope: bytes = b""
+    lease_id: str = ""
+    seed: int = 0
 
 
 def encode_reply(
@@ -301,6 +326,8 @@ def decode_reply(lease: Lease, header: dict[str, Any], payload: bytes, *, vocab_
         logprobs=completion_logprobs,
         seconds=float(seconds) if isinstance(seconds, int | float) and math.isfinite(seconds) else 0.0,
         envelope=envelope,
+        lease_id=lease.lease_id,
+        seed=lease.seed,
     )
 
 

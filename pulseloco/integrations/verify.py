@@ -1,0 +1,342 @@
+"""The trainer's check of a rollout worker's completions, before any of them reaches the loss.
+
+A worker that holds the weights could return any completion with its true log-probabilities: cherry-pick the best
+of many samples, generate with other weights, or write a chosen text that earns the reward. Every completion is
+sampled by a replayable rule (:mod:`pulseloco.rollouts.sampling`): at each position the token is the argmax of
+``logits / T`` plus Gumbel noise keyed by the lease's seed, the completion's index in the lease, the position and
+the token id. :class:`RolloutVerifier` runs the trainer's model over the completions (one forward pass without
+gradients, in chunks) and, from its logits:
+
+- recomputes the choice at every position (or at a random ``fraction`` of them, drawn by the trainer, so a worker
+  cannot know which), and counts a *mismatch* where the worker's token trails the perturbed argmax by more than
+  ``margin`` (scaled by ``1 + lag``: the trainer's weights are up to ``lag`` versions newer than the worker's, and a
+  trainer's own inner steps move them further). Positions within the margin are counted as *near* (numeric
+  differences between engines and devices, measured by ``scripts/bench_verify.py``);
+- compares the worker's per-token log-probabilities with its own: their mean absolute difference over a lease must
+  stay below ``max_logprob_error`` (also scaled by ``1 + lag``), since they feed TRL's importance-sampling ratio;
+- checks that a completion shorter than ``max_new_tokens`` ends with an end-of-sequence token (a worker may not cut
+  a sample where it likes).
+
+A lease fails when any of its completions has more than ``max_mismatch_rate`` of its checked positions mismatched
+(at least one), when its log-probabilities are off, or a completion stopped early. The caller
+(:class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`) drops every group of a failed lease, has other workers
+generate them again, and reports the failure (:meth:`pulseloco.rollouts.client.RolloutClient.report_check_failure`),
+which refuses the worker after a few.
+
+Failure behaviour: nothing a worker sent raises here (a completion longer than the model's context fails its
+lease); errors of the trainer's own model propagate.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pulseloco.rollouts.client import GroupResult, RolloutClient
+from pulseloco.rollouts.sampling import CheckResult, check_completions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LeaseCheck", "RolloutVerifier", "Settled", "VerifyStats", "settle", "stop_ids"]
+
+#: Logits held at once per chunk of the forward pass (elements; 2**27 float32 values are 512 MiB).
+MAX_CHUNK_LOGITS = 1 << 27
+
+
+@dataclass
+class LeaseCheck:
+    """What the checks found in one lease's completions (those of this batch)."""
+
+    lease_id: str
+    worker: str
+    lag: int
+    completions: int = 0
+    checked: int = 0
+    mismatches: int = 0
+    near: int = 0
+    worst_gap: float = 0.0
+    worst_completion_rate: float = 0.0
+    logprob_error_sum: float = 0.0
+    tokens: int = 0
+    max_logprob_error: float = 0.0
+    early_stops: int = 0
+    reason: str | None = None
+
+    @property
+    def logprob_error(self) -> float:
+        """Mean absolute difference between the worker's and the trainer's log-probabilities, per token."""
+        return self.logprob_error_sum / max(self.tokens, 1)
+
+
+@dataclass
+class VerifyStats:
+    """Counters over a run (what the metrics report): positions checked, mismatched and near, completions and
+    leases checked and failed, seconds spent, and the largest honest gap and log-probability error seen."""
+
+    completions: int = 0
+    positions: int = 0
+    mismatches: int = 0
+    near: int = 0
+    leases: int = 0
+    failed_leases: int = 0
+    seconds: float = 0.0
+    worst_passing_gap: float = 0.0
+    worst_passing_logprob_error: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+class RolloutVerifier:
+    """Checks the completions of rollout workers with the trainer's model (see the module docstring).
+
+    Args:
+        margin: perturbed-score gap (nats) within which a token that is not the argmax is not counted.
+        max_mismatch_rate: the fraction of a completion's checked positions that may mismatch before its lease
+            fails (0: none may).
+        max_logprob_error: the largest mean absolute log-probability difference (nats per token) a lease may have.
+        fraction: the fraction of positions whose choice is recomputed (1.0: all).
+        seed: seeds the choice of positions.
+    """
+
+    def __init__(
+        self,
+        *,
+        margin: float = 1.0,
+        max_mismatch_rate: float = 0.0,
+        max_logprob_error: float = 0.25,
+        fraction: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if not margin >= 0 or not 0 <= max_mismatch_rate < 1 or not max_logprob_error > 0 or not 0 < fraction <= 1:
+            raise ValueError(
+                "margin must be >= 0, max_mismatch_rate in [0, 1), max_logprob_error > 0 and fraction in (0, 1]"
+            )
+        self.margin = margin
+        self.max_mismatch_rate = max_mismatch_rate
+        self.max_logprob_error = max_logprob_error
+        self.fraction = fraction
+        self.stats = VerifyStats()
+        self._rng = random.Random(seed)
+
+    @torch.no_grad()
+    def check(
+        self,
+        model: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        results: Sequence[GroupResult],
+        lags: Sequence[int],
+        *,
+        temperature: float,
+        max_new_tokens: int,
+        stop_ids: set[int],
+    ) -> dict[str, LeaseCheck]:
+        """Check ``results[g]`` (the completions of prompt ``prompts[g]``, ``lags[g]`` versions behind) with
+        ``model``; returns one :class:`LeaseCheck` per lease, whose ``reason`` is set when the lease fails."""
+        started = time.perf_counter()
+        leases: dict[str, LeaseCheck] = {}
+        rows: list[tuple[str, list[int], list[int], list[float], int, int]] = []
+        for prompt, result, lag in zip(prompts, results, lags):
+            lease = leases.setdefault(result.lease_id, LeaseCheck(result.lease_id, result.worker, lag))
+            for offset, (ids, logprobs) in enumerate(zip(result.completion_ids, result.logprobs)):
+                lease.completions += 1
+                if len(ids) < max_new_tokens and (not ids or ids[-1] not in stop_ids):
+                    lease.early_stops += 1
+                rows.append((result.lease_id, list(prompt), ids, logprobs, result.seed, result.sequence + offset))
+        was_training = model.training
+        model.eval()
+        try:
+            for chunk in self._chunks(rows, model):
+                self._check_chunk(model, chunk, leases, temperature)
+        finally:
+            model.train(was_training)
+        for lease in leases.values():
+            lease.reason = self._verdict(lease)
+            self._count(lease)
+        self.stats.seconds += time.perf_counter() - started
+        return leases
+
+    def _chunks(self, rows: list[Any], model: torch.nn.Module) -> list[list[Any]]:
+        vocab = int(getattr(model.config, "vocab_size", 0) or 1)
+        chunks: list[list[Any]] = []
+        current: list[Any] = []
+        for row in sorted(rows, key=lambda r: len(r[1]) + len(r[2])):  # similar lengths pad less
+            width = len(row[1]) + len(row[2])
+            if current and (len(current) + 1) * width * vocab > MAX_CHUNK_LOGITS:
+                chunks.append(current)
+                current = []
+            current.append(row)
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _check_chunk(self, model: torch.nn.Module, chunk: list[Any], leases: dict[str, LeaseCheck], t: float) -> None:
+        device = next(model.parameters()).device
+        width = max(len(p) + len(c) for _, p, c, _, _, _ in chunk)
+        length = max(len(c) for _, _, c, _, _, _ in chunk)
+        n = len(chunk)
+        input_ids = torch.zeros((n, width), dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
+        tokens = torch.zeros((n, length), dtype=torch.long)
+        mask = torch.zeros((n, length), dtype=torch.bool)
+        logprobs = torch.zeros((n, length))
+        for i, (_, prompt, ids, lps, _, _) in enumerate(chunk):
+            row = prompt + ids
+            input_ids[i, : len(row)] = torch.tensor(row)  # right padding: causal attention leaves real tokens alone
+            attention[i, : len(row)] = 1
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[i, : len(ids)] = True
+            logprobs[i, : len(ids)] = torch.tensor(lps)
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+        # the logits that predict completion token j of row i sit at position len(prompt_i) - 1 + j
+        starts = torch.tensor([len(p) - 1 for _, p, _, _, _, _ in chunk], device=logits.device)
+        index = (starts.unsqueeze(1) + torch.arange(length, device=logits.device)).clamp(max=width - 1)
+        picked = logits.gather(1, index.unsqueeze(-1).expand(n, length, logits.shape[-1]))
+        check = mask.clone()
+        if self.fraction < 1.0:
+            generator = torch.Generator().manual_seed(self._rng.getrandbits(63))
+            check &= torch.rand((n, length), generator=generator) < self.fraction
+        results = check_completions(
+            picked,
+            tokens,
+            mask,
+            logprobs,
+            temperature=t,
+            seeds=torch.tensor([r[4] for r in chunk], dtype=torch.int64),
+            sequences=torch.tensor([r[5] for r in chunk], dtype=torch.int64),
+            margin=torch.tensor([self.margin * (1 + leases[r[0]].lag) for r in chunk]),
+            check=check,
+        )
+        for (lease_id, _, ids, _, _, _), result in zip(chunk, results):
+            self._add(leases[lease_id], result, len(ids))
+
+    @staticmethod
+    def _add(lease: LeaseCheck, result: CheckResult, num_tokens: int) -> None:
+        """Fold one completion's check into its lease."""
+        lease.checked += result.checked
+        lease.mismatches += result.mismatches
+        lease.near += result.near
+        lease.worst_gap = max(lease.worst_gap, result.worst_gap)
+        if result.checked:
+            lease.worst_completion_rate = max(lease.worst_completion_rate, result.mismatches / result.checked)
+        lease.tokens += num_tokens
+        lease.logprob_error_sum += result.logprob_error * num_tokens
+        lease.max_logprob_error = max(lease.max_logprob_error, result.max_logprob_error)
+
+    def _verdict(self, lease: LeaseCheck) -> str | None:
+        margin = self.margin * (1 + lease.lag)
+        if lease.early_stops:
+            return f"{lease.early_stops} completion(s) stopped before max_new_tokens without an end-of-sequence token"
+        if lease.mismatches and (self.max_mismatch_rate == 0 or lease.worst_completion_rate > self.max_mismatch_rate):
+            return (
+                "tokens are not the replayable sampler's choice: a completion has "
+                f"{lease.worst_completion_rate:.0%} of its positions off, up to {lease.worst_gap:.2f} nats behind "
+                f"(margin {margin:.2f} at lag {lease.lag})"
+            )
+        tolerance = self.max_logprob_error * (1 + lease.lag)
+        if lease.logprob_error > tolerance:
+            return (
+                f"log-probabilities differ from the trainer's by {lease.logprob_error:.3f} nats per token on average "
+                f"(at most {tolerance:.3f} at lag {lease.lag})"
+            )
+        return None
+
+    def _count(self, lease: LeaseCheck) -> None:
+        stats = self.stats
+        stats.leases += 1
+        stats.completions += lease.completions
+        stats.positions += lease.checked
+        stats.mismatches += lease.mismatches
+        stats.near += lease.near
+        if lease.reason is not None:
+            stats.failed_leases += 1
+            stats.failures.append(lease.reason)
+        else:
+            stats.worst_passing_gap = max(stats.worst_passing_gap, lease.worst_gap)
+            stats.worst_passing_logprob_error = max(stats.worst_passing_logprob_error, lease.logprob_error)
+
+
+def stop_ids(tokenizer: Any, model: Any) -> set[int]:
+    """The tokens a completion may end on before ``max_new_tokens``: the tokenizer's end-of-sequence token and those
+    of the model's generation config (what the engines stop on)."""
+    ids: set[int] = set()
+    config = getattr(model, "generation_config", None)
+    for value in (getattr(tokenizer, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+@dataclass
+class Settled:
+    """A batch after :func:`settle`: its ``results`` (none stale, every worker's group checked), the ``newest``
+    version at the last look, and the seconds spent checking."""
+
+    results: list[GroupResult]
+    newest: int | None
+    verify_seconds: float
+
+
+def settle(
+    results: list[GroupResult],
+    groups: Sequence[Sequence[int]],
+    *,
+    client: RolloutClient,
+    verifier: RolloutVerifier | None,
+    model: torch.nn.Module,
+    max_lag: int,
+    temperature: float,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    regenerate: Callable[[list[int], bool], list[GroupResult]],
+    attempts: int,
+) -> Settled:
+    """Make a batch of results fit to train on: groups generated more than ``max_lag`` versions before the newest
+    are dropped (counted in the client's stats), groups of workers checked by ``verifier`` (None: not checked), and
+    the groups of a lease that fails the checks, or of a worker refused meanwhile, dropped too; every dropped group
+    is generated again by ``regenerate(indices, last)`` (the newest version may move meanwhile, so this repeats),
+    at most ``attempts`` times, then once more with ``last=True``, whose results (the trainer's own, ``version``
+    -1) are taken as they are. Each failed lease is reported with
+    :meth:`pulseloco.rollouts.client.RolloutClient.report_check_failure`. ``results[g]`` answers ``groups[g]``."""
+    results = list(results)
+    verified: set[int] = set()
+    seconds = 0.0
+    newest = client.newest_version()
+    for attempt in range(attempts + 1):
+        if attempt:
+            newest = client.newest_version()
+        stale = {i for i, r in enumerate(results) if r.version >= 0 and client.lag(r.version) > max_lag}
+        client.stats.stale_dropped += sum(len(results[i].completion_ids) for i in stale)
+        refused = client.stats.refusals
+        redo = stale | {i for i, r in enumerate(results) if r.version >= 0 and r.worker in refused}
+        todo = [i for i, r in enumerate(results) if r.version >= 0 and i not in verified and i not in redo]
+        if verifier is not None and todo:
+            started = time.perf_counter()
+            leases = verifier.check(
+                model,
+                [groups[i] for i in todo],
+                [results[i] for i in todo],
+                [client.lag(results[i].version) for i in todo],
+                temperature=temperature,
+                max_new_tokens=max_new_tokens,
+                stop_ids=stop_ids,
+            )
+            seconds += time.perf_counter() - started
+            for check in leases.values():
+                if check.reason is not None:
+                    client.report_check_failure(check.worker, check.lease_id, check.reason)
+            failed = {lease_id for lease_id, check in leases.items() if check.reason is not None}
+            redo |= {i for i in todo if results[i].lease_id in failed or results[i].worker in refused}
+        verified.update(i for i in todo if i not in redo)
+        if not redo:
+            break
+        indices = sorted(redo)
+        for i, result in zip(indices, regenerate(indices, attempt == attempts)):
+            results[i] = result
+    return Settled(results, newest, seconds)

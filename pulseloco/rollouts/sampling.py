@@ -1,0 +1,213 @@
+"""Replayable sampling: a keyed, counter-based Gumbel-max rule that a trainer can check at any position.
+
+Every completion of a lease is sampled as follows. At position ``t`` of the lease's completion ``i`` (prompt-major:
+``i = prompt * num_samples + sample``), with the lease's ``seed`` and temperature ``T``, the token is::
+
+    argmax_k  logits_k / T + g(seed, i, t, k)        g = -log(-log(u)),  u = (hash(seed, i, t, k) + 0.5) / 2**24
+
+where ``hash`` is a fixed integer mix (:func:`gumbel_noise`). The maximum of Gumbel-perturbed scores is an exact
+sample of ``softmax(logits / T)`` (the Gumbel-max trick), so the workers' completions are ordinary samples of the
+policy and their log-probabilities are ``log_softmax(logits / T)`` at the chosen token. But the noise is a function
+of ``(seed, i, t, k)`` alone: a trainer that has the logits of a completion (from the forward pass over it) can
+regenerate the noise for any position without replaying the others and recompute the choice
+(:func:`check_completions`). A worker that samples with other weights, another seed of its own (cherry-picking the
+best of several samples), or writes a chosen text, picks tokens that are not the perturbed argmax.
+
+Both engines sample with this rule: :class:`pulseloco.integrations.rollout.TransformersEngine` through a
+``transformers`` logits processor, :class:`pulseloco.integrations.vllm.VLLMEngine` through a vLLM logits processor.
+The processors (:func:`choose`) turn each row of logits into a row that is ``-inf`` except at the chosen token,
+whose value is that token's log-probability; the engines then decode greedily and report that value (vLLM's
+``processed_logits``, transformers' processed scores) as the sampling log-probability.
+
+The hash uses 32-bit lanes inside int64 tensors and never overflows, so it gives the same bits on every device;
+the noise is computed in float32, whose rounding (an ulp of ``log``) differs between devices far below the margin
+the checks allow.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckResult", "check_completions", "choose", "gumbel_noise", "perturbed_scores"]
+
+_MASK = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_TOKEN_SALT = 0x7F4A7C15
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """``x * constant mod 2**32`` for ``x`` in [0, 2**32) without int64 overflow (16-bit halves of the constant)."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+_TOKEN_KEYS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _token_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The per-token half of the hash, computed once per vocabulary size and device."""
+    key = (vocab_size, str(device))
+    cached = _TOKEN_KEYS.get(key)
+    if cached is None:
+        cached = _fmix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _TOKEN_SALT)
+        _TOKEN_KEYS[key] = cached
+    return cached
+
+
+def _keys(seed: torch.Tensor, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per (seed, sequence, position) row (int64 tensors of one shape; seed < 2**63)."""
+    seed_low, seed_high = seed & _MASK, (seed >> 32) & _MASK
+    key = _fmix32((position & _MASK) ^ _GOLDEN)
+    key = _fmix32(key ^ (sequence & _MASK))
+    key = _fmix32(key ^ seed_high)
+    return _fmix32(key ^ seed_low)
+
+
+def gumbel_noise(
+    seed: torch.Tensor | int, sequence: torch.Tensor | int, position: torch.Tensor | int, vocab_size: int
+) -> torch.Tensor:
+    """The Gumbel noise ``g(seed, i, t, k)`` for every token id ``k < vocab_size``: float32 of shape
+    ``(*rows, vocab_size)``, where ``seed``, ``sequence`` and ``position`` broadcast to ``rows`` (int64; a seed
+    is in [0, 2**63)). Deterministic: the same arguments give the same bits on any device."""
+    seed_t = torch.as_tensor(seed, dtype=torch.int64)
+    device = seed_t.device
+    sequence_t = torch.as_tensor(sequence, dtype=torch.int64, device=device)
+    position_t = torch.as_tensor(position, dtype=torch.int64, device=device)
+    seed_t, sequence_t, position_t = torch.broadcast_tensors(seed_t, sequence_t, position_t)
+    keys = _keys(seed_t, sequence_t, position_t).unsqueeze(-1)
+    tokens = _token_keys(vocab_size, device)
+    bits = _fmix32(keys ^ tokens) >> 8  # 24 bits: exact in float32
+    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(uniform))
+
+
+def perturbed_scores(
+    logits: torch.Tensor,
+    temperature: float,
+    seed: torch.Tensor | int,
+    sequence: torch.Tensor | int,
+    position: torch.Tensor | int,
+) -> torch.Tensor:
+    """``logits / temperature + g(seed, sequence, position, k)`` in float32 (``logits``: ``(*rows, vocab)``)."""
+    noise = gumbel_noise(seed, sequence, position, logits.shape[-1]).to(logits.device)
+    return logits.float() / temperature + noise.expand(logits.shape)
+
+
+def choose(
+    logits: torch.Tensor,
+    temperature: float | torch.Tensor,
+    seed: torch.Tensor,
+    sequence: torch.Tensor,
+    position: torch.Tensor,
+) -> torch.Tensor:
+    """The sampling rule for one step of a batch: ``logits`` ``(rows, vocab)``; per row its temperature (a number
+    or a ``(rows,)`` tensor), seed, sequence index and position. Returns a float32 ``(rows, vocab)`` tensor that
+    is ``-inf`` except at each row's chosen token, where it holds that token's log-probability under
+    ``softmax(logits / temperature)``: a greedy decoder picks the chosen token and reports its log-probability."""
+    temperature_t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    if temperature_t.dim() == 1:
+        temperature_t = temperature_t.unsqueeze(-1)
+    scaled = logits.float() / temperature_t
+    noise = gumbel_noise(seed.to(torch.int64), sequence, position, logits.shape[-1]).to(logits.device)
+    chosen = (scaled + noise).argmax(dim=-1, keepdim=True)
+    logprob = scaled.log_softmax(dim=-1).gather(-1, chosen)
+    out = torch.full_like(scaled, float("-inf"))
+    return out.scatter_(-1, chosen, logprob)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What :func:`check_completions` found in one completion.
+
+    ``checked``: positions whose choice was recomputed; ``mismatches``: of those, positions where the completion's
+    token is not the perturbed argmax and trails it by more than the margin; ``near``: positions where it is not
+    the argmax but within the margin (ignored; counted to measure the margin); ``worst_gap``: the largest gap
+    (perturbed score of the argmax minus that of the completion's token) over the checked positions;
+    ``logprob_error``: the mean absolute difference between the worker's log-probabilities and the trainer's;
+    ``max_logprob_error``: the largest one.
+    """
+
+    checked: int
+    mismatches: int
+    near: int
+    worst_gap: float
+    logprob_error: float
+    max_logprob_error: float
+
+
+@torch.no_grad()
+def check_completions(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    logprobs: torch.Tensor,
+    *,
+    temperature: float,
+    seeds: torch.Tensor,
+    sequences: torch.Tensor,
+    margin: float | torch.Tensor,
+    check: torch.Tensor | None = None,
+) -> list[CheckResult]:
+    """Check completions against the trainer's own logits.
+
+    ``logits``: ``(n, length, vocab)``, the trainer's logits that predict each completion token; ``tokens``,
+    ``mask`` (1 for a real token) and the worker's ``logprobs``: ``(n, length)``; ``seeds`` and ``sequences``: the
+    lease seed and the sequence index ``i`` of each completion (``(n,)``); ``margin``: one for all, or one per
+    completion (``(n,)``). ``check``: the positions whose choice is
+    recomputed (a boolean ``(n, length)`` subset of ``mask``; default: all of them). Returns one
+    :class:`CheckResult` per completion; it never raises for what a worker sent (the caller decides).
+    """
+    n, length, vocab = logits.shape
+    device = logits.device
+    mask = mask.to(device=device, dtype=torch.bool)
+    check = mask if check is None else (check.to(device=device, dtype=torch.bool) & mask)
+    tokens = tokens.to(device=device, dtype=torch.int64).clamp(0, vocab - 1)
+    positions = torch.arange(length, device=device).expand(n, length)
+    scaled = logits.float() / temperature
+    own = scaled.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    error = (own - logprobs.to(device=device, dtype=torch.float32)).abs().masked_fill(~mask, 0.0)
+    gaps = torch.zeros((n, length), dtype=torch.float32, device=device)
+    rows, cols = check.nonzero(as_tuple=True)
+    if rows.numel():
+        seed_rows = seeds.to(device=device, dtype=torch.int64)[rows]
+        sequence_rows = sequences.to(device=device, dtype=torch.int64)[rows]
+        chunk = max(1, (1 << 24) // max(vocab, 1))  # bounds the noise tensor to about 64 MiB
+        for start in range(0, rows.numel(), chunk):
+            r, c = rows[start : start + chunk], cols[start : start + chunk]
+            scores = scaled[r, c] + gumbel_noise(
+                seed_rows[start : start + chunk], sequence_rows[start : start + chunk], positions[r, c], vocab
+            )
+            top = scores.max(dim=-1).values
+            mine = scores.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
+            gaps[r, c] = top - mine
+    results = []
+    counts = mask.sum(-1).clamp(min=1)
+    margins = torch.as_tensor(margin, dtype=torch.float32).expand(n).tolist()
+    for row in range(n):
+        row_gaps = gaps[row][check[row]]
+        results.append(
+            CheckResult(
+                checked=int(check[row].sum()),
+                mismatches=int((row_gaps > margins[row]).sum()),
+                near=int(((row_gaps > 0) & (row_gaps <= margins[row])).sum()),
+                worst_gap=float(row_gaps.max()) if row_gaps.numel() else 0.0,
+                logprob_error=float(error[row].sum() / counts[row]),
+                max_logprob_error=float(error[row].max()) if length else 0.0,
+            )
+        )
+    return results
