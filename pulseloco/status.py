@@ -32,7 +32,10 @@ object kind nobody holds) within the probe timeout.
 
 A rollout worker's *lag* is the head version minus the version it serves (None while the head is unknown or the
 worker holds no version yet). Workers are shown, never counted in the exit code; their records are unsigned hints
-(a malformed one is skipped and counted in :attr:`SwarmStatus.malformed_workers`).
+(a malformed one is skipped and counted in :attr:`SwarmStatus.malformed_workers`). Workers a trainer refused for the
+run (its completions failed the trainer's checks, or its replies the protocol's) are listed with the trainer and the
+reason, from the trainers' records (``pulseloco:<sync run>:refused_workers``,
+:func:`pulseloco.rollouts.protocol.refused_key`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulseloco.errors import PayloadError, UnauthorizedError
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
-from pulseloco.rollouts.protocol import parse_worker_record, workers_key
+from pulseloco.rollouts.protocol import parse_refusals, parse_worker_record, refused_key, workers_key
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +137,16 @@ class WorkerReport:
     max_new_tokens: int
 
 
+@dataclass(frozen=True)
+class RefusalReport:
+    """A rollout worker that a trainer refused for the rest of the run, and why (the trainer's record under
+    :func:`pulseloco.rollouts.protocol.refused_key`)."""
+
+    worker: str
+    trainer: str
+    reason: str
+
+
 @dataclass
 class SwarmStatus:
     """Everything ``pulseloco status`` found for a run; :attr:`exit_code` applies the module's agreement rule."""
@@ -157,6 +170,8 @@ class SwarmStatus:
     """The DHT key the worker records were read from (None when no run id had any)."""
     malformed_workers: int = 0
     """Worker records skipped there because they were malformed."""
+    refused: list[RefusalReport] = field(default_factory=list)
+    """Workers the trainers refused (failed checks or bad replies), by worker then trainer."""
 
     @property
     def disagreeing(self) -> list[PeerReport]:
@@ -333,6 +348,29 @@ def _workers_status(report: SwarmStatus, dht: Any, timeout: float) -> None:
         return
 
 
+def _refusals_status(report: SwarmStatus, dht: Any, timeout: float) -> None:
+    """Fill the refused workers of ``report`` from the trainers' records of each PULSESync run id looked up."""
+    for run_id in report.sync_run_ids:
+        key = refused_key(run_id)
+        try:
+            found = dht.get(key, latest=True, return_future=True).result(timeout)
+        except Exception as exc:  # a timeout, a DHT shutting down: report what we have, never raise
+            logger.warning("DHT lookup failed key=%s error=%r", key, exc)
+            continue
+        if found is None or not isinstance(found.value, dict):
+            continue
+        for trainer, item in found.value.items():
+            refusals = parse_refusals(getattr(item, "value", None))
+            if not (isinstance(trainer, str) and 0 < len(trainer) <= _MAX_PEER_ID and trainer.isprintable()):
+                continue
+            for worker, reason in (refusals or {}).items():
+                printable = "".join(c if c.isprintable() else "?" for c in reason)
+                report.refused.append(RefusalReport(worker, trainer, printable))
+        if report.refused:
+            report.refused.sort(key=lambda r: (r.worker, r.trainer))
+            return
+
+
 def collect_status(
     dht: Any,
     run_id: str = DEFAULT_RUN_ID,
@@ -376,6 +414,7 @@ def collect_status(
     )
     _sync_status(report, dht, public_key, timeout, probe_timeout)
     _workers_status(report, dht, timeout)
+    _refusals_status(report, dht, timeout)
     logger.info(
         "status run=%s peers=%d reference_round=%s disagree=%d sync_run=%s providers=%d workers=%d",
         run_id,
@@ -423,6 +462,17 @@ def _worker_lines(report: SwarmStatus) -> list[str]:
             f"  {w.peer_id:<{width}}  {w.engine:<{engine_width}}  {version:>7}  {lag:>6}  {w.tokens_per_s:>8.1f}  "
             f"{w.samples_per_s:>9.2f}  {w.queue:>5}  {w.served:>6}"
         )
+    return lines
+
+
+def _refusal_lines(report: SwarmStatus) -> list[str]:
+    """The refused workers' part of :func:`render_text` (nothing when no trainer refused any)."""
+    if not report.refused:
+        return []
+    workers = sorted({r.worker for r in report.refused})
+    lines = [f"refused rollout workers: {len(workers)} (their completions failed a trainer's checks)"]
+    for r in report.refused:
+        lines.append(f"  {r.worker} by trainer {r.trainer}: {r.reason}")
     return lines
 
 
@@ -502,6 +552,7 @@ def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
                 lines.append(f"  {prov.peer_id:<{width}}  {role:<9}  {_versions(prov)}{reach}")
 
     lines.extend(_worker_lines(report))
+    lines.extend(_refusal_lines(report))
     if not report.peers:
         lines.append("verdict: nothing to compare (no PULSELoCo state records)")
     elif report.disagreeing:

@@ -161,7 +161,6 @@ class _Behaviour:
             return [Completion([1] * length, [-1.0] * length) for _ in completions]
         return completions
 
-
     def _dishonest(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None) -> Any:
         from pulseloco.integrations.rollout import Completion, TransformersEngine
 
@@ -176,7 +175,9 @@ class _Behaviour:
                     for param in model.parameters():
                         param.add_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.05)
                 self.other = TransformersEngine(model, engine.tokenizer, shadow=False)
-            return self.other.generate_ids(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+            return self.other.generate_ids(
+                prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+            )
         if self.mode == "cherry_pick":
             candidates = [
                 engine.generate_ids(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=1000 + k)

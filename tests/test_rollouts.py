@@ -744,6 +744,45 @@ def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm) 
 
 
 @pytest.mark.timeout(120)
+def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swarm) -> None:
+    """A trainer that does not publish follows the published versions (VersionStates: a non-relaying Subscriber on
+    its own DHT peer, BF16 copies of the newest few): a batch generated at version v and checked after two more
+    versions is checked with v's weights (pinned, gaps within BF16 rounding), where the trainer's own newer weights
+    would be off by more. A version older than every one held is not waited for."""
+    from pulseloco.integrations.verify import RolloutVerifier, VersionStates
+
+    template = {n: t for n, t in swarm.model.state_dict().items() if t.is_floating_point()}
+    trainer_dht = start_dht(maddrs(swarm.dht))  # another peer: this process publishes, and cannot fetch from itself
+    states = VersionStates(trainer_dht, POLICY, swarm.key.public_key(), template, keep=4)
+    try:
+        wait_for(lambda: states.get(swarm.version) is not None, 30, f"version {swarm.version} held")
+        with swarm.client(max_refusals=1, lease_timeout=30, rollout_timeout=30) as client:
+            swarm.wait_for_records(client)
+            groups = random_prompts(8, seed=30)
+            results = client.submit(groups, num_samples=2, max_new_tokens=LEASE_TOKENS, temperature=1.0).result(90)
+            generated = swarm.version
+            for _ in range(2):
+                swarm.publish()
+            wait_for(lambda: states.get(swarm.version) is not None, 30, f"version {swarm.version} held")
+            assert states.versions()[-3:] == [generated, generated + 1, generated + 2]
+            assert bf16_digest(states.get(generated)) == swarm.digests[generated]
+            options = {"temperature": 1.0, "max_new_tokens": LEASE_TOKENS, "stop_ids": {EOS}}
+            pinned = RolloutVerifier(margin=0.05, states=states, record_gaps=True)
+            checks = pinned.check(swarm.model, groups, results, [2] * len(results), **options)
+            assert all(c.pinned and c.reason is None for c in checks.values()), checks
+            assert pinned.stats.pinned_leases == len(checks) and pinned.stats.mismatches == 0
+            newer = RolloutVerifier(margin=0.05, record_gaps=True)  # the trainer's weights, two versions on
+            newer.check(swarm.model, groups, results, [0] * len(results), **options)
+            assert max(newer.gaps or [0]) > max(pinned.gaps or [0])
+        started = time.monotonic()
+        assert states.wait(generated - 5, timeout=10) is None and time.monotonic() - started < 1
+    finally:
+        states.close()
+        trainer_dht.shutdown()
+    swarm.sync()
+
+
+@pytest.mark.timeout(120)
 def test_a_worker_killed_mid_lease_costs_at_most_its_lease_timeout(swarm: Swarm) -> None:
     """B takes its leases, starts generating slowly and is SIGKILLed with its DHT and daemon: its leases go to A,
     the batch completes with every group answered once, within the lease timeout and a margin. (Runs last among

@@ -22,8 +22,16 @@ from sync_helpers import maddrs, start_dht, wait_for
 
 from pulseloco.cli import main
 from pulseloco.loco.matchmaking import Matchmaker, PeerState
-from pulseloco.rollouts.protocol import WorkerInfo, workers_key
-from pulseloco.status import SwarmStatus, WorkerReport, classify_peers, collect_status, render_text, to_json
+from pulseloco.rollouts.protocol import WorkerInfo, refused_key, workers_key
+from pulseloco.status import (
+    RefusalReport,
+    SwarmStatus,
+    WorkerReport,
+    classify_peers,
+    collect_status,
+    render_text,
+    to_json,
+)
 from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import generate_key, load_public_key, save_keypair
 from pulseloco.sync.transport import SwarmEndpoint
@@ -37,6 +45,7 @@ GOOD_WORKER = "12D3KooWGoodWorkerAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"
 FRESH_WORKER = "12D3KooWFreshWorkerBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
 BAD_WORKER = "12D3KooWBadWorkerCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 ESCAPE_WORKER = "12D3KooWEscapeWorkerDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDD"
+TRAINER = "12D3KooWTrainerFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFF"
 GOOD_INFO = WorkerInfo("transformers", 1, 123.4, 5.5, 2, 17, 64)
 """Serves v1 while the head is v2: lag 1."""
 FRESH_INFO = WorkerInfo("vllm", -1, 0.0, 0.0, 0, 0, 128)
@@ -137,6 +146,20 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
             return found is not None and isinstance(found.value, dict) and len(found.value) == len(worker_records)
 
         wait_for(_workers_stored, 20, "four worker records")
+        # refusals as RolloutClient.refuse stores them (one record per trainer), and a stranger's malformed one
+        refusals = {
+            TRAINER: {BAD_WORKER: "tokens are not the replayable sampler's choice\x1b[2J"},
+            "12D3KooWStrangerTrainerEEEEEEEEEEEEEEEEEEEEEEEEEEEE": {"x" * 200: 7},  # malformed: skipped
+        }
+        for subkey, record in refusals.items():
+            assert dht_c.store(
+                refused_key(f"{AGREE_RUN}.policy"), record, expiration_time=get_dht_time() + 600, subkey=subkey
+            )
+        wait_for(
+            lambda: len(getattr(bootstrap.get(refused_key(f"{AGREE_RUN}.policy"), latest=True), "value", {})) == 2,
+            20,
+            "two refusal records",
+        )
         yield Swarm(
             bootstrap, peers, publisher.endpoint.peer_id.to_base58(), ghost_id, public_key, other_key, initial[0]
         )
@@ -293,6 +316,12 @@ def test_collect_status_lists_rollout_workers_with_their_lag(swarm: Swarm) -> No
         (FRESH_WORKER, -1, None),
     ]
     assert as_json["malformed_workers"] == 2
+    # the workers a trainer refused, with its reason (terminal escapes replaced), a malformed record skipped
+    reason = "tokens are not the replayable sampler's choice?[2J"
+    assert report.refused == [RefusalReport(BAD_WORKER, TRAINER, reason)]
+    assert "refused rollout workers: 1 (their completions failed a trainer's checks)" in text
+    assert f"  {BAD_WORKER} by trainer {TRAINER}: {reason}" in text.splitlines()
+    assert as_json["refused"] == [{"worker": BAD_WORKER, "trainer": TRAINER, "reason": reason}]
 
     # workers but no head (publisher gone, or not started): listed from the run ids looked up, no lag
     report = collect_status(swarm.bootstrap, WORKERS_ONLY_RUN, probe_timeout=None)

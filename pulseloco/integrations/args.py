@@ -309,7 +309,11 @@ class RolloutArguments:
         ),
     )
     verify_fraction: float = field(
-        default=1.0, metadata=_help("Fraction of positions whose sampling choice is recomputed (drawn at random).")
+        default=1.0,
+        metadata=_help(
+            "Fraction of each lease's completions checked, drawn at random (at least one): the check's forward pass "
+            "shrinks with it, and a worker cheating on few completions is caught less surely."
+        ),
     )
     max_refusals: int = field(
         default=3,

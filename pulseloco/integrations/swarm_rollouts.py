@@ -27,6 +27,13 @@ TRL then decodes the completions and computes the rewards itself: a worker's own
   PULSESync (:class:`PulseSyncCallback`). Sampling is plain temperature: TRL's ``top_p``, ``top_k``, ``min_p`` and
   ``repetition_penalty`` must be off, since the workers' log-probabilities would otherwise not be those of the
   distribution sampled from.
+- **Checks**: before TRL sees a worker's completions, the trainer checks them
+  (:class:`pulseloco.integrations.verify.RolloutVerifier`): every token must be the replayable sampler's choice
+  (:mod:`pulseloco.rollouts.sampling`) under the weights of the version the lease claims (followed here by a
+  :class:`pulseloco.integrations.verify.VersionStates`), every log-probability near the trainer's, and a completion
+  may end early only on an end-of-sequence token. The groups of a lease that fails are generated again by other
+  workers; a worker whose leases fail ``max_refusals`` times is refused for the run (logged, in the metrics, and in
+  the DHT for ``pulseloco status``), so a dishonest worker's completions never reach the loss.
 - **No workers**: after ``rollout_timeout`` seconds without a usable worker, ``fallback="local"`` generates the
   batch with the trainer's own model (saying so), and ``fallback="wait"`` keeps waiting with a warning every
   ``rollout_timeout`` seconds.
@@ -55,7 +62,7 @@ from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback, _JsonLines
-from pulseloco.integrations.verify import RolloutVerifier, settle, stop_ids
+from pulseloco.integrations.verify import RolloutVerifier, VersionStates, settle, stop_ids
 from pulseloco.rollouts.client import GroupResult, NoWorkersError, RolloutClient
 from pulseloco.swarm import SwarmConfig
 
@@ -190,6 +197,7 @@ class SwarmRollouts:
         self._pending: _Pending | None = None
         self._predictions: Iterator[list[Any]] | None = None
         self._local_engine: Any | None = None
+        self._states: VersionStates | None = None
         self._started = False
 
     # ---- TRL's entry point --------------------------------------------------------------------------------
@@ -262,6 +270,17 @@ class SwarmRollouts:
             max_refusals=self.max_refusals,
             seed=args.seed,
         )
+        if self.verifier is not None and self.verifier.states is None:
+            # the published versions' own weights, so that each lease is checked with the version it claims: handed
+            # over by this process's publisher, else followed like a worker follows them
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            template = {n: t for n, t in model.state_dict().items() if t.is_floating_point()}
+            publishers = [c for c in callbacks if isinstance(c, PulseSyncCallback) and c.signing_key is not None]
+            follow = None if publishers else self.dht
+            states = VersionStates(follow, f"{self.run_id}.policy", self.public_key, template, keep=self.max_lag + 2)
+            for callback in publishers:
+                callback.add_version_listener(states.add)
+            self.verifier.states = self._states = states
         trainer.add_callback(_CloseAtEnd(self))
         print(
             f"rollouts: from the swarm's workers of run_id={self.run_id}.policy max_lag={self.max_lag} "
@@ -487,6 +506,8 @@ class SwarmRollouts:
             "near": v.near,
             "worst_passing_gap": round(v.worst_passing_gap, 5),
             "worst_passing_logprob_error": round(v.worst_passing_logprob_error, 5),
+            "pinned_leases": v.pinned_leases,
+            "unverifiable_leases": v.unverifiable_leases,
             "last_failure": v.failures[-1] if v.failures else None,
         }
 
@@ -495,6 +516,9 @@ class SwarmRollouts:
         if self._pending is not None:
             self._pending.future.cancel()
             self._pending = None
+        if self._states is not None:
+            self._states.close()
+            self._states = None
         if self.client is not None:
             self.client.close()
             self.client = None

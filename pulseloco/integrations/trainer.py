@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,6 +322,10 @@ class PulseSyncCallback(TrainerCallback):
         self._step = 0
         self._loco: PulseLoCo | None = None  # that of a PulseLoCoCallback on the same model, once attached
         self._round_at_step_begin: tuple[int, int] | None = None  # (round, inner step) when the step began
+        #: called with (version, BF16 state) after each version this process publishes (the trainer's own check
+        #: of rollouts keeps them: :class:`pulseloco.integrations.verify.VersionStates`)
+        self.version_listeners: list[Callable[[int, dict[str, torch.Tensor]], None]] = []
+        self._last_published: tuple[int, int] | None = None  # (version, step) of the last version published
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -433,8 +438,25 @@ class PulseSyncCallback(TrainerCallback):
         if self.metrics is not None:
             self.metrics.write(event="publish", version=version, digest=digest, patch_bytes=patch_bytes)
 
+    def add_version_listener(self, listener: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+        """Call ``listener(version, BF16 state)`` after each version this process publishes from now on, and at once
+        for the last one when the model has not taken a step since (a version published at train begin)."""
+        self.version_listeners.append(listener)
+        last = self._last_published
+        if last is not None and last[1] == self._step and self._model is not None:
+            from pulseloco.sync.publisher import bf16_snapshot
+
+            listener(last[0], bf16_snapshot(self._model))
+
     def _publish(self, why: str) -> None:
         if self.publisher is None or self._model is None or self._closed:
             return
         version = self.publisher.publish(self._model)
         logger.info("queued version=%d step=%d reason=%s", version, self._step, why)
+        self._last_published = (version, self._step)
+        if self.version_listeners:
+            from pulseloco.sync.publisher import bf16_snapshot
+
+            state = bf16_snapshot(self._model)  # the values the publisher signs as this version
+            for listener in self.version_listeners:
+                listener(version, state)

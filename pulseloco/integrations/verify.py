@@ -7,13 +7,19 @@ sampled by a replayable rule (:mod:`pulseloco.rollouts.sampling`): at each posit
 the token id. :class:`RolloutVerifier` runs the trainer's model over the completions (one forward pass without
 gradients, in chunks) and, from its logits:
 
-- recomputes the choice at every position (or at a random ``fraction`` of them, drawn by the trainer, so a worker
-  cannot know which), and counts a *mismatch* where the worker's token trails the perturbed argmax by more than
-  ``margin`` (scaled by ``1 + lag``: the trainer's weights are up to ``lag`` versions newer than the worker's, and a
-  trainer's own inner steps move them further). Positions within the margin are counted as *near* (numeric
-  differences between engines and devices, measured by ``scripts/bench_verify.py``);
-- compares the worker's per-token log-probabilities with its own: their mean absolute difference over a lease must
-  stay below ``max_logprob_error`` (also scaled by ``1 + lag``), since they feed TRL's importance-sampling ratio;
+- recomputes the choice at every position of every completion (or of a random ``fraction`` of each lease's
+  completions, at least one, drawn by the trainer so that a worker cannot know which: the forward pass, the check's
+  cost, shrinks in proportion, and a worker that cheats on a share ``s`` of a lease's ``n`` completions is then
+  caught with probability about ``1 - (1 - fraction) ** (s n)``), and counts a *mismatch* where the worker's token
+  trails the perturbed argmax by more than ``margin``. The logits come from the weights of the version the lease claims when the trainer holds them
+  (:class:`VersionStates` follows the published versions): the margin then covers only numeric differences
+  between engines and devices (measured by ``scripts/bench_verify.py``). Otherwise they come from the trainer's
+  own weights, which are up to ``lag`` versions newer (and moved by its own inner steps), and the margin is scaled
+  by ``1 + lag``: a weaker check, counted apart in the stats (``pinned_leases``). Positions within the margin are
+  counted as *near*;
+- compares the worker's per-token log-probabilities with those of the same weights: their mean absolute difference
+  over a lease must stay below ``max_logprob_error`` (scaled by ``1 + lag`` when not pinned), since they feed TRL's
+  importance-sampling ratio;
 - checks that a completion shorter than ``max_new_tokens`` ends with an end-of-sequence token (a worker may not cut
   a sample where it likes).
 
@@ -29,8 +35,10 @@ lease); errors of the trainer's own model propagate.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,10 +51,99 @@ from pulseloco.rollouts.sampling import CheckResult, check_completions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeaseCheck", "RolloutVerifier", "Settled", "VerifyStats", "settle", "stop_ids"]
+__all__ = ["LeaseCheck", "RolloutVerifier", "Settled", "VerifyStats", "VersionStates", "settle", "stop_ids"]
 
 #: Logits held at once per chunk of the forward pass (elements; 2**27 float32 values are 512 MiB).
 MAX_CHUNK_LOGITS = 1 << 27
+
+
+class VersionStates:
+    """The published BF16 weights of the newest ``keep`` versions, for checking each lease with its own version.
+
+    A thread follows the PULSESync run ``run_id`` (a :class:`pulseloco.sync.subscriber.Subscriber` that does not
+    relay, so a trainer uploads nothing for it) on a BF16 copy of ``template`` (the trainer's state dict: the names
+    and shapes the publisher signs) and keeps a copy of the state at each version it reaches. With ``dht=None``
+    nothing is followed: the publisher's own process hands each version it publishes to :meth:`add` (it cannot
+    fetch from itself). It reaches the head
+    every ``poll`` seconds, so a version published and superseded between two looks is not held; a lease of such a
+    version is checked with the trainer's weights instead. Memory: ``keep + 1`` BF16 copies of the weights.
+
+    Failure behaviour: a version that cannot be fetched or verified is logged and retried at the next look; never
+    raises into the trainer. :meth:`close` stops the thread (bounded).
+    """
+
+    def __init__(
+        self,
+        dht: Any | None,
+        run_id: str,
+        public_key: Any,
+        template: dict[str, torch.Tensor],
+        *,
+        keep: int = 3,
+        poll: float = 0.2,
+    ) -> None:
+        self.keep = max(1, keep)
+        self.poll = poll
+        self._held: dict[int, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.subscriber: Any = None
+        self._thread: threading.Thread | None = None
+        if dht is not None:
+            from pulseloco.sync.subscriber import Subscriber
+
+            self.state = {n: t.detach().to(device="cpu", dtype=torch.bfloat16).clone() for n, t in template.items()}
+            self.subscriber = Subscriber(dht, run_id, public_key, relay=False)
+            self._thread = threading.Thread(target=self._follow, name="verify-versions", daemon=True)
+            self._thread.start()
+
+    def add(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Hold ``state`` as ``version`` (a publisher's own versions: :attr:`PulseSyncCallback.version_listeners
+        <pulseloco.integrations.trainer.PulseSyncCallback.version_listeners>`); the oldest beyond ``keep`` go."""
+        with self._lock:
+            self._held[version] = state
+            for old in sorted(self._held)[: -self.keep]:
+                del self._held[old]
+
+    def get(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The BF16 state of ``version`` (None when not held)."""
+        with self._lock:
+            return self._held.get(version)
+
+    def wait(self, version: int, timeout: float) -> dict[str, torch.Tensor] | None:
+        """The state of ``version``, waiting up to ``timeout`` s for it (a version just published is fetched within
+        a poll or two); None at once for a version older than every one held."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                state = self._held.get(version)
+                older = bool(self._held) and version < min(self._held)
+            if state is not None or older or time.monotonic() >= deadline or self._stop.is_set():
+                return state
+            time.sleep(0.05)
+
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted(self._held)
+
+    def _follow(self) -> None:
+        while not self._stop.is_set():
+            try:
+                report = self.subscriber.update_report(self.state)
+            except Exception as exc:  # a provider gone or a bad object: the subscriber kept its version; retry
+                logger.warning("verification could not follow the published versions: %r", exc)
+                report = None
+            if report is not None:
+                self.add(report.version, {name: t.clone() for name, t in self.state.items()})
+            self._stop.wait(self.poll)
+
+    def close(self) -> None:
+        """Stop following (bounded; never raises)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self.subscriber is not None:
+            self.subscriber.close()
 
 
 @dataclass
@@ -66,6 +163,8 @@ class LeaseCheck:
     tokens: int = 0
     max_logprob_error: float = 0.0
     early_stops: int = 0
+    pinned: bool = False
+    unverifiable: bool = False
     reason: str | None = None
 
     @property
@@ -88,6 +187,8 @@ class VerifyStats:
     seconds: float = 0.0
     worst_passing_gap: float = 0.0
     worst_passing_logprob_error: float = 0.0
+    pinned_leases: int = 0
+    unverifiable_leases: int = 0
     failures: list[str] = field(default_factory=list)
 
 
@@ -99,8 +200,13 @@ class RolloutVerifier:
         max_mismatch_rate: the fraction of a completion's checked positions that may mismatch before its lease
             fails (0: none may).
         max_logprob_error: the largest mean absolute log-probability difference (nats per token) a lease may have.
-        fraction: the fraction of positions whose choice is recomputed (1.0: all).
+        fraction: the fraction of each lease's completions checked (1.0: all; at least one per lease).
         seed: seeds the choice of positions.
+        record_gaps: keep every checked position's gap in :attr:`gaps` (to measure the margin).
+        states: the published versions' weights (:class:`VersionStates`): a lease is checked with the weights of the
+            version it claims (a BF16 copy of the model) and the margin alone; one whose version is not held within
+            ``states_wait`` seconds is *unverifiable* (generated again, held against nobody). Without ``states``,
+            leases are checked with the trainer's weights and a margin scaled by the lag.
     """
 
     def __init__(
@@ -111,6 +217,9 @@ class RolloutVerifier:
         max_logprob_error: float = 0.25,
         fraction: float = 1.0,
         seed: int = 0,
+        record_gaps: bool = False,
+        states: VersionStates | None = None,
+        states_wait: float = 5.0,
     ) -> None:
         if not margin >= 0 or not 0 <= max_mismatch_rate < 1 or not max_logprob_error > 0 or not 0 < fraction <= 1:
             raise ValueError(
@@ -121,6 +230,11 @@ class RolloutVerifier:
         self.max_logprob_error = max_logprob_error
         self.fraction = fraction
         self.stats = VerifyStats()
+        self.gaps: list[float] | None = [] if record_gaps else None
+        self.states = states
+        self.states_wait = states_wait
+        self._pinned_model: torch.nn.Module | None = None
+        self._pinned_version: int | None = None
         self._rng = random.Random(seed)
 
     @torch.no_grad()
@@ -147,18 +261,72 @@ class RolloutVerifier:
                 if len(ids) < max_new_tokens and (not ids or ids[-1] not in stop_ids):
                     lease.early_stops += 1
                 rows.append((result.lease_id, list(prompt), ids, logprobs, result.seed, result.sequence + offset))
-        was_training = model.training
-        model.eval()
-        try:
-            for chunk in self._chunks(rows, model):
-                self._check_chunk(model, chunk, leases, temperature)
-        finally:
-            model.train(was_training)
+        if self.fraction < 1.0:
+            rows = self._sample(rows)
+        # each lease is checked with its own version's weights when they are held (then the margin covers only
+        # numeric differences), else with the trainer's current weights and a margin scaled by the lag
+        snapshots = {}
+        if self.states is not None:
+            for result in results:
+                if result.version not in snapshots:
+                    snapshots[result.version] = self.states.wait(result.version, self.states_wait)
+        version_of = {r.lease_id: r.version for r in results}
+        for lease in leases.values():
+            if snapshots.get(version_of[lease.lease_id]) is not None:
+                lease.pinned, lease.lag = True, 0
+            elif self.states is not None:  # a version the trainer does not hold: generated again, nobody blamed
+                lease.unverifiable = True
+        groups: dict[int | None, list[Any]] = {}
+        for row in rows:
+            if not leases[row[0]].unverifiable:
+                groups.setdefault(version_of[row[0]] if leases[row[0]].pinned else None, []).append(row)
+        for pin, group in groups.items():
+            target = model if pin is None else self._pinned(model, pin, snapshots[pin])
+            was_training = target.training
+            target.eval()
+            try:
+                for chunk in self._chunks(group, target):
+                    self._check_chunk(target, chunk, leases, temperature)
+            finally:
+                target.train(was_training)
         for lease in leases.values():
             lease.reason = self._verdict(lease)
             self._count(lease)
         self.stats.seconds += time.perf_counter() - started
         return leases
+
+    def _pinned(self, model: torch.nn.Module, version: int, state: dict[str, torch.Tensor] | None) -> torch.nn.Module:
+        """A second model of ``model``'s class and config, in its dtype and on its device, holding ``state`` (the
+        published BF16 weights of ``version``); made once and reloaded when the version changes.
+
+        Built from the config, not copied: a trainer's model may carry a ``forward`` wrapped by ``accelerate``
+        (autocast, output conversion) in a closure over the original module, which a deep copy would keep
+        calling, so the copy would compute with the trainer's weights."""
+        assert state is not None  # noqa: S101 (only versions with a snapshot get here)
+        if self._pinned_model is None:
+            parameter = next(model.parameters())
+            with torch.device(parameter.device):
+                pinned = type(model)(copy.deepcopy(model.config))
+            self._pinned_model = pinned.to(dtype=parameter.dtype).eval()
+            self._pinned_version = None
+        if self._pinned_version != version:
+            with torch.no_grad():
+                for name, tensor in self._pinned_model.state_dict().items():
+                    if name in state:
+                        tensor.copy_(state[name])
+            self._pinned_version = version
+        return self._pinned_model
+
+    def _sample(self, rows: list[Any]) -> list[Any]:
+        """A random ``fraction`` of each lease's completions (at least one), drawn with the trainer's generator."""
+        by_lease: dict[str, list[Any]] = {}
+        for row in rows:
+            by_lease.setdefault(row[0], []).append(row)
+        kept = []
+        for lease_rows in by_lease.values():
+            count = max(1, round(self.fraction * len(lease_rows)))
+            kept.extend(self._rng.sample(lease_rows, count))
+        return kept
 
     def _chunks(self, rows: list[Any], model: torch.nn.Module) -> list[list[Any]]:
         vocab = int(getattr(model.config, "vocab_size", 0) or 1)
@@ -197,9 +365,6 @@ class RolloutVerifier:
         index = (starts.unsqueeze(1) + torch.arange(length, device=logits.device)).clamp(max=width - 1)
         picked = logits.gather(1, index.unsqueeze(-1).expand(n, length, logits.shape[-1]))
         check = mask.clone()
-        if self.fraction < 1.0:
-            generator = torch.Generator().manual_seed(self._rng.getrandbits(63))
-            check &= torch.rand((n, length), generator=generator) < self.fraction
         results = check_completions(
             picked,
             tokens,
@@ -210,6 +375,7 @@ class RolloutVerifier:
             sequences=torch.tensor([r[5] for r in chunk], dtype=torch.int64),
             margin=torch.tensor([self.margin * (1 + leases[r[0]].lag) for r in chunk]),
             check=check,
+            gaps_out=self.gaps,
         )
         for (lease_id, _, ids, _, _, _), result in zip(chunk, results):
             self._add(leases[lease_id], result, len(ids))
@@ -228,14 +394,17 @@ class RolloutVerifier:
         lease.max_logprob_error = max(lease.max_logprob_error, result.max_logprob_error)
 
     def _verdict(self, lease: LeaseCheck) -> str | None:
+        if lease.unverifiable:
+            return None
         margin = self.margin * (1 + lease.lag)
+        weights = "the claimed version's weights" if lease.pinned else f"the trainer's weights, lag {lease.lag}"
         if lease.early_stops:
             return f"{lease.early_stops} completion(s) stopped before max_new_tokens without an end-of-sequence token"
         if lease.mismatches and (self.max_mismatch_rate == 0 or lease.worst_completion_rate > self.max_mismatch_rate):
             return (
                 "tokens are not the replayable sampler's choice: a completion has "
                 f"{lease.worst_completion_rate:.0%} of its positions off, up to {lease.worst_gap:.2f} nats behind "
-                f"(margin {margin:.2f} at lag {lease.lag})"
+                f"(margin {margin:.2f}, {weights})"
             )
         tolerance = self.max_logprob_error * (1 + lease.lag)
         if lease.logprob_error > tolerance:
@@ -247,7 +416,11 @@ class RolloutVerifier:
 
     def _count(self, lease: LeaseCheck) -> None:
         stats = self.stats
+        if lease.unverifiable:
+            stats.unverifiable_leases += 1
+            return
         stats.leases += 1
+        stats.pinned_leases += lease.pinned
         stats.completions += lease.completions
         stats.positions += lease.checked
         stats.mismatches += lease.mismatches
@@ -331,7 +504,7 @@ def settle(
             for check in leases.values():
                 if check.reason is not None:
                     client.report_check_failure(check.worker, check.lease_id, check.reason)
-            failed = {lease_id for lease_id, check in leases.items() if check.reason is not None}
+            failed = {lease_id for lease_id, c in leases.items() if c.reason is not None or c.unverifiable}
             redo |= {i for i in todo if results[i].lease_id in failed or results[i].worker in refused}
         verified.update(i for i in todo if i not in redo)
         if not redo:

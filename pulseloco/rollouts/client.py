@@ -456,7 +456,7 @@ class RolloutClient:
         self.stats.check_failed += 1
         self.stats.check_failures[peer] += 1
         logger.warning(
-            "completions failed the checks worker=%s lease=%s reason=%s (%d of %d before refusal)",
+            "completions failed the checks worker=%s lease=%s reason=%s (failed leases %d, refused at %d)",
             peer,
             lease_id,
             reason,

@@ -92,8 +92,13 @@ def gumbel_noise(
     keys = _keys(seed_t, sequence_t, position_t).unsqueeze(-1)
     tokens = _token_keys(vocab_size, device)
     bits = _fmix32(keys ^ tokens) >> 8  # 24 bits: exact in float32
-    uniform = (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(uniform))
+    # u = (bits + 0.5) / 2**24. -log(u) is computed from whichever of u and 1 - u is below 1/2, where float32 holds
+    # it exactly (23 bits and a half): log(u) below, log1p(-(1 - u)) above, accurate to rounding even for u near 1
+    scale = 1.0 / (1 << 24)
+    low = (bits.to(torch.float32) + 0.5) * scale
+    high = (((1 << 24) - 1 - bits).to(torch.float32) + 0.5) * scale
+    neg_log = torch.where(bits < (1 << 23), -torch.log(low), -torch.log1p(-high))
+    return -torch.log(neg_log)
 
 
 def perturbed_scores(
@@ -162,6 +167,7 @@ def check_completions(
     sequences: torch.Tensor,
     margin: float | torch.Tensor,
     check: torch.Tensor | None = None,
+    gaps_out: list[float] | None = None,
 ) -> list[CheckResult]:
     """Check completions against the trainer's own logits.
 
@@ -169,7 +175,8 @@ def check_completions(
     ``mask`` (1 for a real token) and the worker's ``logprobs``: ``(n, length)``; ``seeds`` and ``sequences``: the
     lease seed and the sequence index ``i`` of each completion (``(n,)``); ``margin``: one for all, or one per
     completion (``(n,)``). ``check``: the positions whose choice is
-    recomputed (a boolean ``(n, length)`` subset of ``mask``; default: all of them). Returns one
+    recomputed (a boolean ``(n, length)`` subset of ``mask``; default: all of them). ``gaps_out``: a list that
+    receives the gap of every checked position (to measure the margin). Returns one
     :class:`CheckResult` per completion; it never raises for what a worker sent (the caller decides).
     """
     n, length, vocab = logits.shape
@@ -195,6 +202,8 @@ def check_completions(
             top = scores.max(dim=-1).values
             mine = scores.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
             gaps[r, c] = top - mine
+    if gaps_out is not None:
+        gaps_out.extend(gaps[check].tolist())
     results = []
     counts = mask.sum(-1).clamp(min=1)
     margins = torch.as_tensor(margin, dtype=torch.float32).expand(n).tolist()

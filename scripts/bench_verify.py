@@ -1,0 +1,213 @@
+#!/usr/bin/env python
+"""Measure the trainer's replay check of the rollout workers' sampling: its honest mismatch rate per engine, the
+margin it needs, and what it costs against a GRPO step.
+
+    source .venv/bin/activate
+    python scripts/bench_verify.py                     # the demo's warm model, both engines (~3 min on 2 cores)
+    python scripts/bench_verify.py --engines transformers --prompts 64 --samples 8
+    python scripts/bench_verify.py --model_name_or_path DIR --max-new-tokens 64
+
+What it does: loads the model (default: the demo's warm model, ``scripts/warm_model.py --size demo``) as a rollout
+worker would (BF16 weights; transformers in BF16, vLLM in BF16 and in FP32 on the same BF16 values) and as a trainer
+does (FP32), has each engine sample ``--samples`` completions of ``--prompts`` arithmetic problems with the
+replayable rule (:mod:`pulseloco.rollouts.sampling`, one lease seed), then runs the trainer's check
+(:class:`pulseloco.integrations.verify.RolloutVerifier`) on them with margin 0, so that every position whose token
+is not the trainer's perturbed argmax is counted with its gap. Reported per engine: positions, positions whose
+choice differs from the trainer's replay, the largest gap and its 99th percentile, the share of positions that
+would mismatch at a few margins, the largest mean and per-token log-probability error; then the check's seconds
+against a GRPO step on the same batch (a forward and backward pass of the trainer's model over it, as TRL's loss
+does, plus TRL's own no-gradient forward for the old log-probabilities when importance sampling is on).
+
+Output: a table on stdout and ``results/bench-verify/bench_verify.json`` / ``.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "recipes"))
+
+import tasks  # noqa: E402  (recipes/tasks.py)
+
+from pulseloco.integrations.verify import RolloutVerifier  # noqa: E402
+from pulseloco.rollouts.client import GroupResult  # noqa: E402
+
+ENGINES = ("transformers", "vllm-bf16", "vllm-fp32")
+MARGINS = (0.0, 0.01, 0.1, 1.0)
+
+
+def demo_model() -> str:
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "warm_model.py"), "--size", "demo"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip().splitlines()[-1].removeprefix("warm model: ")
+
+
+def make_engine(name: str, model: str) -> Any:
+    if name == "transformers":
+        from pulseloco.integrations.rollout import TransformersEngine
+
+        return TransformersEngine.from_pretrained(model)
+    from pulseloco.integrations.vllm import VLLMEngine
+
+    return VLLMEngine.from_pretrained(model, dtype="bfloat16" if name == "vllm-bf16" else "float32", max_model_len=128)
+
+
+def sample(engine: Any, prompts: list[list[int]], samples: int, args: argparse.Namespace) -> list[GroupResult]:
+    """One lease's worth: ``samples`` completions of each prompt, prompt-major, as a worker answers a lease."""
+    repeated = [p for p in prompts for _ in range(samples)]
+    completions = engine.generate_ids(
+        repeated, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed
+    )
+    results = []
+    for g in range(len(prompts)):
+        mine = completions[g * samples : (g + 1) * samples]
+        results.append(
+            GroupResult(
+                0, "", [c.token_ids for c in mine], [c.logprobs for c in mine], "w", "lease", args.seed, g * samples
+            )
+        )
+    return results
+
+
+def step_seconds(model: Any, prompts: list[list[int]], results: list[GroupResult], repeats: int = 3) -> float:
+    """A GRPO step's compute on this batch: TRL's no-gradient forward (old log-probabilities) plus a forward and
+    backward pass, the fastest of ``repeats``."""
+    rows = [p + c for p, r in zip(prompts, results) for c in r.completion_ids]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+        loss = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1).mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model_name_or_path", default=None, help="a Hugging Face model directory (default: demo)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=4, help="the demo's max_completion_length")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench-verify")
+    args = ap.parse_args(argv)
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines or args.prompts < 1 or args.samples < 1 or args.max_new_tokens < 1:
+        ap.error(f"--engines must name some of {', '.join(ENGINES)}; counts must be positive (got {unknown or ''})")
+    torch.manual_seed(0)
+    model_dir = args.model_name_or_path or demo_model()
+    from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    trainer = load_causal_lm(model_dir, dtype=torch.float32)  # the trainer's FP32 weights hold the BF16 values
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    spec = tasks.spec_for_model(model_dir, None, None)
+    problems = tasks.make_problems(spec, args.prompts, seed=args.seed)
+    prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in problems]
+    rows = []
+    for name in engines:
+        engine = make_engine(name, model_dir)
+        try:
+            results = sample(engine, prompts, args.samples, args)
+        finally:
+            if hasattr(engine, "close"):
+                engine.close()
+        verifier = RolloutVerifier(record_gaps=True)
+        started = time.perf_counter()
+        leases = verifier.check(
+            trainer,
+            prompts,
+            results,
+            [0] * len(results),
+            temperature=args.temperature,
+            max_new_tokens=args.max_new_tokens,
+            stop_ids=set(),
+        )
+        check_s = time.perf_counter() - started
+        gaps = verifier.gaps or []
+        step_s = step_seconds(trainer, prompts, results)
+        lease = next(iter(leases.values()))
+        off = [g for g in gaps if g > 0]
+        rows.append(
+            {
+                "engine": name,
+                "positions": len(gaps),
+                "differ": len(off),
+                "differ_rate": len(off) / max(len(gaps), 1),
+                "max_gap": max(off, default=0.0),
+                "p99_gap": quantile(off, 0.99),
+                "mismatch_rate_at": {str(m): sum(g > m for g in gaps) / max(len(gaps), 1) for m in MARGINS},
+                "mean_logprob_error": lease.logprob_error,
+                "max_logprob_error": lease.max_logprob_error,
+                "check_seconds": check_s,
+                "step_seconds": step_s,
+                "check_over_step": check_s / step_s,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    header = (
+        "| engine | positions | differ from replay | largest gap | mismatch at margin 0.1 / 1.0 | "
+        "logprob error mean / max | check s | step s | check / step |"
+    )
+    lines = [header, "|" + "---|" * 9]
+    for r in rows:
+        at = r["mismatch_rate_at"]
+        lines.append(
+            f"| {r['engine']} | {r['positions']} | {r['differ']} ({r['differ_rate']:.2%}) | {r['max_gap']:.4f} | "
+            f"{at['0.1']:.2%} / {at['1.0']:.2%} | {r['mean_logprob_error']:.4f} / {r['max_logprob_error']:.4f} | "
+            f"{r['check_seconds']:.3f} | {r['step_seconds']:.3f} | {r['check_over_step']:.1%} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "model": model_dir,
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}",
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+    }
+    (args.out / "bench_verify.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    (args.out / "bench_verify.md").write_text(f"`{meta['command']}` on {meta['machine']}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The replayable sampling rule (pulseloco/rollouts/sampling.py) and the trainer's check of it
+(pulseloco/integrations/verify.py), without a network: the hash against a plain-Python reference, the noise's
+counter-based property, the sampling distribution, the transformers engine's completions replayed exactly, and the
+check's verdicts on hand-made dishonest completions."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from rollout_helpers import save_tiny_model
+
+from pulseloco.integrations.rollout import TransformersEngine
+from pulseloco.integrations.verify import RolloutVerifier
+from pulseloco.rollouts import sampling
+from pulseloco.rollouts.client import GroupResult
+from pulseloco.rollouts.sampling import check_completions, choose, gumbel_noise
+
+MASK = 0xFFFFFFFF
+
+
+def fmix32(x: int) -> int:
+    """MurmurHash3's finalizer in plain Python integers (the reference for the int64-lane version)."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & MASK
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & MASK
+    return x ^ (x >> 16)
+
+
+def reference_noise(seed: int, sequence: int, position: int, token: int) -> float:
+    key = fmix32((position & MASK) ^ 0x9E3779B9)
+    key = fmix32(key ^ (sequence & MASK))
+    key = fmix32(key ^ ((seed >> 32) & MASK))
+    key = fmix32(key ^ (seed & MASK))
+    bits = fmix32(key ^ fmix32(token ^ 0x7F4A7C15)) >> 8
+    u = (bits + 0.5) / (1 << 24)
+    return -math.log(-math.log(u))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**32 + 7, 2**63 - 1])
+def test_the_noise_is_the_documented_hash_bit_for_bit(seed: int) -> None:
+    """The torch hash (32-bit lanes in int64, no overflow) equals plain integer arithmetic, at extreme seeds and
+    counters too; the float32 noise agrees with float64 to rounding."""
+    for sequence, position in [(0, 0), (5, 17), (2**31 + 3, 2**32 - 1)]:
+        got = gumbel_noise(seed, sequence, position, 300)
+        want = torch.tensor([reference_noise(seed, sequence, position, k) for k in range(300)], dtype=torch.float64)
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=2e-6)
+        assert sampling._fmix32(torch.tensor([2**32 - 1]))[0].item() == fmix32(2**32 - 1)
+
+
+def test_the_noise_of_any_position_is_regenerated_alone() -> None:
+    """Counter-based: the noise at (seed, i, t) is the same computed alone or among many rows; it changes with each
+    of seed, sequence, position and token, and is Gumbel distributed (mean Euler's constant, sd pi/sqrt(6))."""
+    seeds = torch.tensor([9, 9, 9, 10])
+    sequences = torch.tensor([0, 3, 3, 3])
+    positions = torch.tensor([4, 4, 5, 5])
+    together = gumbel_noise(seeds, sequences, positions, 64)
+    for row in range(4):
+        alone = gumbel_noise(int(seeds[row]), int(sequences[row]), int(positions[row]), 64)
+        assert torch.equal(alone, together[row])
+    assert len({tuple(r.tolist()) for r in together}) == 4
+    many = gumbel_noise(torch.arange(4000), 1, 2, 256)
+    assert abs(many.mean().item() - 0.5772) < 0.01 and abs(many.std().item() - math.pi / math.sqrt(6)) < 0.01
+
+
+def test_choose_samples_the_tempered_softmax_and_reports_its_logprob() -> None:
+    """Over many sequences the chosen tokens follow softmax(logits / T); each row holds the chosen token's exact
+    log-probability and -inf elsewhere (what a greedy decoder then takes and reports)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(20, generator=gen) * 2
+    n, t = 40000, 0.7
+    out = choose(logits.expand(n, 20), t, torch.full((n,), 77), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    chosen = out.argmax(-1)
+    probs = (logits / t).softmax(-1)
+    freq = torch.bincount(chosen, minlength=20).double() / n
+    assert (freq - probs.double()).abs().max() < 4 * math.sqrt(0.25 / n)
+    assert torch.equal(out.isfinite().sum(-1), torch.ones(n, dtype=torch.long))
+    assert torch.allclose(out.max(-1).values, (logits / t).log_softmax(-1)[chosen])
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> TransformersEngine:
+    return TransformersEngine.from_pretrained(str(save_tiny_model(tmp_path_factory.mktemp("tiny") / "m")))
+
+
+def results_of(completions: list, prompts: list[list[int]], samples: int, seed: int) -> list[GroupResult]:
+    out = []
+    for g in range(len(prompts)):
+        mine = completions[g * samples : (g + 1) * samples]
+        out.append(
+            GroupResult(
+                0, "d", [c.token_ids for c in mine], [c.logprobs for c in mine], "w", "lease", seed, g * samples
+            )
+        )
+    return out
+
+
+PROMPTS = [[10, 20, 30], [40, 50], [7, 8, 9, 10, 11]]
+
+
+def test_the_transformers_engine_samples_what_the_trainer_replays(engine: TransformersEngine) -> None:
+    """The engine's completions (a left-padded BF16 batch) replay exactly under the trainer's check (an unpadded
+    forward of the same BF16 model): every position is the perturbed argmax (largest gap 0), the log-probabilities
+    agree to BF16 rounding; the same seed repeats them and another seed does not."""
+    repeated = [p for p in PROMPTS for _ in range(4)]
+    got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
+    assert [c.token_ids for c in engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)] == [
+        c.token_ids for c in got
+    ]
+    assert [c.token_ids for c in engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)] != [
+        c.token_ids for c in got
+    ]
+    verifier = RolloutVerifier(margin=0.0, max_logprob_error=0.02, record_gaps=True)
+    leases = verifier.check(
+        engine.model,
+        PROMPTS,
+        results_of(got, PROMPTS, 4, 5),
+        [0, 0, 0],
+        temperature=1.0,
+        max_new_tokens=16,
+        stop_ids={engine.tokenizer.eos_token_id},
+    )
+    lease = leases["lease"]
+    assert lease.reason is None and lease.mismatches == 0 and lease.checked == sum(len(c.token_ids) for c in got)
+    assert verifier.gaps is not None and max(verifier.gaps) == 0.0
+
+
+def test_the_check_fails_each_kind_of_dishonest_completion(engine: TransformersEngine) -> None:
+    """Hand-made lies, one lease each: a token that is not the sampler's choice, another seed's samples (a
+    cherry-picker's), log-probabilities lowered by 1 nat, a completion cut short without EOS; the honest lease
+    passes. A mismatch inside the margin is counted as near, not failed."""
+    repeated = [p for p in PROMPTS for _ in range(4)]
+    honest = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
+    other_seed = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)
+
+    def check(completions: list, margin: float = 0.5) -> str | None:
+        verifier = RolloutVerifier(margin=margin)
+        leases = verifier.check(
+            engine.model,
+            PROMPTS,
+            results_of(completions, PROMPTS, 4, 5),
+            [0, 0, 0],
+            temperature=1.0,
+            max_new_tokens=16,
+            stop_ids={engine.tokenizer.eos_token_id},
+        )
+        return leases["lease"].reason
+
+    assert check(honest) is None
+    flipped = list(honest)
+    c = flipped[3]
+    flipped[3] = type(c)([*c.token_ids[:2], (c.token_ids[2] + 1) % 256, *c.token_ids[3:]], c.logprobs)
+    assert "not the replayable sampler's choice" in str(check(flipped))
+    assert "not the replayable sampler's choice" in str(check(other_seed))
+    forged = [type(c)(c.token_ids, [lp - 1.0 for lp in c.logprobs]) for c in honest]
+    assert "log-probabilities differ from the trainer's by 1.000" in str(check(forged))
+    cut = [type(c)(c.token_ids[:3], c.logprobs[:3]) if i == 0 else c for i, c in enumerate(honest)]
+    assert "stopped before max_new_tokens without an end-of-sequence token" in str(check(cut))
+    assert check(flipped, margin=1e6) is None  # inside the margin: a near miss, not a failure
+
+
+def test_check_completions_counts_gaps_against_a_per_completion_margin() -> None:
+    """``check_completions`` directly: the second completion's token trails by a known gap; a margin per completion
+    decides mismatch or near; unchecked positions are not counted."""
+    vocab = 8
+    logits = torch.zeros((2, 3, vocab))
+    seeds, sequences = torch.tensor([1, 1]), torch.tensor([0, 1])
+    noise = gumbel_noise(seeds.unsqueeze(1).expand(2, 3), sequences.unsqueeze(1), torch.arange(3), vocab)
+    tokens = noise.argmax(-1)
+    second = noise[1, 0].topk(2)
+    tokens[1, 0] = second.indices[1]  # the runner-up: trails by this gap
+    gap = (second.values[0] - second.values[1]).item()
+    logprobs = torch.full((2, 3), -math.log(vocab))
+    mask = torch.ones((2, 3))
+    common = {"temperature": 1.0, "seeds": seeds, "sequences": sequences}
+    strict = check_completions(logits, tokens, mask, logprobs, margin=torch.tensor([0.0, gap / 2]), **common)
+    assert (strict[0].mismatches, strict[1].mismatches, strict[1].near) == (0, 1, 0)
+    assert strict[1].worst_gap == pytest.approx(gap) and strict[1].logprob_error < 1e-6
+    loose = check_completions(logits, tokens, mask, logprobs, margin=gap * 2, **common)
+    assert (loose[1].mismatches, loose[1].near) == (0, 1)
+    skip = torch.ones((2, 3), dtype=torch.bool)
+    skip[1, 0] = False
+    unchecked = check_completions(logits, tokens, mask, logprobs, margin=0.0, check=skip, **common)
+    assert unchecked[1].mismatches == 0 and unchecked[1].checked == 2
+
+
+def test_verifier_settings_are_checked() -> None:
+    for bad in ({"margin": -1.0}, {"max_mismatch_rate": 1.0}, {"max_logprob_error": 0.0}, {"fraction": 0.0}):
+        with pytest.raises(ValueError, match="margin must be >= 0"):
+            RolloutVerifier(**bad)
+
+
+def test_a_random_fraction_of_completions_is_checked(engine: TransformersEngine) -> None:
+    """``fraction`` < 1 checks a random share of each lease's completions (at least one), drawn by the trainer; a
+    lease whose every completion is another seed's still fails."""
+    repeated = [p for p in PROMPTS for _ in range(8)]
+    got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
+    options = {"temperature": 1.0, "max_new_tokens": 16, "stop_ids": {engine.tokenizer.eos_token_id}}
+    verifier = RolloutVerifier(fraction=0.25, seed=3)
+    lease = verifier.check(engine.model, PROMPTS, results_of(got, PROMPTS, 8, 5), [0, 0, 0], **options)["lease"]
+    lengths = sorted(len(c.token_ids) for c in got)
+    assert lease.reason is None and lease.completions == 24
+    assert sum(lengths[:6]) <= lease.checked <= sum(lengths[-6:])  # six of the 24 completions
+    other = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)
+    tiny = RolloutVerifier(fraction=0.01, seed=3)
+    failed = tiny.check(engine.model, PROMPTS, results_of(other, PROMPTS, 8, 5), [0, 0, 0], **options)["lease"]
+    assert failed.checked <= 16 and "not the replayable sampler's choice" in str(failed.reason)
+
+
+def test_a_lease_is_checked_with_its_versions_weights_even_when_the_trainer_wraps_forward(
+    engine: TransformersEngine,
+) -> None:
+    """The trainer has moved on from the version the worker sampled with, and its ``forward`` is wrapped in a
+    closure over the module (as ``accelerate`` wraps it for autocast): the check builds its own model from the
+    config and loads the held version into it, so it passes with a margin that covers BF16 rounding only, where
+    checking with the trainer's weights fails."""
+    from pulseloco.integrations.verify import VersionStates
+
+    published = {n: t.detach().to(torch.bfloat16).clone() for n, t in engine.model.state_dict().items()}
+    states = VersionStates(None, "run.policy", None, {}, keep=2)
+    states.add(0, published)
+    trainer = copy.deepcopy(engine.model).float()
+    original = trainer.forward
+    trainer.forward = lambda *args, **kwargs: original(*args, **kwargs)  # a closure over the original module
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in trainer.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    repeated = [p for p in PROMPTS for _ in range(4)]
+    got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
+    options = {"temperature": 1.0, "max_new_tokens": 16, "stop_ids": {engine.tokenizer.eos_token_id}}
+    pinned = RolloutVerifier(margin=0.1, states=states, states_wait=0.0)
+    lease = pinned.check(trainer, PROMPTS, results_of(got, PROMPTS, 4, 5), [1, 1, 1], **options)["lease"]
+    assert lease.pinned and lease.reason is None, lease
+    trainers = RolloutVerifier(margin=0.1).check(trainer, PROMPTS, results_of(got, PROMPTS, 4, 5), [0] * 3, **options)
+    assert "not the replayable sampler's choice" in str(trainers["lease"].reason)
+    assert states.wait(7, timeout=0.0) is None and states.versions() == [0]
