@@ -144,7 +144,8 @@ class _Behaviour:
         if self.first is None:
             self.first = completions
         if self.mode == "replay":  # what it made for its first lease, cycled to this lease's size
-            return [self.first[i % len(self.first)] for i in range(len(completions))]
+            old = [self.first[i % len(self.first)] for i in range(len(completions))]
+            return [Completion(c.token_ids[:max_new_tokens], c.logprobs[:max_new_tokens]) for c in old]
         if self.mode == "forged_logprobs":
             return [Completion(c.token_ids, [lp - 1.0 for lp in c.logprobs]) for c in completions]
         if self.mode == "truncate":

@@ -687,7 +687,7 @@ EOS = 256
     "mode, reason",
     [
         ("other_weights", "tokens are not the replayable sampler's choice"),
-        ("forged_logprobs", "log-probabilities differ from the trainer's by 1.0"),
+        ("forged_logprobs", "log-probabilities differ from the trainer's by "),
         ("cherry_pick", "tokens are not the replayable sampler's choice"),
         ("inject", "tokens are not the replayable sampler's choice"),
         ("replay", "tokens are not the replayable sampler's choice"),
@@ -764,7 +764,8 @@ def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swa
             for _ in range(2):
                 swarm.publish()
             wait_for(lambda: states.get(swarm.version) is not None, 30, f"version {swarm.version} held")
-            assert states.versions()[-3:] == [generated, generated + 1, generated + 2]
+            # a version published and superseded between two looks may be skipped; these two are held
+            assert {generated, swarm.version} <= set(states.versions())
             assert bf16_digest(states.get(generated)) == swarm.digests[generated]
             options = {"temperature": 1.0, "max_new_tokens": LEASE_TOKENS, "stop_ids": {EOS}}
             pinned = RolloutVerifier(margin=0.05, states=states, record_gaps=True)

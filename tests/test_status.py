@@ -46,6 +46,7 @@ FRESH_WORKER = "12D3KooWFreshWorkerBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"
 BAD_WORKER = "12D3KooWBadWorkerCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCCC"
 ESCAPE_WORKER = "12D3KooWEscapeWorkerDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDDD"
 TRAINER = "12D3KooWTrainerFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFF"
+REFUSED_WORKER = "12D3KooWRefusedWorkerGGGGGGGGGGGGGGGGGGGGGGGGGGGGGGG"
 GOOD_INFO = WorkerInfo("transformers", 1, 123.4, 5.5, 2, 17, 64)
 """Serves v1 while the head is v2: lag 1."""
 FRESH_INFO = WorkerInfo("vllm", -1, 0.0, 0.0, 0, 0, 128)
@@ -148,7 +149,7 @@ def swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Swarm]:
         wait_for(_workers_stored, 20, "four worker records")
         # refusals as RolloutClient.refuse stores them (one record per trainer), and a stranger's malformed one
         refusals = {
-            TRAINER: {BAD_WORKER: "tokens are not the replayable sampler's choice\x1b[2J"},
+            TRAINER: {REFUSED_WORKER: "tokens are not the replayable sampler's choice\x1b[2J"},
             "12D3KooWStrangerTrainerEEEEEEEEEEEEEEEEEEEEEEEEEEEE": {"x" * 200: 7},  # malformed: skipped
         }
         for subkey, record in refusals.items():
@@ -318,10 +319,10 @@ def test_collect_status_lists_rollout_workers_with_their_lag(swarm: Swarm) -> No
     assert as_json["malformed_workers"] == 2
     # the workers a trainer refused, with its reason (terminal escapes replaced), a malformed record skipped
     reason = "tokens are not the replayable sampler's choice?[2J"
-    assert report.refused == [RefusalReport(BAD_WORKER, TRAINER, reason)]
+    assert report.refused == [RefusalReport(REFUSED_WORKER, TRAINER, reason)]
     assert "refused rollout workers: 1 (their completions failed a trainer's checks)" in text
-    assert f"  {BAD_WORKER} by trainer {TRAINER}: {reason}" in text.splitlines()
-    assert as_json["refused"] == [{"worker": BAD_WORKER, "trainer": TRAINER, "reason": reason}]
+    assert f"  {REFUSED_WORKER} by trainer {TRAINER}: {reason}" in text.splitlines()
+    assert as_json["refused"] == [{"worker": REFUSED_WORKER, "trainer": TRAINER, "reason": reason}]
 
     # workers but no head (publisher gone, or not started): listed from the run ids looked up, no lag
     report = collect_status(swarm.bootstrap, WORKERS_ONLY_RUN, probe_timeout=None)

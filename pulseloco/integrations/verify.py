@@ -11,8 +11,9 @@ gradients, in chunks) and, from its logits:
   completions, at least one, drawn by the trainer so that a worker cannot know which: the forward pass, the check's
   cost, shrinks in proportion, and a worker that cheats on a share ``s`` of a lease's ``n`` completions is then
   caught with probability about ``1 - (1 - fraction) ** (s n)``), and counts a *mismatch* where the worker's token
-  trails the perturbed argmax by more than ``margin``. The logits come from the weights of the version the lease claims when the trainer holds them
-  (:class:`VersionStates` follows the published versions): the margin then covers only numeric differences
+  trails the perturbed argmax by more than ``margin``. The logits come from the weights of the version the lease
+  claims when the trainer holds them (:class:`VersionStates` follows the published versions): the margin then
+  covers only numeric differences
   between engines and devices (measured by ``scripts/bench_verify.py``). Otherwise they come from the trainer's
   own weights, which are up to ``lag`` versions newer (and moved by its own inner steps), and the margin is scaled
   by ``1 + lag``: a weaker check, counted apart in the stats (``pinned_leases``). Positions within the margin are
