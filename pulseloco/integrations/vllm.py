@@ -27,8 +27,7 @@ to run until a later update loads completely.
 :meth:`VLLMEngine.generate_ids` samples in token ids by the replayable rule of :mod:`pulseloco.rollouts.sampling`
 (:class:`GumbelSampler`, a vLLM logits processor, with greedy decoding taking its choice) and returns each sampled
 token's log-probability under ``softmax(logits / temperature)``: vLLM runs with ``logprobs_mode="processed_logits"``,
-which reports the processor's output, where the chosen token holds exactly that value. After every weight update the
-engine resets vLLM's prefix cache: KV blocks of earlier prompts were computed with the old weights.
+which reports the processor's output, where the chosen token holds exactly that value.
 
 vLLM holds only unquantized weights here (``dtype`` bfloat16, or float32 holding the same BF16 values): a
 quantized engine repacks its weights after loading, which elementwise updates do not support.
@@ -511,11 +510,6 @@ class VLLMEngine:
         for chunk in chunks:
             self.llm.update_weights({"update_info": chunk})
         self.llm.finish_weight_update(weight_version=str(version) if version is not None else None)
-        # vLLM keeps the KV blocks of earlier prompts for reuse (prefix caching); they were computed with the old
-        # weights, and a prompt seen before would otherwise be continued from them (TRL resets it after every
-        # sync too). Found by the trainers' replay check: completions of repeated prompts did not replay.
-        if not self.llm.reset_prefix_cache():
-            raise EngineStateError("vLLM did not reset its prefix cache after a weight update")
 
     def _sparse_chunks(self, changed: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
         chunk: dict[str, list[Any]] = {"names": [], "shapes": [], "dtypes": [], "indices": [], "values": []}
