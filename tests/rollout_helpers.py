@@ -65,9 +65,9 @@ with the lease's seed and the replayable rule, from other weights: the served on
 published digest); ``forged_logprobs`` (honest tokens, log-probabilities lowered by 1 nat, which would triple
 TRL's importance weights); ``cherry_pick`` (samples four completions per prompt with seeds of its own and returns the
 most likely one, with its true log-probabilities); ``inject`` (a fixed text, `` 42`` and EOS, with its true
-log-probabilities under the served weights); ``replay`` (answers with the completions it made for the first lease it
-served, under that lease's seed, claiming the version it serves now); ``truncate`` (honest completions cut to half
-their length without an end-of-sequence token)."""
+log-probabilities under the served weights); ``replay`` (answers with the completions it made for the last lease
+it served before, under that lease's seed, claiming the version it serves now); ``truncate`` (honest completions cut
+to half their length without an end-of-sequence token)."""
 
 LEASE_MAX_NEW_TOKENS = 64
 
@@ -141,9 +141,9 @@ class _Behaviour:
         completions = self.engine.generate_ids(
             prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
         )
-        if self.first is None:
+        if self.mode != "replay" or self.first is None:
             self.first = completions
-        if self.mode == "replay":  # what it made for its first lease, cycled to this lease's size
+        if self.mode == "replay":  # what it made for its last lease before, cycled to this lease's size
             old = [self.first[i % len(self.first)] for i in range(len(completions))]
             return [Completion(c.token_ids[:max_new_tokens], c.logprobs[:max_new_tokens]) for c in old]
         if self.mode == "forged_logprobs":

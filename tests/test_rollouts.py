@@ -701,11 +701,16 @@ def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(swarm: Swarm, 
     never fails a check (its gaps stay inside the margin)."""
     from pulseloco.integrations.verify import RolloutVerifier
 
-    swarm.workers["B"].call("mode", mode)
     verifier = RolloutVerifier()
     honest, rogue = swarm.peer_ids["A"], swarm.peer_ids["B"]
     with swarm.client(max_refusals=2, lease_timeout=30, rollout_timeout=30) as client:
         swarm.wait_for_records(client)
+        if mode == "replay":  # a past to replay: honest leases first
+            client.submit(
+                random_prompts(8, seed=9), num_samples=2, max_new_tokens=LEASE_TOKENS, temperature=1.0
+            ).result(90)
+            assert client.stats.by_worker[rogue] > 0
+        swarm.workers["B"].call("mode", mode)
         for batch in range(4):  # until B is refused; every batch must come out clean
             settled = settle_batch(swarm, client, random_prompts(8, seed=10 + batch), verifier)
             assert {r.worker for r in settled.results} == {honest}
@@ -720,6 +725,21 @@ def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(swarm: Swarm, 
         f"{verifier.stats.positions} positions checked, worst passing gap {verifier.stats.worst_passing_gap:.3f}, "
         f"worst passing log-probability error {verifier.stats.worst_passing_logprob_error:.4f}"
     )
+
+
+@pytest.mark.timeout(120)
+def test_with_every_worker_refused_the_batch_says_so(swarm: Swarm) -> None:
+    """Both workers dishonest: both are refused after their first failed lease, and regenerating the dropped groups
+    fails with NoWorkersError saying that the workers were refused (where SwarmRollouts applies its fallback)."""
+    from pulseloco.integrations.verify import RolloutVerifier
+
+    for name in ("A", "B"):
+        swarm.workers[name].call("mode", "inject")
+    with swarm.client(max_refusals=1, lease_timeout=30, rollout_timeout=5) as client:
+        swarm.wait_for_records(client)
+        with pytest.raises(NoWorkersError, match="2 refused for failing the checks"):
+            settle_batch(swarm, client, random_prompts(8, seed=40), RolloutVerifier())
+        assert set(client.stats.refusals) == set(swarm.peer_ids.values())
 
 
 def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm) -> None:
