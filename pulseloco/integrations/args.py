@@ -293,7 +293,7 @@ class RolloutArguments:
         ),
     )
     verify_margin: float = field(
-        default=1.0,
+        default=2.0,
         metadata=_help(
             "Nats (of logits / temperature plus noise, per version of lag plus one) by which a worker's token may "
             "trail the sampler's choice without counting as a mismatch: covers engine and device differences."

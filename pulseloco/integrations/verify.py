@@ -213,7 +213,7 @@ class RolloutVerifier:
     def __init__(
         self,
         *,
-        margin: float = 1.0,
+        margin: float = 2.0,
         max_mismatch_rate: float = 0.0,
         max_logprob_error: float = 0.25,
         fraction: float = 1.0,
