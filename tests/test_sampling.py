@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from rollout_helpers import save_tiny_model
+from rollout_helpers import byte_tokenizer, save_tiny_model
 
 from pulseloco.integrations.rollout import TransformersEngine
-from pulseloco.integrations.verify import RolloutVerifier
+from pulseloco.integrations.verify import LeaseCheck, RolloutVerifier
 from pulseloco.rollouts import sampling
 from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.sampling import check_completions, choose, gumbel_noise
@@ -101,6 +101,22 @@ def results_of(completions: list, prompts: list[list[int]], samples: int, seed: 
 PROMPTS = [[10, 20, 30], [40, 50], [7, 8, 9, 10, 11]]
 
 
+def check_lease(
+    verifier: RolloutVerifier, model: torch.nn.Module, completions: list, samples: int, lag: int = 0
+) -> LeaseCheck:
+    """``verifier`` on one lease: ``samples`` completions of each of :data:`PROMPTS` (seed 5), 16 tokens at most."""
+    eos = byte_tokenizer().eos_token_id
+    return verifier.check(
+        model,
+        PROMPTS,
+        results_of(completions, PROMPTS, samples, 5),
+        [lag] * len(PROMPTS),
+        temperature=1.0,
+        max_new_tokens=16,
+        stop_ids={eos},
+    )["lease"]
+
+
 def test_the_transformers_engine_samples_what_the_trainer_replays(engine: TransformersEngine) -> None:
     """The engine's completions (a left-padded BF16 batch) replay exactly under the trainer's check (an unpadded
     forward of the same BF16 model): every position is the perturbed argmax (largest gap 0), the log-probabilities
@@ -114,16 +130,7 @@ def test_the_transformers_engine_samples_what_the_trainer_replays(engine: Transf
         c.token_ids for c in got
     ]
     verifier = RolloutVerifier(margin=0.0, max_logprob_error=0.02, record_gaps=True)
-    leases = verifier.check(
-        engine.model,
-        PROMPTS,
-        results_of(got, PROMPTS, 4, 5),
-        [0, 0, 0],
-        temperature=1.0,
-        max_new_tokens=16,
-        stop_ids={engine.tokenizer.eos_token_id},
-    )
-    lease = leases["lease"]
+    lease = check_lease(verifier, engine.model, got, 4)
     assert lease.reason is None and lease.mismatches == 0 and lease.checked == sum(len(c.token_ids) for c in got)
     assert verifier.gaps is not None and max(verifier.gaps) == 0.0
 
@@ -137,17 +144,7 @@ def test_the_check_fails_each_kind_of_dishonest_completion(engine: TransformersE
     other_seed = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)
 
     def check(completions: list, margin: float = 0.5) -> str | None:
-        verifier = RolloutVerifier(margin=margin)
-        leases = verifier.check(
-            engine.model,
-            PROMPTS,
-            results_of(completions, PROMPTS, 4, 5),
-            [0, 0, 0],
-            temperature=1.0,
-            max_new_tokens=16,
-            stop_ids={engine.tokenizer.eos_token_id},
-        )
-        return leases["lease"].reason
+        return check_lease(RolloutVerifier(margin=margin), engine.model, completions, 4).reason
 
     assert check(honest) is None
     flipped = list(honest)
@@ -198,15 +195,14 @@ def test_a_random_fraction_of_completions_is_checked(engine: TransformersEngine)
     lease whose every completion is another seed's still fails."""
     repeated = [p for p in PROMPTS for _ in range(8)]
     got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
-    options = {"temperature": 1.0, "max_new_tokens": 16, "stop_ids": {engine.tokenizer.eos_token_id}}
     verifier = RolloutVerifier(fraction=0.25, seed=3)
-    lease = verifier.check(engine.model, PROMPTS, results_of(got, PROMPTS, 8, 5), [0, 0, 0], **options)["lease"]
+    lease = check_lease(verifier, engine.model, got, 8)
     lengths = sorted(len(c.token_ids) for c in got)
     assert lease.reason is None and lease.completions == 24
     assert sum(lengths[:6]) <= lease.checked <= sum(lengths[-6:])  # six of the 24 completions
     other = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)
     tiny = RolloutVerifier(fraction=0.01, seed=3)
-    failed = tiny.check(engine.model, PROMPTS, results_of(other, PROMPTS, 8, 5), [0, 0, 0], **options)["lease"]
+    failed = check_lease(tiny, engine.model, other, 8)
     assert failed.checked <= 16 and "not the replayable sampler's choice" in str(failed.reason)
 
 
@@ -231,10 +227,9 @@ def test_a_lease_is_checked_with_its_versions_weights_even_when_the_trainer_wrap
             param.add_(torch.randn(param.shape, generator=gen) * 0.05)
     repeated = [p for p in PROMPTS for _ in range(4)]
     got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
-    options = {"temperature": 1.0, "max_new_tokens": 16, "stop_ids": {engine.tokenizer.eos_token_id}}
     pinned = RolloutVerifier(margin=0.1, states=states, states_wait=0.0)
-    lease = pinned.check(trainer, PROMPTS, results_of(got, PROMPTS, 4, 5), [1, 1, 1], **options)["lease"]
+    lease = check_lease(pinned, trainer, got, 4, lag=1)
     assert lease.pinned and lease.reason is None, lease
-    trainers = RolloutVerifier(margin=0.1).check(trainer, PROMPTS, results_of(got, PROMPTS, 4, 5), [0] * 3, **options)
-    assert "not the replayable sampler's choice" in str(trainers["lease"].reason)
+    trainers = check_lease(RolloutVerifier(margin=0.1), trainer, got, 4)
+    assert "not the replayable sampler's choice" in str(trainers.reason)
     assert states.wait(7, timeout=0.0) is None and states.versions() == [0]

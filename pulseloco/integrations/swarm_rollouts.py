@@ -297,36 +297,37 @@ class SwarmRollouts:
         num_generations = trainer.num_generations if training else trainer.num_generations_eval
         pending = self._take_or_submit(rows, trainer)
         results, fallback = self._collect(trainer, pending.future, pending.groups, pending.num_samples)
-        local = [fallback]
 
         def regenerate(indices: list[int], last: bool) -> list[GroupResult]:
+            nonlocal fallback
             groups = [pending.groups[i] for i in indices]
             if last:
                 logger.warning(
                     "rollouts: %d groups still stale or failing the checks; generating them with the trainer's model",
                     len(indices),
                 )
-                local[0] = True
+                fallback = True
                 return self._generate_locally(trainer, groups, pending.num_samples)
             future = self._submit_groups(groups, pending.num_samples, trainer)
             again, here = self._collect(trainer, future, groups, pending.num_samples)
-            local[0] = local[0] or here
+            fallback = fallback or here
             return again
 
+        model = trainer.accelerator.unwrap_model(trainer.model)
         settled = settle(
             results,
             pending.groups,
             client=self.client,
             verifier=self.verifier,
-            model=trainer.accelerator.unwrap_model(trainer.model),
+            model=model,
             max_lag=self.max_lag,
             temperature=trainer.temperature,
             max_new_tokens=trainer.max_completion_length,
-            stop_ids=stop_ids(trainer.processing_class, trainer.accelerator.unwrap_model(trainer.model)),
+            stop_ids=stop_ids(trainer.processing_class, model),
             regenerate=regenerate,
             attempts=MAX_REGENERATIONS,
         )
-        results, newest, verify_seconds, fallback = settled.results, settled.newest, settled.verify_seconds, local[0]
+        results, newest, verify_seconds = settled.results, settled.newest, settled.verify_seconds
         lags = [self.client.lag(r.version) for r in results if r.version >= 0]  # before anything moves the newest
         if training and self.lookahead and not fallback:
             self._submit_prediction(trainer)
@@ -508,7 +509,7 @@ class SwarmRollouts:
             "worst_passing_logprob_error": round(v.worst_passing_logprob_error, 5),
             "pinned_leases": v.pinned_leases,
             "unverifiable_leases": v.unverifiable_leases,
-            "last_failure": v.failures[-1] if v.failures else None,
+            "last_failure": v.last_failure,
         }
 
     def close(self) -> None:

@@ -42,7 +42,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -190,7 +190,7 @@ class VerifyStats:
     worst_passing_logprob_error: float = 0.0
     pinned_leases: int = 0
     unverifiable_leases: int = 0
-    failures: list[str] = field(default_factory=list)
+    last_failure: str | None = None
 
 
 class RolloutVerifier:
@@ -428,7 +428,7 @@ class RolloutVerifier:
         stats.near += lease.near
         if lease.reason is not None:
             stats.failed_leases += 1
-            stats.failures.append(lease.reason)
+            stats.last_failure = lease.reason
         else:
             stats.worst_passing_gap = max(stats.worst_passing_gap, lease.worst_gap)
             stats.worst_passing_logprob_error = max(stats.worst_passing_logprob_error, lease.logprob_error)

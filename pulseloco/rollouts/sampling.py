@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckResult", "check_completions", "choose", "gumbel_noise", "perturbed_scores"]
+__all__ = ["CheckResult", "check_completions", "choose", "gumbel_noise"]
 
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -99,18 +99,6 @@ def gumbel_noise(
     high = (((1 << 24) - 1 - bits).to(torch.float32) + 0.5) * scale
     neg_log = torch.where(bits < (1 << 23), -torch.log(low), -torch.log1p(-high))
     return -torch.log(neg_log)
-
-
-def perturbed_scores(
-    logits: torch.Tensor,
-    temperature: float,
-    seed: torch.Tensor | int,
-    sequence: torch.Tensor | int,
-    position: torch.Tensor | int,
-) -> torch.Tensor:
-    """``logits / temperature + g(seed, sequence, position, k)`` in float32 (``logits``: ``(*rows, vocab)``)."""
-    noise = gumbel_noise(seed, sequence, position, logits.shape[-1]).to(logits.device)
-    return logits.float() / temperature + noise.expand(logits.shape)
 
 
 def choose(
