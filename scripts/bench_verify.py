@@ -56,11 +56,11 @@ def demo_model() -> str:
     return out.stdout.strip().splitlines()[-1].removeprefix("warm model: ")
 
 
-def make_engine(name: str, model: str) -> Any:
+def make_engine(name: str, model: str, device: str) -> Any:
     if name == "transformers":
         from pulseloco.integrations.rollout import TransformersEngine
 
-        return TransformersEngine.from_pretrained(model)
+        return TransformersEngine.from_pretrained(model, device=device)
     from pulseloco.integrations.vllm import VLLMEngine
 
     return VLLMEngine.from_pretrained(model, dtype="bfloat16" if name == "vllm-bf16" else "float32", max_model_len=128)
@@ -92,16 +92,25 @@ def step_seconds(model: Any, prompts: list[list[int]], results: list[GroupResult
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         started = time.perf_counter()
         with torch.no_grad():
             model(input_ids=ids, attention_mask=mask)
         loss = model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1).mean()
         loss.backward()
         model.zero_grad(set_to_none=True)
+        synchronize(device)
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -120,18 +129,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=4, help="the demo's max_completion_length")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", default="cpu", help="the transformers worker's device (cpu, cuda)")
+    ap.add_argument("--trainer-device", default=None, help="the trainer's replay device (default: --device)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench-verify")
     args = ap.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
     unknown = [e for e in engines if e not in ENGINES]
     if unknown or not engines or args.prompts < 1 or args.samples < 1 or args.max_new_tokens < 1:
         ap.error(f"--engines must name some of {', '.join(ENGINES)}; counts must be positive (got {unknown or ''})")
+    trainer_device = args.trainer_device or args.device
+    for device in (args.device, trainer_device):
+        if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+            ap.error(f"--device {device}: only cpu, or cuda where torch sees a CUDA GPU")
     torch.manual_seed(0)
     model_dir = args.model_name_or_path or demo_model()
     from pulseloco.integrations.models import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    trainer = load_causal_lm(model_dir, dtype=torch.float32)  # the trainer's FP32 weights hold the BF16 values
+    trainer = load_causal_lm(model_dir, dtype=torch.float32, device=trainer_device)  # FP32 holding the BF16 values
     with torch.no_grad():
         for p in trainer.parameters():
             p.copy_(p.to(torch.bfloat16).float())
@@ -140,13 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in problems]
     rows = []
     for name in engines:
-        engine = make_engine(name, model_dir)
+        engine = make_engine(name, model_dir, args.device)
         try:
             results = sample(engine, prompts, args.samples, args)
         finally:
             if hasattr(engine, "close"):
                 engine.close()
         verifier = RolloutVerifier(record_gaps=True)
+        synchronize(trainer_device)
         started = time.perf_counter()
         leases = verifier.check(
             trainer,
@@ -198,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "model": model_dir,
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}",
+        f"{torch.__version__}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+        "device": args.device,
+        "trainer_device": trainer_device,
         "prompts": args.prompts,
         "samples": args.samples,
         "max_new_tokens": args.max_new_tokens,

@@ -101,6 +101,16 @@ def test_topk_keeps_the_largest_per_chunk() -> None:
     assert selection.values_K.tolist() == [-5.0, 9.0, 0.5]
 
 
+def test_topk_breaks_ties_by_lowest_index() -> None:
+    # BF16 signals tie often; torch.topk breaks ties differently on CPU and CUDA, the selector must not
+    signal = torch.tensor([1.0, -2.0, 2.0, 2.0, -2.0, 0.5, 2.0, 2.0, 1.0, 1.0, 1.0], dtype=torch.float32)
+    selection = TopKSelector(density=0.5, chunk_size=8).select(torch.zeros(11), signal)
+    # chunk [0:8] keeps 4 of its five 2.0s (the first four); the last chunk [8:11] keeps all three
+    assert selection.indices_K.tolist() == [1, 2, 3, 4, 8, 9, 10]
+    reversed_ = TopKSelector(density=0.5, chunk_size=8).select(torch.zeros(8), signal[:8].flip(0))
+    assert reversed_.indices_K.tolist() == [0, 1, 3, 4]  # flipped: the 2.0s sit at 0, 1, 3, 4, 5, 6
+
+
 def test_topk_density() -> None:
     signal = torch.randn(4096 * 8, generator=torch.Generator().manual_seed(1))
     selection = TopKSelector(density=0.01, chunk_size=4096).select(torch.zeros_like(signal), signal)

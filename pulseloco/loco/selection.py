@@ -176,14 +176,16 @@ class TopKSelector:
         # Pad with -1 magnitudes so padding never wins against a real entry (magnitudes are >= 0 or NaN).
         magnitude = torch.full((num_chunks * self.chunk_size,), -1.0, dtype=torch.float32, device=signal_N.device)
         magnitude[:numel] = signal_N.abs()
+        magnitude = magnitude.nan_to_num_(nan=float("inf")).view(num_chunks, self.chunk_size)
         k = min(self.k, self.chunk_size)
-        _, top_CK = torch.topk(magnitude.view(num_chunks, self.chunk_size), k, dim=1, sorted=False)
-        offsets_C = torch.arange(num_chunks, device=signal_N.device, dtype=torch.int64) * self.chunk_size
-        flat_K = (top_CK + offsets_C[:, None]).reshape(-1)
-        flat_K = flat_K[flat_K < numel]
-        mask_N = torch.zeros(numel, dtype=torch.bool, device=signal_N.device)
-        mask_N[flat_K] = True
-        return _from_mask(mask_N, signal_N)
+        # Ties at the k-th largest magnitude go to the lowest indices, so that every device selects the same
+        # entries (torch.topk breaks ties differently on CPU and CUDA; BF16 signals tie often).
+        kth_C1 = torch.topk(magnitude, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
+        above_CS = magnitude > kth_C1
+        at_CS = magnitude == kth_C1
+        room_C1 = k - above_CS.sum(dim=1, keepdim=True)
+        keep_CS = above_CS | (at_CS & (at_CS.cumsum(dim=1) <= room_C1))
+        return _from_mask(keep_CS.view(-1)[:numel].clone(), signal_N)
 
 
 def make_selector(
