@@ -347,19 +347,15 @@ class RolloutVerifier:
         device = next(model.parameters()).device
         width = max(len(p) + len(c) for _, p, c, _, _, _ in chunk)
         length = max(len(c) for _, _, c, _, _, _ in chunk)
+        # right padding: causal attention leaves the real tokens alone; each tensor is built from lists at once
+        input_ids = torch.tensor([p + c + [0] * (width - len(p) - len(c)) for _, p, c, _, _, _ in chunk])
+        attention = torch.tensor(
+            [[1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c)) for _, p, c, _, _, _ in chunk]
+        )
+        tokens = torch.tensor([c + [0] * (length - len(c)) for _, _, c, _, _, _ in chunk], dtype=torch.long)
+        mask = torch.tensor([[True] * len(c) + [False] * (length - len(c)) for _, _, c, _, _, _ in chunk])
+        logprobs = torch.tensor([list(lp) + [0.0] * (length - len(lp)) for _, _, _, lp, _, _ in chunk])
         n = len(chunk)
-        input_ids = torch.zeros((n, width), dtype=torch.long)
-        attention = torch.zeros((n, width), dtype=torch.long)
-        tokens = torch.zeros((n, length), dtype=torch.long)
-        mask = torch.zeros((n, length), dtype=torch.bool)
-        logprobs = torch.zeros((n, length))
-        for i, (_, prompt, ids, lps, _, _) in enumerate(chunk):
-            row = prompt + ids
-            input_ids[i, : len(row)] = torch.tensor(row)  # right padding: causal attention leaves real tokens alone
-            attention[i, : len(row)] = 1
-            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            mask[i, : len(ids)] = True
-            logprobs[i, : len(ids)] = torch.tensor(lps)
         logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
         # the logits that predict completion token j of row i sit at position len(prompt_i) - 1 + j
         starts = torch.tensor([len(p) - 1 for _, p, _, _, _, _ in chunk], device=logits.device)

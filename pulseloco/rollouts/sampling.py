@@ -192,19 +192,28 @@ def check_completions(
             gaps[r, c] = top - mine
     if gaps_out is not None:
         gaps_out.extend(gaps[check].tolist())
-    results = []
-    counts = mask.sum(-1).clamp(min=1)
-    margins = torch.as_tensor(margin, dtype=torch.float32).expand(n).tolist()
-    for row in range(n):
-        row_gaps = gaps[row][check[row]]
-        results.append(
-            CheckResult(
-                checked=int(check[row].sum()),
-                mismatches=int((row_gaps > margins[row]).sum()),
-                near=int(((row_gaps > 0) & (row_gaps <= margins[row])).sum()),
-                worst_gap=float(row_gaps.max()) if row_gaps.numel() else 0.0,
-                logprob_error=float(error[row].sum() / counts[row]),
-                max_logprob_error=float(error[row].max()) if length else 0.0,
-            )
+    margins = torch.as_tensor(margin, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
+    # one tensor of per-row statistics, moved to the host once (a GPU would otherwise sync per row and value)
+    stats = torch.stack(
+        [
+            check.sum(-1).float(),
+            ((gaps > margins) & check).sum(-1).float(),
+            ((gaps > 0) & (gaps <= margins) & check).sum(-1).float(),
+            gaps.masked_fill(~check, 0.0).amax(-1) if length else torch.zeros(n, device=device),
+            error.sum(-1) / mask.sum(-1).clamp(min=1),
+            error.amax(-1) if length else torch.zeros(n, device=device),
+        ],
+        dim=1,
+    ).tolist()
+    results = [
+        CheckResult(
+            checked=int(row[0]),
+            mismatches=int(row[1]),
+            near=int(row[2]),
+            worst_gap=row[3],
+            logprob_error=row[4],
+            max_logprob_error=row[5],
         )
+        for row in stats
+    ]
     return results
