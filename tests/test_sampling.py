@@ -188,42 +188,6 @@ def test_verifier_settings_are_checked() -> None:
     for bad in ({"margin": -1.0}, {"max_mismatch_rate": 1.0}, {"max_logprob_error": 0.0}, {"fraction": 0.0}):
         with pytest.raises(ValueError, match="margin must be >= 0"):
             RolloutVerifier(**bad)
-    with pytest.raises(ValueError, match="weights must be one of version, current"):
-        RolloutVerifier(weights="newest")  # type: ignore[arg-type]
-
-
-def test_the_checks_log_probabilities_are_trls_old_log_probabilities(engine: TransformersEngine) -> None:
-    """``weights="current"``: the check keeps the trainer's per-token log-probabilities, and hands them back for
-    TRL's batch (left-padded prompts, right-padded completions) equal to what TRL's own forward pass of that batch
-    computes (logits of the last ``logits_to_keep + 1`` positions, tempered, log-softmax, gathered); every
-    completion is checked whatever ``fraction``; a batch with a row it did not check gets None."""
-    repeated = [p for p in PROMPTS for _ in range(2)]
-    got = engine.generate_ids(repeated, max_new_tokens=16, temperature=0.7, seed=5)
-    model = copy.deepcopy(engine.model).float()  # the trainer's FP32 weights holding the BF16 values
-    verifier = RolloutVerifier(weights="current", fraction=0.01)
-    lease = verifier.check(
-        model, PROMPTS, results_of(got, PROMPTS, 2, 5), [0, 0, 0], temperature=0.7, max_new_tokens=16,
-        stop_ids={byte_tokenizer().eos_token_id},
-    )["lease"]  # fmt: skip
-    assert lease.reason is None and lease.checked == sum(len(c.token_ids) for c in got)
-    prompt_width, keep = max(map(len, PROMPTS)), max(len(c.token_ids) for c in got)
-    ids = torch.zeros((len(got), prompt_width + keep), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, (prompt, completion) in enumerate(zip(repeated, got)):
-        ids[i, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt)
-        ids[i, prompt_width : prompt_width + len(completion.token_ids)] = torch.tensor(completion.token_ids)
-        mask[i, prompt_width - len(prompt) : prompt_width + len(completion.token_ids)] = 1
-    shared = verifier.shared_logps(ids, mask, keep)
-    assert shared is not None and shared.shape == (len(got), keep)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, -keep - 1 : -1] / 0.7
-    trl = logits.log_softmax(-1).gather(-1, ids[:, -keep:].unsqueeze(-1)).squeeze(-1)
-    real = mask[:, -keep:].bool()
-    assert torch.allclose(shared[real], trl[real], atol=1e-4) and not shared[~real].any()
-    mask[0, prompt_width - 1] = 0  # a prompt the check never saw
-    assert verifier.shared_logps(ids, mask, keep) is None
-    verifier.clear_shared()
-    assert verifier.shared_logps(ids, torch.ones_like(ids), keep) is None
 
 
 def test_a_random_fraction_of_completions_is_checked(engine: TransformersEngine) -> None:

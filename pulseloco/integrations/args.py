@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pulseloco.errors import ConfigError
 from pulseloco.loco.optimizer import OUTER_STATE_DEVICES
@@ -315,15 +315,6 @@ class RolloutArguments:
             "shrinks with it, and a worker cheating on few completions is caught less surely."
         ),
     )
-    verify_weights: Literal["version", "current"] = field(
-        default="version",
-        metadata=_help(
-            "Weights the completions are checked with: 'version', those of the version each lease claims (exact; a "
-            "forward pass of its own); 'current', this trainer's (the "
-            "margin grows with the lag; the forward pass is shared with TRL's importance-sampling one, so the "
-            "check costs only its scoring)."
-        ),
-    )
     max_refusals: int = field(
         default=3,
         metadata=_help("Failed leases (bad replies or failed checks) before a worker is refused for the run."),
@@ -350,10 +341,6 @@ class RolloutArguments:
             raise ConfigError(f"verify_max_logprob_error must be positive, got {self.verify_max_logprob_error}")
         if not 0 < self.verify_fraction <= 1:
             raise ConfigError(f"verify_fraction must be in (0, 1], got {self.verify_fraction}")
-        from pulseloco.integrations.verify import WEIGHTS
-
-        if self.verify_weights not in WEIGHTS:
-            raise ConfigError(f"verify_weights must be one of {', '.join(WEIGHTS)}, got {self.verify_weights!r}")
         if self.max_refusals < 1:
             raise ConfigError(f"max_refusals must be at least 1, got {self.max_refusals}")
 
@@ -386,7 +373,6 @@ class RolloutArguments:
                 max_mismatch_rate=self.verify_max_mismatch_rate,
                 max_logprob_error=self.verify_max_logprob_error,
                 fraction=self.verify_fraction,
-                weights=self.verify_weights,
             ),
             max_refusals=self.max_refusals,
             metrics_path=None if output_dir is None else Path(output_dir) / "rollouts.jsonl",

@@ -58,7 +58,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
@@ -69,7 +68,7 @@ from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FALLBACKS", "SwarmRollouts", "enable_importance_sampling", "share_old_logps"]
+__all__ = ["FALLBACKS", "SwarmRollouts", "enable_importance_sampling"]
 
 FALLBACKS = ("local", "wait")
 #: Times a round's stale or failing groups are generated again by the workers before the trainer generates them.
@@ -94,34 +93,6 @@ def enable_importance_sampling(trainer: Any) -> bool:
     trainer.use_vllm = True
     trainer.vllm_generation = _PulseSyncWeights()
     trainer._last_loaded_step = trainer.state.global_step
-    return True
-
-
-def share_old_logps(trainer: Any, verifier: RolloutVerifier) -> bool:
-    """Let TRL's ``GRPOTrainer`` take its importance-sampling ratio's old log-probabilities (its no-gradient
-    forward pass of the trainer's model over a generation round) from ``verifier``'s check of the same
-    completions with the same weights (:meth:`RolloutVerifier.shared_logps`), so the check adds no forward pass.
-
-    Wraps the trainer's ``_get_per_token_logps_and_entropies``: the wrapper answers only the first call of a round
-    without gradients on the trainer's own model with nothing else asked (TRL makes that call first, for the old
-    log-probabilities; a reference model's call, with PEFT on the same model, comes after and is computed as
-    before), and only when every row was checked; anything else goes to TRL. Returns whether it wrapped: not when
-    TRL computes no such ratio (``vllm_importance_sampling_correction=False``)."""
-    if not (trainer.use_vllm and trainer.args.vllm_importance_sampling_correction):
-        return False
-    original = trainer._get_per_token_logps_and_entropies
-
-    def shared(model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, *args: Any, **kwargs: Any) -> Any:
-        extra = {k: v for k, v in kwargs.items() if k != "batch_size" and v not in (None, False)}
-        if model is trainer.model and not args and not extra and not torch.is_grad_enabled():
-            logps = verifier.shared_logps(input_ids, attention_mask, logits_to_keep)
-            verifier.clear_shared()  # one use: a later call (a reference model through PEFT) is TRL's own
-            if logps is not None:
-                verifier.stats.shared_forwards += 1
-                return logps, None, None
-        return original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-
-    trainer._get_per_token_logps_and_entropies = shared
     return True
 
 
@@ -299,9 +270,7 @@ class SwarmRollouts:
             max_refusals=self.max_refusals,
             seed=args.seed,
         )
-        if self.verifier is not None and self.verifier.weights == "current":
-            share_old_logps(trainer, self.verifier)
-        elif self.verifier is not None and self.verifier.states is None:
+        if self.verifier is not None and self.verifier.states is None:
             # the published versions' own weights, so that each lease is checked with the version it claims: handed
             # over by this process's publisher, else followed like a worker follows them
             model = trainer.accelerator.unwrap_model(trainer.model)
@@ -324,8 +293,6 @@ class SwarmRollouts:
     def _generate(self, rows: list[Any], trainer: Any) -> dict[str, list[Any]]:
         assert self.client is not None  # noqa: S101 (set by _start on the main process, which alone gets here)
         started = time.monotonic()
-        if self.verifier is not None:
-            self.verifier.clear_shared()
         training = trainer.model.training
         num_generations = trainer.num_generations if training else trainer.num_generations_eval
         pending = self._take_or_submit(rows, trainer)
@@ -542,7 +509,6 @@ class SwarmRollouts:
             "worst_passing_logprob_error": round(v.worst_passing_logprob_error, 5),
             "pinned_leases": v.pinned_leases,
             "unverifiable_leases": v.unverifiable_leases,
-            "shared_forwards": v.shared_forwards,
             "last_failure": v.last_failure,
         }
 

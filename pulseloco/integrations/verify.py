@@ -16,11 +16,8 @@ gradients, in chunks) and, from its logits:
   covers only numeric differences
   between engines and devices (measured by ``scripts/bench_verify.py``). Otherwise they come from the trainer's
   own weights, which are up to ``lag`` versions newer (and moved by its own inner steps), and the margin is scaled
-  by ``1 + lag``: a weaker check, counted apart in the stats (``pinned_leases``). With ``weights="current"`` every
-  lease is checked that way, and the check's forward pass is the one the trainer does anyway: the log-probabilities
-  it computes are handed to TRL as its importance-sampling ratio's old log-probabilities
-  (:meth:`RolloutVerifier.shared_logps`), so that TRL does not run that forward pass again. Positions within the
-  margin are counted as *near*;
+  by ``1 + lag``: a weaker check, counted apart in the stats (``pinned_leases``). Positions within the margin are
+  counted as *near*;
 - compares the worker's per-token log-probabilities with those of the same weights: their mean absolute difference
   over a lease must stay below ``max_logprob_error`` (scaled by ``1 + lag`` when not pinned), since they feed TRL's
   importance-sampling ratio;
@@ -46,7 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -56,9 +53,6 @@ from pulseloco.rollouts.sampling import CheckResult, check_completions
 logger = logging.getLogger(__name__)
 
 __all__ = ["LeaseCheck", "RolloutVerifier", "Settled", "VerifyStats", "VersionStates", "settle", "stop_ids"]
-
-#: The weights a lease is checked with (:class:`RolloutVerifier`'s ``weights``).
-WEIGHTS = ("version", "current")
 
 #: Logits held at once per chunk of the forward pass (elements; 2**27 float32 values are 512 MiB).
 MAX_CHUNK_LOGITS = 1 << 27
@@ -183,8 +177,7 @@ class LeaseCheck:
 @dataclass
 class VerifyStats:
     """Counters over a run (what the metrics report): positions checked, mismatched and near, completions and
-    leases checked and failed, seconds spent, the largest honest gap and log-probability error seen, and how many
-    of TRL's forward passes the checks' log-probabilities replaced (``weights="current"``)."""
+    leases checked and failed, seconds spent, and the largest honest gap and log-probability error seen."""
 
     completions: int = 0
     positions: int = 0
@@ -197,7 +190,6 @@ class VerifyStats:
     worst_passing_logprob_error: float = 0.0
     pinned_leases: int = 0
     unverifiable_leases: int = 0
-    shared_forwards: int = 0
     last_failure: str | None = None
 
 
@@ -216,9 +208,6 @@ class RolloutVerifier:
             version it claims (a BF16 copy of the model) and the margin alone; one whose version is not held within
             ``states_wait`` seconds is *unverifiable* (generated again, held against nobody). Without ``states``,
             leases are checked with the trainer's weights and a margin scaled by the lag.
-        weights: ``"version"`` checks each lease with its claimed version's weights when ``states`` holds them (a
-            forward pass of its own); ``"current"`` checks every completion with the trainer's weights (``states``
-            unused, ``fraction`` ignored) and keeps the log-probabilities for :meth:`shared_logps`.
     """
 
     def __init__(
@@ -232,16 +221,11 @@ class RolloutVerifier:
         record_gaps: bool = False,
         states: VersionStates | None = None,
         states_wait: float = 5.0,
-        weights: Literal["version", "current"] = "version",
     ) -> None:
         if not margin >= 0 or not 0 <= max_mismatch_rate < 1 or not max_logprob_error > 0 or not 0 < fraction <= 1:
             raise ValueError(
                 "margin must be >= 0, max_mismatch_rate in [0, 1), max_logprob_error > 0 and fraction in (0, 1]"
             )
-        if weights not in WEIGHTS:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-        self.weights = weights
-        self._shared: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}
         self.margin = margin
         self.max_mismatch_rate = max_mismatch_rate
         self.max_logprob_error = max_logprob_error
@@ -278,12 +262,12 @@ class RolloutVerifier:
                 if len(ids) < max_new_tokens and (not ids or ids[-1] not in stop_ids):
                     lease.early_stops += 1
                 rows.append((result.lease_id, list(prompt), ids, logprobs, result.seed, result.sequence + offset))
-        if self.fraction < 1.0 and self.weights == "version":
+        if self.fraction < 1.0:
             rows = self._sample(rows)
         # each lease is checked with its own version's weights when they are held (then the margin covers only
         # numeric differences), else with the trainer's current weights and a margin scaled by the lag
         snapshots = {}
-        if self.states is not None and self.weights == "version":
+        if self.states is not None:
             for result in results:
                 if result.version not in snapshots:
                     snapshots[result.version] = self.states.wait(result.version, self.states_wait)
@@ -291,7 +275,7 @@ class RolloutVerifier:
         for lease in leases.values():
             if snapshots.get(version_of[lease.lease_id]) is not None:
                 lease.pinned, lease.lag = True, 0
-            elif self.states is not None and self.weights == "version":  # not held: generated again, nobody blamed
+            elif self.states is not None:  # a version the trainer does not hold: generated again, nobody blamed
                 lease.unverifiable = True
         groups: dict[int | None, list[Any]] = {}
         for row in rows:
@@ -302,9 +286,8 @@ class RolloutVerifier:
             was_training = target.training
             target.eval()
             try:
-                share = pin is None and self.weights == "current"
                 for chunk in self._chunks(group, target):
-                    self._check_chunk(target, chunk, leases, temperature, share)
+                    self._check_chunk(target, chunk, leases, temperature)
             finally:
                 target.train(was_training)
         for lease in leases.values():
@@ -360,35 +343,7 @@ class RolloutVerifier:
             chunks.append(current)
         return chunks
 
-    def clear_shared(self) -> None:
-        """Forget the log-probabilities kept for :meth:`shared_logps` (at the start of each generation round)."""
-        self._shared = {}
-
-    def shared_logps(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
-    ) -> torch.Tensor | None:
-        """The trainer's per-token log-probabilities of TRL's batch (``input_ids``: left-padded prompts followed
-        by right-padded completions, ``logits_to_keep`` wide), as TRL's ``_get_per_token_logps_and_entropies``
-        returns them, from the checks of this round with the trainer's current weights; None unless every row was
-        checked so (then TRL runs its own forward pass). Never raises for a batch it does not know."""
-        if not self._shared or input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
-            return None
-        split = input_ids.shape[1] - logits_to_keep
-        if split < 0:
-            return None
-        rows = []
-        for ids, keep in zip(input_ids.tolist(), attention_mask.bool().tolist()):
-            prompt = tuple(t for t, k in zip(ids[:split], keep[:split]) if k)
-            completion = tuple(t for t, k in zip(ids[split:], keep[split:]) if k)
-            values = self._shared.get((prompt, completion))
-            if values is None or len(values) > logits_to_keep:
-                return None
-            rows.append(values + [0.0] * (logits_to_keep - len(values)))
-        return torch.tensor(rows, dtype=torch.float32, device=input_ids.device)
-
-    def _check_chunk(
-        self, model: torch.nn.Module, chunk: list[Any], leases: dict[str, LeaseCheck], t: float, share: bool = False
-    ) -> None:
+    def _check_chunk(self, model: torch.nn.Module, chunk: list[Any], leases: dict[str, LeaseCheck], t: float) -> None:
         device = next(model.parameters()).device
         width = max(len(p) + len(c) for _, p, c, _, _, _ in chunk)
         length = max(len(c) for _, _, c, _, _, _ in chunk)
@@ -407,7 +362,6 @@ class RolloutVerifier:
         index = (starts.unsqueeze(1) + torch.arange(length, device=logits.device)).clamp(max=width - 1)
         picked = logits.gather(1, index.unsqueeze(-1).expand(n, length, logits.shape[-1]))
         check = mask.clone()
-        shared: list[list[float]] | None = [] if share else None
         results = check_completions(
             picked,
             tokens,
@@ -419,11 +373,7 @@ class RolloutVerifier:
             margin=torch.tensor([self.margin * (1 + leases[r[0]].lag) for r in chunk]),
             check=check,
             gaps_out=self.gaps,
-            logprobs_out=shared,
         )
-        if shared is not None:
-            for (_, prompt, ids, _, _, _), values in zip(chunk, shared):
-                self._shared[(tuple(prompt), tuple(ids))] = values
         for (lease_id, _, ids, _, _, _), result in zip(chunk, results):
             self._add(leases[lease_id], result, len(ids))
 
