@@ -184,6 +184,29 @@ def test_check_completions_counts_gaps_against_a_per_completion_margin() -> None
     assert unchecked[1].mismatches == 0 and unchecked[1].checked == 2
 
 
+def test_shared_prompts_give_the_logits_of_a_whole_forward_pass(engine: TransformersEngine) -> None:
+    """The check runs each distinct prompt once and its completions on the prompt's KV cache: the logits that predict
+    every completion token are those of one forward pass over prompt and completion (FP32, to rounding), for
+    prompts of several lengths, repeated prompts, and completions of 0, 1 and more tokens."""
+    model = copy.deepcopy(engine.model).float()
+    rows = [
+        (PROMPTS[0], [5, 6, 7]),
+        (PROMPTS[0], [9]),
+        (PROMPTS[1], [3, 4]),
+        (PROMPTS[2], []),
+        (PROMPTS[1], [8, 2, 1, 4]),
+    ]
+    chunk = [("lease", list(p), c, [0.0] * len(c), 5, i) for i, (p, c) in enumerate(rows)]
+    with torch.no_grad():
+        got = RolloutVerifier._completion_logits(model, chunk, 4)
+    assert got.shape == (5, 4, model.config.vocab_size)
+    with torch.no_grad():
+        for i, (prompt, completion) in enumerate(rows):
+            whole = model(input_ids=torch.tensor([prompt + completion])).logits[0]
+            expected = whole[len(prompt) - 1 : len(prompt) - 1 + len(completion)]
+            assert torch.allclose(got[i, : len(completion)], expected, atol=1e-5), i
+
+
 def test_verifier_settings_are_checked() -> None:
     for bad in ({"margin": -1.0}, {"max_mismatch_rate": 1.0}, {"max_logprob_error": 0.0}, {"fraction": 0.0}):
         with pytest.raises(ValueError, match="margin must be >= 0"):

@@ -344,23 +344,11 @@ class RolloutVerifier:
         return chunks
 
     def _check_chunk(self, model: torch.nn.Module, chunk: list[Any], leases: dict[str, LeaseCheck], t: float) -> None:
-        device = next(model.parameters()).device
-        width = max(len(p) + len(c) for _, p, c, _, _, _ in chunk)
         length = max(len(c) for _, _, c, _, _, _ in chunk)
-        # right padding: causal attention leaves the real tokens alone; each tensor is built from lists at once
-        input_ids = torch.tensor([p + c + [0] * (width - len(p) - len(c)) for _, p, c, _, _, _ in chunk])
-        attention = torch.tensor(
-            [[1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c)) for _, p, c, _, _, _ in chunk]
-        )
         tokens = torch.tensor([c + [0] * (length - len(c)) for _, _, c, _, _, _ in chunk], dtype=torch.long)
         mask = torch.tensor([[True] * len(c) + [False] * (length - len(c)) for _, _, c, _, _, _ in chunk])
         logprobs = torch.tensor([list(lp) + [0.0] * (length - len(lp)) for _, _, _, lp, _, _ in chunk])
-        n = len(chunk)
-        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
-        # the logits that predict completion token j of row i sit at position len(prompt_i) - 1 + j
-        starts = torch.tensor([len(p) - 1 for _, p, _, _, _, _ in chunk], device=logits.device)
-        index = (starts.unsqueeze(1) + torch.arange(length, device=logits.device)).clamp(max=width - 1)
-        picked = logits.gather(1, index.unsqueeze(-1).expand(n, length, logits.shape[-1]))
+        picked = self._completion_logits(model, chunk, length)
         check = mask.clone()
         results = check_completions(
             picked,
@@ -376,6 +364,46 @@ class RolloutVerifier:
         )
         for (lease_id, _, ids, _, _, _), result in zip(chunk, results):
             self._add(leases[lease_id], result, len(ids))
+
+    @staticmethod
+    def _completion_logits(model: torch.nn.Module, chunk: list[Any], length: int) -> torch.Tensor:
+        """The logits that predict each completion token, ``(len(chunk), length, vocab)`` (past a completion's end:
+        what its padding gives, for the caller to mask). A group's completions share their prompt: each distinct
+        prompt runs once (rows with prompts of one length together, unpadded), its last position predicting the
+        first completion token, and its KV cache, selected once per completion, serves the completions' forward
+        pass (right-padded: causal attention leaves the real tokens alone). With ``G`` completions per prompt the
+        prompt's share of the work is divided by ``G``."""
+        device = next(model.parameters()).device
+        out: torch.Tensor | None = None
+        by_length: dict[int, list[int]] = {}
+        for i, (_, prompt, _, _, _, _) in enumerate(chunk):
+            by_length.setdefault(len(prompt), []).append(i)
+        for width, rows in by_length.items():
+            distinct: dict[tuple[int, ...], int] = {}
+            which = [distinct.setdefault(tuple(chunk[i][1]), len(distinct)) for i in rows]
+            first = model(input_ids=torch.tensor(list(distinct), device=device), use_cache=True)
+            index = torch.tensor(which, device=device)
+            parts = [first.logits[index, -1:]]  # predicts each row's first completion token
+            wide = max(len(chunk[i][2]) for i in rows)
+            if wide > 1:  # the completion's token j predicts token j + 1; the last token predicts nothing checked
+                cache = first.past_key_values
+                cache.batch_select_indices(index)
+                ids = [chunk[i][2][: wide - 1] + [0] * (wide - 1 - len(chunk[i][2][: wide - 1])) for i in rows]
+                attention = [[1] * width + [1] * min(len(chunk[i][2]), wide - 1) for i in rows]
+                attention = [a + [0] * (width + wide - 1 - len(a)) for a in attention]
+                second = model(
+                    input_ids=torch.tensor(ids, device=device),
+                    attention_mask=torch.tensor(attention, device=device),
+                    past_key_values=cache,
+                    use_cache=False,
+                )
+                parts.append(second.logits)
+            logits = torch.cat(parts, dim=1)[:, :length]
+            if out is None:
+                out = logits.new_zeros((len(chunk), length, logits.shape[-1]))
+            out[torch.tensor(rows, device=device), : logits.shape[1]] = logits
+        assert out is not None  # noqa: S101 (a chunk has rows)
+        return out
 
     @staticmethod
     def _add(lease: LeaseCheck, result: CheckResult, num_tokens: int) -> None:
