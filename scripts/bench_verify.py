@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not engines or args.prompts < 1 or args.samples < 1 or args.max_new_tokens < 1:
         ap.error(f"--engines must name some of {', '.join(ENGINES)}; counts must be positive (got {unknown or ''})")
     trainer_device = args.trainer_device or args.device
-    for device in (args.device, trainer_device):
+    for flag, device in (("--device", args.device), ("--trainer-device", trainer_device)):
         if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
-            ap.error(f"--device {device}: only cpu, or cuda where torch sees a CUDA GPU")
+            ap.error(f"{flag} {device}: only cpu, or cuda where torch sees a CUDA GPU")
     torch.manual_seed(0)
     model_dir = args.model_name_or_path or demo_model()
     from pulseloco.integrations.models import load_causal_lm, load_tokenizer

@@ -127,7 +127,7 @@ class _Behaviour:
         self.mode = "honest"
         self.delay = 0.0
         self.started = 0
-        self.first: list[Any] | None = None
+        self.before: list[Any] | None = None
         self.other: Any = None
 
     def generate_ids(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None = None) -> Any:
@@ -141,10 +141,10 @@ class _Behaviour:
         completions = self.engine.generate_ids(
             prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
         )
-        if self.mode != "replay" or self.first is None:
-            self.first = completions
+        if self.mode != "replay" or self.before is None:
+            self.before = completions
         if self.mode == "replay":  # what it made for its last lease before, cycled to this lease's size
-            old = [self.first[i % len(self.first)] for i in range(len(completions))]
+            old = [self.before[i % len(self.before)] for i in range(len(completions))]
             return [Completion(c.token_ids[:max_new_tokens], c.logprobs[:max_new_tokens]) for c in old]
         if self.mode == "forged_logprobs":
             return [Completion(c.token_ids, [lp - 1.0 for lp in c.logprobs]) for c in completions]

@@ -35,7 +35,7 @@ def test_a_small_run_measures_the_honest_margin(tiny_warm_model: Path, tmp_path:
         (["--engines", "sglang"], "--engines must name some of"),
         (["--prompts", "0"], "counts must be positive"),
         (["--device", "tpu"], "--device tpu: only cpu, or cuda"),
-        *([] if torch.cuda.is_available() else [(["--trainer-device", "cuda"], "--device cuda: only cpu")]),
+        *([] if torch.cuda.is_available() else [(["--trainer-device", "cuda"], "--trainer-device cuda: only cpu")]),
     ],
 )
 def test_bad_flags_are_refused(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -381,16 +381,17 @@ class RolloutVerifier:
         for width, rows in by_length.items():
             distinct: dict[tuple[int, ...], int] = {}
             which = [distinct.setdefault(tuple(chunk[i][1]), len(distinct)) for i in rows]
-            first = model(input_ids=torch.tensor(list(distinct), device=device), use_cache=True)
+            # the prompt's last position alone predicts a checked token (the first of each completion)
+            first = model(input_ids=torch.tensor(list(distinct), device=device), use_cache=True, logits_to_keep=1)
             index = torch.tensor(which, device=device)
-            parts = [first.logits[index, -1:]]  # predicts each row's first completion token
-            wide = max(len(chunk[i][2]) for i in rows)
-            if wide > 1:  # the completion's token j predicts token j + 1; the last token predicts nothing checked
+            parts = [first.logits[index]]
+            wide = max(len(chunk[i][2]) for i in rows) - 1  # a completion's last token predicts nothing checked
+            if wide > 0:  # completion token j predicts token j + 1
                 cache = first.past_key_values
                 cache.batch_select_indices(index)
-                ids = [chunk[i][2][: wide - 1] + [0] * (wide - 1 - len(chunk[i][2][: wide - 1])) for i in rows]
-                attention = [[1] * width + [1] * min(len(chunk[i][2]), wide - 1) for i in rows]
-                attention = [a + [0] * (width + wide - 1 - len(a)) for a in attention]
+                heads = [chunk[i][2][:wide] for i in rows]
+                ids = [c + [0] * (wide - len(c)) for c in heads]
+                attention = [[1] * (width + len(c)) + [0] * (wide - len(c)) for c in heads]
                 second = model(
                     input_ids=torch.tensor(ids, device=device),
                     attention_mask=torch.tensor(attention, device=device),

@@ -185,7 +185,7 @@ class TopKSelector:
         at_CS = magnitude == kth_C1
         room_C1 = k - above_CS.sum(dim=1, keepdim=True)
         keep_CS = above_CS | (at_CS & (at_CS.cumsum(dim=1) <= room_C1))
-        return _from_mask(keep_CS.view(-1)[:numel].clone(), signal_N)
+        return _from_mask(keep_CS.view(-1)[:numel], signal_N)
 
 
 def make_selector(
