@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from datasets import Dataset
+from tensorboard_helpers import scalars
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from pulseloco.errors import ConfigError
@@ -195,3 +196,121 @@ def test_pulse_values_option_reaches_the_selector_and_is_validated() -> None:
         PulseLoCoArguments(pulse_values="fp8")
     with pytest.raises(ConfigError, match="needs --strategy pulseloco"):
         PulseLoCoArguments(strategy="diloco", pulse_values="bfloat16")
+
+
+# -- metrics in the Trainer's logs (report_to) ----------------------------------------------------------------
+
+
+def test_callbacks_run_before_the_reporting_integrations_both_ways(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Trainer(callbacks=[...]) and trainer.add_callback(...) both put the callbacks after TensorBoardCallback;
+    each moves itself before it at its first event, so its numbers are in the very logs TensorBoard writes."""
+    from transformers.integrations import TensorBoardCallback
+
+    from pulseloco.cli import main as pulseloco_main
+    from pulseloco.integrations.trainer import _LogsContributor
+
+    assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
+    loco = PulseLoCoCallback(run_id="order", inner_steps=2, **LONE_PEER)
+    sync = PulseSyncCallback(signing_key=str(tmp_path / "key"))
+    args = training_args(tmp_path / "out", max_steps=2, report_to=["tensorboard"])
+    trainer = Trainer(model=tiny_model(), args=args, train_dataset=token_dataset(), callbacks=[loco])
+
+    def position(callback: Any) -> int:
+        return next(i for i, cb in enumerate(trainer.callback_handler.callbacks) if cb is callback)
+
+    def tensorboard() -> int:
+        return next(i for i, cb in enumerate(trainer.callback_handler.callbacks) if isinstance(cb, TensorBoardCallback))
+
+    assert position(loco) < tensorboard()  # moved at on_init_end
+    trainer.add_callback(sync)
+    assert position(sync) > tensorboard()  # as transformers adds it
+    others_before = [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, _LogsContributor)]
+    trainer.train()
+    assert position(loco) < position(sync) < tensorboard()  # sync moved at on_train_begin, after loco
+    # every other callback kept its order
+    assert [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, _LogsContributor)] == others_before
+    series = scalars(tmp_path / "out")
+    assert [step for step, _ in series["train/pulseloco/round"]] == [2]
+    assert [value for _, value in series["train/pulsesync/version"]][-1] == 2  # the start, then round 0
+    record = next(r for r in trainer.state.log_history if "loss" in r and r["step"] == 2)
+    assert record["pulseloco/round"] == 0 and record["pulseloco/num_peers"] == 1  # trainer_state.json too
+
+    # Called other than through a CallbackHandler, it says why its numbers may not reach report_to.
+    stray = PulseLoCoCallback(run_id="stray")
+    with caplog.at_level(logging.WARNING, logger="pulseloco.integrations.trainer"):
+        stray._run_before_log_readers(warn=True)
+        stray._run_before_log_readers(warn=True)
+    assert sum("could not find the transformers CallbackHandler" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_two_peers_log_rounds_and_versions_to_tensorboard(tmp_path: Path) -> None:
+    """Two Trainer peers (threads of this process, each with its own DHT on 127.0.0.1) with report_to
+    tensorboard: the event files hold train/pulseloco/* and train/pulsesync/* next to train/loss, equal to the
+    peers' own JSON-lines records."""
+    import threading
+
+    import hivemind
+
+    from pulseloco.cli import main as pulseloco_main
+
+    assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
+    swarm = {"target_group_size": 2, "matchmaking_time": 10.0, "request_timeout": 5.0, "averaging_timeout": 20.0}
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    maddrs = [str(a) for a in first.get_visible_maddrs()]
+    second = hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    trainers: list[Trainer] = []
+    try:
+        for index, dht in enumerate((first, second)):
+            out = tmp_path / f"peer{index}"
+            callbacks: list[Any] = [
+                PulseLoCoCallback(dht=dht, run_id="tb", inner_steps=2, metrics_path=out / "rounds.jsonl", **swarm)
+            ]
+            if index == 0:
+                callbacks.append(
+                    PulseSyncCallback(signing_key=str(tmp_path / "key"), metrics_path=out / "versions.jsonl")
+                )
+            args = training_args(out, max_steps=4, report_to=["tensorboard"], seed=index)
+            trainers.append(Trainer(model=tiny_model(), args=args, train_dataset=token_dataset(), callbacks=callbacks))
+        errors: list[BaseException] = []
+
+        def run(trainer: Trainer) -> None:
+            try:
+                trainer.train()
+            except BaseException as exc:  # reported by the test thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in trainers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+    finally:
+        second.shutdown()
+        first.shutdown()
+
+    for index in range(2):
+        series = scalars(tmp_path / f"peer{index}")
+        recorded = rounds(tmp_path / f"peer{index}" / "rounds.jsonl")
+        assert [r["round"] for r in recorded] == [0, 1]
+        assert [s for s, _ in series["train/loss"]] == [1, 2, 3, 4]
+        # logging_steps=1: each round in the log of the step that ended it, its values as recorded
+        assert series["train/pulseloco/round"] == [(2, 0.0), (4, 1.0)]
+        for name in ("bytes_sent", "bytes_received", "num_peers", "num_contributors", "density", "seconds_sync"):
+            logged = [value for _, value in series[f"train/pulseloco/{name}"]]
+            assert logged == pytest.approx([r[name] for r in recorded], rel=1e-6), name
+        assert sum(v for _, v in series["train/pulseloco/bytes_sent"]) == sum(r["bytes_sent"] for r in recorded) > 0
+        assert [v for _, v in series["train/pulseloco/num_contributors"]] == [2.0, 2.0]  # both peers, every round
+        assert [v for _, v in series["train/pulseloco/repaired"]] == [0.0, 0.0]
+    publisher = scalars(tmp_path / "peer0")
+    published = rounds(tmp_path / "peer0" / "versions.jsonl")
+    assert [p["version"] for p in published] == [1, 2, 3]  # the start, then one per round
+    versions = [value for _, value in publisher["train/pulsesync/version"]]
+    assert versions == sorted(set(versions)) and versions[-1] == 3  # increasing; the last flushed into the last log
+    assert sum(v for _, v in publisher["train/pulsesync/num_versions"]) == 3  # each version logged once
+    assert sum(v for _, v in publisher["train/pulsesync/patch_bytes"]) == sum(p["patch_bytes"] for p in published)
+    assert all(0 < v < 60 for _, v in publisher["train/pulsesync/seconds_publish"])
+    assert all(p["announced"] and p["seconds_publish"] > 0 for p in published)
+    assert not any(tag.startswith("train/pulsesync/") for tag in scalars(tmp_path / "peer1"))

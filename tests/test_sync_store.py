@@ -440,6 +440,34 @@ def test_a_failed_publish_is_rolled_back_and_never_becomes_the_base(
         pub.publish(trainer.model)
 
 
+def test_announce_listeners_see_each_stored_version_once_with_its_time_and_never_a_failed_one(
+    key, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pulseloco.sync.publisher import PublishedVersion
+
+    seen: list[PublishedVersion] = []
+    also: list[int] = []
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path, on_announced=seen.append)
+    pub.add_announce_listener(lambda published: also.append(published.version))
+    pub.add_announce_listener(lambda published: 1 / 0)  # a failing listener is logged; the others still run
+    try:
+        publish(pub, trainer, 2, expected)
+        monkeypatch.setattr(pub.store, "write", lambda *args: (_ for _ in ()).throw(OSError(28, "disk full")))
+        trainer.step()
+        pub.publish(trainer.model)
+        assert pub.flush(timeout=30) == 2 and isinstance(pub.last_error, OSError)
+    finally:
+        pub.close()
+    assert [(p.version, p.digest, p.announced) for p in seen] == [(1, expected[1], True), (2, expected[2], True)]
+    assert also == [1, 2]
+    assert (
+        seen[0].patch_bytes == 0
+        and seen[1].patch_bytes == VersionStore(tmp_path).object_path("patch", 2).stat().st_size
+    )
+    assert all(0 < p.seconds < 30 for p in seen)
+
+
 def test_a_newer_version_supersedes_a_queued_one(key, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = Trainer()
     pub = Publisher(None, RUN, key, tmp_path)

@@ -20,6 +20,18 @@ restored when the Trainer resumes from one.
 ``every=N`` it publishes both: the consensus after every round and, between rounds, this peer's own weights every N
 optimizer steps, so that rollout workers generate with a model at most N steps behind instead of up to a round.
 
+Metrics in the Trainer's logs: both callbacks add their numbers to the logs the Trainer sends to its reporting
+integrations (``report_to``: TensorBoard, W&B, trackio, MLflow, ...), to ``trainer_state.json``'s ``log_history``
+and to the printed logs, at the Trainer's next log after they happen (``logging_steps``), each value once:
+``pulseloco/*`` per outer round (:class:`PulseLoCoCallback`) and ``pulsesync/*`` per stored version
+(:class:`PulseSyncCallback`). The integrations write a log as soon as they see it, and the Trainer puts the
+callbacks it is given after its own reporting ones, so each of these callbacks, at the first event the Trainer
+sends it (``on_init_end`` for ``callbacks=[...]``, ``on_train_begin`` for ``trainer.add_callback``), moves itself
+in the list of the ``CallbackHandler`` that is calling it to just before the first callback that reads the logs
+(one that overrides ``on_log``: the integrations, the printer); the other callbacks keep their order. If it cannot
+find that handler (a Trainer that does not call callbacks through ``transformers.trainer_callback.CallbackHandler``)
+it logs a warning once and the numbers reach only the callbacks after it; the JSON-lines files are unaffected.
+
 Failure behaviour: bad arguments raise :class:`~pulseloco.errors.ConfigError` at construction; a swarm that cannot
 be joined raises :class:`~pulseloco.errors.ConfigError` on every process at the start of training; resuming from
 a checkpoint without ``pulseloco.pt`` raises :class:`~pulseloco.errors.ConfigError` before any step. The swarm
@@ -28,6 +40,7 @@ itself never fails a step (see :class:`pulseloco.PulseLoCo`).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -35,16 +48,22 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import CallbackHandler
 
 from pulseloco.errors import ConfigError, PulseLocoError
 from pulseloco.loco.optimizer import PulseLoCo, _distributed
 from pulseloco.loco.selection import SELECTORS
 from pulseloco.swarm import SwarmConfig
+
+if TYPE_CHECKING:
+    from pulseloco.loco.metrics import RoundMetrics
+    from pulseloco.sync.publisher import PublishedVersion
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +117,188 @@ class _JsonLines:
             fh.write(line + "\n")
 
 
-class PulseLoCoCallback(TrainerCallback):
+_HANDLER_SEARCH_FRAMES = 8
+"""How many callers up :func:`_calling_handler` looks for the ``CallbackHandler`` (it is 3 to 4 frames up)."""
+
+
+def _calling_handler(callback: TrainerCallback) -> CallbackHandler | None:
+    """The ``transformers`` ``CallbackHandler`` on the call stack (its ``call_event`` is calling one of
+    ``callback``'s events) whose list holds ``callback``; ``None`` when there is none within
+    :data:`_HANDLER_SEARCH_FRAMES` callers (the callback was called some other way)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_HANDLER_SEARCH_FRAMES):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, CallbackHandler) and any(cb is callback for cb in owner.callbacks):
+                return owner
+        return None
+    finally:
+        del frame  # a frame kept in a local makes a reference cycle through this function's own frame
+
+
+def _reads_logs(callback: Any) -> bool:
+    """Whether a callback does something with the logs: it overrides ``on_log`` (the reporting integrations,
+    the printer and progress bar, a user's own logger)."""
+    return getattr(type(callback), "on_log", None) is not TrainerCallback.on_log
+
+
+def _before_log_readers(callbacks: list[Any]) -> list[Any] | None:
+    """``callbacks`` with every :class:`_LogsContributor` moved, in their order, to just before the first other
+    callback that reads the logs; ``None`` when they all come before it already (or nothing reads the logs)."""
+    ours = [i for i, cb in enumerate(callbacks) if isinstance(cb, _LogsContributor)]
+    readers = [i for i, cb in enumerate(callbacks) if not isinstance(cb, _LogsContributor) and _reads_logs(cb)]
+    if not ours or not readers or max(ours) < readers[0]:
+        return None
+    contributors = [callbacks[i] for i in ours]
+    others = [cb for cb in callbacks if not isinstance(cb, _LogsContributor)]
+    first = next(i for i, cb in enumerate(others) if _reads_logs(cb))
+    return others[:first] + contributors + others[first:]
+
+
+class _LogsContributor(TrainerCallback):
+    """A callback that adds numbers to the Trainer's logs (so to every ``report_to`` integration), running
+    before the callbacks that read them.
+
+    Subclasses collect their numbers as they happen and hand them over in :meth:`_take_log_entries`; the next
+    ``on_log`` adds them to the logs and to the ``trainer_state.json`` record of the same log. Subclasses that
+    override ``on_train_begin`` call :meth:`_run_before_log_readers` there.
+    """
+
+    _placed: bool = False
+    _warned_unplaced: bool = False
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._run_before_log_readers(warn=False)  # a callback given to Trainer(callbacks=...)
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._run_before_log_readers(warn=True)
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if logs is None:
+            return
+        if control.should_training_stop or 0 < state.max_steps <= state.global_step:
+            self._before_last_log()
+        entries = self._take_log_entries()
+        if not entries:
+            return
+        before = {k: v for k, v in logs.items() if k not in entries}
+        logs.update(entries)
+        # Trainer.log put a copy of the logs into log_history before calling the callbacks: complete that record
+        # too (it is the last one, of this step, and holds what the logs held before these entries).
+        if state.log_history:
+            record = state.log_history[-1]
+            if record.get("step") == state.global_step and all(record.get(k) == v for k, v in before.items()):
+                record.update(entries)
+
+    def _run_before_log_readers(self, *, warn: bool) -> None:
+        """Move this callback (with the other contributors) before the log readers in the list of the
+        ``CallbackHandler`` calling it. The list is replaced, never changed in place: the handler is iterating
+        it. Without a handler on the call stack, logs a warning once when ``warn``."""
+        handler = _calling_handler(self)
+        if handler is None:
+            if warn and not self._placed and not self._warned_unplaced:
+                self._warned_unplaced = True
+                logger.warning(
+                    "%s could not find the transformers CallbackHandler calling it, so it cannot run before the "
+                    "callbacks that report the logs (report_to): its numbers reach only the callbacks after it "
+                    "(the JSON-lines metrics files are unaffected); put it before them in "
+                    "trainer.callback_handler.callbacks",
+                    type(self).__name__,
+                )
+            return
+        self._placed = True
+        reordered = _before_log_readers(handler.callbacks)
+        if reordered is not None:
+            handler.callbacks = reordered
+            logger.info("callbacks reordered so that pulseloco's metrics reach report_to: %s",
+                        [type(cb).__name__ for cb in reordered])  # fmt: skip
+
+    def _take_log_entries(self) -> dict[str, float]:
+        """The numbers collected since the last call (then forgotten); empty when there are none."""
+        raise NotImplementedError
+
+    def _before_last_log(self) -> None:
+        """Called before the entries of the last log of a training run are taken."""
+
+
+@dataclass
+class _RoundTotals:
+    """The outer rounds since the last log."""
+
+    num_rounds: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    num_sent: int = 0
+    numel: int = 0
+    seconds_sync: float = 0.0
+    repaired: int = 0
+    last: RoundMetrics | None = None
+
+    def add(self, metrics: RoundMetrics) -> None:
+        self.num_rounds += 1
+        self.bytes_sent += metrics.bytes_sent
+        self.bytes_received += metrics.bytes_received
+        self.num_sent += metrics.num_sent
+        self.numel += metrics.numel
+        self.seconds_sync += metrics.seconds_sync
+        self.repaired += int(metrics.repaired)
+        self.last = metrics
+
+    def entries(self) -> dict[str, float]:
+        if self.last is None:
+            return {}
+        return {
+            "pulseloco/round": self.last.round,
+            "pulseloco/num_rounds": self.num_rounds,
+            "pulseloco/bytes_sent": self.bytes_sent,
+            "pulseloco/bytes_received": self.bytes_received,
+            "pulseloco/density": self.num_sent / self.numel if self.numel else 0.0,
+            "pulseloco/num_peers": self.last.num_peers,
+            "pulseloco/num_contributors": self.last.num_contributors,
+            "pulseloco/seconds_sync": self.seconds_sync,
+            "pulseloco/repaired": self.repaired,
+        }
+
+
+@dataclass
+class _VersionTotals:
+    """The versions stored since the last log."""
+
+    num_versions: int = 0
+    version: int = 0
+    patch_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, published: PublishedVersion) -> None:
+        self.num_versions += 1
+        self.version = max(self.version, published.version)
+        self.patch_bytes += published.patch_bytes
+        self.seconds += published.seconds
+
+    def entries(self) -> dict[str, float]:
+        if not self.num_versions:
+            return {}
+        return {
+            "pulsesync/version": self.version,
+            "pulsesync/num_versions": self.num_versions,
+            "pulsesync/patch_bytes": self.patch_bytes,
+            "pulsesync/seconds_publish": self.seconds / self.num_versions,
+        }
+
+
+class PulseLoCoCallback(_LogsContributor):
     """Turns the Trainer it is given to into a PULSELoCo peer.
 
     Args (keyword-only):
@@ -117,6 +317,25 @@ class PulseLoCoCallback(TrainerCallback):
     Attributes:
         loco: the :class:`pulseloco.PulseLoCo` (``None`` before training begins).
         dht: the DHT in use on the main process (``None`` elsewhere and before training begins).
+
+    Metrics: the Trainer's next log after one or more outer rounds gets, from this peer's
+    :class:`~pulseloco.loco.metrics.RoundMetrics` (on the main process, the one in the swarm; shown as
+    ``train/pulseloco/...`` by TensorBoard and W&B, which prefix ``train/``):
+
+    * ``pulseloco/round``: ``round`` of the latest round (its index, 0 for the first);
+    * ``pulseloco/num_rounds``: the rounds this log covers (1 unless ``logging_steps`` > ``inner_steps``, or a
+      log was skipped); the sums below are over them;
+    * ``pulseloco/bytes_sent``, ``pulseloco/bytes_received``: the sum of ``bytes_sent``, ``bytes_received``
+      (wire bytes of the averaging);
+    * ``pulseloco/density``: the sum of ``num_sent`` over the sum of ``numel``, the latest round's ``density``
+      when the log covers one round;
+    * ``pulseloco/num_peers``, ``pulseloco/num_contributors``: the latest round's ``num_peers`` (group members,
+      this peer included) and ``num_contributors`` (peers whose contributions the round aggregated);
+    * ``pulseloco/seconds_sync``: the sum of ``seconds_sync`` (wall time of the outer steps, when training
+      waits for the swarm);
+    * ``pulseloco/repaired``: the rounds in which this peer downloaded the global state (``repaired``).
+
+    The same rounds are in the JSON-lines file of ``metrics_path`` (one line each, every field).
     """
 
     def __init__(
@@ -151,11 +370,14 @@ class PulseLoCoCallback(TrainerCallback):
         self._before_close: list[Any] = []
         self._after_linger: list[Any] = []
         self._closed = False
+        self._rounds_lock = threading.Lock()
+        self._rounds = _RoundTotals()  # since the last log
 
     # -- Trainer events -------------------------------------------------------------------------------------
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._run_before_log_readers(warn=True)
         model = kwargs.get("model")
         if model is None:
             raise ConfigError("PulseLoCoCallback needs the Trainer's model (transformers passes it to callbacks)")
@@ -174,6 +396,7 @@ class PulseLoCoCallback(TrainerCallback):
             selector=self.selector,
             **self.pulseloco_kwargs,
         )
+        self.loco.add_round_listener(self._count_round)
         _CALLBACK_OF_MODEL[model] = self
         if state.global_step > 0:
             self._resume(args, state)
@@ -210,6 +433,16 @@ class PulseLoCoCallback(TrainerCallback):
         self.close()
 
     # -- helpers --------------------------------------------------------------------------------------------
+    def _count_round(self, _loco: PulseLoCo, metrics: RoundMetrics | None) -> None:
+        if metrics is not None:  # None on processes other than the main one
+            with self._rounds_lock:
+                self._rounds.add(metrics)
+
+    def _take_log_entries(self) -> dict[str, float]:
+        with self._rounds_lock:
+            rounds, self._rounds = self._rounds, _RoundTotals()
+        return rounds.entries()
+
     def add_close_hooks(self, before_linger: Any, after_linger: Any) -> None:
         """When training ends, run ``before_linger()`` before this peer lingers (a publisher's flush, so that its
         last version is stored) and ``after_linger()`` after it, while the DHT is still up (closing the
@@ -256,7 +489,7 @@ class PulseLoCoCallback(TrainerCallback):
         logger.info("resumed PulseLoCo round=%d local_step=%d from %s", self.loco.round, self.loco.local_step, path)
 
 
-class PulseSyncCallback(TrainerCallback):
+class PulseSyncCallback(_LogsContributor):
     """Publishes the Trainer's model to rollout workers with PULSESync.
 
     Args:
@@ -274,8 +507,23 @@ class PulseSyncCallback(TrainerCallback):
         anchor_every: a full BF16 anchor every this many versions.
         dht, swarm: the DHT to publish on, or how to start one, when there is no PulseLoCoCallback.
         linger: seconds to keep serving after training, when this callback started the DHT.
-        metrics_path: append one JSON line per stored version (``version``, ``digest``, ``patch_bytes``).
+        metrics_path: append one JSON line per stored version (``version``, ``digest``, ``patch_bytes``,
+            ``seconds_publish``, ``announced``: :class:`pulseloco.sync.publisher.PublishedVersion`).
         flush_timeout: seconds to wait at the end for the last version to be encoded and stored.
+
+    Metrics: the Trainer's next log after one or more versions were stored gets (on the main process, the one
+    that publishes; ``train/pulsesync/...`` in TensorBoard and W&B):
+
+    * ``pulsesync/version``: the newest version stored;
+    * ``pulsesync/num_versions``: the versions this log covers (queued versions superseded before they were
+      encoded are not stored and not counted); the sum and mean below are over them;
+    * ``pulsesync/patch_bytes``: the sum of their patch sizes (0 for the first, anchor-only version);
+    * ``pulsesync/seconds_publish``: the mean, over them, of the seconds from queueing the version (right after
+      the optimizer step or outer round it follows) to the end of its announce in the DHT: the publisher's
+      wait for the previous version, encoding, signing, store writes and announce.
+
+    The publisher works in the background, so a version usually reaches the log after the one of the step that
+    queued it; at the last log of training the callback first waits (``flush_timeout``) for the last version.
     """
 
     def __init__(
@@ -326,10 +574,13 @@ class PulseSyncCallback(TrainerCallback):
         #: of rollouts keeps them: :class:`pulseloco.integrations.verify.VersionStates`)
         self.version_listeners: list[Callable[[int, dict[str, torch.Tensor]], None]] = []
         self._last_published: tuple[int, int] | None = None  # (version, step) of the last version published
+        self._versions_lock = threading.Lock()
+        self._versions = _VersionTotals()  # stored since the last log
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        self._run_before_log_readers(warn=True)
         self._model = kwargs.get("model")
         if self._model is None:
             raise ConfigError("PulseSyncCallback needs the Trainer's model (transformers passes it to callbacks)")
@@ -358,6 +609,8 @@ class PulseSyncCallback(TrainerCallback):
             )
         if self.publisher is None and self.signing_key is not None:
             self._make_publisher(args, loco)
+        if self.publisher is not None:
+            self.publisher.add_announce_listener(self._record)
         if loco is not None:
             assert loco.loco is not None  # noqa: S101 (checked above)
             self._loco = loco.loco
@@ -420,9 +673,7 @@ class PulseSyncCallback(TrainerCallback):
             self._owned_dht = dht = _join_swarm(self.swarm or SwarmConfig())
         run_id = self.run_id or (f"{loco.run_id}.policy" if loco is not None else "pulseloco.policy")
         store = Path(self.store_dir) if self.store_dir is not None else Path(str(args.output_dir)) / "versions"
-        self.publisher = Publisher(
-            dht, run_id, self.signing_key, store, anchor_every=self.anchor_every, on_published=self._record
-        )
+        self.publisher = Publisher(dht, run_id, self.signing_key, store, anchor_every=self.anchor_every)
         self._owns_publisher = True
         print(f"pulsesync: publishing run_id={run_id} store={store}", flush=True)
 
@@ -434,9 +685,27 @@ class PulseSyncCallback(TrainerCallback):
             return None
         return self.publisher.endpoint.dht
 
-    def _record(self, version: int, digest: str, patch_bytes: int) -> None:
+    def _record(self, published: PublishedVersion) -> None:
+        """The publisher's announce listener (its thread): the JSON line and the totals of the next log."""
+        with self._versions_lock:
+            self._versions.add(published)
         if self.metrics is not None:
-            self.metrics.write(event="publish", version=version, digest=digest, patch_bytes=patch_bytes)
+            self.metrics.write(
+                event="publish",
+                version=published.version,
+                digest=published.digest,
+                patch_bytes=published.patch_bytes,
+                seconds_publish=round(published.seconds, 4),
+                announced=published.announced,
+            )
+
+    def _take_log_entries(self) -> dict[str, float]:
+        with self._versions_lock:
+            versions, self._versions = self._versions, _VersionTotals()
+        return versions.entries()
+
+    def _before_last_log(self) -> None:
+        self.flush()  # the last version (queued by the last step or round) is then in the last log
 
     def add_version_listener(self, listener: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
         """Call ``listener(version, BF16 state)`` after each version this process publishes from now on, and at once

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import hivemind
@@ -34,7 +35,25 @@ from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Publisher", "bf16_snapshot"]
+__all__ = ["PublishedVersion", "Publisher", "bf16_snapshot"]
+
+
+@dataclass(frozen=True)
+class PublishedVersion:
+    """A version the publisher stored, as its ``on_announced`` listeners see it."""
+
+    version: int
+    digest: str
+    """State digest of the version."""
+    patch_bytes: int
+    """Size of its patch (0 for an anchor-only version: the first of a store)."""
+    seconds: float
+    """Wall time from :meth:`Publisher.publish` queueing the snapshot to the end of the announce that followed
+    storing it: waiting for the previous version, encoding, signing, writing the store and announcing the head and
+    provider records in the DHT (only the store for a publisher without a DHT). What a rollout worker waits, past
+    the trainer's step, before it can find the version."""
+    announced: bool
+    """Whether the DHT accepted the head record (True without a DHT: there is nothing to announce)."""
 
 
 def bf16_snapshot(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -91,6 +110,9 @@ class Publisher:
         on_published: called as ``on_published(version, digest, patch_bytes)`` from the publisher's thread once
             a version is in the store (``patch_bytes`` 0 for the first, anchor-only version); an exception it
             raises is logged and does not undo the version.
+        on_announced: called as ``on_announced(PublishedVersion)`` from the publisher's thread once a stored
+            version has been announced (or its announce failed: ``announced`` is then False); more listeners
+            with :meth:`add_announce_listener`. An exception a listener raises is logged and changes nothing.
 
     Raises :class:`ConfigError` for bad arguments and when the store cannot be resumed (a chain that does
     not verify under this key, or a truncated or corrupt file: the message names it).
@@ -113,6 +135,7 @@ class Publisher:
         head_ttl: float = 600.0,
         provider_ttl: float = 30.0,
         on_published: Callable[[int, str, int], None] | None = None,
+        on_announced: Callable[[PublishedVersion], None] | None = None,
     ) -> None:
         if anchor_every < 1:
             raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
@@ -131,6 +154,9 @@ class Publisher:
         self.provider_ttl = provider_ttl
         self._announce_every = min(head_ttl, provider_ttl) / 3
         self._on_published = on_published
+        self._announce_listeners: list[Callable[[PublishedVersion], None]] = []
+        if on_announced is not None:
+            self._announce_listeners.append(on_announced)
         self._key = signing_key
         self._public_key = signing_key.public_key()
         self.store = VersionStore(store_dir)
@@ -142,7 +168,7 @@ class Publisher:
         self._resume()
         self._next_version = self._version or 0
         self._cond = threading.Condition()
-        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor], float] | None = None  # version, snapshot, queued at
         self._busy = False
         self._closed = False
         # Serving runs in the transport's executor threads: the upload counts and the squash cache are shared
@@ -238,7 +264,7 @@ class Publisher:
             version = self._next_version
             if self._pending is not None:
                 logger.info("superseded queued version=%d by version=%d", self._pending[0], version)
-            self._pending = (version, snapshot)
+            self._pending = (version, snapshot, time.monotonic())
             self._cond.notify_all()
         return version
 
@@ -268,21 +294,43 @@ class Publisher:
                     return
                 job, self._pending = self._pending, None
                 self._busy = job is not None
+            stored: tuple[int, str, int, float] | None = None  # (version, digest, patch_bytes, queued at)
+            announced = False
             try:
                 if job is not None:
-                    self._publish_one(*job)
+                    version, state, queued_at = job
+                    digest, patch_bytes = self._publish_one(version, state)
+                    stored = (version, digest, patch_bytes, queued_at)
                 if self._version is not None:
-                    self._announce()
+                    announced = self._announce()
                     last_announce = time.monotonic()
             except Exception as exc:  # keep serving; the failed version is not the base of the next one
                 self.last_error = exc
                 logger.error("publish failed version=%s error=%r", job[0] if job else None, exc)
             finally:
+                if stored is not None:  # before flush() returns: a flushed version has been reported
+                    self._report(stored, announced)
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _publish_one(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def add_announce_listener(self, listener: Callable[[PublishedVersion], None]) -> None:
+        """Call ``listener(PublishedVersion)`` from the publisher's thread after each version stored from now on,
+        once its announce is done or has failed. An exception it raises is logged and changes nothing."""
+        self._announce_listeners.append(listener)
+
+    def _report(self, stored: tuple[int, str, int, float], announced: bool) -> None:
+        version, digest, patch_bytes, queued_at = stored
+        record = PublishedVersion(version, digest, patch_bytes, time.monotonic() - queued_at, announced)
+        for listener in list(self._announce_listeners):
+            try:
+                listener(record)
+            except Exception:  # a reporting hook must not stop the publisher
+                logger.exception("on_announced listener failed version=%d", version)
+
+    def _publish_one(self, version: int, state: dict[str, torch.Tensor]) -> tuple[str, int]:
+        """Encode, sign and store one version; returns its ``(digest, patch_bytes)``. Raises what the store or
+        the encoding raises (the version is then rolled back)."""
         started = time.perf_counter()
         objects: list[tuple[str, bytes, bytes]] = []
         if self._base is not None:
@@ -338,10 +386,13 @@ class Publisher:
             new_anchor,
             time.perf_counter() - started,
         )
+        return digest, patch_bytes
 
-    def _announce(self) -> None:
+    def _announce(self) -> bool:
+        """Sign and store the head record and re-announce the stored objects as provided; returns whether the DHT
+        accepted the head record (True without a DHT)."""
         if self._version is None:
-            return
+            return False
         env = _envelope(
             self.run_id,
             "head",
@@ -359,6 +410,8 @@ class Publisher:
             self.endpoint.announce_provider(held, publisher=True, ttl=self.provider_ttl, timeout=10.0)
             if not self.endpoint.store_head(self._head_envelope, self.head_ttl):
                 logger.warning("DHT did not accept the head record version=%d", self._version)
+                return False
+        return True
 
     # ---- serving -----------------------------------------------------------------------------------------
 
