@@ -292,6 +292,78 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
     _add_swarm_options(parser)
 
 
+def _cmd_monitor(args: argparse.Namespace) -> int:
+    """Poll the run's DHT records and log the swarm's progress to a tracker (:mod:`pulseloco.monitor`) until
+    interrupted (SIGINT, SIGTERM) or ``--duration`` passed; 0 then, 2 for bad arguments, a swarm that cannot be
+    joined or a tracker that cannot start (one line on stderr). Joins in client mode; flushes the tracker and shuts
+    its DHT down on the way out."""
+    from pulseloco.monitor import AccelerateTracker, SwarmMonitor, check_report_to, run_monitor
+
+    try:
+        if not args.initial_peers:
+            raise ConfigError("--initial-peers is required: the multiaddr of any peer of the swarm")
+        if not (args.interval > 0 and args.timeout > 0 and (args.duration is None or args.duration > 0)):
+            raise ConfigError("--interval, --timeout and --duration must be positive")
+        if not args.run_id or any(c.isspace() for c in args.run_id):
+            raise ConfigError(f"--run-id must be non-empty without spaces, got {args.run_id!r}")
+        report_to = check_report_to(args.report_to)
+        args.client_mode = True  # reads only: nothing to serve, and it works from behind NAT
+        dht = _make_dht(args)
+    except ConfigError as exc:
+        print(f"pulseloco: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        tracker = AccelerateTracker(report_to, args.logging_dir, args.run_id) if report_to else None
+        run_monitor(
+            dht,
+            SwarmMonitor(tracker),
+            args.run_id,
+            stop=stop,
+            sync_run_id=args.sync_run_id,
+            interval=args.interval,
+            duration=args.duration,
+            timeout=args.timeout,
+            watch=sys.stdout if args.watch else None,
+        )
+    except ConfigError as exc:
+        print(f"pulseloco: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    finally:
+        dht.shutdown()
+    return 0
+
+
+def _add_monitor_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-id", default="pulseloco", help="the PULSELoCo run id (default: %(default)s)")
+    parser.add_argument(
+        "--sync-run-id",
+        default=None,
+        help="the PULSESync run (default: RUN_ID.policy as the recipes publish, then RUN_ID)",
+    )
+    parser.add_argument(
+        "--report-to",
+        "--report_to",
+        nargs="+",
+        default=["tensorboard"],
+        metavar="TRACKER",
+        help="accelerate trackers: tensorboard, wandb, trackio, mlflow, ...; none: no tracker (default: tensorboard)",
+    )
+    parser.add_argument(
+        "--logging-dir",
+        "--logging_dir",
+        default="runs/monitor",
+        help="where local trackers write; tensorboard writes LOGGING_DIR/RUN_ID (default: %(default)s)",
+    )
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between polls (default: %(default)s)")
+    parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
+    parser.add_argument("--watch", action="store_true", help="print a compact view of the swarm after each poll")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each DHT lookup")
+    _add_swarm_options(parser)
+
+
 _SYNC_COMMANDS: dict[
     str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]
 ] = {
@@ -321,6 +393,11 @@ _COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[a
         _cmd_status,
         "show the run's peers, digests, PULSESync head and rollout workers from the DHT",
         _add_status_arguments,
+    ),
+    "monitor": (
+        _cmd_monitor,
+        "log the swarm's progress from the DHT to a tracker (tensorboard, wandb, ...) every few seconds",
+        _add_monitor_arguments,
     ),
 }
 """Command name -> (handler, one-line help, argument builder). A new command adds one row here."""

@@ -50,7 +50,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulseloco.errors import PayloadError, UnauthorizedError
-from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
+from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
 from pulseloco.rollouts.protocol import parse_refusals, parse_worker_record, refused_key, workers_key
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,8 @@ class PeerReport:
     status: str
     rounds_behind: int
     """Reference round minus this peer's round (negative when ahead)."""
+    rounds: tuple[RoundRecord, ...] = ()
+    """The peer's latest rounds from its record (group size, contributors, bytes), oldest first."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,10 @@ class SwarmStatus:
     peers: list[PeerReport] = field(default_factory=list)
     reference_round: int | None = None
     majority_digest: str | None = None
+    malformed_states: int = 0
+    """State records skipped because they were malformed."""
+    malformed_rounds: int = 0
+    """State records kept whose ``rounds`` list was malformed (dropped)."""
     sync_run_id: str | None = None
     """The PULSESync run whose records were found (None when none was)."""
     sync_run_ids: list[str] = field(default_factory=list)
@@ -211,7 +217,9 @@ def classify_peers(states: list[PeerState]) -> tuple[int | None, str | None, lis
             status = "disagree"
         else:
             status = "agree" if s.round == reference else "ahead"
-        reports.append(PeerReport(s.peer_id, s.client_mode, s.round, s.digest, s.complete, status, reference - s.round))
+        reports.append(
+            PeerReport(s.peer_id, s.client_mode, s.round, s.digest, s.complete, status, reference - s.round, s.rounds)
+        )
     return reference, majorities[reference], reports
 
 
@@ -403,13 +411,23 @@ def collect_status(
         target_group_size=None,
         request_timeout=timeout,
     )
-    reference, majority, peers = classify_peers(matchmaker.read_states())
+    records = matchmaker.read_state_records()
+    reference, majority, peers = classify_peers(records.states)
+    if records.malformed or records.malformed_rounds:
+        logger.warning(
+            "skipped %d malformed state record(s) and %d malformed round list(s) key=%s_loco_state",
+            records.malformed,
+            records.malformed_rounds,
+            run_id,
+        )
     report = SwarmStatus(
         run_id=run_id,
         state_key=f"{run_id}_loco_state",
         peers=peers,
         reference_round=reference,
         majority_digest=majority,
+        malformed_states=records.malformed,
+        malformed_rounds=records.malformed_rounds,
         sync_run_ids=[sync_run_id] if sync_run_id is not None else [f"{run_id}.policy", run_id],
     )
     _sync_status(report, dht, public_key, timeout, probe_timeout)
@@ -504,6 +522,8 @@ def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
                 status += ", partial round"
             mode = "client" if p.client_mode else "server"
             lines.append(f"  {p.peer_id:<{width}}  {mode:<6}  {p.round:>5}  {p.digest:<16}  {status}")
+    if report.malformed_states:
+        lines.append(f"  {report.malformed_states} malformed state record(s) skipped")
 
     looked_up = ", ".join(repr(r) for r in report.sync_run_ids)
     if report.sync_run_id is None:

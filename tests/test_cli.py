@@ -34,7 +34,8 @@ def test_unknown_command_is_a_usage_error() -> None:
     result = _run([str(_CONSOLE_SCRIPT), "no-such-command"])
     assert result.returncode == 2
     assert result.stdout == ""
-    assert "error: unknown command 'no-such-command' (choose from: dht, keygen, status, sync, version)" in result.stderr
+    known = "dht, keygen, monitor, status, sync, version"
+    assert f"error: unknown command 'no-such-command' (choose from: {known})" in result.stderr
     assert "Traceback" not in result.stderr
 
 

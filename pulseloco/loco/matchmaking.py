@@ -31,8 +31,12 @@ carried in every averaging request and, at worst, by the digest check after the 
 peer's clock: registrations from a machine whose clock runs far ahead look late.
 
 State records live under ``{run_id}_loco_state``: subkey peer id, value ``{"round", "digest", "client",
-"complete", "disputed"}`` (``disputed``: owners whose average the peer refused as poisoned; no peer repairs its
-state from a disputed peer).
+"complete", "disputed", "rounds"}`` (``disputed``: owners whose average the peer refused as poisoned; no peer repairs
+its state from a disputed peer; ``rounds``: the peer's last :data:`MAX_ROUND_RECORDS` rounds as
+:class:`RoundRecord` lists, for monitors such as ``pulseloco monitor``). Readers ignore keys they do not know, so
+records with and without ``rounds`` are read by old and new readers alike. Records come from strangers:
+:meth:`Matchmaker.read_state_records` skips malformed ones (and drops a malformed ``rounds`` alone, keeping the
+peer's vote) and counts them.
 """
 
 from __future__ import annotations
@@ -43,20 +47,41 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import xxhash
 from hivemind.utils import get_dht_time
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MAX_DISPUTED", "VIEW_ATTEMPTS", "Group", "Matchmaker", "PeerState", "majority_digest", "preferred_digest"]
+__all__ = [
+    "MAX_DISPUTED",
+    "MAX_ROUND_RECORDS",
+    "VIEW_ATTEMPTS",
+    "Group",
+    "Matchmaker",
+    "PeerState",
+    "RoundRecord",
+    "StateRecords",
+    "majority_digest",
+    "preferred_digest",
+]
 
 VIEW_ATTEMPTS = 3
 """How many times members compare their views of a round's group before sitting the round out."""
 
 MAX_DISPUTED = 64
 """Most disputed owners one state record carries (a longer list in a record makes the record malformed)."""
+
+MAX_ROUND_RECORDS = 16
+"""Most :class:`RoundRecord` entries one state record carries (its peer's latest rounds; a longer list is malformed).
+A monitor polling less often than every 16 rounds misses rounds."""
+
+_MAX_TEXT = 128
+"""Longest peer id (a base58 libp2p id is about 52 characters) or digest accepted in a state record."""
+
+_MAX_COUNT = 2**62
+"""Largest count (peers, bytes) a :class:`RoundRecord` may claim."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,27 @@ class Group:
 
 
 @dataclass(frozen=True)
+class RoundRecord:
+    """One outer round as its peer saw it, carried in its state record (``rounds``) for monitors: the fields of
+    :class:`~pulseloco.loco.metrics.RoundMetrics` of the same names. On the wire a list ``[round, num_peers,
+    num_contributors, bytes_sent, bytes_received]``; readers ignore elements after these five (room for more)."""
+
+    round: int
+    """Index of the outer round."""
+    num_peers: int
+    """Size of the averaging group, this peer included (0: the peer sat the round out)."""
+    num_contributors: int
+    """Contributions the round aggregated, as seen by this peer."""
+    bytes_sent: int
+    """Wire bytes this peer sent for the round's averaging."""
+    bytes_received: int
+    """Wire bytes this peer received for it."""
+
+    def to_wire(self) -> list[int]:
+        return [self.round, self.num_peers, self.num_contributors, self.bytes_sent, self.bytes_received]
+
+
+@dataclass(frozen=True)
 class PeerState:
     """A peer's latest published (round, digest) record."""
 
@@ -93,6 +139,65 @@ class PeerState:
     """False when the peer's last round missed some shard's sum (it applied only part of the round)."""
     disputed: tuple[str, ...] = ()
     """Owners whose average this peer refused as poisoned (:attr:`SparseAverager.disputed`)."""
+    rounds: tuple[RoundRecord, ...] = ()
+    """The peer's latest rounds, oldest first (empty in records of peers that predate them)."""
+
+
+@dataclass(frozen=True)
+class StateRecords:
+    """What :meth:`Matchmaker.read_state_records` found: the well-formed ``states``, the records skipped as
+    ``malformed``, and the records kept whose ``rounds`` list was malformed and dropped (``malformed_rounds``)."""
+
+    states: list[PeerState]
+    malformed: int = 0
+    malformed_rounds: int = 0
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < _MAX_COUNT
+
+
+def _parse_rounds(value: Any, record_round: int) -> tuple[RoundRecord, ...] | None:
+    """The ``rounds`` list of a state record (absent: empty), or ``None`` if malformed: more than
+    :data:`MAX_ROUND_RECORDS` entries, an entry that is not a list of 5 to 16 counts, rounds not increasing or not
+    before the record's round."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_ROUND_RECORDS:
+        return None
+    parsed: list[RoundRecord] = []
+    for entry in value:
+        if not (isinstance(entry, (list, tuple)) and 5 <= len(entry) <= 16 and all(map(_is_count, entry[:5]))):
+            return None
+        record = RoundRecord(*entry[:5])
+        if record.round >= record_round or (parsed and record.round <= parsed[-1].round):
+            return None
+        parsed.append(record)
+    return tuple(parsed)
+
+
+def _parse_state(peer: Any, value: Any) -> tuple[PeerState, bool] | None:
+    """One state record: ``(state, whether its rounds list was malformed and dropped)``, or ``None`` if the record
+    is malformed (a field of the wrong type, an unprintable or overlong peer id or digest, too many disputes)."""
+    if not (isinstance(peer, str) and 0 < len(peer) <= _MAX_TEXT and peer.isprintable() and isinstance(value, dict)):
+        return None
+    round_index, digest, client = value.get("round"), value.get("digest"), value.get("client")
+    complete, disputed = value.get("complete", True), value.get("disputed", [])
+    if not (
+        _is_count(round_index)
+        and isinstance(digest, str)
+        and len(digest) <= _MAX_TEXT
+        and digest.isprintable()
+        and isinstance(client, bool)
+        and isinstance(complete, bool)
+        and isinstance(disputed, list)
+        and len(disputed) <= MAX_DISPUTED
+        and all(isinstance(p, str) for p in disputed)
+    ):
+        return None
+    rounds = _parse_rounds(value.get("rounds"), round_index)
+    state = PeerState(peer, round_index, digest, client, complete, tuple(disputed), rounds or ())
+    return state, rounds is None
 
 
 def preferred_digest(holders: list[tuple[str, bool]]) -> str | None:
@@ -162,6 +267,8 @@ class Matchmaker:
         self.request_timeout = request_timeout
         self.state_ttl = state_ttl
         self.poll_interval = poll_interval
+        self.rounds: collections.deque[RoundRecord] = collections.deque(maxlen=MAX_ROUND_RECORDS)
+        """This peer's latest rounds, published with its state (:meth:`record_round`)."""
 
     # -- DHT helpers -------------------------------------------------------------------------------------
     def _store(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
@@ -347,39 +454,48 @@ class Matchmaker:
         return common, {p: client for p, (client, digest) in agreed.items() if digest == common}
 
     # -- state records --------------------------------------------------------------------------------------
+    def record_round(self, record: RoundRecord) -> None:
+        """Remember one of this peer's rounds; the next :meth:`publish_state` carries the latest
+        :data:`MAX_ROUND_RECORDS` of them."""
+        self.rounds.append(record)
+
     def publish_state(
         self, round_index: int, digest: str, complete: bool = True, disputed: tuple[str, ...] = ()
     ) -> None:
         """Announce this peer's latest completed round, the digest of its global parameters, whether that
-        round applied every shard, and the owners it disputes (at most :data:`MAX_DISPUTED` are sent)."""
+        round applied every shard, the owners it disputes (at most :data:`MAX_DISPUTED` are sent) and its latest
+        rounds (:meth:`record_round`). A failed store is logged, never raised."""
         value = {
             "round": int(round_index),
             "digest": digest,
             "client": self.client_mode,
             "complete": complete,
             "disputed": sorted(disputed)[:MAX_DISPUTED],
+            "rounds": [r.to_wire() for r in self.rounds if r.round < round_index],
         }
         self._store(f"{self.run_id}_loco_state", self.peer_id, value, get_dht_time() + self.state_ttl)
 
     def read_states(self) -> list[PeerState]:
         """Every peer's latest published state (malformed records are skipped)."""
-        states = []
+        return self.read_state_records().states
+
+    def read_state_records(self) -> StateRecords:
+        """Every peer's latest published state, with how many records were skipped as malformed and how many
+        carried a malformed ``rounds`` list (dropped: the rest of the record is kept). A lookup that fails or
+        times out is logged and reads as no records; never raises."""
+        states, malformed, malformed_rounds = [], 0, 0
         for peer, (value, _) in self._get(f"{self.run_id}_loco_state").items():
-            if not isinstance(value, dict):
+            parsed = _parse_state(peer, value)
+            if parsed is None:
+                malformed += 1
                 continue
-            round_index, digest, client = value.get("round"), value.get("digest"), value.get("client")
-            complete, disputed = value.get("complete", True), value.get("disputed", [])
-            if (
-                isinstance(round_index, int)
-                and isinstance(digest, str)
-                and isinstance(client, bool)
-                and isinstance(complete, bool)
-                and isinstance(disputed, list)
-                and len(disputed) <= MAX_DISPUTED
-                and all(isinstance(p, str) for p in disputed)
-            ):
-                states.append(PeerState(peer, round_index, digest, client, complete, tuple(disputed)))
-        return states
+            states.append(parsed[0])
+            malformed_rounds += parsed[1]
+        if malformed or malformed_rounds:
+            logger.debug(
+                "state records: %d malformed skipped, %d malformed round lists dropped", malformed, malformed_rounds
+            )
+        return StateRecords(states, malformed, malformed_rounds)
 
     def wait_for_states(self, round_index: int, peers: set[str], timeout: float) -> list[PeerState]:
         """Poll the state records until every peer in ``peers`` reported ``round_index`` or later, or

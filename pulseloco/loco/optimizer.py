@@ -39,7 +39,7 @@ from pulseloco.codec import FrameHeader
 from pulseloco.errors import ConfigError, StateDownloadError, TensorMismatchError
 from pulseloco.loco.averaging import AllReduceResult, SparseAverager, payload_frame
 from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
-from pulseloco.loco.matchmaking import Matchmaker, PeerState, majority_digest
+from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
 from pulseloco.loco.metrics import MetricsWriter, RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.selection import SELECTORS, make_selector, select_in_place
@@ -603,6 +603,15 @@ class PulseLoCo:
         digest = self._serve_snapshot()
         self.matchmaker.publish_state(self.round, digest, self._complete, tuple(self.averager.disputed))
 
+    def _record_round(self, round_index: int, num_peers: int, result: AllReduceResult | None) -> None:
+        """Keep the round's group size, contributors and bytes for the state records (monitors read them; the
+        same numbers as the round's :class:`RoundMetrics`)."""
+        if self.matchmaker is None:
+            return
+        sent, received = (result.bytes_sent, result.bytes_received) if result is not None else (0, 0)
+        contributors = result.num_contributors if result is not None else 0
+        self.matchmaker.record_round(RoundRecord(round_index, num_peers, contributors, sent, received))
+
     def _serve_snapshot(self) -> str:
         """Serve the current state (sharing its tensors, see :meth:`_publish`); returns theta's digest."""
         digest = theta_digest(self.theta_N)
@@ -781,6 +790,7 @@ class PulseLoCo:
         # averaged (three peers left out would otherwise make two that averaged download the stale state).
         self._complete = result.complete if result is not None else self.averager is None
         if self.averager is not None and self.matchmaker is not None:
+            self._record_round(round_index, num_peers, result)
             self._publish()
             waiting = set(result.live_peers) - {str(self.peer_id)} if result is not None else set()
             states = self.matchmaker.wait_for_states(self.round, waiting, self.digest_timeout)
