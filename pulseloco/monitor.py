@@ -203,6 +203,8 @@ def check_report_to(names: list[str]) -> list[str]:
 
     if names == ["none"]:
         return []
+    if "none" in names:
+        raise ConfigError("--report-to none means no tracker: give it alone")
     available = {str(t.value) if hasattr(t, "value") else str(t) for t in get_available_trackers()}
     for name in names:
         if name not in LOGGER_TYPE_TO_CLASS:

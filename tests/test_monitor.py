@@ -239,6 +239,10 @@ def test_watch_view(observed: Observed) -> None:
             ["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--report-to", "aim"],
             "--report-to aim: its library is not installed (pip install aim)",
         ),
+        (
+            ["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--report-to", "none", "tensorboard"],
+            "--report-to none means no tracker: give it alone",
+        ),
         (["monitor", "--initial-peers", "not-a-multiaddr"], "initial_peers: 'not-a-multiaddr' is not a multiaddr"),
     ],
 )
