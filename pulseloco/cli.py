@@ -295,8 +295,8 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
 def _cmd_monitor(args: argparse.Namespace) -> int:
     """Poll the run's DHT records and log the swarm's progress to a tracker (:mod:`pulseloco.monitor`) until
     interrupted (SIGINT, SIGTERM) or ``--duration`` passed; 0 then, 2 for bad arguments, a swarm that cannot be
-    joined or a tracker that cannot start (one line on stderr). Joins in client mode; flushes the tracker and shuts
-    its DHT down on the way out."""
+    joined or a tracker that cannot start, 1 when its DHT process dies (one line on stderr). Joins in client mode;
+    flushes the tracker and shuts its DHT down on the way out."""
     from pulseloco.monitor import AccelerateTracker, SwarmMonitor, check_report_to, run_monitor
 
     try:

@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
-from pulseloco.errors import ConfigError
+from pulseloco.errors import ConfigError, SwarmError
 from pulseloco.loco.matchmaking import RoundRecord
 from pulseloco.status import PeerReport, SwarmStatus, collect_status
 
@@ -359,6 +359,18 @@ def render_watch(report: SwarmStatus, monitor: SwarmMonitor, *, interval: float)
 _CLEAR = "\x1b[H\x1b[2J"
 
 
+def _poll(dht: Any, run_id: str, sync_run_id: str | None, timeout: float) -> SwarmStatus | None:
+    """One :func:`collect_status` without probes; None (logged) when it failed, :class:`SwarmError` when the DHT
+    process is gone."""
+    try:
+        return collect_status(dht, run_id, sync_run_id=sync_run_id, timeout=timeout, probe_timeout=None)
+    except Exception as exc:  # a P2P replica that did not start in time, a daemon error: the next poll retries
+        if not dht.is_alive():
+            raise SwarmError(f"the monitor's DHT process died ({exc!r}); restart the monitor") from exc
+        logger.warning("poll failed, retrying at the next one: %r", exc)
+        return None
+
+
 def run_monitor(
     dht: Any,
     monitor: SwarmMonitor,
@@ -374,29 +386,18 @@ def run_monitor(
     """Poll every ``interval`` seconds until ``stop`` is set or ``duration`` seconds passed, then close the
     monitor (its last swarm round is logged and the tracker flushed), also when a poll raises.
 
-    Each DHT lookup waits at most ``timeout`` seconds (a lookup that fails reads as no record: a poll never
-    raises for the swarm's state); ``stop`` is checked between polls. ``watch``: write the terminal view there
-    after each poll (cleared first when it is a terminal). The DHT is the caller's (left running)."""
+    Each DHT lookup waits at most ``timeout`` seconds (a lookup that fails reads as no record); a poll that fails
+    otherwise is logged and skipped, and :class:`SwarmError` is raised once the DHT process has died. ``stop`` is
+    checked between polls. ``watch``: write the terminal view there after each poll (the screen cleared first when
+    it is a terminal). The DHT is the caller's (left running)."""
     deadline = None if duration is None else time.monotonic() + duration
     clear = _CLEAR if watch is not None and watch.isatty() else ""
     try:
         while not stop.is_set():
             started = time.monotonic()
-            report = collect_status(dht, run_id, sync_run_id=sync_run_id, timeout=timeout, probe_timeout=None)
-            released = monitor.observe(report)
-            logger.info(
-                "poll=%d round=%s peers=%d rounds_logged=%s head=%s workers=%d",
-                monitor.polls,
-                report.reference_round,
-                len(report.peers),
-                [t.round for t in released],
-                None if report.head is None else report.head.version,
-                len(report.workers),
-            )
-            if watch is not None:
-                sep = clear or "\n"
-                watch.write(f"{sep}{render_watch(report, monitor, interval=interval)}\n")
-                watch.flush()
+            report = _poll(dht, run_id, sync_run_id, timeout)
+            if report is not None:
+                _show(report, monitor, monitor.observe(report), watch, clear, interval)
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 break
@@ -404,3 +405,26 @@ def run_monitor(
             stop.wait(max(0.0, wait if deadline is None else min(wait, deadline - now)))
     finally:
         monitor.close()
+
+
+def _show(
+    report: SwarmStatus,
+    monitor: SwarmMonitor,
+    released: list[RoundTotals],
+    watch: TextIO | None,
+    clear: str,
+    interval: float,
+) -> None:
+    """Log one poll's summary line (info) and write the terminal view to ``watch``."""
+    logger.info(
+        "poll=%d round=%s peers=%d rounds_logged=%s head=%s workers=%d",
+        monitor.polls,
+        report.reference_round,
+        len(report.peers),
+        [t.round for t in released],
+        None if report.head is None else report.head.version,
+        len(report.workers),
+    )
+    if watch is not None:
+        watch.write(f"{clear or chr(10)}{render_watch(report, monitor, interval=interval)}\n")
+        watch.flush()
