@@ -9,9 +9,10 @@ shows the file's values as defaults.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -90,6 +91,32 @@ def swarm_callbacks(pulse_args: Any, training_args: Any) -> list[Any]:
                 f"--strategy {pulse_args.strategy}"
             )
     return pulse_args.callbacks(output_dir=training_args.output_dir)
+
+
+TENSORBOARD_SUBDIR = "tensorboard"
+"""Where the recipes' TensorBoard event files go, under ``output_dir`` (unless ``TENSORBOARD_LOGGING_DIR`` is set)."""
+
+
+@contextlib.contextmanager
+def tensorboard_logging_dir(output_dir: str | os.PathLike[str]) -> Iterator[Path]:
+    """Build the Trainer inside this block so that, with ``report_to: tensorboard``, its event files go to
+    ``<output_dir>/tensorboard`` (a resumed run appends there: one continuous curve); yields that directory.
+
+    transformers 5 has no ``logging_dir`` argument any more: its ``TensorBoardCallback`` reads the environment
+    variable ``TENSORBOARD_LOGGING_DIR`` when the Trainer makes it, else writes to
+    ``<output_dir>/runs/<date>_<host>`` (a new directory per start). The variable is set for the block only (a
+    process that builds several Trainers, as the tests do, gets each its own directory) and a value the user set
+    wins (yielded then). Never raises."""
+    given = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    if given:
+        yield Path(os.path.expanduser(given))
+        return
+    target = Path(output_dir) / TENSORBOARD_SUBDIR
+    os.environ["TENSORBOARD_LOGGING_DIR"] = str(target)
+    try:
+        yield target
+    finally:
+        os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
 
 
 def skip_vllm_import() -> None:

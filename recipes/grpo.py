@@ -17,7 +17,11 @@ GRPO (the loss, ``beta``, clipping, ``num_iterations``, ``num_generations``, sam
 ``--strategy`` and the swarm options are :class:`pulseloco.integrations.args.PulseLoCoArguments`. ``--strategy
 ddp`` is the Trainer's own data parallelism across the processes of one ``accelerate launch``. The held-out greedy
 reward before and after training is printed and written to ``<output_dir>/grpo_eval.json``; TRL's logs (loss,
-reward, ...) to ``<output_dir>/trainer_state.json``; PulseLoCo's rounds to ``pulseloco_rounds.jsonl``.
+reward, ...) to ``<output_dir>/trainer_state.json``; PulseLoCo's rounds to ``pulseloco_rounds.jsonl``. The configs
+report to TensorBoard (``report_to: tensorboard``; ``--report_to wandb`` etc. for another tracker, ``none`` for
+none): event files in ``<output_dir>/tensorboard`` (:func:`common.tensorboard_logging_dir`) with TRL's loss and
+reward, the rollout loop's ``rollouts/*``, and the callbacks' ``pulseloco/*`` per outer round and ``pulsesync/*``
+per published version; ``tensorboard --logdir <output_dir>`` shows them.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ def build_trainer(
     tokenizer from ``model_name_or_path``, the task's prompts (``task_args.num_train_prompts``, drawn with
     ``training_args.seed``), the exact-match reward. Its model is untrained when this returns. Raises
     ``ConfigError`` as ``load_causal_lm`` does (missing or unreadable weights, too large for this machine).
-    ``rollout_func``: TRL's, for completions generated elsewhere (``--rollouts swarm``).
+    ``rollout_func``: TRL's, for completions generated elsewhere (``--rollouts swarm``). TensorBoard's event
+    files (``report_to``) go to ``<output_dir>/tensorboard`` (:func:`common.tensorboard_logging_dir`).
     Also used by ``scripts/sparsity_study.py``."""
     from trl import GRPOTrainer
 
@@ -94,15 +99,16 @@ def build_trainer(
     train_dataset = tasks.grpo_dataset(
         spec, task_args.num_train_prompts, training_args.seed, conversational=conversational
     )
-    return GRPOTrainer(
-        model=model,
-        reward_funcs=[tasks.exact_match_reward],
-        args=training_args,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        rollout_func=rollout_func,
-    )
+    with common.tensorboard_logging_dir(training_args.output_dir):
+        return GRPOTrainer(
+            model=model,
+            reward_funcs=[tasks.exact_match_reward],
+            args=training_args,
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+            callbacks=callbacks,
+            rollout_func=rollout_func,
+        )
 
 
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:

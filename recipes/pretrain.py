@@ -22,7 +22,9 @@ internet), else the Python standard library's sources, which exist on every mach
 one stream and cut into ``seq_len`` blocks; the last ``eval_fraction`` of them is held out.
 
 The output directory receives a Hugging Face checkpoint (model and tokenizer, ``from_pretrained`` loads it), so a
-model pretrained here is a ``model_name_or_path`` for ``recipes/grpo.py``.
+model pretrained here is a ``model_name_or_path`` for ``recipes/grpo.py``. The configs report to TensorBoard
+(``report_to: tensorboard``): event files in ``<output_dir>/tensorboard`` with the loss and, for a swarm peer,
+``pulseloco/*`` per outer round; ``tensorboard --logdir <output_dir>`` shows them.
 """
 
 from __future__ import annotations
@@ -424,7 +426,8 @@ def make_trainer(
     """A ``transformers.Trainer`` for causal-LM training on the configured model and data (not yet trained).
 
     ``swarm``: this process is a swarm peer (PulseLoCo keeps three more FP32 copies of the parameters), which
-    the memory check counts.
+    the memory check counts. TensorBoard's event files (``report_to``) go to ``<output_dir>/tensorboard``
+    (:func:`common.tensorboard_logging_dir`).
     """
     from transformers import Trainer
 
@@ -442,15 +445,16 @@ def make_trainer(
     if longest is not None and data_args.seq_len > longest:
         raise ConfigError(f"seq_len ({data_args.seq_len}) exceeds the model's max_position_embeddings ({longest})")
     train, held_out = get_datasets(data_args, tokenizer)
-    return Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=train,
-        eval_dataset=held_out,
-        data_collator=collate_blocks,
-        processing_class=tokenizer,
-        callbacks=list(callbacks),
-    )
+    with common.tensorboard_logging_dir(training_args.output_dir):
+        return Trainer(
+            model=model,
+            args=training_args,
+            train_dataset=train,
+            eval_dataset=held_out,
+            data_collator=collate_blocks,
+            processing_class=tokenizer,
+            callbacks=list(callbacks),
+        )
 
 
 def _resume_arg(value: str | None) -> str | bool | None:

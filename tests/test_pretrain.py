@@ -100,6 +100,9 @@ def test_from_scratch_with_the_tiny_config(tmp_path: Path) -> None:
     assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
     assert tokenizer.decode(tokenizer("37+45=")["input_ids"]) == "37+45="
     assert model.get_input_embeddings().weight.shape[0] == len(tokenizer) == 258
+    from tensorboard_helpers import scalars
+
+    assert "train/loss" in scalars(out / "tensorboard")  # the config's report_to, in <output_dir>/tensorboard
 
 
 def test_from_a_model_config(tmp_path: Path) -> None:
@@ -174,7 +177,7 @@ def test_configs_parse(config: str) -> None:
         ["--config", str(RECIPES / "configs" / config), *(["--bf16", "false"] if "1b" in config else [])],
         "pretrain.py",
     )
-    assert training_args.disable_tqdm and training_args.report_to in ([], ["none"], "none")
+    assert training_args.disable_tqdm and training_args.report_to == ["tensorboard"]
     assert data_args.seq_len <= model_args.max_position_embeddings
     if config == "llama-1b-pretrain.yaml":
         assert model_args.tokenizer_name_or_path == "meta-llama/Llama-3.2-1B"

@@ -133,6 +133,14 @@ def test_grpo_peers_publish_to_rollout_worker(
     # TRL's own logs and the recipe's before/after evaluation; the saved model is a model_name_or_path again.
     history = json.loads((tmp_path / "peer0" / "trainer_state.json").read_text())["log_history"]
     assert any("reward" in entry for entry in history)
+    # report_to tensorboard (the config's): the rounds and versions beside TRL's reward, in <output_dir>/tensorboard
+    from tensorboard_helpers import scalars
+
+    series = scalars(tmp_path / "peer0" / "tensorboard")
+    assert [step for step, _ in series["train/reward"]] == [8, 16, 24]  # logging_steps 8
+    assert series["train/pulseloco/bytes_sent"] == [(8 * (r["round"] + 1), r["bytes_sent"]) for r in rounds[0]]
+    assert [value for _, value in series["train/pulseloco/num_contributors"]] == [2, 2, 2]
+    assert [value for _, value in series["train/pulsesync/version"]][-1] == 4
     evaluation = json.loads((tmp_path / "peer0" / "grpo_eval.json").read_text())
     assert 0.0 <= evaluation["reward_before"] <= 1.0 and 0.0 <= evaluation["reward_after"] <= 1.0
     assert "greedy_reward" in peer0_log
@@ -180,6 +188,7 @@ def test_grpo_ddp_two_processes(runs: list[Run], tmp_path: Path, tiny_warm_model
     assert "processes=2" in log
     assert not (out / "pulseloco_rounds.jsonl").exists()
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # only the main process writes
     # A second run into the same directory is refused instead of mixing two runs.
     again = start(runs, tmp_path, "again", [sys.executable, *grpo(tiny_warm_model, out)[len(ACCELERATE) + 2 :]])
     assert "already holds a run" in again.wait(code=2)

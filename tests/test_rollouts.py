@@ -1041,3 +1041,11 @@ def test_grpo_trains_on_a_rollout_workers_completions(
         # the worker's log-probabilities are those of the trainer's weights (BF16 there, FP32 here)
         assert entry["sampling/sampling_logp_difference/mean"] < 0.1, entry
     assert all(e.get("rollouts/local") == 0.0 for e in state["log_history"] if "rollouts/local" in e)
+    # The same logs reach report_to (the config's tensorboard): the rollout loop's, the round's and the versions'
+    from tensorboard_helpers import scalars
+
+    series = scalars(out / "tensorboard")
+    assert [step for step, _ in series["train/rollouts/lag_mean"]] == list(range(1, 9))
+    assert [value for _, value in series["train/rollouts/local"]] == [0.0] * 8
+    assert series["train/pulseloco/round"] == [(8, 0.0)]
+    assert [value for _, value in series["train/pulsesync/version"]] == [1, 2]
