@@ -10,6 +10,7 @@ which accelerate adds its own traceback when the script exits non-zero.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +91,23 @@ def test_two_processes_ddp_from_warm_model(tiny_warm_model: Path, tmp_path: Path
     assert_ok(result)
     assert "processes=2" in result.stdout
     assert_trained_from(out, tiny_warm_model)
+
+
+def test_two_processes_pulseloco_report_the_main_process_rounds(tmp_path: Path) -> None:
+    """``--strategy pulseloco`` under a two-process launch: only rank 0 is in the swarm, and its rounds reach the
+    Trainer's logs (TensorBoard, written by rank 0 alone) once each, as in its rounds file."""
+    from tensorboard_helpers import scalars
+
+    out = tmp_path / "out"
+    swarm = ["--strategy", "pulseloco", "--inner_steps", "2", "--target_group_size", "1", "--linger", "0"]
+    assert_ok(launch(MULTI_CPU, *SMALL_DATA, *swarm, output_dir=out))
+    rounds = [json.loads(line) for line in (out / "pulseloco_rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [0, 1, 2]  # written by rank 0 only
+    assert len({path.name.split(".")[-2] for path in (out / "tensorboard").iterdir()}) == 1  # one process's pid
+    series = scalars(out / "tensorboard")
+    assert series["train/pulseloco/round"] == [(2, 0), (4, 1), (6, 2)]  # logging_steps 2 = inner_steps
+    for name in ("density", "num_peers", "num_contributors", "bytes_sent"):
+        assert [value for _, value in series[f"train/pulseloco/{name}"]] == pytest.approx([r[name] for r in rounds])
 
 
 def test_from_scratch_with_the_tiny_config(tmp_path: Path) -> None:
