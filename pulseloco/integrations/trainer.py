@@ -26,11 +26,14 @@ and to the printed logs, at the Trainer's next log after they happen (``logging_
 ``pulseloco/*`` per outer round (:class:`PulseLoCoCallback`) and ``pulsesync/*`` per stored version
 (:class:`PulseSyncCallback`). The integrations write a log as soon as they see it, and the Trainer puts the
 callbacks it is given after its own reporting ones, so each of these callbacks, at the first event the Trainer
-sends it (``on_init_end`` for ``callbacks=[...]``, ``on_train_begin`` for ``trainer.add_callback``), moves itself
-in the list of the ``CallbackHandler`` that is calling it to just before the first callback that reads the logs
-(one that overrides ``on_log``: the integrations, the printer); the other callbacks keep their order. If it cannot
-find that handler (a Trainer that does not call callbacks through ``transformers.trainer_callback.CallbackHandler``)
-it logs a warning once and the numbers reach only the callbacks after it; the JSON-lines files are unaffected.
+sends it (``on_init_end`` for ``callbacks=[...]``, ``on_train_begin`` for ``trainer.add_callback``; checked again
+at every ``on_train_begin``), moves itself in the list of the ``CallbackHandler`` that is calling it (found on the
+call stack: its ``call_event`` is the caller) to just before the first callback that reads the logs (one that
+overrides ``on_log``: the integrations, the printer); the other callbacks keep their order, and the list is
+replaced, not changed while the handler iterates it. If it cannot find that handler (a Trainer that does not call
+callbacks through ``transformers.trainer_callback.CallbackHandler``) it logs a warning once and the numbers reach
+only the callbacks after it; the JSON-lines files are unaffected. Under ``accelerate launch`` with several
+processes only the main process has numbers to add (the integrations write on it alone).
 
 Failure behaviour: bad arguments raise :class:`~pulseloco.errors.ConfigError` at construction; a swarm that cannot
 be joined raises :class:`~pulseloco.errors.ConfigError` on every process at the start of training; resuming from
@@ -199,7 +202,8 @@ class _LogsContributor(TrainerCallback):
         # too (it is the last one, of this step, and holds what the logs held before these entries).
         if state.log_history:
             record = state.log_history[-1]
-            if record.get("step") == state.global_step and all(record.get(k) == v for k, v in before.items()):
+            same = all(k in record and (record[k] is v or record[k] == v) for k, v in before.items())  # NaN: is
+            if record.get("step") == state.global_step and same:
                 record.update(entries)
 
     def _run_before_log_readers(self, *, warn: bool) -> None:
