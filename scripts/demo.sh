@@ -198,6 +198,8 @@ say "all processes stopped after $((SECONDS - BEGIN)) s"
 
 report_rc=0
 "$PYTHON" scripts/demo_report.py "$OUT" --seconds "$((SECONDS - BEGIN))" --json "$OUT/report.json" || report_rc=$?
+say "curves (loss, reward, rollouts/*, pulseloco/* per round, pulsesync/* per version) of both peers:" \
+    "tensorboard --logdir $OUT  (event files in $OUT/peer*/tensorboard)"
 if (( ${#failed[@]} )); then
     say "failed: ${failed[*]} (logs in $OUT)"
     exit 1
