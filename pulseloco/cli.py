@@ -38,14 +38,29 @@ def _add_swarm_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR", help="addresses others dial")
     group.add_argument("--identity", default=None, help="peer identity file (keeps the peer id across restarts)")
-    group.add_argument("--client-mode", action="store_true", help="behind NAT: connect out only, serve nothing")
     group.add_argument(
-        "--use-auto-relay",
+        "--client-mode",
         action="store_true",
-        help="behind NAT: reserve a slot on a relay (the initial peers, or --relays) and be reachable through it",
+        help="behind NAT: connect out only; reachable through a relay slot on a public initial peer (the default)",
     )
     group.add_argument(
-        "--relays", nargs="*", default=[], metavar="MADDR", help="relays for --use-auto-relay (default: initial peers)"
+        "--use-auto-relay",
+        dest="use_auto_relay",
+        action="store_const",
+        const=True,
+        default=None,
+        help="reserve a slot on a relay (the initial peers, or --relays) and be reachable through it; default: "
+        "with --client-mode when a relay has a public address",
+    )
+    group.add_argument(
+        "--no-auto-relay",
+        dest="use_auto_relay",
+        action="store_const",
+        const=False,
+        help="reserve no relay slot (a client-mode peer then serves nothing)",
+    )
+    group.add_argument(
+        "--relays", nargs="*", default=[], metavar="MADDR", help="relays to reserve a slot on (default: initial peers)"
     )
     group.add_argument(
         "--no-relay",
@@ -54,6 +69,14 @@ def _add_swarm_options(parser: argparse.ArgumentParser) -> None:
         help="neither use relayed connections nor serve as a relay (public peers relay for NAT'd ones by default)",
     )
     group.add_argument("--swarm-key", default=None, help="shared swarm key file: only its holders can join")
+
+
+def _join_as_reader(args: argparse.Namespace) -> None:
+    """A command that only reads the swarm joins in client mode (nothing to serve, and it works from behind NAT)
+    and, unless told otherwise, reserves no relay slot (nothing to be reached for; a relay grants few per IP)."""
+    args.client_mode = True
+    if args.use_auto_relay is None:
+        args.use_auto_relay = False
 
 
 def _make_dht(args: argparse.Namespace):  # -> hivemind.DHT, imported lazily to keep `pulseloco version` fast
@@ -255,7 +278,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if not args.run_id or any(c.isspace() for c in args.run_id):
             raise ConfigError(f"--run-id must be non-empty without spaces, got {args.run_id!r}")
         key = load_public_key(args.public_key) if args.public_key else None
-        args.client_mode = True  # reads only: nothing to serve, and it works from behind NAT
+        _join_as_reader(args)
         dht = _make_dht(args)
     except ConfigError as exc:
         print(f"pulseloco: error: {exc}", file=sys.stderr)
@@ -307,7 +330,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
         if not args.run_id or any(c.isspace() for c in args.run_id):
             raise ConfigError(f"--run-id must be non-empty without spaces, got {args.run_id!r}")
         report_to = check_report_to(args.report_to)
-        args.client_mode = True  # reads only: nothing to serve, and it works from behind NAT
+        _join_as_reader(args)
         dht = _make_dht(args)
     except ConfigError as exc:
         print(f"pulseloco: error: {exc}", file=sys.stderr)

@@ -15,6 +15,14 @@ reserves a slot with the one it knows; given the relays as static relays (daemon
 with ``-relayDiscovery=0``, and reachability forced private, since AutoNAT needs several public peers to
 decide) it holds a relay address as soon as the DHT has started. :func:`is_reachable` says whether a running
 DHT can be dialed by others (server mode, or a relay address).
+
+The default (``use_auto_relay=None``, "auto") is one rule: **a client-mode peer reserves a relay slot when it
+knows a relay with a public address** (``relays``, else its initial peers), so a volunteer behind NAT needs
+only ``client_mode`` and the initial peers. Relays known only by loopback or private addresses are skipped:
+libp2p builds relay addresses only through public relays, so such a reservation could never make the peer
+reachable and would only delay its start (this is what keeps client-mode peers on 127.0.0.1, as in the tests,
+as fast as before). ``use_auto_relay=False`` (``--use_auto_relay false``, ``--no-auto-relay``) or
+``use_relay=False`` (``--no-relay``) opts out; ``True`` forces a reservation.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets
@@ -154,16 +163,18 @@ class SwarmConfig:
     identity_path: str | None = None
     """Private key file that fixes the peer id across restarts (created if missing)."""
     client_mode: bool = False
-    """Connect out only (behind NAT); the peer serves no DHT requests or shards."""
+    """Connect out only (behind NAT): the peer serves no DHT requests, and shards only through a relay slot
+    (reserved by default, see :meth:`reserves_relay`)."""
     use_relay: bool = True
     """Allow relayed connections (needed to reach peers behind NAT) and serve as a relay for others."""
-    use_auto_relay: bool = False
-    """Behind NAT: reserve a slot on a relay (``relays``, default the initial peers) and be reachable through
-    it; needs ``use_relay`` and a relay to use."""
+    use_auto_relay: bool | None = None
+    """Reserve a slot on a relay (``relays``, default the initial peers) and be reachable through it (behind
+    NAT). ``None`` (auto): on for a client-mode peer that knows a relay with a public address (see
+    :meth:`reserves_relay`); ``True``: always (needs ``use_relay`` and a relay); ``False``: never."""
     relays: list[str] = field(default_factory=list)
-    """Relays for ``use_auto_relay`` (multiaddrs with ``/p2p/ID``); empty: the initial peers."""
+    """Relays to reserve a slot on (multiaddrs with ``/p2p/ID``); empty: the initial peers."""
     relay_wait: float = 15.0
-    """With ``use_auto_relay``: seconds :func:`make_dht` waits for a relay reservation (warns if none)."""
+    """When reserving a relay slot: seconds :func:`make_dht` waits for the relay address (warns if none)."""
     startup_timeout: float = 30.0
     """Seconds to wait for the DHT to start and reach the initial peers."""
     swarm_key_path: str | None = None
@@ -181,21 +192,58 @@ class SwarmConfig:
         if self.client_mode and not self.initial_peers:
             raise ConfigError("client_mode needs initial_peers: a peer behind NAT cannot start a swarm")
         if self.use_auto_relay and not self.use_relay:
-            raise ConfigError("use_auto_relay needs use_relay: relayed connections are how others reach this peer")
+            raise ConfigError(
+                "use_auto_relay needs use_relay: relayed connections are how others reach this peer "
+                "(drop --no-relay / --use_relay false, or drop use_auto_relay)"
+            )
         if self.use_auto_relay and not self.auto_relays():
             raise ConfigError(
                 "use_auto_relay needs a relay: give initial_peers (/p2p/PEER_ID multiaddrs; public peers relay) "
                 "or relays"
             )
-        for maddr in self.relays if self.use_auto_relay else []:
+        for maddr in self.relays:
             if "/p2p/" not in maddr:
                 raise ConfigError(f"relays: {maddr!r} has no /p2p/PEER_ID part; a relay is dialed by its peer id")
-        if self.relays and not self.use_auto_relay:
-            raise ConfigError("relays is set but use_auto_relay is not: relays are only used with use_auto_relay")
+        if self.relays and not self.reserves_relay():
+            if self.use_auto_relay is False or not self.use_relay:
+                why = "use_auto_relay is false" if self.use_relay else "use_relay is off (--no-relay)"
+            elif not self.client_mode:
+                why = "this peer is not in client_mode (only client-mode peers reserve a slot by default)"
+            else:
+                why = "none of them has a public address (libp2p builds relay addresses only through public relays)"
+            raise ConfigError(
+                f"relays is set but no relay slot will be reserved: {why}; drop relays or set use_auto_relay true"
+            )
 
     def auto_relays(self) -> list[str]:
-        """The relays ``use_auto_relay`` reserves a slot on: ``relays``, or the initial peers with a peer id."""
+        """The relays a reservation is made on: ``relays``, or the initial peers with a peer id."""
         return list(self.relays) or [m for m in self.initial_peers if "/p2p/" in m]
+
+    def reserves_relay(self) -> bool:
+        """Whether :func:`make_dht` reserves a relay slot: ``use_auto_relay`` when set; in auto (``None``), when
+        this peer is in ``client_mode`` with ``use_relay`` and one of :meth:`auto_relays` has a public address
+        (see :func:`has_public_address`)."""
+        if self.use_auto_relay is not None:
+            return self.use_auto_relay
+        return self.client_mode and self.use_relay and any(has_public_address(m) for m in self.auto_relays())
+
+
+def has_public_address(maddr: str) -> bool:
+    """Whether ``maddr`` is a public address as libp2p counts it for relay addresses: a DNS name, or a global
+    IPv4/IPv6 address (not loopback, RFC 1918, link-local, carrier-grade NAT or documentation ranges).
+    An address that does not parse counts as not public."""
+    parts = maddr.split("/")
+    if len(parts) < 3:
+        return False
+    proto, host = parts[1], parts[2]
+    if proto in ("dns", "dns4", "dns6", "dnsaddr"):
+        return not host.endswith("localhost")
+    if proto not in ("ip4", "ip6"):
+        return False
+    try:
+        return ipaddress.ip_address(host).is_global
+    except ValueError:
+        return False
 
 
 _STATIC_RELAYS_INSTALLED = False
@@ -208,7 +256,7 @@ def _install_static_relays() -> None:
     ``-relayDiscovery=0``, so the daemon feeds them to go-libp2p's autorelay as discovery candidates, which
     waits about 3 minutes for 4 of them before reserving with fewer. With discovery off, the daemon uses them as
     static relays and reserves at once. Only daemons started with ``-autoRelay`` and ``-trustedRelays`` (which
-    only :func:`make_dht` with ``use_auto_relay`` passes here) are affected; hivemind's DHT forks its process,
+    only :func:`make_dht` passes, when it reserves a relay slot) are affected; hivemind's DHT forks its process,
     so the patch made here reaches the daemon it starts.
     """
     global _STATIC_RELAYS_INSTALLED
@@ -229,7 +277,8 @@ def _install_static_relays() -> None:
 
 def is_reachable(dht: hivemind.DHT) -> bool:
     """Whether other peers can open streams to ``dht``'s peer: it runs in server mode (it was told to listen
-    where others can dial), or it holds a relay address (``/p2p-circuit``, from ``use_auto_relay``).
+    where others can dial), or it holds a relay address now (``/p2p-circuit``, from a relay reservation; the
+    daemon is asked, not hivemind's list cached at start).
 
     A client-mode peer without a relay address is behind NAT as far as anyone can tell: it must not offer to
     serve anything. Errors asking the DHT process for its addresses count as not reachable (logged).
@@ -237,7 +286,7 @@ def is_reachable(dht: hivemind.DHT) -> bool:
     if not dht.client_mode:
         return True
     try:
-        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
     except Exception as exc:  # the DHT process is gone or stuck: we cannot vouch for reachability
         logger.warning("cannot read this peer's addresses (%r); treating it as unreachable", exc)
         return False
@@ -247,22 +296,23 @@ def is_reachable(dht: hivemind.DHT) -> bool:
 def make_dht(config: SwarmConfig) -> hivemind.DHT:
     """Start a DHT process for ``config``.
 
-    With ``use_auto_relay`` the daemon reserves a slot on ``config.auto_relays()`` (static relays, reachability
-    forced private) and the DHT is returned once it holds a relay address; a daemon without one after
-    ``config.relay_wait`` s is restarted, up to :data:`_RELAY_ATTEMPTS` starts in all (go-libp2p backs a failed
-    relay off for an hour, so only a new daemon asks again), and a peer still
-    without one is returned with a warning (it is then unreachable, see :func:`is_reachable`). Raises
-    :class:`ConfigError` with what to check when the daemon cannot start or no initial peer
-    answers.
+    When ``config.reserves_relay()`` (a client-mode peer that knows a public relay, or ``use_auto_relay``), the
+    daemon reserves a slot on ``config.auto_relays()`` (static relays, reachability forced private) and the DHT
+    is returned once it holds a relay address, or after ``config.relay_wait`` s with a warning that says what to
+    check (the peer is then unreachable, see :func:`is_reachable`, and trains in client mode). The daemon is
+    not restarted to ask again: a relay that refused keeps refusing for its reservation TTL (an hour), and every
+    new daemon takes another of the relay's 8 slots per public IP. Raises :class:`ConfigError` with what to
+    check when the daemon cannot start or no initial peer answers.
     """
+    relay = config.reserves_relay()
     kwargs: dict = {
         "host_maddrs": config.host_maddrs,
         "client_mode": config.client_mode,
         "use_relay": config.use_relay,
-        "use_auto_relay": config.use_auto_relay,
+        "use_auto_relay": relay,
         "startup_timeout": config.startup_timeout,
     }
-    if config.use_auto_relay:
+    if relay:
         _install_static_relays()
         kwargs["trusted_relays"] = config.auto_relays()
         kwargs["force_reachability"] = "private"
@@ -271,27 +321,13 @@ def make_dht(config: SwarmConfig) -> hivemind.DHT:
     if config.identity_path:
         kwargs["identity_path"] = config.identity_path
     validators = [SwarmKeyValidator(load_swarm_key(config.swarm_key_path))] if config.swarm_key_path else []
-    attempts = _RELAY_ATTEMPTS if config.use_auto_relay else 1
-    for attempt in range(1, attempts + 1):
-        dht = _start_dht(config, validators, kwargs)
+    dht = _start_dht(config, validators, kwargs)
+    if relay:
+        maddrs = _wait_for_relay_address(dht, config)
+    else:
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
-        if not config.use_auto_relay:
-            break
-        maddrs = _wait_for_relay_address(dht, config, last=attempt == attempts)
-        if any("/p2p-circuit" in m for m in maddrs) or attempt == attempts:
-            break
-        # go-libp2p backs a relay that refused (or timed out) off for an hour: only a new daemon asks again
-        logger.warning("no relay reservation within %.0f s; restarting the DHT to ask again", config.relay_wait)
-        dht.shutdown()
-        kwargs["check_if_identity_free"] = False  # the identity was ours a moment ago
     logger.info("joined swarm peer_id=%s maddrs=%s", dht.peer_id, maddrs)
     return dht
-
-
-_RELAY_ATTEMPTS = 3
-"""DHT starts :func:`make_dht` makes with ``use_auto_relay`` until one holds a relay reservation. On these machines
-about one start in four got no reservation from the bootstrap relay within ``relay_wait`` (the cause is inside
-go-libp2p's autorelay; a new daemon usually gets one at once), and two starts in a row once failed in CI."""
 
 
 def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwargs: dict) -> hivemind.DHT:
@@ -309,21 +345,27 @@ def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwarg
         raise ConfigError(f"could not join the swarm: {exc}; {hint}") from None
 
 
-def _wait_for_relay_address(dht: hivemind.DHT, config: SwarmConfig, *, last: bool) -> list[str]:
-    """Poll the daemon's addresses until one is a relay address (``/p2p-circuit``), for at most
-    ``config.relay_wait`` s; after the ``last`` attempt a peer still without one is logged as unreachable (a
-    warning naming the relays), not raised: it can still train in client mode. Returns the last addresses read."""
+def _wait_for_relay_address(dht: hivemind.DHT, config: SwarmConfig) -> list[str]:
+    """Poll the daemon's current addresses until one is a relay address (``/p2p-circuit``), for at most
+    ``config.relay_wait`` s; a peer still without one is logged as unreachable (a warning naming the relays and
+    what to check), not raised: it can still train in client mode. Returns the last addresses read.
+
+    The addresses are asked of the daemon each time (``latest=True``): hivemind caches the list it read when
+    the daemon started, which holds the relay address only if the reservation won the race against that first
+    read (it lost in about one start in four on loaded machines, and the peer then counted itself unreachable
+    for its whole life although others could dial it through the relay)."""
     deadline = time.monotonic() + config.relay_wait
     while True:
-        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
         if any("/p2p-circuit" in m for m in maddrs):
             return maddrs
         if time.monotonic() >= deadline:
-            if not last:
-                return maddrs
             logger.warning(
                 "no relay reservation within %.0f s on %s: this peer is not reachable through a relay, so it serves "
-                "nothing (check that the relays run with relaying on, the default, and are reachable from here)",
+                "nothing. Check that the relays run with relaying on (not --no-relay) and are reachable from here; "
+                "a relay refuses more than 8 reservations per public IP address within an hour (go-libp2p's limit: "
+                "many volunteers or restarts behind one NAT), so name other public peers with --relays; "
+                "--use_auto_relay false skips the reservation",
                 config.relay_wait,
                 config.auto_relays(),
             )

@@ -6,7 +6,8 @@ per line on stdout (``{"event": ...}``) and takes JSON commands on stdin, one pe
 
 - ``dht``: a bootstrap node (and relay); prints ``ready`` and waits for EOF.
 - ``loco``: a PulseLoCo trainer on a tiny deterministic model. Prints ``ready`` (peer id, addresses,
-  reachability), waits for ``{"cmd": "go"}``, trains ``rounds`` outer rounds printing ``round`` lines, prints
+  reachability, whether it owns shards), waits for ``{"cmd": "go"}``, trains ``rounds`` outer rounds printing
+  ``round`` lines (peers, digest, bytes, seconds since ``go``), prints
   ``done`` with its final round and theta digest, then keeps serving until EOF.
 - ``publisher``: a PULSESync publisher of a small state dict; ``{"cmd": "publish"}`` takes a deterministic
   step, publishes, waits for it, and answers ``published`` (version, digest, patch size); ``{"cmd": "stats"}``
@@ -67,9 +68,11 @@ def run_loco(dht: Any, config: dict[str, Any]) -> None:
         averaging_timeout=config.get("averaging_timeout", 10.0),
         request_timeout=config.get("request_timeout", 5.0),
     )
-    emit("ready", peer_id=opt.peer_id, maddrs=[str(m) for m in dht.get_visible_maddrs()], reachable=is_reachable(dht))
+    maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
+    emit("ready", peer_id=opt.peer_id, maddrs=maddrs, reachable=is_reachable(dht), serves=not opt.averager.client_mode)
     cmds = commands()
     next(cmds)  # go
+    started = time.monotonic()
     gen = torch.Generator().manual_seed(1000 + config.get("index", 0))
     target = opt.round + config["rounds"]
     while opt.round < target:
@@ -81,7 +84,16 @@ def run_loco(dht: Any, config: dict[str, Any]) -> None:
         opt.zero_grad()
         m = opt.last_metrics
         if opt.round != before and m is not None:
-            emit("round", round=m.round, num_peers=m.num_peers, digest=m.theta_digest, repaired=m.repaired)
+            emit(
+                "round",
+                round=m.round,
+                num_peers=m.num_peers,
+                digest=m.theta_digest,
+                repaired=m.repaired,
+                bytes_sent=m.bytes_sent,
+                bytes_received=m.bytes_received,
+                seconds=round(time.monotonic() - started, 2),
+            )
     emit("done", round=opt.round, digest=theta_digest(opt.theta_N))
     for _ in cmds:  # keep serving shards and state until the test is done with us
         pass

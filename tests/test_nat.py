@@ -5,11 +5,14 @@ and home namespaces whose routers let connections out and nothing in. Every peer
 (``tests/nat_peer.py``) started with ``ip netns exec``; the tests skip with the reason where namespaces or
 iptables are unavailable (not root, no ``ip``, iptables neither installed nor installable).
 
-- a client-mode trainer behind NAT averages with a public trainer and ends bit-identical;
-- two trainers behind two different NATs, with only the bootstrap public, average together through the
-  bootstrap as a circuit relay (``use_auto_relay``);
-- rollout workers behind NAT follow PULSESync bit-identically: one reachable through a relay serves the other,
-  one that nobody can reach never announces itself as a relay, and the publisher uploads one patch per version.
+- a client-mode trainer behind NAT that opted out of the relay (``use_auto_relay=False``) averages with a
+  public trainer and ends bit-identical;
+- two trainers behind two different NATs, with only the bootstrap public, each started with ``client_mode`` and
+  the initial peers alone, average together through the bootstrap as a circuit relay (the default reserves a
+  slot on a public initial peer);
+- rollout workers behind NAT follow PULSESync bit-identically: one reachable through a relay (the default)
+  serves the other, one that nobody can reach (opted out) never announces itself as a relay, and the publisher
+  uploads one patch per version.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Peer:
             bufsize=1,
         )
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.rounds: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -80,6 +84,8 @@ class Peer:
                 raise AssertionError(f"{self.name}: no {event!r} within {timeout:.0f} s") from None
             if got["event"] == event:
                 return got
+            if got["event"] == "round":
+                self.rounds.append(got)
             if got["event"] == "exit":
                 raise AssertionError(f"{self.name} exited with {got['rc']} before {event!r} (see its stderr)")
 
@@ -135,9 +141,11 @@ def test_client_mode_trainer_behind_nat_averages_with_a_public_trainer(nat_avail
     with lab_with(1) as lab:
         public = Peer(lab, lab.public, "loco", {"swarm": public_swarm(lab), "rounds": rounds, "index": 0})
         boot = bootstrap_of(lab, public.expect("ready"))
-        home = Peer(lab, lab.homes[0].ns, "loco", {"swarm": home_swarm(boot), "rounds": rounds, "index": 1})
+        swarm = home_swarm(boot, use_auto_relay=False)  # the opt-out: client mode without a relay slot
+        home = Peer(lab, lab.homes[0].ns, "loco", {"swarm": swarm, "rounds": rounds, "index": 1})
         ready = home.expect("ready")
-        assert ready["reachable"] is False
+        assert ready["reachable"] is False and not ready["serves"]
+        assert not any("/p2p-circuit" in m for m in ready["maddrs"]), ready["maddrs"]
         assert_unreachable(lab, 0, ready)
         public.send(cmd="go")
         home.send(cmd="go")
@@ -149,39 +157,54 @@ def test_client_mode_trainer_behind_nat_averages_with_a_public_trainer(nat_avail
 
 @pytest.mark.timeout(150)
 def test_two_volunteers_behind_two_nats_average_through_the_bootstrap_relay(nat_available: None) -> None:
-    """Only the bootstrap is public. Both volunteers join in client mode with ``use_auto_relay``: each holds a
-    relay address on the bootstrap at once, so each can own shards (PulseLoCo's default ``client_mode`` follows
-    :func:`pulseloco.swarm.is_reachable`) although neither can be dialed directly."""
+    """Only the bootstrap is public. Both volunteers join with ``client_mode`` and the initial peers alone, as a
+    volunteer starts: by default each reserves a slot on the bootstrap (a public initial peer) and holds a relay
+    address at once, so each owns shards (PulseLoCo's default ``client_mode`` follows
+    :func:`pulseloco.swarm.is_reachable`) although neither can be dialed directly: every byte between them
+    goes through the relay."""
     rounds = 3
     with lab_with(2) as lab:
         bootstrap = Peer(lab, lab.public, "dht", {"swarm": public_swarm(lab)})
         boot = bootstrap_of(lab, bootstrap.expect("ready"))
-        volunteers: list[Peer] = []
-        for i, home in enumerate(lab.homes):
-            # One after the other: the second starts once the first holds its relay slot (two reservations at
-            # the same moment on a loaded machine sometimes left one volunteer without a relay address).
-            config = {"swarm": home_swarm(boot, use_auto_relay=True), "rounds": rounds, "index": i}
-            volunteers.append(Peer(lab, home.ns, "loco", config))  # PulseLoCo's client_mode from is_reachable
-            ready = volunteers[-1].expect("ready")
-            assert ready["reachable"], f"volunteer {i} holds no relay address: {ready['maddrs']}"
+        # Both at once: two reservations at the same moment used to leave one volunteer counting itself
+        # unreachable (hivemind's address list cached before the reservation landed; make_dht now asks the daemon).
+        started = time.monotonic()
+        volunteers = [
+            Peer(lab, home.ns, "loco", {"swarm": home_swarm(boot), "rounds": rounds, "index": i})
+            for i, home in enumerate(lab.homes)
+        ]
+        ready_s: list[float] = []  # process start to a relay address and a PulseLoCo that owns shards
+        for i, volunteer in enumerate(volunteers):
+            ready = volunteer.expect("ready")
+            ready_s.append(round(time.monotonic() - started, 2))
+            assert ready["reachable"] and ready["serves"], f"volunteer {i} holds no relay address: {ready['maddrs']}"
             assert any(m.startswith(boot + "/p2p-circuit/") for m in ready["maddrs"]), ready["maddrs"]
             assert_unreachable(lab, i, ready)
         for volunteer in volunteers:
             volunteer.send(cmd="go")
         done = [volunteer.expect("done") for volunteer in volunteers]
         finish(lab, [*volunteers, bootstrap])
+    figures = [
+        [(r["round"], r["num_peers"], r["seconds"], r["bytes_sent"], r["bytes_received"]) for r in v.rounds]
+        for v in volunteers
+    ]
+    print("volunteers' seconds to ready:", ready_s)
+    print("volunteers' rounds (round, peers, seconds since go, bytes sent, bytes received):", figures)
     assert done[0]["round"] == done[1]["round"] == rounds
     assert done[0]["digest"] == done[1]["digest"], "the two volunteers' thetas differ"
+    # they averaged together (not each alone), and every exchange between them crossed the relay
+    assert all(r["num_peers"] == 2 and r["bytes_received"] > 0 for v in volunteers for r in v.rounds), figures
 
 
 @pytest.mark.timeout(150)
 def test_rollout_workers_behind_nat_follow_pulsesync_with_flat_publisher_upload(
     nat_available: None, tmp_path: Path
 ) -> None:
-    """Publisher public (``max_uploads_per_version=1``); worker R behind NAT with a relay address, worker U
-    behind another NAT in plain client mode. R takes each version first (from the publisher), U second: U must
-    get it from R through the relay, so the publisher uploads exactly one object per version, and U, which
-    nobody can reach, must never appear in the provider record."""
+    """Publisher public (``max_uploads_per_version=1``); worker R behind NAT with a relay address (the
+    default), worker U behind another NAT in client mode without one (``use_auto_relay=False``). R takes each
+    version first (from the publisher), U second: U must get it from R through the relay, so the publisher
+    uploads exactly one object per version, and U, which nobody can reach, must never appear in the provider
+    record."""
     from pulseloco.sync.signing import generate_key, save_keypair
 
     private, public_key = save_keypair(generate_key(), tmp_path / "keys" / "publisher")
@@ -196,10 +219,10 @@ def test_rollout_workers_behind_nat_follow_pulsesync_with_flat_publisher_upload(
         )
         boot = bootstrap_of(lab, publisher.expect("ready"))
         sub_config = {"run_id": run, "public_key": str(public_key)}
-        relayed = Peer(
-            lab, lab.homes[0].ns, "subscriber", {"swarm": home_swarm(boot, use_auto_relay=True), **sub_config}
+        relayed = Peer(lab, lab.homes[0].ns, "subscriber", {"swarm": home_swarm(boot), **sub_config})
+        unreachable = Peer(
+            lab, lab.homes[1].ns, "subscriber", {"swarm": home_swarm(boot, use_auto_relay=False), **sub_config}
         )
-        unreachable = Peer(lab, lab.homes[1].ns, "subscriber", {"swarm": home_swarm(boot), **sub_config})
         ready_r, ready_u = relayed.expect("ready"), unreachable.expect("ready")
         assert ready_r["reachable"] and not ready_u["reachable"]
         uploads: list[tuple[int, int]] = []  # (bytes the publisher uploaded for the version, its size)

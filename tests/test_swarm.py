@@ -127,6 +127,7 @@ def test_dht_command_prints_join_line_and_stops_on_sigterm(tmp_path: Path) -> No
 
 
 BOOTSTRAP = "/ip4/1.2.3.4/tcp/31337/p2p/12D3KooWR6ceGd8vPzKn2EBaMo77EKuSSQ67t4LsrFS9xV5TZNeS"
+LOCAL = "/ip4/127.0.0.1/tcp/31337/p2p/12D3KooWR6ceGd8vPzKn2EBaMo77EKuSSQ67t4LsrFS9xV5TZNeS"
 
 
 def test_auto_relay_configuration_errors_say_what_is_missing() -> None:
@@ -134,13 +135,33 @@ def test_auto_relay_configuration_errors_say_what_is_missing() -> None:
         SwarmConfig(use_auto_relay=True)
     with pytest.raises(ConfigError, match="use_auto_relay needs use_relay"):
         SwarmConfig(use_auto_relay=True, use_relay=False, initial_peers=[BOOTSTRAP])
-    with pytest.raises(ConfigError, match="relays is set but use_auto_relay is not"):
+    with pytest.raises(ConfigError, match="relays is set but no relay slot will be reserved: this peer is not in"):
         SwarmConfig(relays=[BOOTSTRAP])
+    with pytest.raises(ConfigError, match="no relay slot will be reserved: use_auto_relay is false"):
+        SwarmConfig(relays=[BOOTSTRAP], initial_peers=[BOOTSTRAP], client_mode=True, use_auto_relay=False)
+    with pytest.raises(ConfigError, match="none of them has a public address"):
+        SwarmConfig(relays=[LOCAL], initial_peers=[BOOTSTRAP], client_mode=True)
     with pytest.raises(ConfigError, match="has no /p2p/PEER_ID"):
         SwarmConfig(use_auto_relay=True, initial_peers=[BOOTSTRAP], relays=["/ip4/1.2.3.4/tcp/1"])
     with pytest.raises(ConfigError, match="relay_wait"):
         SwarmConfig(relay_wait=-1)
     assert SwarmConfig(use_auto_relay=True, initial_peers=[BOOTSTRAP]).auto_relays() == [BOOTSTRAP]
+
+
+def test_a_client_mode_peer_reserves_a_relay_slot_by_default_when_it_knows_a_public_relay() -> None:
+    """The default rule (``use_auto_relay=None``): client mode, relaying on, and a relay with a public address."""
+    from pulseloco.swarm import has_public_address
+
+    assert SwarmConfig(initial_peers=[BOOTSTRAP], client_mode=True).reserves_relay()
+    assert SwarmConfig(initial_peers=[LOCAL], client_mode=True, relays=[BOOTSTRAP]).reserves_relay()
+    assert not SwarmConfig(initial_peers=[BOOTSTRAP]).reserves_relay()  # not behind NAT: nothing to reserve
+    assert not SwarmConfig(initial_peers=[LOCAL], client_mode=True).reserves_relay()  # no relay address possible
+    assert not SwarmConfig(initial_peers=[BOOTSTRAP], client_mode=True, use_auto_relay=False).reserves_relay()
+    assert not SwarmConfig(initial_peers=[BOOTSTRAP], client_mode=True, use_relay=False).reserves_relay()
+    assert SwarmConfig(initial_peers=[LOCAL], use_auto_relay=True).reserves_relay()  # explicit: as told
+    public = ["/ip4/11.0.0.1/tcp/1", "/ip6/2606:4700::1/tcp/1", "/dns4/relay.example.org/tcp/1"]
+    private = ["/ip4/127.0.0.1/tcp/1", "/ip4/192.168.1.2/tcp/1", "/ip4/100.64.0.1/tcp/1", "/ip6/::1/tcp/1"]
+    assert all(has_public_address(m) for m in public) and not any(has_public_address(m) for m in private)
 
 
 def test_relay_options_reach_the_swarm_config_from_the_cli_and_the_recipes() -> None:
@@ -152,15 +173,24 @@ def test_relay_options_reach_the_swarm_config_from_the_cli_and_the_recipes() -> 
     )
     assert (args.use_auto_relay, args.use_relay, args.relays) == (True, True, [])
     assert build_parser().parse_args(["dht", "--no-relay"]).use_relay is False
+    assert build_parser().parse_args(["dht", "--no-auto-relay"]).use_auto_relay is False
+    assert build_parser().parse_args(["dht"]).use_auto_relay is None
     config = PulseLoCoArguments(initial_peers=[BOOTSTRAP], client_mode=True, use_auto_relay=True).swarm_config()
     assert (config.use_auto_relay, config.use_relay, config.auto_relays()) == (True, True, [BOOTSTRAP])
+    # the recipes' default: --client_mode alone reserves a slot on a public initial peer; false opts out
+    assert PulseLoCoArguments(initial_peers=[BOOTSTRAP], client_mode=True).swarm_config().reserves_relay()
+    off = PulseLoCoArguments(initial_peers=[BOOTSTRAP], client_mode=True, use_auto_relay=False).swarm_config()
+    assert not off.reserves_relay()
 
 
 def test_a_client_mode_peer_without_a_relay_address_is_not_reachable() -> None:
     from pulseloco.swarm import is_reachable
 
     first = make_dht(SwarmConfig())
+    started = time.monotonic()
     client = make_dht(SwarmConfig(initial_peers=[str(m) for m in first.get_visible_maddrs()], client_mode=True))
+    # by default, yet without a wait for a relay slot: a loopback relay can never give a relay address
+    assert time.monotonic() - started < 10.0
     try:
         assert is_reachable(first)
         assert not is_reachable(client)

@@ -48,18 +48,24 @@ class SwarmArguments:
         default_factory=list, metadata=_help("Addresses others should dial (a public address behind forwarding).")
     )
     client_mode: bool = field(
-        default=False, metadata=_help("Behind NAT: connect out only and serve nothing (needs initial_peers).")
-    )
-    use_auto_relay: bool = field(
         default=False,
         metadata=_help(
-            "Behind NAT: reserve a slot on a relay (the initial peers, or --relays) and be reachable through it, "
-            "so that this peer can own shards and relay weights to rollout workers."
+            "Behind NAT: connect out only (needs initial_peers); by default reachable through a relay slot on a "
+            "public initial peer (see --use_auto_relay), else it serves nothing."
         ),
+    )
+    use_auto_relay: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Reserve a slot on a relay (the initial peers, or --relays) and be reachable through it, so that a "
+            "peer behind NAT can own shards and relay weights to rollout workers. Default: on with --client_mode "
+            "when a relay has a public address; --use_auto_relay false turns it off."
+        )
+        | {"nargs": "?", "const": True},  # a bare --use_auto_relay means true, as for the other bool flags
     )
     relays: list[str] = field(
         default_factory=list,
-        metadata=_help("Relays for --use_auto_relay (multiaddrs with /p2p/ID); none: the initial peers."),
+        metadata=_help("Relays to reserve a slot on (multiaddrs with /p2p/ID); none: the initial peers."),
     )
     use_relay: bool = field(
         default=True,

@@ -401,10 +401,11 @@ class Matchmaker:
                     logger.warning(
                         "round=%d: every peer of the group is in client mode (%d peer(s)), and client-mode peers "
                         "cannot receive connections, so nobody can own a shard: sitting this round out. At least "
-                        "one volunteer must be reachable: run it with --use_auto_relay (reachable through the "
-                        "bootstrap peer as a relay), or forward a TCP port PORT on its router to it and run it "
-                        "without --client_mode, with --host_maddrs /ip4/0.0.0.0/tcp/PORT --announce_maddrs "
-                        "/ip4/PUBLIC_IP/tcp/PORT",
+                        "one volunteer must be reachable: a --client_mode volunteer reserves a slot on its initial "
+                        "peers as a relay when one has a public address (see its log for 'no relay reservation'; "
+                        "--use_auto_relay true forces it, --relays MADDR names public relays), or forward a TCP "
+                        "port PORT on its router to it and run it without --client_mode, with --host_maddrs "
+                        "/ip4/0.0.0.0/tcp/PORT --announce_maddrs /ip4/PUBLIC_IP/tcp/PORT",
                         round_index,
                         len(agreed),
                     )

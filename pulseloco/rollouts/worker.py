@@ -174,7 +174,9 @@ class RolloutServer:
         if not is_reachable(dht):
             logger.warning(
                 "this worker is in client mode without a relay address: trainers cannot reach it to send leases; "
-                "add --use_auto_relay (or run it where it can listen publicly)"
+                "it reserves a relay slot by default when an initial peer (or --relays) has a public address, "
+                "so check its log for 'no relay reservation' and --use_auto_relay (or run it where it can listen "
+                "publicly)"
             )
         self.host = P2PHost(dht, name="rollout-worker")
         try:

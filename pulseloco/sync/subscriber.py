@@ -857,7 +857,8 @@ class Subscriber:
             self._unreachable_logged = True
             logger.info(
                 "not announcing this subscriber as a relay: it is in client mode without a relay address, so "
-                "nobody can reach it (join with use_auto_relay to relay through the initial peers)"
+                "nobody can reach it (client-mode peers reserve a relay slot on a public initial peer by default; "
+                "see the log for 'no relay reservation', or set use_auto_relay true / relays)"
             )
         return reachable
 
