@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Lint and test pulseloco: sets up .venv (scripts/_setup.sh), runs ruff, mypy, then pytest.
 # Arguments go to pytest, e.g. `scripts/test.sh -k cli -x`.
+# Tests run in parallel (pytest-xdist), one worker per core up to 4, each test file on one worker, the slowest files
+# first (tests/conftest.py). PULSELOCO_TEST_WORKERS=N sets the number of workers; 0 runs everything in this process.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 
@@ -16,7 +18,8 @@ echo "[test] mypy" >&2
 
 echo "[test] pytest" >&2
 rc=0
-"$PYTHON" -m pytest -q --durations=15 "$@" || rc=$?
+workers="${PULSELOCO_TEST_WORKERS:-auto}"
+"$PYTHON" -m pytest -q --durations=15 -n "$workers" --maxprocesses 4 --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "[test] error: pytest collected no tests" >&2
 fi

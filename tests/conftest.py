@@ -99,12 +99,32 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def tiny_warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of a tiny warm model (``scripts/warm_model.py --size tiny``), built once per test session in
-    a temporary cache (about half a minute on two CPU cores); its cache is ``path.parent.parent``."""
-    cache = tmp_path_factory.mktemp("pulseloco-cache")
+    a temporary cache (about half a minute on two CPU cores); its cache is ``path.parent.parent``.
+
+    Under pytest-xdist the workers share one build: the first to take the lock builds it in the session's common
+    temporary directory, the others wait (up to the build's own timeout) and read its result."""
+    import filelock
+
     script = Path(__file__).resolve().parent.parent / "scripts" / "warm_model.py"
-    # The build starts from a killed build's leftovers (a half-written model directory without the completion
-    # marker, a stale temporary directory), so that tests/test_warm_model.py checks that they are rebuilt and
-    # removed without a second build; the build's stdout is kept in ``build.log`` for it.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the directory every worker's basetemp lives in: one per session
+    cache = root / "pulseloco-cache"
+    with filelock.FileLock(str(root / "pulseloco-cache.lock"), timeout=900):
+        done = cache / "warm-model-path.txt"
+        if not done.exists():
+            _build_tiny_warm_model(script, cache)
+        path = Path(done.read_text())
+    assert path.is_dir(), f"the shared tiny warm model {path} is gone"
+    return path
+
+
+def _build_tiny_warm_model(script: Path, cache: Path) -> None:
+    """Build the tiny warm model into ``cache`` and record its directory in ``cache/warm-model-path.txt``.
+
+    The build starts from a killed build's leftovers (a half-written model directory without the completion
+    marker, a stale temporary directory), so that tests/test_warm_model.py checks that they are rebuilt and
+    removed without a second build; the build's stdout is kept in ``build.log`` for it."""
     sys.path.insert(0, str(script.parent))
     import warm_model
 
@@ -124,4 +144,33 @@ def tiny_warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (cache / "build.log").write_text(result.stdout)
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith("warm model: "), f"unexpected last line {last!r}"
-    return Path(last.removeprefix("warm model: "))
+    (cache / "warm-model-path.txt").write_text(last.removeprefix("warm model: "))
+
+
+SLOWEST_FIRST = (
+    "test_soak.py",
+    "test_recipes.py",
+    "test_pretrain.py",
+    "test_rollouts.py",
+    "test_loco_swarm.py",
+    "test_sync_swarm.py",
+    "test_compare.py",
+    "test_bench_codec.py",
+    "test_nat.py",
+    "test_vllm.py",
+    "test_bench_sync.py",
+    "test_monitor.py",
+    "test_bench_verify.py",
+    "test_sparsity_study.py",
+    "test_sync_cli.py",
+    "test_bench_memory.py",
+)
+"""Test files that take longest (``--durations``, 2 cores), longest first. Under pytest-xdist with ``--dist loadfile
+--no-loadscope-reorder`` (scripts/test.sh) files go to the workers in collection order, so running these first
+keeps one long file from starting last and running alone (longest-processing-time-first scheduling)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the files of :data:`SLOWEST_FIRST` first, in that order; every other file keeps its place after them."""
+    rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order in a file

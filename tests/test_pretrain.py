@@ -9,7 +9,6 @@ which accelerate adds its own traceback when the script exits non-zero.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -155,8 +154,10 @@ BAD_CONFIGURATIONS = {
 }
 
 
-def test_bad_configurations_are_one_line(tmp_path: Path) -> None:
-    """Each case its own ``accelerate launch``, all at once (each spends its seconds importing torch)."""
+def test_bad_configurations_are_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """One case through a real ``accelerate launch`` (the launcher adds nothing to the recipe's line), the others
+    through the recipe's own entry point in this process (the same code after the launcher; a process each would
+    spend its seconds importing torch and transformers)."""
     args = {
         "unknown_flag": ["--no_such_flag", "1"],
         "missing_model": ["--model_name_or_path", str(tmp_path / "no" / "such" / "model")],
@@ -166,14 +167,34 @@ def test_bad_configurations_are_one_line(tmp_path: Path) -> None:
         "bad_value": ["--max_steps", "many"],
     }
     outs = {case: tmp_path / f"out-{case}" for case in BAD_CONFIGURATIONS}
-    with concurrent.futures.ThreadPoolExecutor(len(BAD_CONFIGURATIONS)) as pool:
-        futures = {case: pool.submit(launch, SINGLE, *args[case], output_dir=outs[case]) for case in BAD_CONFIGURATIONS}
-        results = {case: future.result() for case, future in futures.items()}
+    launched = launch(SINGLE, *args["unknown_flag"], output_dir=outs["unknown_flag"])
+    assert launched.returncode != 0
+    stderr = {"unknown_flag": launched.stderr}
+    sys.path.insert(0, str(RECIPES))
+    try:
+        import common
+        import pretrain
+    finally:
+        sys.path.remove(str(RECIPES))
+    from transformers.utils import logging as hf_logging
+
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    try:
+        for case in BAD_CONFIGURATIONS:
+            if case == "unknown_flag":
+                continue
+            argv = ["--config", str(TINY), *args[case], "--output_dir", str(outs[case])]
+            capfd.readouterr()
+            with pytest.raises(SystemExit) as exit_info:
+                common.run_recipe("pretrain.py", lambda argv=argv: pretrain.main(argv))
+            assert exit_info.value.code == common.EXIT_CONFIG_ERROR, case
+            stderr[case] = capfd.readouterr().err
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     for case, expected in BAD_CONFIGURATIONS.items():
-        result = results[case]
-        assert result.returncode != 0, case
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), (case, result.stderr[-3000:])
+        lines = stderr[case].strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), (case, stderr[case][-3000:])
         assert expected in lines[0], (case, lines[0])
         assert not outs[case].exists(), case
 
