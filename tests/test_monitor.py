@@ -8,6 +8,7 @@ records (one malformed) and a refusal."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -190,7 +191,8 @@ def test_monitor_logs_the_swarm_state_once_per_swarm_round(observed: Observed) -
     and the workers' lag."""
     rounds = observed.live["swarm/round"]
     steps = [step for step, _ in rounds]
-    assert len(steps) >= 3 and steps == sorted(set(steps)) and steps[-1] == ROUNDS
+    # at least one point before the end (a poll can take longer than a round on a loaded machine, so not one each)
+    assert len(steps) >= 2 and steps == sorted(set(steps)) and steps[-1] == ROUNDS
     assert all(step == value for step, value in rounds)
     last = {name: values[-1] for name, values in observed.live.items() if name.split("/")[0] != "round"}
     assert all(step == ROUNDS for step, _ in last.values())
@@ -206,8 +208,13 @@ def test_monitor_logs_the_swarm_state_once_per_swarm_round(observed: Observed) -
     assert observed.late["swarm/round"] == [(ROUNDS, ROUNDS)]
     # the live monitor's first poll found only the strangers: the one far ahead made the swarm round 1000 (a tie
     # goes to the newer round), but its rounds were never complete, so nothing was logged for it; when the
-    # trainers published, the series restarted from round 0
-    assert observed.stderr.count("the swarm round went back from 1000 to 0") == 1
+    # trainers published, the series restarted from the round they were at (0, or later on a loaded machine where
+    # a poll takes longer than a round). If the first poll's DHT reads came back without the stranger ahead, the
+    # swarm round never was 1000 and nothing restarts.
+    first_poll = "\n".join(observed.watch).split("pulseloco monitor  run", 2)[1]
+    saw_the_stranger_ahead_alone = "  round 1000  " in first_poll
+    restarts = len(re.findall(r"the swarm round went back from 1000 to \d+", observed.stderr))
+    assert restarts == (1 if saw_the_stranger_ahead_alone else 0), (first_poll, observed.stderr[-2000:])
 
 
 def test_watch_view(observed: Observed) -> None:
