@@ -3,6 +3,8 @@
 # Arguments go to pytest, e.g. `scripts/test.sh -k cli -x`.
 # Tests run in parallel (pytest-xdist), one worker per core up to 4, each test file on one worker, the slowest files
 # first (tests/conftest.py). PULSELOCO_TEST_WORKERS=N sets the number of workers; 0 runs everything in this process.
+# Each process the tests start computes on one thread (OMP_NUM_THREADS=1, unless set): the workers already keep the
+# cores busy, and torch's thread pools competing for the same cores cost CPU time in spinning.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 
@@ -19,6 +21,7 @@ echo "[test] mypy" >&2
 echo "[test] pytest" >&2
 rc=0
 workers="${PULSELOCO_TEST_WORKERS:-auto}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$PYTHON" -m pytest -q --durations=15 -n "$workers" --maxprocesses 4 --dist loadfile --no-loadscope-reorder "$@" || rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "[test] error: pytest collected no tests" >&2

@@ -148,26 +148,28 @@ def _build_tiny_warm_model(script: Path, cache: Path) -> None:
 
 
 SLOWEST_FIRST = (
+    "test_recipes.py",  # first: its first test builds the tiny warm model while the next files run elsewhere
     "test_soak.py",
-    "test_recipes.py",
-    "test_pretrain.py",
-    "test_rollouts.py",
     "test_loco_swarm.py",
-    "test_sync_swarm.py",
-    "test_compare.py",
     "test_bench_codec.py",
-    "test_nat.py",
+    "test_rollouts.py",
+    "test_pretrain.py",
+    "test_compare.py",
+    "test_sync_swarm.py",
     "test_vllm.py",
     "test_bench_sync.py",
-    "test_monitor.py",
-    "test_bench_verify.py",
+    "test_nat.py",
     "test_sparsity_study.py",
+    "test_monitor.py",
     "test_sync_cli.py",
     "test_bench_memory.py",
+    "test_bench_verify.py",
 )
-"""Test files that take longest (``--durations``, 2 cores), longest first. Under pytest-xdist with ``--dist loadfile
---no-loadscope-reorder`` (scripts/test.sh) files go to the workers in collection order, so running these first
-keeps one long file from starting last and running alone (longest-processing-time-first scheduling)."""
+"""Test files that take longest (``--durations``, 2 cores), about longest first. Under pytest-xdist with ``--dist
+loadfile --no-loadscope-reorder`` (scripts/test.sh) files go to the workers in collection order, so running these
+first keeps one long file from starting last and running alone (longest-processing-time-first scheduling). The files
+after the first need no warm model (:func:`tiny_warm_model`) until the first file's build is done, so no worker
+waits for it."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
