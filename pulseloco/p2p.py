@@ -5,6 +5,9 @@
 - :class:`P2PHost`: that loop plus a P2P client ("replica") of the DHT's daemon bound to it, and the
   ``ServicerBase`` handlers served on it; its :meth:`P2PHost.close` removes the handlers, closes the replica
   and stops the loop, so a component restarted in-process on the same DHT starts clean;
+- :func:`listen_with_backlog`: the replica takes the daemon's connections for incoming streams with an accept
+  backlog of :data:`LISTEN_BACKLOG` instead of asyncio's 100 (a burst that found the backlog full was reset
+  with nothing sent: "the stream ended without a header");
 - :func:`stream_messages` / :func:`read_stream`: the one stream protocol of both paths (docs/design.md
   section 3.4): a first message whose ``metadata`` is a JSON object header carrying the payload's ``size``,
   then the payload in chunks of at most :data:`CHUNK_BYTES`, one per message ``metadata``. The reader bounds
@@ -20,6 +23,7 @@ import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
 from hivemind.p2p import P2P, PeerID, ServicerBase
@@ -30,11 +34,13 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHUNK_BYTES",
+    "LISTEN_BACKLOG",
     "BackgroundLoop",
     "P2PHost",
     "SwarmTimeoutError",
     "daemon_listen_maddr",
     "header_message",
+    "listen_with_backlog",
     "parse_header",
     "read_stream",
     "replicate_p2p",
@@ -42,8 +48,16 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-#: Largest payload chunk per protobuf message (hivemind's daemon refuses messages above 4 MiB).
+#: Largest payload chunk per protobuf message (the daemon's 4 MiB limit is on its persistent connection, for unary
+#: calls; a stream passed a 9 MB message on loopback, but small messages keep every buffer on the way small).
 CHUNK_BYTES = 1 << 20
+#: Accept backlog of the socket on which a replica takes its daemon's connections, one per incoming stream (the
+#: kernel caps it at ``net.core.somaxconn``). hivemind 1.1.12 listens with asyncio's default of 100
+#: (``p2p_daemon_bindings/control.py:161``): while the replica's event loop is stalled (CPU load, a long
+#: GIL-holding step), the 102nd waiting connection is refused with EAGAIN, the daemon resets the stream
+#: (go-libp2p-daemon ``stream.go:50-55``, logged at debug level only) and the caller's iterator ends with no
+#: message (``p2p_daemon.py:502``). A deeper backlog makes such a burst wait for the loop instead.
+LISTEN_BACKLOG = 4096
 
 
 class SwarmTimeoutError(SwarmError, TimeoutError):
@@ -116,14 +130,42 @@ def daemon_listen_maddr(dht: Any) -> Any:
     return dht.run_coroutine(_daemon_listen_maddr)
 
 
+def listen_with_backlog(p2p: P2P, backlog: int = LISTEN_BACKLOG) -> None:
+    """Make ``p2p`` accept its daemon's connections for incoming streams with an accept backlog of ``backlog``.
+
+    Call it before the first stream handler is added (that starts the listening); raises :class:`RuntimeError`
+    after. A replica listening on anything but a unix socket (hivemind always uses one) is left as it is. This
+    replaces hivemind's ``ControlClient.listen`` (1.1.12) on this one instance: the same server and the same
+    connection callback, only the backlog differs.
+    """
+    if getattr(p2p, "_listen_task", None) is not None:
+        raise RuntimeError("the replica already listens for incoming streams")
+    control = p2p._client.control
+    maddr = control.listen_maddr
+    if "unix" not in [proto.name for proto in maddr.protocols()]:
+        return
+    path = maddr.value_for_protocol("unix")
+
+    @asynccontextmanager
+    async def listen() -> AsyncIterator[Any]:
+        server = await asyncio.start_unix_server(control._handler, path=path, backlog=backlog)
+        async with server:
+            yield control
+
+    control.listen = listen
+
+
 async def replicate_p2p(dht: Any) -> P2P:
-    """A new P2P client of ``dht``'s daemon, bound to the running event loop.
+    """A new P2P client of ``dht``'s daemon, bound to the running event loop, listening for incoming streams
+    with a backlog of :data:`LISTEN_BACKLOG` (:func:`listen_with_backlog`).
 
     Not ``dht.replicate_p2p()``: that one is cached per DHT and bound to the loop that made it, so a second
     component on the same DHT (a PulseLoCo or publisher restarted in-process) would inherit a replica whose
     loop the first one stopped. Call it on the loop that will use the replica; :class:`P2PHost` closes it.
     """
-    return await P2P.replicate(daemon_listen_maddr(dht))
+    p2p = await P2P.replicate(daemon_listen_maddr(dht))
+    listen_with_backlog(p2p)
+    return p2p
 
 
 class P2PHost:
