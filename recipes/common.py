@@ -119,19 +119,6 @@ def tensorboard_logging_dir(output_dir: str | os.PathLike[str]) -> Iterator[Path
         os.environ.pop("TENSORBOARD_LOGGING_DIR", None)
 
 
-def skip_vllm_import() -> None:
-    """Keep TRL from importing vLLM in this process, which will not use it (call it before importing TRL's
-    trainers, and only in a process of its own: a recipe run as a script).
-
-    TRL imports vLLM at import time whenever it is installed (``trl.import_utils.is_vllm_available``), about 6 s
-    of CPU per process on 2 cores, though a trainer that generates with its own model or takes its completions
-    from rollout workers never calls it. A ``None`` entry in ``sys.modules`` is Python's documented way to mark a
-    module as unavailable: ``importlib.util.find_spec`` then reports it missing and TRL skips it; an ``import
-    vllm`` later in the process raises ``ImportError``. Does nothing when vLLM is already imported."""
-    if sys.modules.get("vllm") is None:
-        sys.modules["vllm"] = None  # type: ignore[assignment]
-
-
 def quiet_libraries() -> None:
     """Keep peer logs readable: no per-file progress bars of transformers ("Loading weights", "Writing model
     shards") and none of the deprecation warnings TRL triggers inside transformers on every run."""

@@ -113,9 +113,11 @@ def build_trainer(
 
 def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
     """Parse ``argv`` and run GRPO. ``own_process``: this process runs the recipe alone (as a script), so that
-    vLLM, when TRL's own ``--use_vllm`` is off, need not be imported (:func:`common.skip_vllm_import`)."""
+    vLLM, when TRL's own ``--use_vllm`` is off, need not be imported
+    (:func:`pulseloco.integrations.skip_vllm_import`)."""
     from trl import GRPOConfig, ModelConfig
 
+    from pulseloco.integrations import skip_vllm_import
     from pulseloco.integrations.args import PulseLoCoArguments, RolloutArguments
 
     task_args, training_args, model_args, pulse_args, rollout_args = common.parse_args(
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
             "makes one) or a hub name"
         )
     if own_process and not training_args.use_vllm:
-        common.skip_vllm_import()
+        skip_vllm_import()
     spec = tasks.spec_for_model(model_args.model_name_or_path, task_args.task, task_args.max_operand)
     common.check_output_dir(training_args.output_dir, training_args.resume_from_checkpoint)
     callbacks = common.swarm_callbacks(pulse_args, training_args)

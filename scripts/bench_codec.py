@@ -644,7 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codecs", type=lambda s: s.split(","), default=list(CODECS), help=f"subset of {','.join(CODECS)}")
     ap.add_argument("--small", action="store_true", help="~7M-parameter model instead of ~122M (smoke run)")
     ap.add_argument(
-        "--model", choices=sorted(MODEL_CONFIGS), default=None, help="model config (default: default, or small)"
+        "--model",
+        choices=sorted(MODEL_CONFIGS),
+        default=None,
+        help="model config (default: default, or small; tiny: the test suite's)",
     )
     ap.add_argument(
         "--device",

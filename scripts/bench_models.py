@@ -42,6 +42,17 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         max_position_embeddings=512,
     ),
+    # ~0.6M parameters: the test suite's smoke runs (the same code paths, a fraction of the CPU time).
+    "tiny": dict(
+        hidden_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=2000,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    ),
 }
 MIN_DEFAULT_PARAMS = 100_000_000
 

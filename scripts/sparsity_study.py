@@ -787,4 +787,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from pulseloco.integrations import skip_vllm_import
+
+    skip_vllm_import()  # TRL would import vLLM (seconds of CPU); this process never uses it
     sys.exit(main())

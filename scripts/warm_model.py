@@ -499,4 +499,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from pulseloco.integrations import skip_vllm_import
+
+    skip_vllm_import()  # TRL would import vLLM (seconds of CPU); this process never uses it
     main()

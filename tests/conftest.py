@@ -71,7 +71,11 @@ def reap_children_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """
     before = {proc.pid for proc in _descendants()}
     yield
-    leftovers = [proc for proc in _descendants() if proc.pid not in before and not _is_mp_helper(proc)]
+    leftovers = [
+        proc
+        for proc in _descendants()
+        if proc.pid not in before and not _is_mp_helper(proc) and not _is_background_build(proc)
+    ]
     _kill_and_reap(leftovers, reason=request.node.nodeid)
 
 
@@ -101,39 +105,75 @@ def tiny_warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory of a tiny warm model (``scripts/warm_model.py --size tiny``), built once per test session in
     a temporary cache (about half a minute on two CPU cores); its cache is ``path.parent.parent``.
 
-    Under pytest-xdist the workers share one build: the first to take the lock builds it in the session's common
-    temporary directory, the others wait (up to the build's own timeout) and read its result."""
+    The build starts in the background as soon as a collected test needs it (:func:`_start_warm_model_build`),
+    so the tests that run first do not wait for it. Under pytest-xdist the workers share that one build, in the
+    session's common temporary directory: whoever holds the lock builds (the background process, or the first
+    test that needs the model if that one has not started or has failed), the others wait up to the build's own
+    timeout and read its result."""
     import filelock
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "warm_model.py"
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the directory every worker's basetemp lives in: one per session
+    root = _shared_root(tmp_path_factory)
     cache = root / "pulseloco-cache"
     with filelock.FileLock(str(root / "pulseloco-cache.lock"), timeout=900):
         done = cache / "warm-model-path.txt"
         if not done.exists():
-            _build_tiny_warm_model(script, cache)
+            _build_tiny_warm_model(cache)
         path = Path(done.read_text())
+    if _BACKGROUND_BUILD:
+        _BACKGROUND_BUILD[0].poll()  # reap it (it has released the lock, so it is exiting or gone)
     assert path.is_dir(), f"the shared tiny warm model {path} is gone"
     return path
 
 
-def _build_tiny_warm_model(script: Path, cache: Path) -> None:
+WARM_MODEL_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "warm_model.py"
+_BACKGROUND_BUILD: list[subprocess.Popen[bytes]] = []
+"""This process's background build of the tiny warm model, if it started one."""
+
+
+def _shared_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's temporary directory that every xdist worker shares (each worker's basetemp is inside it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+def _start_warm_model_build(config: pytest.Config) -> None:
+    """Start building the tiny warm model in a background process (``python conftest.py --build-tiny-warm-model
+    ROOT``), once per session: the first worker to get here starts it, the others find its marker file."""
+    root = _shared_root(config._tmp_path_factory)  # type: ignore[attr-defined]  # the tmp_path_factory fixture's
+    if (root / "pulseloco-cache" / "warm-model-path.txt").exists():
+        return
+    try:
+        os.close(os.open(root / "pulseloco-cache.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    argv = [sys.executable, __file__, "--build-tiny-warm-model", str(root)]
+    _BACKGROUND_BUILD.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def _is_background_build(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is the background build or its ``warm_model.py`` (both name the shared cache)."""
+    try:
+        cmdline = proc.cmdline()
+    except psutil.Error:
+        return False
+    return "--build-tiny-warm-model" in cmdline or any(arg.endswith("pulseloco-cache") for arg in cmdline)
+
+
+def _build_tiny_warm_model(cache: Path) -> None:
     """Build the tiny warm model into ``cache`` and record its directory in ``cache/warm-model-path.txt``.
 
     The build starts from a killed build's leftovers (a half-written model directory without the completion
     marker, a stale temporary directory), so that tests/test_warm_model.py checks that they are rebuilt and
     removed without a second build; the build's stdout is kept in ``build.log`` for it."""
-    sys.path.insert(0, str(script.parent))
+    sys.path.insert(0, str(WARM_MODEL_SCRIPT.parent))
     import warm_model
 
     name = f"warm-tiny-{warm_model.SIZES['tiny'].digest()}"
-    (cache / "models" / name).mkdir(parents=True)
+    (cache / "models" / name).mkdir(parents=True, exist_ok=True)
     (cache / "models" / name / "config.json").write_text("{not json")
-    (cache / "models" / f".{name}.tmp-killed").mkdir()
+    (cache / "models" / f".{name}.tmp-killed").mkdir(exist_ok=True)
     result = subprocess.run(
-        [sys.executable, str(script), "--size", "tiny", "--cache-dir", str(cache)],
+        [sys.executable, str(WARM_MODEL_SCRIPT), "--size", "tiny", "--cache-dir", str(cache)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -148,7 +188,7 @@ def _build_tiny_warm_model(script: Path, cache: Path) -> None:
 
 
 SLOWEST_FIRST = (
-    "test_recipes.py",  # first: its first test builds the tiny warm model while the next files run elsewhere
+    "test_recipes.py",  # first: the longest; its first test waits for the warm model's background build
     "test_soak.py",
     "test_loco_swarm.py",
     "test_bench_codec.py",
@@ -167,12 +207,30 @@ SLOWEST_FIRST = (
 )
 """Test files that take longest (``--durations``, 2 cores), about longest first. Under pytest-xdist with ``--dist
 loadfile --no-loadscope-reorder`` (scripts/test.sh) files go to the workers in collection order, so running these
-first keeps one long file from starting last and running alone (longest-processing-time-first scheduling). The files
-after the first need no warm model (:func:`tiny_warm_model`) until the first file's build is done, so no worker
-waits for it."""
+first keeps one long file from starting last and running alone (longest-processing-time-first scheduling). The warm
+model (:func:`tiny_warm_model`) builds in the background meanwhile; a file whose first test waits for it leaves its
+core to the build."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Put the files of :data:`SLOWEST_FIRST` first, in that order; every other file keeps its place after them."""
+    """Put the files of :data:`SLOWEST_FIRST` first, in that order; every other file keeps its place after them.
+    When a collected test needs the tiny warm model, its build starts now, in the background."""
     rank = {name: index for index, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: tests keep their order in a file
+    if any("tiny_warm_model" in getattr(item, "fixturenames", ()) for item in items):
+        _start_warm_model_build(config)
+
+
+def _build_in_background(root: Path) -> None:
+    """The background build (:func:`_start_warm_model_build`): under the shared lock, build unless done. A failed
+    build leaves no ``warm-model-path.txt``, so the first test that needs the model builds it again and reports
+    the failure."""
+    import filelock
+
+    with filelock.FileLock(str(root / "pulseloco-cache.lock"), timeout=900):
+        if not (root / "pulseloco-cache" / "warm-model-path.txt").exists():
+            _build_tiny_warm_model(root / "pulseloco-cache")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--build-tiny-warm-model"]:
+    _build_in_background(Path(sys.argv[2]))

@@ -40,7 +40,7 @@ def test_small_run_reports_every_codec(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--small", "--lrs", "1e-5", "--threads", "1,2", "--json", str(out)],
+        [sys.executable, str(SCRIPT), "--model", "tiny", "--lrs", "1e-5", "--threads", "1,2", "--json", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -33,9 +33,9 @@ RUN_TIMEOUT_S = 300.0
 class Run:
     """A process whose stdout and stderr go to a log file."""
 
-    def __init__(self, argv: Sequence[str], log: Path, cwd: Path) -> None:
+    def __init__(self, argv: Sequence[str], log: Path, cwd: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         with log.open("wb") as fh:
             self.proc = subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=env)
 
@@ -79,8 +79,8 @@ def bootstrap() -> Iterator[str]:
         dht.shutdown()
 
 
-def start(runs: list[Run], tmp_path: Path, name: str, argv: Sequence[str]) -> Run:
-    run = Run(argv, tmp_path / f"{name}.log", tmp_path)
+def start(runs: list[Run], tmp_path: Path, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Run:
+    run = Run(argv, tmp_path / f"{name}.log", tmp_path, env)
     runs.append(run)
     return run
 
@@ -165,7 +165,12 @@ def test_two_lines_make_a_users_trl_script_a_pulseloco_peer(
     script = tmp_path / "user_grpo.py"
     script.write_text(changed)
     launch = [*ACCELERATE, *SINGLE, str(script), str(tiny_warm_model)]
-    peers = [start(runs, tmp_path, f"user{i}", [*launch, str(tmp_path / f"u{i}"), str(i)]) for i in range(2)]
+    # As on a machine without vLLM (the script does not use it; TRL would import it, seconds of CPU per process)
+    path = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent / "assets" / "without_vllm"), os.environ.get("PYTHONPATH")])
+    )
+    env = {"PYTHONPATH": path}
+    peers = [start(runs, tmp_path, f"user{i}", [*launch, str(tmp_path / f"u{i}"), str(i)], env) for i in range(2)]
     for peer in peers:
         assert "pulseloco: peer_id=" in peer.wait()
     # One outer round after 8 steps: different seeds, different samples, the same consensus weights.
@@ -330,22 +335,23 @@ def test_rollout_worker_says_what_it_waits_for(runs: list[Run], tmp_path: Path, 
 
 
 def test_a_trainer_process_that_does_not_use_vllm_never_imports_it() -> None:
-    """TRL imports vLLM whenever it is installed (about 6 s of CPU per process); ``common.skip_vllm_import`` keeps
-    it out of a recipe process whose TRL ``use_vllm`` is off, and TRL's trainer (with the swarm's importance-sampling
-    path, ``swarm_rollouts``) still imports. Where vLLM is installed, the same import without the call loads it."""
+    """TRL imports vLLM whenever it is installed (about 6 s of CPU per process);
+    ``pulseloco.integrations.skip_vllm_import`` keeps it out of a recipe process whose TRL ``use_vllm`` is off, and
+    TRL's trainer (with the swarm's importance-sampling path, ``swarm_rollouts``) still imports. Where vLLM is
+    installed, the same import without the call loads it."""
     import importlib.util
 
     probe = (
-        "import sys; sys.path.insert(0, {recipes!r}); import common; {skip}"
+        "import sys; {skip}"
         "import trl.trainer.grpo_trainer, pulseloco.integrations.swarm_rollouts; "
         "print('vllm loaded' if sys.modules.get('vllm') is not None else 'vllm not loaded')"
     )
-    cases = {"common.skip_vllm_import(); ": "vllm not loaded"}
+    cases = {"from pulseloco.integrations import skip_vllm_import; skip_vllm_import(); ": "vllm not loaded"}
     if importlib.util.find_spec("vllm") is not None:
         cases[""] = "vllm loaded"
     for skip, expected in cases.items():
         result = subprocess.run(
-            [sys.executable, "-c", probe.format(recipes=str(RECIPES), skip=skip)],
+            [sys.executable, "-c", probe.format(skip=skip)],
             capture_output=True,
             text=True,
             timeout=120,

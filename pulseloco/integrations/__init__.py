@@ -5,7 +5,8 @@
 - :class:`PulseLoCoArguments`: the same options as one dataclass for ``TrlParser`` / ``HfArgumentParser``;
 - :mod:`~pulseloco.integrations.models`: loading pretrained checkpoints with one-line errors;
 - :mod:`~pulseloco.integrations.rollout`: rollout engines that PULSESync keeps current;
-- :class:`SwarmRollouts`: a TRL ``rollout_func`` whose completions come from the swarm's rollout workers.
+- :class:`SwarmRollouts`: a TRL ``rollout_func`` whose completions come from the swarm's rollout workers;
+- :func:`skip_vllm_import`: keep TRL from importing vLLM in a process that will not use it.
 
 Importing this package is cheap: the submodules (transformers, torch, hivemind) load on first use.
 """
@@ -13,6 +14,7 @@ Importing this package is cheap: the submodules (transformers, torch, hivemind) 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ __all__ = [
     "RolloutEngine",
     "SwarmRollouts",
     "TransformersEngine",
+    "skip_vllm_import",
 ]
 
 _LAZY = {
@@ -46,3 +49,16 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module 'pulseloco.integrations' has no attribute {name!r}")
+
+
+def skip_vllm_import() -> None:
+    """Keep TRL from importing vLLM in this process, which will not use it (call it before importing TRL, and only
+    in a process of its own: a script, not a library a caller imports).
+
+    TRL imports vLLM at import time whenever it is installed (``trl.import_utils.is_vllm_available``), about 6 s
+    of CPU per process on 2 cores, though a trainer that generates with its own model or takes its completions
+    from rollout workers never calls it. A ``None`` entry in ``sys.modules`` is Python's documented way to mark a
+    module as unavailable: ``importlib.util.find_spec`` then reports it missing and TRL skips it; an ``import
+    vllm`` later in the process raises ``ImportError``. Does nothing when vLLM is already imported; never raises."""
+    if sys.modules.get("vllm") is None:
+        sys.modules["vllm"] = None  # type: ignore[assignment]
