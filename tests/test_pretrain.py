@@ -1,8 +1,10 @@
 """recipes/pretrain.py through ``accelerate launch``: Hugging Face checkpoints in, Hugging Face checkpoints out.
 
 Runs a few ``--strategy ddp`` steps from the tiny warm model (one process, and two CPU processes with gloo),
-a from-scratch run of ``recipes/configs/pretrain-tiny.yaml`` and one from a ``--model_config``, and checks that
-bad configurations end with one line. Every launch uses an accelerate config file from
+``--strategy pulseloco`` in two processes, a from-scratch run of ``recipes/configs/pretrain-tiny.yaml`` and one
+from a ``--model_config``, and checks that bad configurations end with one line. The from-scratch, model-config
+and all but one bad-configuration runs call the recipe's entry point in this process (:func:`in_process`); the
+others are real launches. Every launch uses an accelerate config file from
 ``recipes/accelerate_configs/`` (which must keep accelerate from warning about defaults) and ``-q``, without
 which accelerate adds its own traceback when the script exits non-zero.
 """
@@ -14,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +47,43 @@ def launch(accelerate_config: Path, *args: str, output_dir: Path | None = None) 
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
         check=False,
     )
+
+
+def in_process(capfd: pytest.CaptureFixture[str], *args: str, output_dir: Path) -> subprocess.CompletedProcess[str]:
+    """The recipe's entry point in this process: what the script runs after the launcher
+    (``common.run_recipe(pretrain.main)``), without a process that spends its seconds importing torch and
+    transformers. The libraries' logging, warning filters and progress bars are restored afterwards."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    common, pretrain = _recipe_modules()
+    argv = ["--config", str(TINY), *args, "--output_dir", str(output_dir)]
+    bars_were_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    capfd.readouterr()
+    code: int | str | None = 0
+    try:
+        with warnings.catch_warnings():
+            common.run_recipe("pretrain.py", lambda: pretrain.main(argv))
+    except SystemExit as exc:
+        code = exc.code
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+    captured = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+
+
+def _recipe_modules() -> tuple[Any, Any]:
+    """recipes/common.py and recipes/pretrain.py as modules."""
+    sys.path.insert(0, str(RECIPES))
+    try:
+        import common
+        import pretrain
+    finally:
+        sys.path.remove(str(RECIPES))
+    return common, pretrain
 
 
 def assert_ok(result: subprocess.CompletedProcess[str]) -> None:
@@ -109,10 +149,11 @@ def test_two_processes_pulseloco_report_the_main_process_rounds(tmp_path: Path) 
         assert [value for _, value in series[f"train/pulseloco/{name}"]] == pytest.approx([r[name] for r in rounds])
 
 
-def test_from_scratch_with_the_tiny_config(tmp_path: Path) -> None:
-    """No model: one is built from the config's sizes with the byte-level tokenizer, and saved with it."""
+def test_from_scratch_with_the_tiny_config(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """No model: one is built from the config's sizes with the byte-level tokenizer, and saved with it (the
+    recipe in this process; the launches above run it under ``accelerate launch``)."""
     out = tmp_path / "out"
-    assert_ok(launch(SINGLE, *SMALL_DATA, output_dir=out))
+    assert_ok(in_process(capfd, *SMALL_DATA, output_dir=out))
     model, tokenizer = load(out)
     assert model.config.hidden_size == 64 and model.config.num_hidden_layers == 2
     assert tokenizer.decode(tokenizer("37+45=")["input_ids"]) == "37+45="
@@ -122,7 +163,7 @@ def test_from_scratch_with_the_tiny_config(tmp_path: Path) -> None:
     assert "train/loss" in scalars(out / "tensorboard")  # the config's report_to, in <output_dir>/tensorboard
 
 
-def test_from_a_model_config(tmp_path: Path) -> None:
+def test_from_a_model_config(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     from transformers import Qwen2Config
 
     Qwen2Config(
@@ -130,7 +171,7 @@ def test_from_a_model_config(tmp_path: Path) -> None:
         num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
     ).save_pretrained(tmp_path / "qwen")  # fmt: skip
     out = tmp_path / "out"
-    assert_ok(launch(SINGLE, "--model_config", str(tmp_path / "qwen" / "config.json"), *SMALL_DATA, output_dir=out))
+    assert_ok(in_process(capfd, "--model_config", str(tmp_path / "qwen" / "config.json"), *SMALL_DATA, output_dir=out))
     model, _ = load(out)
     assert model.config.model_type == "qwen2" and model.config.hidden_size == 32
 
@@ -170,28 +211,12 @@ def test_bad_configurations_are_one_line(tmp_path: Path, capfd: pytest.CaptureFi
     launched = launch(SINGLE, *args["unknown_flag"], output_dir=outs["unknown_flag"])
     assert launched.returncode != 0
     stderr = {"unknown_flag": launched.stderr}
-    sys.path.insert(0, str(RECIPES))
-    try:
-        import common
-        import pretrain
-    finally:
-        sys.path.remove(str(RECIPES))
-    from transformers.utils import logging as hf_logging
-
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    try:
-        for case in BAD_CONFIGURATIONS:
-            if case == "unknown_flag":
-                continue
-            argv = ["--config", str(TINY), *args[case], "--output_dir", str(outs[case])]
-            capfd.readouterr()
-            with pytest.raises(SystemExit) as exit_info:
-                common.run_recipe("pretrain.py", lambda argv=argv: pretrain.main(argv))
-            assert exit_info.value.code == common.EXIT_CONFIG_ERROR, case
-            stderr[case] = capfd.readouterr().err
-    finally:
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
+    common, _ = _recipe_modules()
+    for case in BAD_CONFIGURATIONS:
+        if case != "unknown_flag":
+            result = in_process(capfd, *args[case], output_dir=outs[case])
+            assert result.returncode == common.EXIT_CONFIG_ERROR, case
+            stderr[case] = result.stderr
     for case, expected in BAD_CONFIGURATIONS.items():
         lines = stderr[case].strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("pretrain.py: error: "), (case, stderr[case][-3000:])
