@@ -139,6 +139,7 @@ def test_two_processes_pulseloco_report_the_main_process_rounds(tmp_path: Path) 
 
     out = tmp_path / "out"
     swarm = ["--strategy", "pulseloco", "--inner_steps", "2", "--target_group_size", "1", "--linger", "0"]
+    swarm += ["--matchmaking_time", "1"]  # alone in its swarm: no one to wait for
     assert_ok(launch(MULTI_CPU, *SMALL_DATA, *swarm, output_dir=out))
     rounds = [json.loads(line) for line in (out / "pulseloco_rounds.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [0, 1, 2]  # written by rank 0 only

@@ -410,6 +410,8 @@ def test_publisher_over_its_upload_budget_serves_when_no_relay_appears(bootstrap
     pub = Publisher(pub_dht, run, key, tmp_path / "store", max_uploads_per_version=1)
     sub_dht = start_dht(peers)
     subs = [Subscriber(sub_dht, run, key.public_key(), relay=False, timeout=20) for _ in range(2)]
+    for sub in subs:
+        sub.source.relay_wait = 2.0  # type: ignore[attr-defined]  # SwarmSource's; 10 s by default, for real swarms
     try:
         trainer, expected = Trainer(), {}
         models = [tiny_model(seed=s, dtype=torch.bfloat16) for s in (1, 2)]
