@@ -188,28 +188,30 @@ def _build_tiny_warm_model(cache: Path) -> None:
 
 
 SLOWEST_FIRST = (
-    "test_recipes.py",  # first: the longest; its first test waits for the warm model's background build
-    "test_soak.py",
-    "test_loco_swarm.py",
-    "test_bench_codec.py",
-    "test_rollouts.py",
+    "test_loco_swarm.py",  # first: much of it waits on timers, which leaves CPU to the warm model's build
+    "test_soak.py",  # one test: its worker takes the next file (test_recipes.py) at once, to start after it
+    "test_recipes.py",  # the longest; by the time it starts the warm model is built
     "test_pretrain.py",
+    "test_rollouts.py",
     "test_compare.py",
     "test_sync_swarm.py",
     "test_vllm.py",
-    "test_bench_sync.py",
     "test_nat.py",
-    "test_sparsity_study.py",
-    "test_monitor.py",
+    "test_bench_sync.py",
     "test_sync_cli.py",
     "test_bench_memory.py",
+    "test_monitor.py",
+    "test_sparsity_study.py",
+    "test_integrations.py",
+    "test_status.py",
+    "test_bench_codec.py",
     "test_bench_verify.py",
 )
 """Test files that take longest (``--durations``, 2 cores), about longest first. Under pytest-xdist with ``--dist
-loadfile --no-loadscope-reorder`` (scripts/test.sh) files go to the workers in collection order, so running these
-first keeps one long file from starting last and running alone (longest-processing-time-first scheduling). The warm
-model (:func:`tiny_warm_model`) builds in the background meanwhile; a file whose first test waits for it leaves its
-core to the build."""
+loadfile --no-loadscope-reorder`` (scripts/test.sh) files go to the workers in this order (a worker takes the next
+file when at most two tests of its current one are left), so running these first keeps one long file from starting
+last and running alone (longest-processing-time-first scheduling). The warm model (:func:`tiny_warm_model`) builds
+in the background meanwhile: the first two files do not need it, so no worker waits for the build."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
