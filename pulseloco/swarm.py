@@ -330,19 +330,48 @@ def make_dht(config: SwarmConfig) -> hivemind.DHT:
     return dht
 
 
+BOOTSTRAP_ATTEMPTS = 3
+"""Daemon starts :func:`make_dht` tries when no initial peer answers (p2pd gives up on its initial peers after
+10 s: a loaded machine or a passing network fault can miss that once), while within ``startup_timeout``. A start
+that never connected holds no relay reservation, so trying again costs the relays nothing."""
+_BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"  # p2pd's message, in hivemind's P2PDaemonError
+
+
 def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwargs: dict) -> hivemind.DHT:
-    """One ``hivemind.DHT`` start; raises :class:`ConfigError` with a hint when it fails."""
-    try:
-        return hivemind.DHT(
-            initial_peers=config.initial_peers or None, start=True, record_validators=validators, **kwargs
-        )
-    except Exception as exc:  # hivemind surfaces daemon and bootstrap failures as assorted exceptions
-        hint = (
-            "check that --initial-peers is the exact multiaddr printed by the bootstrap node and that it is reachable"
-            if config.initial_peers
-            else "check --host-maddrs (address in use? not a local address?)"
-        )
-        raise ConfigError(f"could not join the swarm: {exc}; {hint}") from None
+    """Start a ``hivemind.DHT``; raises :class:`ConfigError` with a hint when it fails.
+
+    When the daemon connects to none of the initial peers it is started again, up to :data:`BOOTSTRAP_ATTEMPTS`
+    times in all and while ``config.startup_timeout`` s have not passed since the first try, with a warning each
+    time; any other failure is raised at once."""
+    started = time.monotonic()
+    for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+        try:
+            return hivemind.DHT(
+                initial_peers=config.initial_peers or None, start=True, record_validators=validators, **kwargs
+            )
+        except Exception as exc:  # hivemind surfaces daemon and bootstrap failures as assorted exceptions
+            again = (
+                _BOOTSTRAP_FAILED in str(exc)
+                and attempt < BOOTSTRAP_ATTEMPTS
+                and time.monotonic() - started + attempt < config.startup_timeout
+            )
+            if again:
+                logger.warning(
+                    "no initial peer answered (attempt %d of %d); starting the daemon again in %d s",
+                    attempt,
+                    BOOTSTRAP_ATTEMPTS,
+                    attempt,
+                )
+                time.sleep(attempt)
+                continue
+            hint = (
+                "check that --initial-peers is the exact multiaddr printed by the bootstrap node and that it is "
+                "reachable"
+                if config.initial_peers
+                else "check --host-maddrs (address in use? not a local address?)"
+            )
+            raise ConfigError(f"could not join the swarm: {exc}; {hint}") from None
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _wait_for_relay_address(dht: hivemind.DHT, config: SwarmConfig) -> list[str]:

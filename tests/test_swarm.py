@@ -37,6 +37,57 @@ def test_unreachable_bootstrap_is_one_clear_error() -> None:
     assert time.monotonic() - started < 30
 
 
+def test_a_bootstrap_that_answers_late_is_joined_by_starting_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """p2pd gives up when no initial peer answers; make_dht starts the daemon again (with a warning) while within
+    startup_timeout. Here the bootstrap (same identity and port as before) comes back only once the first attempt
+    has failed, as after a passing network fault or on a machine too loaded for p2pd's 10 s."""
+    import logging
+    import threading
+
+    import pulseloco.swarm as swarm
+
+    identity = str(tmp_path / "bootstrap.id")
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=identity, start=True)
+    maddr = str(first.get_visible_maddrs()[0])
+    first.shutdown()
+    monkeypatch.setattr(swarm, "BOOTSTRAP_ATTEMPTS", 6)  # pauses of 1..5 s: room for a slow bootstrap start
+    failed_once = threading.Event()
+
+    class OnRetry(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "no initial peer answered" in record.getMessage():
+                failed_once.set()
+
+    handler = OnRetry()
+    logging.getLogger("pulseloco.swarm").addHandler(handler)
+    came_back: list[hivemind.DHT] = []
+
+    def come_back() -> None:
+        if failed_once.wait(timeout=60):
+            came_back.append(hivemind.DHT(host_maddrs=[maddr.split("/p2p/")[0]], identity_path=identity, start=True))
+
+    thread = threading.Thread(target=come_back, daemon=True)
+    thread.start()
+    dht = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="pulseloco.swarm"):
+            dht = make_dht(SwarmConfig(initial_peers=[maddr], startup_timeout=45))
+        assert failed_once.is_set() and "attempt 1 of 6" in caplog.text
+        thread.join(timeout=60)
+        assert dht.store("late", b"joined", get_dht_time() + 30)
+        found = came_back[0].get("late", latest=True)
+        assert found is not None and found.value == b"joined"
+    finally:
+        logging.getLogger("pulseloco.swarm").removeHandler(handler)
+        failed_once.set()
+        thread.join(timeout=60)
+        for node in [dht, *came_back]:
+            if node is not None:
+                node.shutdown()
+
+
 def test_swarm_key_files(tmp_path: Path) -> None:
     path = new_swarm_key(tmp_path / "swarm.key")
     assert os.stat(path).st_mode & 0o777 == 0o600
