@@ -626,7 +626,9 @@ def test_only_stale_workers_end_the_batch(swarm: Swarm) -> None:
         ("garbage", "message header is not JSON"),
     ],
 )
-def test_a_rogue_worker_is_refused_and_the_honest_one_completes_the_batch(swarm: Swarm, mode: str, reason: str) -> None:
+def test_a_rogue_worker_is_refused_and_the_honest_one_completes_the_batch(
+    swarm: Swarm, mode: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """B answers on the real handler with a reply that fails a check: each reply is refused (never raised), after
     max_refusals B is refused for the run with the reason, and A generates every group. (A rogue that claims
     another version claims v + 1000.)"""
@@ -641,7 +643,11 @@ def test_a_rogue_worker_is_refused_and_the_honest_one_completes_the_batch(swarm:
         assert swarm.peer_ids["B"] not in client.workers(max_age=0)  # no more leases for it
     rogue = swarm.peer_ids["B"]
     assert list(stats.refusals) == [rogue] and reason in stats.refusals[rogue], stats.refusals
-    assert stats.refused >= 2 and stats.failed == 0
+    assert stats.refused >= 2
+    # The rogue's replies are refused, never failed; a lease of A may fail in transport on a loaded machine (the
+    # client leases it again: "the stream ended without a header" was seen so in a fresh-clone run).
+    failures = [r for r in caplog.records if r.name == "pulseloco.rollouts.client" and r.msg.startswith("lease failed")]
+    assert stats.failed == len(failures) and all(r.args[0] != rogue for r in failures), caplog.text  # type: ignore[index]
     assert rogue not in stats.by_worker
     assert len(results) == 8
     assert {(r.version, r.digest, r.worker) for r in results} == {
