@@ -173,7 +173,8 @@ def _build_tiny_warm_model(cache: Path) -> None:
     (cache / "models" / name / "config.json").write_text("{not json")
     (cache / "models" / f".{name}.tmp-killed").mkdir(exist_ok=True)
     result = subprocess.run(
-        [sys.executable, str(WARM_MODEL_SCRIPT), "--size", "tiny", "--cache-dir", str(cache)],
+        # One thread: the build runs beside the tests, where a second thread only spins (44 CPU-s instead of 57).
+        [sys.executable, str(WARM_MODEL_SCRIPT), "--size", "tiny", "--cache-dir", str(cache), "--threads", "1"],
         capture_output=True,
         text=True,
         timeout=600,
