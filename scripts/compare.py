@@ -10,7 +10,9 @@ post-training of a warm model; reward against bytes sent, wall time, density per
     .venv/bin/python scripts/compare.py -- --beta 0.04        # after --: to every recipe run
 
 Run it with the project's Python (``.venv/bin/python``, made by ``scripts/demo.sh`` or ``scripts/test.sh``): it
-starts ``accelerate`` and ``pulseloco`` from beside ``sys.executable``, and says so in one line if they are not there.
+starts the ``pulseloco`` command from beside ``sys.executable`` (and says so in one line if it is not there), and
+accelerate's launcher as ``python -m accelerate.commands.launch``: the code ``accelerate launch`` runs, without the
+console script's import of accelerate's other subcommands (4 CPU-s per launch).
 
 **What runs.** For every learning rate of ``--lrs`` (``--learning_rate`` of the inner AdamW; default 5e-5, the
 lowest at which DiLoCo clearly learns on the demo warm model within the run: 4 workers, 160 steps, greedy reward
@@ -143,7 +145,7 @@ DDP_PORT = 29517
 """Rendezvous port of ddp across network namespaces (``--bandwidth``); on one machine accelerate picks a free one."""
 REQUIRED_MODULES = ("torch", "transformers", "trl", "accelerate", "hivemind", "matplotlib", "yaml", "pulseloco")
 """What the recipe runs and the plots import; checked (without importing) before anything starts."""
-REQUIRED_COMMANDS = ("accelerate", "pulseloco")
+REQUIRED_COMMANDS = ("pulseloco",)
 """Executables started from beside ``sys.executable``."""
 SETUP_HINT = "run scripts/demo.sh or scripts/test.sh once to create .venv, then use .venv/bin/python scripts/compare.py"
 
@@ -154,7 +156,7 @@ def log(msg: str) -> None:
 
 def environment_problem(python: str | None = None) -> str | None:
     """Why this Python cannot run the comparison (``None``: it can): modules of the project's dependencies that it
-    cannot import, or the ``accelerate`` / ``pulseloco`` commands missing beside it. Nothing is imported."""
+    cannot import, or the ``pulseloco`` command missing beside it. Nothing is imported."""
     python = python if python is not None else sys.executable
     if not python:
         return "the Python running compare.py has no known executable path"
@@ -338,7 +340,7 @@ def start_run(
     runner: Runner, args: argparse.Namespace, plan: Plan, bootstrap: str | None, extra: list[str], key: Path | None
 ) -> StrategyRun:
     """Start the processes of one run; peer 0 of a swarm strategy publishes with ``key`` (PULSESync) if given."""
-    accelerate = [str(Path(sys.executable).parent / "accelerate"), "launch"]
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]  # `accelerate launch` (module docstring)
     run = StrategyRun(plan)
     out = runner.runs_dir / plan.tag / plan.strategy
     w = args.workers

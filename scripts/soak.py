@@ -33,7 +33,7 @@ disagreements, leaked processes, sync mismatches) and, with ``--json``, writes i
 passed, 1 otherwise.
 
     .venv/bin/python scripts/soak.py                                  # 6 peers, 50 rounds (about 10 minutes)
-    .venv/bin/python scripts/soak.py --peers 4 --rounds 12 --json s.json  # the short version the tests run
+    .venv/bin/python scripts/soak.py --peers 4 --rounds 8 --json s.json   # the short version the tests run
 """
 
 from __future__ import annotations

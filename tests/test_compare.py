@@ -250,8 +250,8 @@ def test_python_without_the_dependencies_gets_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_python_without_accelerate_beside_it_gets_one_line(tmp_path: Path) -> None:
-    """A virtual environment with the packages but no `accelerate` command beside its python: this venv's
+def test_python_without_the_pulseloco_command_beside_it_gets_one_line(tmp_path: Path) -> None:
+    """A virtual environment with the packages but no `pulseloco` command beside its python: this venv's
     pyvenv.cfg and lib/ behind a bin/ that holds only the interpreter."""
     cfg = Path(sys.prefix) / "pyvenv.cfg"
     if not cfg.exists() or not (Path(sys.prefix) / "lib").is_dir():
@@ -270,4 +270,4 @@ def test_python_without_accelerate_beside_it_gets_one_line(tmp_path: Path) -> No
     tmp.mkdir()
     proc = run_compare([str(python), str(SCRIPT), "--out", str(out)], timeout=50, env=dict(os.environ, TMPDIR=str(tmp)))
     line = assert_one_line_refusal(proc, tmp, out)
-    assert "no accelerate or pulseloco command" in line and "no module" not in line
+    assert "no pulseloco command" in line and "no module" not in line

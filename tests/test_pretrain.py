@@ -27,14 +27,14 @@ PRETRAIN = RECIPES / "pretrain.py"
 TINY = RECIPES / "configs" / "pretrain-tiny.yaml"
 SINGLE = RECIPES / "accelerate_configs" / "single_process.yaml"
 MULTI_CPU = RECIPES / "accelerate_configs" / "multi_process_cpu.yaml"
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]  # `accelerate launch`, as in test_recipes.py
 RUN_TIMEOUT_S = 240.0
 """Upper bound for one launch (they take 10-30 s on an idle two-core machine)."""
 SMALL_DATA = ["--max_bytes", "200000", "--max_steps", "6", "--logging_steps", "2"]
 
 
 def launch(accelerate_config: Path, *args: str, output_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
-    argv = [ACCELERATE, "launch", "-q", "--config_file", str(accelerate_config), str(PRETRAIN), "--config", str(TINY)]
+    argv = [*ACCELERATE, "-q", "--config_file", str(accelerate_config), str(PRETRAIN), "--config", str(TINY)]
     argv += list(args)
     if output_dir is not None:
         argv += ["--output_dir", str(output_dir)]

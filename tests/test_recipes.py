@@ -23,7 +23,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 CONFIGS = RECIPES / "configs"
-ACCELERATE = [str(Path(sys.executable).parent / "accelerate"), "launch"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+"""accelerate's launcher: the module ``accelerate launch`` runs, without the console script's import of its other
+subcommands (``estimate-memory`` imports transformers' auto classes: 4 CPU-s a launch). One test below runs the
+console script itself, as a user types it."""
+ACCELERATE_CLI = [str(Path(sys.executable).parent / "accelerate"), "launch"]
 SINGLE = ["--config_file", str(RECIPES / "accelerate_configs" / "single_process.yaml")]
 TWO_CPU = ["--config_file", str(RECIPES / "accelerate_configs" / "multi_process_cpu.yaml")]
 RUN_TIMEOUT_S = 300.0
@@ -275,7 +279,7 @@ def test_bad_configurations_end_with_one_line(runs: list[Run], tmp_path: Path, t
     started = [(start(runs, tmp_path, "bad", argv), "unknown strategy 'allreduce' (choose from ddp, diloco, pulseloco")]
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEJcUXx5K5pDjNoaNVZk4W8oFYp9ZdxPPB6ZAWWv1xZKw"
     argv = grpo(tiny_warm_model, tmp_path / "unreachable", "--initial_peers", unreachable, "--startup_timeout", "10")
-    argv.insert(len(ACCELERATE), "-q")
+    argv[: len(ACCELERATE)] = [*ACCELERATE_CLI, "-q"]
     started.append((start(runs, tmp_path, "unreachable", argv), "could not join the swarm"))
     for run, expected in started:
         try:
