@@ -439,12 +439,12 @@ class Soak:
             self._make_procs(maddrs)
             events = schedule(args.peers, args.rounds, args.averaging_timeout)
             late = {e.target for e in events if e.action == "start"}
-            self._wait_for_first_version()
-            for name in ("sub0", "sub1"):
-                self.start(self.procs[name])
+            # Everything starts at once: the subscribers wait for the publisher's first version, the peers for
+            # each other (startup is the slowest part of a short run on a loaded machine).
             for name, proc in self.procs.items():
-                if name.startswith("peer") and name not in late:
+                if name != "pub" and name not in late:
                     self.start(proc)
+            self._wait_for_first_version()
             self._drive(events)
             self.status = self._swarm_status(bootstrap)
         finally:
@@ -490,7 +490,8 @@ class Soak:
         subprocess.run(
             [sys.executable, "-m", "pulseloco", "keygen", "--out", str(key)], check=True, capture_output=True
         )
-        self.procs["pub"] = Proc("pub", [*me, "publisher", *common, "--key", str(key)])
+        interval = ["--interval", str(args.publish_interval)]
+        self.procs["pub"] = Proc("pub", [*me, "publisher", *common, "--key", str(key), *interval])
         for i in range(2):
             follow = [sys.executable, "-m", "pulseloco", "sync", "follow", "--run-id", "soak.policy"]
             follow += ["--public-key", f"{key}.pub", "--out", str(self.out / f"sub{i}"), "--interval", "0.5"]
@@ -852,6 +853,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matchmaking-time", type=float, default=4.0)
     parser.add_argument("--averaging-timeout", type=float, default=8.0)
     parser.add_argument("--request-timeout", type=float, default=3.0)
+    parser.add_argument("--publish-interval", type=float, default=1.0, help="seconds between PULSESync versions")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds the whole run may take")
     parser.add_argument("--out", default=None, help="directory for the ledger and logs (default: a temporary one)")
     parser.add_argument("--json", default=None, help="write the summary here")
@@ -864,6 +866,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.peers < 4:
         parser.error("--peers must be at least 4 (two servers, a client, a poisoner)")
+    if not args.publish_interval > 0:
+        parser.error(f"--publish-interval must be positive, got {args.publish_interval}")
     if args.client_peers is None:
         args.client_peers = min(2, args.peers - 3)
     if not 1 <= args.client_peers <= args.peers - 3:

@@ -14,7 +14,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_short_churn_soak_counts_every_contribution_once(tmp_path: Path) -> None:
     out, summary_path = tmp_path / "soak", tmp_path / "summary.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "soak.py"), "--peers", "4", "--rounds", "8"]
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "soak.py"),
+        "--peers",
+        "4",
+        "--rounds",
+        "8",
+        "--publish-interval",
+        "2",
+    ]
     cmd += ["--out", str(out), "--json", str(summary_path), "--timeout", "240"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=330, check=False)
     assert summary_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
