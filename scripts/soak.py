@@ -313,17 +313,24 @@ def schedule(peers: int, rounds: int, averaging_timeout: float) -> list[Event]:
         return max(1, round(rounds * fraction))
 
     late = peers - 3 if peers >= 5 else None
-    # A short run restarts the killed peer at once and stalls peer0 for long (with 4 peers, peer2 is the client
-    # and peer3 the poisoner): a restart a round later, on a loaded machine, can come up after the last round, and
-    # then neither it nor an event aimed at it happens (a fresh-clone CI run timed out so, with 10 rounds).
-    short = rounds < 30
+    long_target = "peer2" if peers >= 5 else "peer0"  # with 4 peers, peer2 is the client and peer3 the poisoner
+    short_stall = Event(at(0.32), f"stall:{averaging_timeout * 0.6:.1f}", "peer0")
+    long_stall = Event(at(0.56), f"stall:{averaging_timeout * 2.5:.1f}", long_target)
+    if rounds < 30:
+        # A short run restarts the killed peer at once: a restart a round later, on a loaded machine, can come up
+        # after the last round, and then neither it nor an event aimed at it happens (a fresh-clone CI run timed
+        # out so, with 10 rounds). Its stalls come early, the long one for 1.5 averaging timeouts: a stalled peer
+        # that resumes after the others finished spends the run's last 25 s alone (and a stall aimed at it then
+        # never happens).
+        short_stall = Event(at(0.2), f"stall:{averaging_timeout * 0.6:.1f}", "peer0")
+        long_stall = Event(at(0.4), f"stall:{averaging_timeout * 1.5:.1f}", long_target)
     events = [
         Event(at(0.16), "kill_after_push", "peer1"),
-        Event(at(0.16 if short else 0.26), "restart", "peer1"),
-        Event(at(0.32), f"stall:{averaging_timeout * 0.6:.1f}", "peer0"),
+        Event(at(0.16 if rounds < 30 else 0.26), "restart", "peer1"),
+        short_stall,
         Event(at(0.3), "kill", "sub1"),
         Event(at(0.5), "restart", "sub1"),
-        Event(at(0.56), f"stall:{averaging_timeout * 2.5:.1f}", "peer2" if peers >= 5 else "peer0"),
+        long_stall,
     ]
     if late is not None:
         events.append(Event(at(0.1), "start", f"peer{late}"))
@@ -523,7 +530,11 @@ class Soak:
                     proc.stalled_until = None
             finished = {r["name"] for r in self.peer_records() if r["final"]}
             running = [p for p in peers if p.popen is not None]
-            if all(f"{p.name}.{p.incarnation}" in finished for p in running) and all(e.done for e in events):
+            if all(f"{p.name}.{p.incarnation}" in finished for p in running):
+                # An event still waiting cannot happen any more (a stall waits for its peer to push in a round)
+                missed = [f"{e.action} {e.target} (round {e.round})" for e in events if not e.done]
+                if missed:
+                    self.notes.append(f"every peer finished before: {', '.join(missed)}")
                 return
             for proc in running:
                 if proc.popen is not None and proc.popen.poll() is not None:
