@@ -51,6 +51,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
+import psutil
 from bench_models import MODEL_CONFIGS, build_model, state_shapes  # scripts/ is on sys.path when run as a script
 from netns import NetNS, rate_label
 
@@ -342,17 +343,6 @@ def subscriber_worker(spec: WorkerSpec) -> None:
 GB = 1e9
 MEMORY_MARGIN = 2 * GB
 """Memory left for everything else on the machine when deciding whether a case fits."""
-
-
-def mem_available() -> float | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is no /proc)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def estimate_memory(
@@ -1135,7 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
                         warmup_batch=args.warmup_batch,
                         relay_max_bytes=None if args.relay_max_mb is None else args.relay_max_mb * 1e6,
                     )
-                    available = mem_available()
+                    available = psutil.virtual_memory().available
                     if not args.no_memory_check and available is not None and need > available - MEMORY_MARGIN:
                         reason = (
                             f"needs about {need / GB:.1f} GB, {available / GB:.1f} GB available and "

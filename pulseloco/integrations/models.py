@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from pulseloco.errors import ConfigError
@@ -41,17 +42,15 @@ def _looks_local(name: str) -> bool:
 
 
 def available_memory_bytes(device: torch.device | str = "cpu") -> int | None:
-    """Free memory of ``device`` (CUDA: free device memory; CPU: ``MemAvailable``), ``None`` if unknown."""
+    """Free memory of ``device`` (CUDA: free device memory; CPU: psutil's ``available``, the kernel's
+    ``MemAvailable`` on Linux), ``None`` if the platform does not tell."""
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, NotImplementedError):
+        return None
 
 
 def _load_config(model_name_or_path: str) -> Any:
