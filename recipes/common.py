@@ -67,7 +67,10 @@ def check_output_dir(output_dir: str, resume_from_checkpoint: Any) -> None:
     path = Path(output_dir)
     if resume_from_checkpoint or not path.is_dir():
         return
-    used = sorted(p.name for p in path.iterdir() if p.name.startswith("checkpoint-") or p.suffix in (".jsonl", ".json"))
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    used = sorted(p.name for p in path.iterdir() if p.name.startswith(prefix) or p.suffix in (".jsonl", ".json"))
     if used:
         raise ConfigError(
             f"output_dir {output_dir} already holds a run ({', '.join(used[:3])}); continue it with "

@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pulseloco.errors import ConfigError, PulseLocoError
 from pulseloco.loco.optimizer import PulseLoCo, _distributed
@@ -423,7 +424,7 @@ class PulseLoCoCallback(_LogsContributor):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.loco is None or not state.is_world_process_zero:
             return
-        directory = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
+        directory = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if not directory.is_dir():
             logger.warning("no checkpoint directory %s to save PulseLoCo's state into", directory)
             return
@@ -478,7 +479,7 @@ class PulseLoCoCallback(_LogsContributor):
         if isinstance(resumed, str) and Path(resumed).is_dir():
             directory = Path(resumed)
         else:
-            directory = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
+            directory = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         path = directory / STATE_FILE
         if not path.is_file():
             raise ConfigError(
