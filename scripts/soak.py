@@ -314,27 +314,23 @@ def schedule(peers: int, rounds: int, averaging_timeout: float) -> list[Event]:
 
     late = peers - 3 if peers >= 5 else None
     long_target = "peer2" if peers >= 5 else "peer0"  # with 4 peers, peer2 is the client and peer3 the poisoner
-    short_stall = Event(at(0.32), f"stall:{averaging_timeout * 0.6:.1f}", "peer0")
-    long_stall = Event(at(0.56), f"stall:{averaging_timeout * 2.5:.1f}", long_target)
-    if rounds < 30:
-        # A short run restarts the killed peer at once: a restart a round later, on a loaded machine, can come up
-        # after the last round, and then neither it nor an event aimed at it happens (a fresh-clone CI run timed
-        # out so, with 10 rounds). Its stalls come early, the long one for 1.5 averaging timeouts: a stalled peer
-        # that resumes after the others finished spends the run's last 25 s alone (and a stall aimed at it then
-        # never happens).
-        short_stall = Event(at(0.2), f"stall:{averaging_timeout * 0.6:.1f}", "peer0")
-        long_stall = Event(at(0.4), f"stall:{averaging_timeout * 1.5:.1f}", long_target)
+    # A short run restarts the killed peer at once: a restart a round later, on a loaded machine, can come up after
+    # the last round, and then neither it nor an event aimed at it happens (a fresh-clone CI run timed out so, with
+    # 10 rounds). Its stalls come early, the long one for 1.5 averaging timeouts: a stalled peer that resumes after
+    # the others finished spends the run's last 25 s alone (and a stall aimed at it then never happens).
+    short = rounds < 30
+    restart, short_at, long_at, long_factor = (0.16, 0.2, 0.4, 1.5) if short else (0.26, 0.32, 0.56, 2.5)
     events = [
         Event(at(0.16), "kill_after_push", "peer1"),
-        Event(at(0.16 if rounds < 30 else 0.26), "restart", "peer1"),
-        short_stall,
+        Event(at(restart), "restart", "peer1"),
+        Event(at(short_at), f"stall:{averaging_timeout * 0.6:.1f}", "peer0"),
         Event(at(0.3), "kill", "sub1"),
         Event(at(0.5), "restart", "sub1"),
-        long_stall,
+        Event(at(long_at), f"stall:{averaging_timeout * long_factor:.1f}", long_target),
     ]
     if late is not None:
         events.append(Event(at(0.1), "start", f"peer{late}"))
-    if rounds >= 30:
+    if not short:
         events += [
             Event(at(0.4), "kill", "peer0"),
             Event(at(0.46), "restart", "peer0"),
@@ -362,6 +358,8 @@ class Soak:
     procs: dict[str, Proc] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     notes: list[str] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)
+    """Events of the schedule that could not happen (every peer had finished first)."""
     groups: set[int] = field(default_factory=set)
     status: dict[str, Any] = field(default_factory=dict)
 
@@ -532,9 +530,9 @@ class Soak:
             running = [p for p in peers if p.popen is not None]
             if all(f"{p.name}.{p.incarnation}" in finished for p in running):
                 # An event still waiting cannot happen any more (a stall waits for its peer to push in a round)
-                missed = [f"{e.action} {e.target} (round {e.round})" for e in events if not e.done]
-                if missed:
-                    self.notes.append(f"every peer finished before: {', '.join(missed)}")
+                self.missed = [f"{e.action} {e.target} (round {e.round})" for e in events if not e.done]
+                if self.missed:
+                    self.notes.append(f"every peer finished before: {', '.join(self.missed)}")
                 return
             for proc in running:
                 if proc.popen is not None and proc.popen.poll() is not None:
@@ -659,6 +657,7 @@ class Soak:
             "status_head_verified": (self.status.get("head") or {}).get("verified"),
             "seconds": round(time.time() - self.started, 1),
             "events": self.notes,
+            "missed_events": self.missed,
         }
         summary["ok"] = bool(
             summary["rounds"] >= self.args.rounds
@@ -672,6 +671,7 @@ class Soak:
             and sync["behind"] == 0
             and self.status.get("exit_code") in (0, 1)
             and summary["status_head_verified"] is True
+            and not self.missed
         )
         return summary
 

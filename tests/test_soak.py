@@ -37,5 +37,6 @@ def test_short_churn_soak_counts_every_contribution_once(tmp_path: Path) -> None
     assert summary["leaked_processes"] == 0, context
     assert summary["rejected_contributions"] > 0, context  # the poisoned payloads were seen and refused
     assert summary["sync_versions"] > 0 and summary["sync_mismatches"] == 0 and summary["sync_behind"] == 0, context
+    assert summary["missed_events"] == [], context  # every event of the schedule happened
     assert any("kill peer1" in e for e in summary["events"]) and any("stall" in e for e in summary["events"])
     assert proc.returncode == 0, context
