@@ -16,12 +16,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pulseloco import __version__
-from pulseloco.errors import ConfigError, PatchError, PulseLocoError
+from pulseloco.errors import ConfigError, PulseLocoError
 
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 """Exit code for command-line usage errors (argparse's convention)."""
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set on SIGINT or SIGTERM, for a long-running command's loop to end cleanly (it replaces the
+    handlers of both signals; call it from the main thread)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -117,9 +126,7 @@ def _cmd_dht(args: argparse.Namespace) -> int:
         f"--initial_peers {maddrs[0] if maddrs else 'MADDR'}{key_flag}",
         flush=True,
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         while not stop.wait(1.0):
             pass
@@ -185,9 +192,7 @@ def _cmd_sync_serve(args: argparse.Namespace) -> int:
     for maddr in dht.get_visible_maddrs():
         print(f"serving run={args.run_id} at {maddr}", flush=True)
     print(f"version={publisher.version} digest={publisher.digest}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         while not stop.wait(args.poll):
             if publisher.refresh():
@@ -215,7 +220,7 @@ def _add_sync_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def _cmd_sync_follow(args: argparse.Namespace) -> int:
     """Follow a run and print one line per version."""
     from pulseloco.sync.signing import load_public_key
-    from pulseloco.sync.subscriber import Subscriber
+    from pulseloco.sync.subscriber import Subscriber, UpdateReport
 
     key = load_public_key(args.public_key)
     if not args.initial_peers:
@@ -227,27 +232,18 @@ def _cmd_sync_follow(args: argparse.Namespace) -> int:
         restored = subscriber.restore(state)
         if restored is not None:
             print(f"restored version={restored} digest={subscriber.digest} from {args.out}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     print("version changed bytes seconds digest lag path", flush=True)
+
+    def print_report(report: UpdateReport) -> None:
+        print(
+            f"{report.version} {report.num_changed} {report.bytes_received} {report.seconds:.3f} "
+            f"{report.digest} {report.lag} {report.path}",
+            flush=True,
+        )
+
     try:
-        while not stop.is_set():
-            try:
-                report = subscriber.update_report(state)
-            except PatchError as exc:
-                logger.warning("update failed: %s", exc)
-                report = None
-            if report is not None:
-                print(
-                    f"{report.version} {report.num_changed} {report.bytes_received} {report.seconds:.3f} "
-                    f"{report.digest} {report.lag} {report.path}",
-                    flush=True,
-                )
-            # also when already there (restored from --out at or past it): then there is no report
-            if args.until_version is not None and (subscriber.version or 0) >= args.until_version:
-                break
-            stop.wait(args.interval)
+        subscriber.run(state, print_report, interval=args.interval, stop=stop, until_version=args.until_version)
     finally:
         subscriber.close()
         dht.shutdown()
@@ -335,9 +331,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"pulseloco: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         tracker = AccelerateTracker(report_to, args.logging_dir, args.run_id) if report_to else None
         run_monitor(

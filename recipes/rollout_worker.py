@@ -29,9 +29,7 @@ not score the versions itself. ``--full_checkpoints`` fetches a full BF16 copy o
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,11 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         raise common.ConfigError("--initial_peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
     swarm_config = swarm.swarm_config()
 
-    from pulseloco.errors import PatchError
+    from pulseloco.cli import stop_on_signals
     from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
     from pulseloco.swarm import make_dht
     from pulseloco.sync.signing import load_public_key
-    from pulseloco.sync.subscriber import Subscriber
+    from pulseloco.sync.subscriber import Subscriber, UpdateReport
 
     public_key = load_public_key(args.public_key)
     engine: RolloutEngine
@@ -170,77 +168,77 @@ def main(argv: list[str] | None = None) -> None:
     problems = tasks.eval_problems(
         tasks.spec_for_model(args.model_name_or_path, args.task, args.max_operand), args.num_prompts
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     started = time.monotonic()
-    deadline = started + args.max_seconds if args.max_seconds else None
     warned = False
+
+    def on_update(report: UpdateReport) -> None:
+        loaded = time.perf_counter()
+        engine.weights_updated(report.changed, version=report.version)
+        seconds_load = time.perf_counter() - loaded
+        if server is not None:
+            server.weights_loaded(report.version, report.digest)
+        seconds_to_serve = time.time() - report.published if report.published else None
+        full_reload = vllm_engine.reload_all() if vllm_engine and args.compare_full_reload else None
+        reward = None
+        if server is None:  # a serving worker spends its time on the trainers' leases
+            with subscriber.lock:
+                completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
+            reward = tasks.score(completions, problems)
+        record = {
+            "version": report.version,
+            "reward": reward,
+            "digest": report.digest,
+            "num_changed": report.num_changed,
+            "bytes_received": report.bytes_received,
+            "seconds_update": round(report.seconds, 4),
+            "seconds_load": round(seconds_load, 4),
+            "seconds_to_serve": round(seconds_to_serve, 4) if seconds_to_serve is not None else None,
+            "seconds_full_reload": round(full_reload, 4) if full_reload is not None else None,
+            "engine": args.engine,
+            "path": report.path,
+            "time": round(time.time(), 3),
+        }
+        if server is not None:
+            record.update(leases_served=server.num_served, tokens_per_s=round(server.tokens_per_s, 2))
+        with log.open("a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
+        scored = f" reward={reward:.3f}" if reward is not None else f" leases_served={server.num_served}"
+        print(
+            f"rollout: version={report.version}{scored} digest={report.digest} "
+            f"changed={report.num_changed} bytes={report.bytes_received} path={report.path} "
+            f"load={seconds_load:.3f}s{serve}",
+            flush=True,
+        )
+
+    def on_idle() -> None:
+        nonlocal warned
+        if subscriber.version is None and not warned and time.monotonic() - started > args.wait_warning:
+            warned = True
+            print(
+                f"rollout: no version of run_id={swarm.policy_run_id} after {args.wait_warning:.0f} s; a trainer "
+                f"must run with --publish and --run_id {swarm.run_id} in the swarm of --initial_peers",
+                flush=True,
+            )
+
     print(f"rollout: following run_id={swarm.policy_run_id} engine={args.engine}", flush=True)
     try:
-        while not stop.is_set():
-            try:
-                report = subscriber.update_report(engine.weights())
-            except PatchError as exc:  # keeps the last complete version; the next check retries
-                print(f"rollout: update failed, retrying: {exc}", flush=True)
-                report = None
-            if report is not None:
-                loaded = time.perf_counter()
-                engine.weights_updated(report.changed, version=report.version)
-                seconds_load = time.perf_counter() - loaded
-                if server is not None:
-                    server.weights_loaded(report.version, report.digest)
-                seconds_to_serve = time.time() - report.published if report.published else None
-                full_reload = vllm_engine.reload_all() if vllm_engine and args.compare_full_reload else None
-                reward = None
-                if server is None:  # a serving worker spends its time on the trainers' leases
-                    with subscriber.lock:
-                        completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
-                    reward = tasks.score(completions, problems)
-                record = {
-                    "version": report.version,
-                    "reward": reward,
-                    "digest": report.digest,
-                    "num_changed": report.num_changed,
-                    "bytes_received": report.bytes_received,
-                    "seconds_update": round(report.seconds, 4),
-                    "seconds_load": round(seconds_load, 4),
-                    "seconds_to_serve": round(seconds_to_serve, 4) if seconds_to_serve is not None else None,
-                    "seconds_full_reload": round(full_reload, 4) if full_reload is not None else None,
-                    "engine": args.engine,
-                    "path": report.path,
-                    "time": round(time.time(), 3),
-                }
-                if server is not None:
-                    record.update(leases_served=server.num_served, tokens_per_s=round(server.tokens_per_s, 2))
-                with log.open("a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(record) + "\n")
-                serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
-                scored = f" reward={reward:.3f}" if reward is not None else f" leases_served={server.num_served}"
-                print(
-                    f"rollout: version={report.version}{scored} digest={report.digest} "
-                    f"changed={report.num_changed} bytes={report.bytes_received} path={report.path} "
-                    f"load={seconds_load:.3f}s{serve}",
-                    flush=True,
-                )
-                if args.until_version is not None and report.version >= args.until_version:
-                    break
-            elif subscriber.version is None and not warned and time.monotonic() - started > args.wait_warning:
-                warned = True
-                print(
-                    f"rollout: no version of run_id={swarm.policy_run_id} after {args.wait_warning:.0f} s; a trainer "
-                    f"must run with --publish and --run_id {swarm.run_id} in the swarm of --initial_peers",
-                    flush=True,
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                if args.until_version is not None:
-                    raise common.ConfigError(
-                        f"version {args.until_version} did not arrive within --max_seconds {args.max_seconds:g} "
-                        f"(holding version {subscriber.version}); check --initial_peers and that a trainer runs "
-                        f"with --publish --run_id {swarm.run_id}"
-                    )
-                break
-            stop.wait(args.interval)
+        reached = subscriber.run(
+            engine.weights(),
+            on_update,
+            interval=args.interval,
+            stop=stop,
+            until_version=args.until_version,
+            max_seconds=args.max_seconds or None,
+            on_idle=on_idle,
+        )
+        if args.until_version is not None and not reached and not stop.is_set():
+            raise common.ConfigError(
+                f"version {args.until_version} did not arrive within --max_seconds {args.max_seconds:g} "
+                f"(holding version {subscriber.version}); check --initial_peers and that a trainer runs "
+                f"with --publish --run_id {swarm.run_id}"
+            )
     finally:
         if server is not None:
             server.close()

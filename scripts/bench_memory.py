@@ -216,7 +216,8 @@ def subscriber_worker(args: dict[str, Any], workdir: str, public_key: str, resul
     model, numel = _build(args["config"], args["threads"])
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    from pulseloco.sync.subscriber import DirectorySource, Subscriber
+    from pulseloco.sync.sources import DirectorySource
+    from pulseloco.sync.subscriber import Subscriber
 
     key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key))
     baseline = _reset_peak()

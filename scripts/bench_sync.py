@@ -295,7 +295,7 @@ def subscriber_worker(spec: WorkerSpec) -> None:
     if spec.full:
         # Workaround: the relay keeps its last 16 objects in memory whatever their size; in this mode they are
         # full checkpoints (16 x 2 bytes per parameter). Only the newest is ever requested here.
-        sub._relay.capacity = 1
+        sub.relay.capacity = 1
 
     def on_update(report: Any) -> None:
         t_hold = report.held_at or time.time()  # when the model held it (before the report's second head read)

@@ -21,8 +21,9 @@ from pulseloco.sync import squash
 from pulseloco.sync.patch import peek_header
 from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import Envelope, generate_key, sign_envelope, verify_envelope
+from pulseloco.sync.sources import DirectorySource, Fetched, Head
 from pulseloco.sync.store import VersionStore
-from pulseloco.sync.subscriber import DirectorySource, Fetched, Head, Subscriber, UpdateReport
+from pulseloco.sync.subscriber import Subscriber, UpdateReport
 from pulseloco.sync.transport import FetchRequest
 
 RUN = "prefetch-test"

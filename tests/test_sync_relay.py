@@ -22,8 +22,9 @@ from sync_helpers import Trainer, bf16_digest, maddrs, start_dht, tiny_model, wa
 
 from pulseloco.errors import PayloadError
 from pulseloco.sync.publisher import Publisher
+from pulseloco.sync.relay import Relay
 from pulseloco.sync.signing import Envelope, generate_key
-from pulseloco.sync.subscriber import Subscriber, _Relay
+from pulseloco.sync.subscriber import Subscriber
 from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
 
 RUN = "relay-test"
@@ -126,7 +127,7 @@ def test_a_relay_serves_an_object_while_it_still_receives_it(bootstrap, tmp_path
 
         relay_thread, relay_out = update_in_thread(relay, relay_model)
         assert upstream.source.half_sent.wait(30)
-        obj = wait_for(lambda: relay._relay.get("anchor", 1), 30, "the relay to register the anchor")
+        obj = wait_for(lambda: relay.relay.get("anchor", 1), 30, "the relay to register the anchor")
         wait_for(lambda: obj.received >= len(payload) // 2, 30, "the relay to receive the first half")
         me = relay.endpoint.peer_id.to_base58()
         wait_until_provider_lists(upstream.endpoint, me, 1, timeout=20)
@@ -177,7 +178,7 @@ def test_a_corrupted_upstream_ends_the_downstream_stream_and_it_recovers_elsewhe
 
         relay_thread, relay_out = update_in_thread(relay, relay_model)  # a complete relay is asked first: upstream
         assert upstream.source.half_sent.wait(30)
-        obj = wait_for(lambda: relay._relay.get("anchor", 1), 30, "the relay to register the anchor")
+        obj = wait_for(lambda: relay.relay.get("anchor", 1), 30, "the relay to register the anchor")
         me = relay.endpoint.peer_id.to_base58()
         wait_until_provider_lists(down.endpoint, me, 1, timeout=20)
         down_thread, down_out = update_in_thread(down, down_model)
@@ -189,7 +190,7 @@ def test_a_corrupted_upstream_ends_the_downstream_stream_and_it_recovers_elsewhe
         assert relay_out == {"version": 1} and down_out == {"version": 1}, (relay_out, down_out)
         assert bf16_digest(relay_model) == expected and bf16_digest(down_model) == expected
         assert obj.error is not None and "SHA-256" in obj.error  # the failed attempt, dropped from the relay
-        held = relay._relay.get("anchor", 1)
+        held = relay.relay.get("anchor", 1)
         assert held is not None and held is not obj and held.done  # the genuine copy from the publisher
         pub_id = pub.endpoint.peer_id.to_base58()
         assert [peer for _, _, peer in down.source.served_by] == [pub_id]  # the relay failed it once: not again
@@ -212,7 +213,7 @@ def envelope(kind: str, version: int, size: int) -> Envelope:
 
 
 def test_the_relay_is_bounded_in_bytes_and_never_evicts_what_arrives_or_is_served() -> None:
-    relay = _Relay(capacity=16, max_bytes=1000)
+    relay = Relay(capacity=16, max_bytes=1000)
     for v in (1, 2, 3):
         relay.add("patch", v, b"env", bytes(300), v - 1)
     assert relay.versions() == [1, 2, 3] and relay.bytes_held == 900
@@ -241,7 +242,7 @@ def test_the_relay_is_bounded_in_bytes_and_never_evicts_what_arrives_or_is_serve
 
 
 def test_relay_uploads_are_limited_and_released() -> None:
-    relay = _Relay(max_uploads=1)
+    relay = Relay(max_uploads=1)
     relay.add("patch", 1, b"env", b"x" * 10, 0)
     first = relay.provide(FetchRequest("patch", 1))
     assert first.status == "ok" and relay.provide(FetchRequest("patch", 1)).status == "busy"
@@ -256,7 +257,7 @@ async def _read_all(source: Any) -> bytes:
 
 
 def test_relay_readers_follow_the_download_and_end_with_an_error_when_it_fails_or_stalls() -> None:
-    relay = _Relay(max_uploads=10, stall_timeout=0.3)
+    relay = Relay(max_uploads=10, stall_timeout=0.3)
 
     async def scenario() -> None:
         sink = relay.begin(envelope("patch", 1, 6), b"env")

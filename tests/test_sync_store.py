@@ -43,8 +43,9 @@ from pulseloco.sync.signing import (
     sign_envelope,
     verify_envelope,
 )
+from pulseloco.sync.sources import DirectorySource, Fetched, Head
 from pulseloco.sync.store import VersionStore
-from pulseloco.sync.subscriber import DirectorySource, Fetched, Head, Subscriber
+from pulseloco.sync.subscriber import Subscriber
 from pulseloco.sync.transport import FetchRequest
 
 RUN = "store-test"

@@ -181,7 +181,7 @@ def fetch_failures(caplog: pytest.LogCaptureFixture, peer_id: str, error: str) -
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "pulseloco.sync.subscriber"
+        if r.name == "pulseloco.sync.sources"
         and "fetch failed" in r.getMessage()
         and peer_id in r.getMessage()
         and error in r.getMessage()

@@ -20,17 +20,12 @@ subscriber, fail ("routing: not found") and send them all back to the publisher.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
-import random
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import hivemind
 import torch
@@ -47,27 +42,15 @@ from pulseloco.errors import (
 from pulseloco.swarm import is_reachable
 from pulseloco.sync.anchor import load_anchor
 from pulseloco.sync.patch import apply_patch
+from pulseloco.sync.relay import DEFAULT_RELAY_MAX_BYTES, DEFAULT_RELAY_UPLOADS, Relay
 from pulseloco.sync.signing import Envelope, check_payload, public_key_fingerprint, verify_envelope
+from pulseloco.sync.sources import DEFAULT_MAX_PAYLOAD_BYTES, DirectorySource, Fetched, Head, Source, SwarmSource
 from pulseloco.sync.store import VersionStore
-from pulseloco.sync.transport import FetchRequest, OnStart, Provided, SwarmEndpoint
+from pulseloco.sync.transport import FetchRequest, SwarmEndpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DirectorySource", "Head", "Subscriber", "SwarmSource", "UpdateReport"]
-
-#: Default bound on one payload (anchor or patch) a subscriber accepts: 64 GiB, above a 30B BF16 model.
-DEFAULT_MAX_PAYLOAD_BYTES = 64 << 30
-
-
-@dataclass(frozen=True)
-class Head:
-    """The newest published version as its publisher signed it (``time``: the publisher's clock when it signed
-    the head, seconds since the epoch; 0.0 when unknown)."""
-
-    version: int
-    digest: str
-    anchor_version: int | None
-    time: float = 0.0
+__all__ = ["Subscriber", "UpdateReport"]
 
 
 @dataclass(frozen=True)
@@ -100,16 +83,6 @@ class UpdateReport:
 
 
 @dataclass(frozen=True)
-class Fetched:
-    """An authenticated object: the parsed envelope, its signed bytes (relays re-serve them) and the payload."""
-
-    envelope: Envelope
-    envelope_blob: bytes
-    payload: bytes
-    kind: str
-
-
-@dataclass(frozen=True)
 class _Prefetch:
     """Catch-up objects fetched before :attr:`Subscriber.lock` was taken, to go from version ``base`` to ``head``:
     those of the catch-up path at ``index`` (see :meth:`Subscriber._catch_up_paths`), the earlier paths having
@@ -119,412 +92,6 @@ class _Prefetch:
     head: int
     index: int
     objects: list[Fetched]
-
-
-class Source(Protocol):
-    """Where a subscriber gets heads and authenticated objects from."""
-
-    def head(self) -> Head | None: ...
-
-    def fetch(self, request: FetchRequest) -> Fetched | None: ...
-
-
-class DirectorySource:
-    """Objects from a version store directory (shared file system, or a synced copy of an HTTP mirror)."""
-
-    def __init__(self, path: str | os.PathLike[str], public_key: Ed25519PublicKey, run_id: str | None = None):
-        self.store = VersionStore(path, create=False)
-        self.key = public_key
-        self.run_id = run_id
-
-    def head(self) -> Head | None:
-        latest = self.store.latest()
-        if latest is None:
-            return None
-        kind = "patch" if self.store.has("patch", latest) else "anchor"
-        env = verify_envelope(self.key, self.store.read_envelope(kind, latest), run_id=self.run_id)
-        anchors = self.store.list("anchor")
-        return Head(latest, env.digest, anchors[-1] if anchors else None, env.time)
-
-    def fetch(self, request: FetchRequest) -> Fetched | None:
-        if request.kind not in ("patch", "anchor") or not self.store.has(request.kind, request.version):
-            return None
-        env_blob, payload = self.store.read(request.kind, request.version)
-        env = verify_envelope(self.key, env_blob, run_id=self.run_id)
-        check_payload(env, payload, str(self.store.object_path(request.kind, request.version)))
-        return Fetched(env, env_blob, payload, request.kind)
-
-
-class SwarmSource:
-    """Objects from providers on a hivemind swarm: relays holding the whole object first, then relays still
-    receiving it (they forward it as it arrives), each group in random order, and the publisher last.
-
-    Every request has a timeout; a provider that stalls, answers garbage or fails authentication is logged
-    and the next one is tried (a relay that failed once is not asked again for that object). When providers
-    answer ``busy`` (the publisher past its upload budget, relays serving as many downloads as they will), the
-    source asks again every ``poll_interval`` seconds, reading the provider records anew, so it picks up relays
-    as soon as they announce (they do when an object starts arriving); after ``relay_wait`` seconds of busy
-    answers it asks the publisher with ``force``. ``relay_wait`` must exceed the time the first relays need to
-    start receiving the object, or the publisher ends up serving everyone.
-
-    ``on_start`` (set by a relaying :class:`Subscriber`) is passed to :meth:`SwarmEndpoint.fetch`, so the
-    object is relayed while it arrives. ``served_by`` lists, per object fetched, ``(kind, version, peer id)``
-    (the newest 64).
-    """
-
-    def __init__(
-        self,
-        endpoint: SwarmEndpoint,
-        public_key: Ed25519PublicKey,
-        *,
-        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
-        timeout: float = 60.0,
-        chunk_timeout: float = 10.0,
-        relay_wait: float = 10.0,
-        poll_interval: float = 0.1,
-        on_start: OnStart | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.key = public_key
-        self.max_payload_bytes = max_payload_bytes
-        self.timeout = timeout
-        self.chunk_timeout = chunk_timeout
-        self.relay_wait = relay_wait
-        self.poll_interval = poll_interval
-        self.on_start = on_start
-        self.served_by: deque[tuple[str, int, str]] = deque(maxlen=64)
-
-    def head(self) -> Head | None:
-        env = self.endpoint.get_head(self.key)
-        return None if env is None else Head(env.version, env.digest, env.anchor_version, env.time)
-
-    def fetch(self, request: FetchRequest) -> Fetched | None:
-        """The authenticated object, or None when no provider lists it or none served it by ``timeout``."""
-        deadline = time.monotonic() + self.timeout
-        me = self.endpoint.peer_id.to_base58()
-        first_busy: float | None = None
-        failed: set[str] = set()  # relays that failed this request: not asked again
-        while time.monotonic() < deadline:
-            providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
-            complete, partial, publishers = [], [], []
-            for peer, info in providers.items():
-                listed = request.kind == "squash" or request.version in info["versions"]
-                if peer == me or peer in failed or not listed:
-                    continue
-                if info["publisher"]:
-                    publishers.append(peer)
-                elif request.version in info["partial"]:
-                    partial.append(peer)
-                else:
-                    complete.append(peer)
-            random.shuffle(complete)
-            random.shuffle(partial)
-            force = first_busy is not None and time.monotonic() - first_busy >= self.relay_wait
-            busy = False
-            for peer in complete + partial + publishers:
-                req = FetchRequest(request.kind, request.version, request.base_version, force and peer in publishers)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    result = self.endpoint.fetch(
-                        peer,
-                        req,
-                        self.key,
-                        max_bytes=self.max_payload_bytes,
-                        timeout=remaining,
-                        chunk_timeout=self.chunk_timeout,
-                        on_start=self.on_start,
-                    )
-                except Exception as exc:  # any failure of a stranger's provider: log it and try the next one
-                    logger.warning("fetch failed peer=%s request=%s error=%r", peer, request, exc)
-                    if peer not in publishers:
-                        failed.add(peer)
-                    continue
-                if isinstance(result, tuple):
-                    self.served_by.append((request.kind, request.version, peer))
-                    return Fetched(result[0], result[1], result[2], request.kind)
-                busy |= result == "busy"
-            if not busy:
-                return None
-            if first_busy is None:
-                first_busy = time.monotonic()
-            time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
-        logger.warning("no provider served request=%s within %.1f s", request, self.timeout)
-        return None
-
-
-#: Default bound on the bytes a relay holds (objects complete and in progress, anchors included): 1 GiB, a few
-#: anchors of a ~100M-parameter model or about a hundred patches of a 1B one.
-DEFAULT_RELAY_MAX_BYTES = 1 << 30
-#: Default number of downloads a relay serves at once (its uplink is shared between them); more are told busy.
-DEFAULT_RELAY_UPLOADS = 2
-
-
-class _RelayObject:
-    """One object a relay holds or is still receiving: its signed envelope, and the payload's pieces so far.
-
-    ``done``: every byte arrived and matched the signed SHA-256; ``error``: the download failed (the object is
-    then out of the relay, and readers still streaming it end with an error). Guarded by the relay's lock;
-    readers on an event loop are woken through ``waiters``.
-    """
-
-    def __init__(
-        self, kind: str, version: int, base_version: int | None, envelope: bytes, size: int, *, done: bool = False
-    ) -> None:
-        self.kind = kind
-        self.version = version
-        self.base_version = base_version
-        self.envelope = envelope
-        self.size = size
-        self.chunks: list[bytes] = []
-        self.received = 0
-        self.done = done
-        self.error: str | None = None
-        self.started = time.monotonic()
-        self.completed_at: float | None = time.monotonic() if done else None
-        #: monotonic time at which a downstream was first sent a piece, and how many bytes downstreams were sent
-        #: before this relay had the whole object (pipelining, visible to tests and logs)
-        self.first_served_at: float | None = None
-        self.bytes_served_early = 0
-        self.readers = 0
-        self.waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
-
-    def wake(self) -> None:
-        """Wake every reader (call with the relay's lock held)."""
-        for loop, event in self.waiters:
-            with contextlib.suppress(RuntimeError):  # a loop that closed has no reader left to wake
-                loop.call_soon_threadsafe(event.set)
-
-
-class _RelayReader:
-    """A :class:`pulseloco.sync.transport.ChunkSource` over a relay object: the pieces already received at once,
-    then each new one as it arrives. Raises :class:`PayloadError` when the download fails or does not verify,
-    :class:`TimeoutError` when nothing arrives for ``stall_timeout`` seconds."""
-
-    def __init__(self, relay: _Relay, obj: _RelayObject, stall_timeout: float) -> None:
-        self.relay = relay
-        self.obj = obj
-        self.size = obj.size
-        self.stall_timeout = stall_timeout
-
-    async def chunks(self) -> AsyncIterator[bytes | memoryview]:
-        obj, lock = self.obj, self.relay.lock
-        waiter = (asyncio.get_running_loop(), asyncio.Event())
-        index = 0
-        with lock:
-            obj.waiters.add(waiter)
-        try:
-            while True:
-                with lock:
-                    waiter[1].clear()  # before reading the state, so that a piece arriving after it wakes us
-                    new, done, error = obj.chunks[index:], obj.done, obj.error
-                    if new and not done:
-                        obj.bytes_served_early += sum(len(c) for c in new)
-                        if obj.first_served_at is None:
-                            obj.first_served_at = time.monotonic()
-                index += len(new)
-                for piece in new:
-                    yield piece
-                if new:
-                    continue
-                if error is not None:
-                    raise PayloadError(f"relay's download of {obj.kind} v{obj.version} failed: {error}")
-                if done:
-                    return
-                try:
-                    await asyncio.wait_for(waiter[1].wait(), self.stall_timeout)
-                except TimeoutError:
-                    raise TimeoutError(
-                        f"relay's download of {obj.kind} v{obj.version} stalled for {self.stall_timeout:.1f} s"
-                    ) from None
-        finally:
-            with lock:
-                obj.waiters.discard(waiter)
-
-
-class _RelaySink:
-    """The :class:`pulseloco.sync.transport.ObjectSink` of an object a relay receives: pieces go into the relay
-    object as they arrive; a failure drops the object from the relay and ends its readers with an error."""
-
-    def __init__(self, relay: _Relay, obj: _RelayObject) -> None:
-        self.relay = relay
-        self.obj = obj
-
-    def chunk(self, data: bytes) -> None:
-        with self.relay.lock:
-            self.obj.chunks.append(data)
-            self.obj.received += len(data)
-            self.obj.wake()
-
-    def complete(self, payload: bytes) -> None:
-        with self.relay.lock:
-            self.obj.done = True
-            self.obj.completed_at = time.monotonic()
-            self.obj.wake()
-        logger.debug(
-            "relayed kind=%s version=%d bytes=%d early_bytes=%d",
-            self.obj.kind,
-            self.obj.version,
-            self.obj.size,
-            self.obj.bytes_served_early,
-        )
-
-    def fail(self, reason: str) -> None:
-        with self.relay.lock:
-            self.obj.error = reason
-            self.obj.chunks = []
-            key = (self.obj.kind, self.obj.version)
-            if self.relay.objects.get(key) is self.obj:
-                del self.relay.objects[key]
-            self.obj.wake()
-        logger.info("dropped kind=%s version=%d from the relay: %s", self.obj.kind, self.obj.version, reason)
-        self.relay.changed()
-
-
-class _Relay:
-    """Objects this subscriber holds or is receiving, served to other subscribers.
-
-    An object is registered as soon as its signed envelope verified (:meth:`begin`, before its payload arrives)
-    and served while it arrives: a downstream gets the pieces received so far, then each new one (pipelining a
-    relay tree instead of storing and forwarding whole objects). The downstream verifies the SHA-256 itself;
-    a download that fails or does not match drops the object and ends its downstream streams with an error.
-
-    Bounds: at most ``capacity`` objects and ``max_bytes`` bytes (payload sizes, in-progress objects counted at
-    their signed size, anchors included) and one anchor; the oldest objects that are complete and not being
-    served are evicted first. An object that cannot fit (everything else in progress or being served, or larger
-    than ``max_bytes`` itself) is not relayed. At most ``max_uploads`` downloads are served at once; more are
-    answered ``busy``.
-    """
-
-    def __init__(
-        self,
-        capacity: int = 16,
-        *,
-        max_bytes: int = DEFAULT_RELAY_MAX_BYTES,
-        max_uploads: int = DEFAULT_RELAY_UPLOADS,
-        stall_timeout: float = 10.0,
-        on_change: Callable[[], None] | None = None,
-    ) -> None:
-        self.objects: OrderedDict[tuple[str, int], _RelayObject] = OrderedDict()
-        self.capacity = capacity
-        self.max_bytes = max_bytes
-        self.max_uploads = max_uploads
-        self.stall_timeout = stall_timeout
-        self.on_change = on_change
-        self.uploads = 0
-        self.lock = threading.Lock()
-
-    @property
-    def bytes_held(self) -> int:
-        with self.lock:
-            return sum(o.size for o in self.objects.values())
-
-    def changed(self) -> None:
-        """Tell the owner that the set of held objects changed (it re-announces); never raises."""
-        if self.on_change is not None:
-            try:
-                self.on_change()
-            except Exception:  # announcing is best effort; a relay keeps serving
-                logger.exception("relay change hook failed")
-
-    def _make_room(self, size: int, kind: str) -> bool:
-        """Evict (lock held) until an object of ``size`` bytes fits; False (nothing evicted) when it cannot."""
-        if size > self.max_bytes:
-            return False
-
-        def evictable(o: _RelayObject) -> bool:
-            return o.done and o.readers == 0
-
-        candidates = [k for k, o in self.objects.items() if evictable(o)]  # oldest first
-        victims: list[tuple[str, int]] = []
-        if kind == "anchor":  # a full copy of the model: keep only the newest one
-            victims += [k for k in candidates if k[0] == "anchor"]
-        count = len(self.objects) - len(victims) + 1
-        total = sum(o.size for k, o in self.objects.items() if k not in victims) + size
-        for k in candidates:
-            if count <= self.capacity and total <= self.max_bytes:
-                break
-            if k not in victims:
-                victims.append(k)
-                count -= 1
-                total -= self.objects[k].size
-        if count > self.capacity or total > self.max_bytes:
-            return False
-        for k in victims:
-            del self.objects[k]
-        return True
-
-    def begin(self, envelope: Envelope, blob: bytes) -> _RelaySink | None:
-        """Register an object whose envelope verified and whose payload is about to arrive; returns the sink for
-        its pieces, or None when it is already held or does not fit the bounds (then it is not relayed)."""
-        key = (envelope.kind, envelope.version)
-        with self.lock:
-            held = self.objects.get(key)
-            if held is not None and held.base_version == envelope.base_version and held.error is None:
-                return None
-            if held is not None and held.readers == 0:
-                del self.objects[key]  # a squash from another base, or a failed attempt: replace it
-            elif held is not None:
-                return None
-            if not self._make_room(envelope.size, envelope.kind):
-                logger.debug("not relaying kind=%s version=%d: over the relay's bounds", *key)
-                return None
-            obj = _RelayObject(envelope.kind, envelope.version, envelope.base_version, blob, envelope.size)
-            self.objects[key] = obj
-        self.changed()
-        return _RelaySink(self, obj)
-
-    def add(self, kind: str, version: int, envelope: bytes, payload: bytes, base_version: int | None = None) -> None:
-        """Hold a complete, verified object (no-op when it is held already, or when it does not fit)."""
-        with self.lock:
-            held = self.objects.get((kind, version))
-            if held is not None and held.base_version == base_version and held.error is None:
-                return
-            if held is not None:
-                if held.readers:
-                    return
-                del self.objects[(kind, version)]
-            if not self._make_room(len(payload), kind):
-                logger.debug("not relaying kind=%s version=%d: over the relay's bounds", kind, version)
-                return
-            obj = _RelayObject(kind, version, base_version, envelope, len(payload), done=True)
-            obj.chunks, obj.received = [payload], len(payload)
-            self.objects[(kind, version)] = obj
-
-    def provide(self, request: FetchRequest) -> Provided:
-        """Answer a fetch: ``missing`` for what is not held (or a squash from another base), ``busy`` past
-        ``max_uploads`` downloads at once, else the envelope and a reader of the payload (complete or arriving)."""
-        with self.lock:
-            obj = self.objects.get((request.kind, request.version))
-            other_base = obj is not None and request.kind == "squash" and obj.base_version != request.base_version
-            if obj is None or obj.error is not None or other_base:
-                return Provided("missing")  # a squash from another base is no use to the asker
-            if self.uploads >= self.max_uploads:
-                return Provided("busy")
-            self.uploads += 1
-            obj.readers += 1
-
-        def done() -> None:
-            with self.lock:
-                self.uploads -= 1
-                obj.readers -= 1
-
-        return Provided("ok", obj.envelope, source=_RelayReader(self, obj, self.stall_timeout), on_done=done)
-
-    def get(self, kind: str, version: int) -> _RelayObject | None:
-        with self.lock:
-            return self.objects.get((kind, version))
-
-    def versions(self) -> list[int]:
-        """Every version held or in progress."""
-        with self.lock:
-            return sorted({v for _, v in self.objects})
-
-    def partial(self) -> list[int]:
-        """Versions still arriving."""
-        with self.lock:
-            return sorted({o.version for o in self.objects.values() if not o.done})
 
 
 def _union_indices(changed: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -600,7 +167,7 @@ class Subscriber:
         # Only a subscriber that serves others holds objects for them: one that reads a directory, or does not
         # relay, would keep an anchor (a second full BF16 copy) in memory for nobody.
         serving = source is None and dht is not None and relay
-        self._relay = _Relay(
+        self.relay = Relay(
             max_bytes=relay_max_bytes if serving else 0,
             max_uploads=relay_uploads,
             stall_timeout=chunk_timeout,
@@ -623,7 +190,7 @@ class Subscriber:
                 max_payload_bytes=max_payload_bytes,
                 timeout=timeout,
                 chunk_timeout=chunk_timeout,
-                on_start=self._relay.begin if relay else None,
+                on_start=self.relay.begin if relay else None,
             )
         self.source = source
         self.full_checkpoints = full_checkpoints
@@ -631,7 +198,7 @@ class Subscriber:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self.endpoint is not None and relay:
-            self.endpoint.serve(self._relay.provide)
+            self.endpoint.serve(self.relay.provide)
             self._announcer = threading.Thread(target=self._announce_loop, name="pulsesync-announce", daemon=True)
             self._announcer.start()
 
@@ -691,7 +258,7 @@ class Subscriber:
 
     def _keep(self, obj: Fetched) -> None:
         """Remember an applied object: served to other subscribers, and kept in the mirror directory."""
-        self._relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload, obj.envelope.base_version)
+        self.relay.add(obj.kind, obj.envelope.version, obj.envelope_blob, obj.payload, obj.envelope.base_version)
         if self.mirror is not None:
             # squashed patches are kept as the patch of their version: restore walks envelopes' base versions
             kind = "anchor" if obj.kind == "anchor" else "patch"
@@ -839,12 +406,12 @@ class Subscriber:
             self._announce_wanted.clear()
             if self._stop.is_set() or self.endpoint is None:
                 return
-            versions = self._relay.versions()
+            versions = self.relay.versions()
             if not versions or not self._reachable():
                 continue
             try:
                 self.endpoint.announce_provider(
-                    versions, partial=self._relay.partial(), publisher=False, ttl=self.provider_ttl, timeout=10.0
+                    versions, partial=self.relay.partial(), publisher=False, ttl=self.provider_ttl, timeout=10.0
                 )
             except Exception as exc:  # the DHT process is gone or stuck: keep the relay serving, try again later
                 logger.warning("announcing the relay failed error=%r", exc)
@@ -917,7 +484,7 @@ class Subscriber:
                 self._keep(obj)
             else:
                 env = obj.envelope
-                self._relay.add(obj.kind, env.version, obj.envelope_blob, obj.payload, env.base_version)
+                self.relay.add(obj.kind, env.version, obj.envelope_blob, obj.payload, env.base_version)
         return changed
 
     def _walk_back(self, version: int, stop: int | None) -> list[Fetched] | None:
@@ -1062,6 +629,48 @@ class Subscriber:
 
     # ---- following ---------------------------------------------------------------------------------------
 
+    def run(
+        self,
+        model: torch.nn.Module | MutableMapping[str, torch.Tensor],
+        on_update: Callable[[UpdateReport], None] | None = None,
+        *,
+        interval: float = 1.0,
+        stop: threading.Event | None = None,
+        until_version: int | None = None,
+        max_seconds: float | None = None,
+        on_idle: Callable[[], None] | None = None,
+    ) -> bool:
+        """Keep ``model`` current in this thread: the follow loop of ``pulseloco sync follow``, the rollout worker
+        and :meth:`follow`.
+
+        Every ``interval`` seconds it calls :meth:`update_report` and hands a report to ``on_update`` (a check that
+        brought nothing calls ``on_idle``), until ``stop`` is set (a signal handler's event, say) or :meth:`close`
+        is called, the model holds ``until_version`` or later (also when it already did, restored from a mirror),
+        or ``max_seconds`` passed. Returns True when it ended at ``until_version``, False otherwise.
+
+        A :class:`pulseloco.errors.PatchError` (no provider could bring the model to a verified version) is logged
+        and retried at the next check: the model keeps its last complete version. Any other exception, including
+        one raised by ``on_update`` or ``on_idle``, propagates.
+        """
+        stopped = stop if stop is not None else self._stop
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        while not (stopped.is_set() or self._stop.is_set()):
+            try:
+                report = self.update_report(model)
+            except PatchError as exc:  # a follower keeps its last complete version; the next check retries
+                logger.warning("update failed, retrying in %.1f s: %s", interval, exc)
+                report = None
+            if report is not None and on_update is not None:
+                on_update(report)
+            elif report is None and on_idle is not None:
+                on_idle()
+            if until_version is not None and self.version is not None and self.version >= until_version:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            stopped.wait(interval)
+        return False
+
     def follow(
         self,
         model: torch.nn.Module | MutableMapping[str, torch.Tensor],
@@ -1069,7 +678,8 @@ class Subscriber:
         *,
         interval: float = 1.0,
     ) -> threading.Thread:
-        """Keep ``model`` current in a background thread (until :meth:`close`); errors are logged and retried.
+        """Keep ``model`` current in a background thread (:meth:`run` until :meth:`close`); every error, including
+        one of ``on_update``, is logged and the loop goes on after ``interval`` seconds.
 
         Hold :attr:`lock` while generating so an update never lands mid-generation; the next version downloads
         meanwhile and is applied once the lock is released. While it follows, do not call :meth:`update` from
@@ -1079,12 +689,10 @@ class Subscriber:
         def loop() -> None:
             while not self._stop.is_set():
                 try:
-                    report = self.update_report(model)
-                    if report is not None and on_update is not None:
-                        on_update(report)
+                    self.run(model, on_update, interval=interval)
                 except Exception as exc:  # a follower keeps serving its last complete version
-                    logger.warning("update failed error=%r; retrying in %.1f s", exc, interval)
-                self._stop.wait(interval)
+                    logger.warning("follow failed error=%r; retrying in %.1f s", exc, interval)
+                    self._stop.wait(interval)
 
         self._thread = threading.Thread(target=loop, name="pulsesync-follow", daemon=True)
         self._thread.start()
