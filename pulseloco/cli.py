@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pulseloco import __version__
-from pulseloco.errors import ConfigError, PulseLocoError
+from pulseloco.errors import ConfigError, PulseLocoError, SwarmUnreachableError
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         key = load_public_key(args.public_key) if args.public_key else None
         _join_as_reader(args)
         dht = _make_dht(args)
-    except ConfigError as exc:
+    except (ConfigError, SwarmUnreachableError) as exc:
         print(f"pulseloco: error: {exc}", file=sys.stderr)
         return EXIT_CANNOT_JOIN
     try:
@@ -328,7 +328,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
         report_to = check_report_to(args.report_to)
         _join_as_reader(args)
         dht = _make_dht(args)
-    except ConfigError as exc:
+    except (ConfigError, SwarmUnreachableError) as exc:
         print(f"pulseloco: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     stop = stop_on_signals()

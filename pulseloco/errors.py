@@ -1,8 +1,16 @@
-"""Exceptions raised by pulseloco.
+"""Exceptions raised by pulseloco, grouped by what happened and who acts on it.
 
-Every error caused by bad input (bytes from the network or disk, configuration, command-line flags) is a
-subclass of :class:`ValueError` so that callers can catch the whole family at once, and each message says what
-is wrong and, where it can, what to do about it. Raising one never leaves a half-applied state.
+Every one derives from :class:`PulseLocoError`, says what is wrong and, where it can, what to do about it, and
+leaves no half-applied state. Below it, three families:
+
+- :class:`ConfigError` (a :class:`ValueError`): the user's configuration or flags are wrong; the user fixes them.
+  Recipes exit 2.
+- :class:`PayloadError` and :class:`PatchError` (both :class:`ValueError`): bytes received or read (from a peer,
+  a relay, the disk) are malformed, forged or do not apply; nothing was applied. The code that received them
+  drops the sender's data and tries elsewhere; nobody needs to change a flag.
+- :class:`SwarmError` (a :class:`RuntimeError`): the swarm could not do something within its timeouts and
+  retries (join it, average a round, download a state, deliver a version, find a rollout worker); the operator
+  checks addresses, connectivity or the other peers. Recipes exit 1.
 """
 
 from __future__ import annotations
@@ -22,18 +30,20 @@ __all__ = [
     "StalePatchError",
     "StateDownloadError",
     "SwarmError",
+    "SwarmUnreachableError",
     "TensorMismatchError",
     "TruncatedPayloadError",
     "UnauthorizedError",
     "UnsupportedVersionError",
+    "VersionTimeoutError",
 ]
 
 
-class PulseLocoError(ValueError):
-    """Base class of every pulseloco input error."""
+class PulseLocoError(Exception):
+    """Base class of every error pulseloco raises."""
 
 
-class PayloadError(PulseLocoError):
+class PayloadError(PulseLocoError, ValueError):
     """A wire payload (patch or sparse pseudo-gradient) is malformed; nothing was applied."""
 
 
@@ -65,7 +75,7 @@ class TensorMismatchError(PayloadError):
     """The payload names a tensor the receiver does not have, or with another shape or dtype."""
 
 
-class PatchError(PulseLocoError):
+class PatchError(PulseLocoError, ValueError):
     """A well-formed patch cannot be applied to this state; the state is left as it was."""
 
 
@@ -77,7 +87,7 @@ class DigestMismatchError(PatchError):
     """Applying the patch did not produce the state digest the publisher announced; the state was restored."""
 
 
-class ConfigError(PulseLocoError):
+class ConfigError(PulseLocoError, ValueError):
     """Invalid configuration or command-line flag; the message names the field to fix."""
 
 
@@ -93,9 +103,20 @@ class OutlierPayloadError(PayloadError):
     """A sparse pseudo-gradient's norm is far above the median of its group's payloads; it was rejected."""
 
 
-class SwarmError(PulseLocoError):
-    """The swarm could not complete an operation within its timeouts and retries (matchmaking, averaging,
-    state download); the local state is left as it was and the message names the knob to turn."""
+class SwarmError(PulseLocoError, RuntimeError):
+    """The swarm could not complete an operation within its timeouts and retries (joining, matchmaking,
+    averaging, state download, a version or a rollout to arrive); the local state is left as it was and the
+    message names what to check."""
+
+
+class SwarmUnreachableError(SwarmError):
+    """No DHT could be started or no initial peer answered: the swarm cannot be joined (check the multiaddrs,
+    the network, the swarm key)."""
+
+
+class VersionTimeoutError(SwarmError):
+    """A PULSESync version that was waited for did not arrive in time (check that a publisher runs in the same
+    swarm under that run id)."""
 
 
 class StateDownloadError(SwarmError):

@@ -44,7 +44,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.serializer import MSGPackSerializer
 
-from pulseloco.errors import ConfigError
+from pulseloco.errors import ConfigError, SwarmUnreachableError
 
 logger = logging.getLogger(__name__)
 
@@ -301,8 +301,9 @@ def make_dht(config: SwarmConfig) -> hivemind.DHT:
     is returned once it holds a relay address, or after ``config.relay_wait`` s with a warning that says what to
     check (the peer is then unreachable, see :func:`is_reachable`, and trains in client mode). The daemon is
     not restarted to ask again: a relay that refused keeps refusing for its reservation TTL (an hour), and every
-    new daemon takes another of the relay's 8 slots per public IP. Raises :class:`ConfigError` with what to
-    check when the daemon cannot start or no initial peer answers.
+    new daemon takes another of the relay's 8 slots per public IP. Raises :class:`SwarmUnreachableError` with what
+    to check when no initial peer answers, :class:`ConfigError` when a daemon without initial peers cannot start
+    (its ``host_maddrs``).
     """
     relay = config.reserves_relay()
     kwargs: dict = {
@@ -338,7 +339,8 @@ _BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"  # p2pd's message, in
 
 
 def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwargs: dict) -> hivemind.DHT:
-    """Start a ``hivemind.DHT``; raises :class:`ConfigError` with a hint when it fails.
+    """Start a ``hivemind.DHT``; raises :class:`SwarmUnreachableError` (initial peers given) or
+    :class:`ConfigError` (none: the host addresses) with a hint when it fails.
 
     When the daemon connects to none of the initial peers it is started again, up to :data:`BOOTSTRAP_ATTEMPTS`
     times in all and while ``config.startup_timeout`` s have not passed since the first try, with a warning each
@@ -364,13 +366,14 @@ def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwarg
                 )
                 time.sleep(attempt)
                 continue
-            hint = (
-                "check that --initial-peers is the exact multiaddr printed by the bootstrap node and that it is "
-                "reachable"
-                if config.initial_peers
-                else "check --host-maddrs (address in use? not a local address?)"
-            )
-            raise ConfigError(f"could not join the swarm: {exc}; {hint}") from None
+            if not config.initial_peers:  # a daemon of our own that did not start: its addresses are the cause
+                raise ConfigError(
+                    f"could not start the swarm: {exc}; check --host-maddrs (address in use? not a local address?)"
+                ) from None
+            raise SwarmUnreachableError(
+                f"could not join the swarm: {exc}; check that --initial-peers is the exact multiaddr printed by the "
+                "bootstrap node and that it is reachable"
+            ) from None
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 

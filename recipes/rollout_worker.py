@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     swarm_config = swarm.swarm_config()
 
     from pulseloco.cli import stop_on_signals
+    from pulseloco.errors import VersionTimeoutError
     from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
     from pulseloco.swarm import make_dht
     from pulseloco.sync.signing import load_public_key
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
             on_idle=on_idle,
         )
         if args.until_version is not None and not reached and not stop.is_set():
-            raise common.ConfigError(
+            raise VersionTimeoutError(
                 f"version {args.until_version} did not arrive within --max_seconds {args.max_seconds:g} "
                 f"(holding version {subscriber.version}); check --initial_peers and that a trainer runs "
                 f"with --publish --run_id {swarm.run_id}"

@@ -15,7 +15,7 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils import get_dht_time
 
-from pulseloco.errors import ConfigError
+from pulseloco.errors import ConfigError, SwarmUnreachableError
 from pulseloco.swarm import SwarmConfig, SwarmKeyValidator, load_swarm_key, make_dht, new_swarm_key
 
 UNREACHABLE = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWR6ceGd8vPzKn2EBaMo77EKuSSQ67t4LsrFS9xV5TZNeS"
@@ -32,8 +32,9 @@ def test_bad_multiaddr_names_the_field() -> None:
 
 def test_unreachable_bootstrap_is_one_clear_error() -> None:
     started = time.monotonic()
-    with pytest.raises(ConfigError, match=r"could not join the swarm.*--initial-peers"):
+    with pytest.raises(SwarmUnreachableError, match=r"could not join the swarm.*--initial-peers") as caught:
         make_dht(SwarmConfig(initial_peers=[UNREACHABLE], startup_timeout=15))
+    assert not isinstance(caught.value, ValueError)  # the operator checks the network; no flag is wrong
     assert time.monotonic() - started < 30
 
 

@@ -36,9 +36,9 @@ only the callbacks after it; the JSON-lines files are unaffected. Under ``accele
 processes only the main process has numbers to add (the integrations write on it alone).
 
 Failure behaviour: bad arguments raise :class:`~pulseloco.errors.ConfigError` at construction; a swarm that cannot
-be joined raises :class:`~pulseloco.errors.ConfigError` on every process at the start of training; resuming from
-a checkpoint without ``pulseloco.pt`` raises :class:`~pulseloco.errors.ConfigError` before any step. The swarm
-itself never fails a step (see :class:`pulseloco.PulseLoCo`).
+be joined raises :class:`~pulseloco.errors.SwarmUnreachableError` on every process at the start of training;
+resuming from a checkpoint without ``pulseloco.pt`` raises :class:`~pulseloco.errors.ConfigError` before any step.
+The swarm itself never fails a step (see :class:`pulseloco.PulseLoCo`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ def _is_main_process() -> bool:
 
 
 def _join_swarm(config: SwarmConfig) -> Any:
-    """Start a DHT on the main process; every process raises the same :class:`ConfigError` if that fails."""
+    """Start a DHT on the main process; every process raises the same error if that fails
+    (:class:`pulseloco.errors.SwarmUnreachableError` or :class:`ConfigError`, from :func:`make_dht`)."""
     from pulseloco.swarm import make_dht
 
     dht, error = None, None
@@ -94,13 +95,13 @@ def _join_swarm(config: SwarmConfig) -> Any:
         try:
             dht = make_dht(config)
         except PulseLocoError as exc:
-            error = str(exc)
+            error = exc
     if distributed:
-        box = [error]
+        box: list[PulseLocoError | None] = [error]
         torch.distributed.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
-        raise ConfigError(error)
+        raise error.with_traceback(None) from None
     if dht is not None:
         for maddr in dht.get_visible_maddrs():
             print(f"swarm: multiaddr {maddr}", flush=True)
