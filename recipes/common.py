@@ -24,7 +24,9 @@ RECIPES_DIR = Path(__file__).resolve().parent
 
 
 def is_main_process() -> bool:
-    """Rank 0 (or not launched by a distributed launcher), without initializing anything."""
+    """Rank 0 (or not launched by a distributed launcher), from the launcher's environment: it answers for an error
+    raised before accelerate's ``PartialState`` exists, without starting a process group (which would wait for the
+    other ranks)."""
     return os.environ.get("RANK", "0") == "0"
 
 
@@ -138,14 +140,18 @@ def end_process_group() -> None:
     """Tear down the ``torch.distributed`` group of a multi-process launch before the interpreter exits.
 
     A gloo group left to the interpreter's shutdown can abort the process ("terminate called without an active
-    exception", SIGABRT) after the run has finished and saved; the launcher then reports the run as failed. The
-    barrier lets every rank finish its last collective first. Does nothing for a single process.
+    exception", SIGABRT) after the run has finished and saved; the launcher then reports the run as failed.
+    accelerate's :class:`PartialState` (the recipe's own) waits for every rank to finish its last collective, then
+    destroys the group. Does nothing for a single process or one that never initialized a group.
     """
     torch = sys.modules.get("torch")
     if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    from accelerate import PartialState
+
+    state = PartialState()
+    state.wait_for_everyone()
+    state.destroy_process_group()
 
 
 def run_recipe(prog: str, main: Callable[[], None]) -> None:

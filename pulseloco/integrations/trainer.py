@@ -56,12 +56,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pulseloco.errors import ConfigError, PulseLocoError
-from pulseloco.loco.optimizer import PulseLoCo, _distributed
+from pulseloco.loco.optimizer import PulseLoCo
 from pulseloco.loco.selection import SELECTORS
 from pulseloco.swarm import SwarmConfig
 
@@ -80,25 +82,20 @@ _CALLBACK_OF_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, PulseLoCoCallback
 """The PulseLoCoCallback driving a model, so that a PulseSyncCallback on the same Trainer can find its rounds."""
 
 
-def _is_main_process() -> bool:
-    return _distributed()[1] == 0
-
-
 def _join_swarm(config: SwarmConfig) -> Any:
     """Start a DHT on the main process; every process raises the same error if that fails
     (:class:`pulseloco.errors.SwarmUnreachableError` or :class:`ConfigError`, from :func:`make_dht`)."""
     from pulseloco.swarm import make_dht
 
+    state = PartialState()  # the Trainer's own (transformers builds it with TrainingArguments)
     dht, error = None, None
-    distributed, rank = _distributed()
-    if rank == 0:
+    if state.is_main_process:
         try:
             dht = make_dht(config)
         except PulseLocoError as exc:
             error = exc
-    if distributed:
-        box: list[PulseLocoError | None] = [error]
-        torch.distributed.broadcast_object_list(box, src=0)
+    if state.num_processes > 1:
+        box: list[PulseLocoError | None] = broadcast_object_list([error], from_process=0)
         error = box[0]
     if error is not None:
         raise error.with_traceback(None) from None
@@ -391,7 +388,7 @@ class PulseLoCoCallback(_LogsContributor):
             raise ConfigError("PulseLoCoCallback drives one training run; give each Trainer.train() a new callback")
         if self._owns_dht:
             self.dht = _join_swarm(self.swarm)
-        elif not _is_main_process():
+        elif not PartialState().is_main_process:
             self.dht = None
         self.loco = PulseLoCo(
             model,
@@ -668,7 +665,7 @@ class PulseSyncCallback(_LogsContributor):
                 self._owned_dht.shutdown()
 
     def _make_publisher(self, args: TrainingArguments, loco: PulseLoCoCallback | None) -> None:
-        if not _is_main_process() or self.signing_key is None:
+        if not PartialState().is_main_process or self.signing_key is None:
             return
         from pulseloco.sync.publisher import Publisher
 
