@@ -28,7 +28,6 @@ not score the versions itself. ``--full_checkpoints`` fetches a full BF16 copy o
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -126,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     from pulseloco.cli import stop_on_signals
     from pulseloco.errors import VersionTimeoutError
     from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
+    from pulseloco.jsonl import JsonLinesWriter
     from pulseloco.swarm import make_dht
     from pulseloco.sync.signing import load_public_key
     from pulseloco.sync.subscriber import Subscriber, UpdateReport
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rollout: serving leases peer_id={server.peer_id}", flush=True)
     output = Path(args.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    log = output / "rollouts.jsonl"
-    log.unlink(missing_ok=True)  # one run per directory: records of an earlier run would mix with these
+    (output / "rollouts.jsonl").unlink(missing_ok=True)  # one run per directory: no records of an earlier run
+    log = JsonLinesWriter(output / "rollouts.jsonl")
     problems = tasks.eval_problems(
         tasks.spec_for_model(args.model_name_or_path, args.task, args.max_operand), args.num_prompts
     )
@@ -202,8 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         if server is not None:
             record.update(leases_served=server.num_served, tokens_per_s=round(server.tokens_per_s, 2))
-        with log.open("a", encoding="utf-8") as fh:
-            fh.write(json.dumps(record) + "\n")
+        log.write(record)
         serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
         scored = f" reward={reward:.3f}" if reward is not None else f" leases_served={server.num_served}"
         print(

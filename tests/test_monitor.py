@@ -26,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from test_loco_swarm import run_swarm
 
 from pulseloco.cli import main
-from pulseloco.loco.metrics import MetricsWriter
+from pulseloco.jsonl import read_json_lines
 from pulseloco.rollouts.protocol import WorkerInfo, refused_key, workers_key
 from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import generate_key
@@ -152,7 +152,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
         seconds["late monitor"] = time.monotonic() - started
         stderr = (tmp / "live.err").read_text() + late_err
         yield Observed(
-            metrics=[MetricsWriter.read(tmp / f"peer{i}.jsonl") for i in range(3)],
+            metrics=[read_json_lines(tmp / f"peer{i}.jsonl") for i in range(3)],
             live=_series(tmp / "live"),
             late=_series(tmp / "late"),
             watch=reader.lines,

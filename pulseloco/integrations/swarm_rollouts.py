@@ -61,8 +61,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback, _JsonLines
+from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback
 from pulseloco.integrations.verify import RolloutVerifier, VersionStates, settle, stop_ids
+from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.rollouts.client import GroupResult, NoWorkersError, RolloutClient
 from pulseloco.swarm import SwarmConfig
 
@@ -188,7 +189,7 @@ class SwarmRollouts:
         self.leases_per_worker = leases_per_worker
         self.verifier = (verifier or RolloutVerifier()) if verify else None
         self.max_refusals = max_refusals
-        self.metrics = _JsonLines(metrics_path) if metrics_path is not None else None
+        self.metrics = JsonLinesWriter(metrics_path, stamp=True) if metrics_path is not None else None
         self.client: RolloutClient | None = None
         self.seconds_waiting = 0.0
         self.num_local = 0

@@ -44,7 +44,6 @@ The swarm itself never fails a step (see :class:`pulseloco.PulseLoCo`).
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import threading
@@ -63,6 +62,7 @@ from transformers.trainer_callback import CallbackHandler
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pulseloco.errors import ConfigError, PulseLocoError
+from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.loco.optimizer import PulseLoCo
 from pulseloco.loco.selection import SELECTORS
 from pulseloco.swarm import SwarmConfig
@@ -103,20 +103,6 @@ def _join_swarm(config: SwarmConfig) -> Any:
         for maddr in dht.get_visible_maddrs():
             print(f"swarm: multiaddr {maddr}", flush=True)
     return dht
-
-
-class _JsonLines:
-    """Appends records to a JSON-lines file from any thread."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-
-    def write(self, **record: Any) -> None:
-        line = json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":"))
-        with self._lock, self.path.open("a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
 
 
 _HANDLER_SEARCH_FRAMES = 8
@@ -564,7 +550,7 @@ class PulseSyncCallback(_LogsContributor):
         self.swarm = swarm
         self.linger = linger
         self.flush_timeout = flush_timeout
-        self.metrics = _JsonLines(metrics_path) if metrics_path is not None else None
+        self.metrics = JsonLinesWriter(metrics_path, stamp=True) if metrics_path is not None else None
         self._model: torch.nn.Module | None = None
         self._owned_dht: Any | None = None
         self._owns_publisher = False

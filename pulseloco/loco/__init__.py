@@ -13,7 +13,7 @@ Modules, one concept each:
 - :mod:`~pulseloco.loco.optimizer`: :class:`PulseLoCo`, which ties them together.
 """
 
-from pulseloco.loco.metrics import MetricsWriter, RoundMetrics
+from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.optimizer import PulseLoCo
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.selection import (
@@ -29,7 +29,6 @@ from pulseloco.loco.selection import (
 __all__ = [
     "SELECTORS",
     "DenseSelector",
-    "MetricsWriter",
     "NesterovOuterOptimizer",
     "PulseLoCo",
     "PulseSelector",

@@ -14,18 +14,15 @@ entry, with :func:`index_entropy_bits`, the bound an index code can reach, to co
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MetricsWriter", "RoundMetrics", "index_entropy_bits", "traffic_summary"]
+__all__ = ["RoundMetrics", "index_entropy_bits", "traffic_summary"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,35 +101,6 @@ class RoundMetrics:
     """Entries of the shard sums this owner served, once per member served (the denominator of
     ``sent_sum_bytes`` per union entry)."""
 
-    def to_json(self) -> str:
-        """One line of JSON."""
-        return json.dumps(asdict(self), separators=(",", ":"))
-
-
-class MetricsWriter:
-    """Appends :class:`RoundMetrics` as JSON lines to ``path`` (parent directories are created).
-
-    A write that fails (full disk, permissions) is logged and does not interrupt training.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, metrics: RoundMetrics) -> None:
-        """Append one line."""
-        try:
-            with self.path.open("a", encoding="utf-8") as fh:
-                fh.write(metrics.to_json() + "\n")
-        except OSError as exc:
-            logger.warning("metrics write failed path=%s error=%s", self.path, exc)
-
-    @staticmethod
-    def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-        """All records of a metrics file, in order."""
-        with Path(path).open(encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
-
 
 def index_entropy_bits(numel: int, k: int) -> float:
     """``log2 C(numel, k)``: the bits any code needs, on average, for a set of ``k`` of ``numel`` positions when
@@ -169,7 +137,7 @@ def _ratio(numerator: float | None, denominator: float | None, scale: float = 1.
 
 def traffic_summary(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Totals and bytes per entry over one peer's :class:`RoundMetrics` records (dicts, as
-    :meth:`MetricsWriter.read` returns them).
+    :func:`pulseloco.jsonl.read_json_lines` returns them).
 
     Totals: ``rounds`` and the sum of each of ``bytes_sent``, ``bytes_received``, ``num_sent``, the
     ``payload_*`` sizes, the ``sent_*`` parts, ``num_pushed`` and ``num_sum_entries``; a total is ``None`` when

@@ -37,10 +37,11 @@ from hivemind.utils import get_dht_time
 
 from pulseloco.codec import FrameHeader
 from pulseloco.errors import ConfigError, StateDownloadError, TensorMismatchError
+from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.loco.averaging import AllReduceResult, SparseAverager, payload_frame
 from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
-from pulseloco.loco.metrics import MetricsWriter, RoundMetrics
+from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.selection import SELECTORS, make_selector, select_in_place
 from pulseloco.loco.state import StateSnapshot
@@ -243,7 +244,7 @@ class PulseLoCo:
         self.local_step = 0
         self.digest_timeout = request_timeout if digest_timeout is None else float(digest_timeout)
         self.num_download_retries = int(num_download_retries)
-        self.metrics_writer = MetricsWriter(metrics_path) if metrics_path is not None else None
+        self.metrics_writer = JsonLinesWriter(metrics_path) if metrics_path is not None else None
         self.last_metrics: RoundMetrics | None = None
         self._losses: list[float] = []
         self._round_start = time.monotonic()
