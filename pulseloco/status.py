@@ -1,11 +1,11 @@
 """``pulseloco status``: what the DHT records say about one run.
 
-Reads, never writes: the PULSELoCo state records (``{run_id}_loco_state``, one per peer: last completed round,
-parameter digest, client mode, whether that round was complete) and the PULSESync head and providers records
-(``pulseloco:<sync run>:head`` / ``:providers``) of the run the recipes publish, ``<run_id>.policy`` (then
-``<run_id>`` itself, for a ``pulseloco sync serve --run-id <run_id>``), and the rollout workers' records of that run
+Reads, never writes: the PULSELoCo state records (:func:`pulseloco.keys.loco_state_key`, one per peer: last completed
+round, parameter digest, client mode, whether that round was complete) and the PULSESync head and providers records
+(``pulseloco:<sync run>:head`` / ``:providers``) of the run the recipes publish, ``<run_id>.policy`` (then ``<run_id>``
+itself, for a ``pulseloco sync serve --run-id <run_id>``), and the rollout workers' records of that run
 (``pulseloco:<sync run>:rollout_workers``, one per worker: engine, version held, throughput, queue, leases served;
-:func:`pulseloco.rollouts.protocol.workers_key`).
+:func:`pulseloco.keys.workers_key`).
 
 Agreement rule (the exit code):
 
@@ -35,7 +35,7 @@ worker holds no version yet). Workers are shown, never counted in the exit code;
 (a malformed one is skipped and counted in :attr:`SwarmStatus.malformed_workers`). Workers a trainer refused for the
 run (its completions failed the trainer's checks, or its replies the protocol's) are listed with the trainer and the
 reason, from the trainers' records (``pulseloco:<sync run>:refused_workers``,
-:func:`pulseloco.rollouts.protocol.refused_key`).
+:func:`pulseloco.keys.refused_key`).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulseloco.errors import PayloadError, UnauthorizedError
+from pulseloco.keys import loco_state_key, policy_run_id, refused_key, workers_key
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
-from pulseloco.rollouts.protocol import parse_refusals, parse_worker_record, refused_key, workers_key
+from pulseloco.rollouts.protocol import parse_refusals, parse_worker_record
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class WorkerReport:
 @dataclass(frozen=True)
 class RefusalReport:
     """A rollout worker that a trainer refused for the rest of the run, and why (the trainer's record under
-    :func:`pulseloco.rollouts.protocol.refused_key`)."""
+    :func:`pulseloco.keys.refused_key`)."""
 
     worker: str
     trainer: str
@@ -415,20 +416,20 @@ def collect_status(
     reference, majority, peers = classify_peers(records.states)
     if records.malformed or records.malformed_rounds:
         logger.warning(
-            "skipped %d malformed state record(s) and %d malformed round list(s) key=%s_loco_state",
+            "skipped %d malformed state record(s) and %d malformed round list(s) key=%s",
             records.malformed,
             records.malformed_rounds,
-            run_id,
+            loco_state_key(run_id),
         )
     report = SwarmStatus(
         run_id=run_id,
-        state_key=f"{run_id}_loco_state",
+        state_key=loco_state_key(run_id),
         peers=peers,
         reference_round=reference,
         majority_digest=majority,
         malformed_states=records.malformed,
         malformed_rounds=records.malformed_rounds,
-        sync_run_ids=[sync_run_id] if sync_run_id is not None else [f"{run_id}.policy", run_id],
+        sync_run_ids=[sync_run_id] if sync_run_id is not None else [policy_run_id(run_id), run_id],
     )
     _sync_status(report, dht, public_key, timeout, probe_timeout)
     _workers_status(report, dht, timeout)

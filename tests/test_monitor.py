@@ -27,7 +27,8 @@ from test_loco_swarm import run_swarm
 
 from pulseloco.cli import main
 from pulseloco.jsonl import read_json_lines
-from pulseloco.rollouts.protocol import WorkerInfo, refused_key, workers_key
+from pulseloco.keys import loco_state_key, refused_key, workers_key
+from pulseloco.rollouts.protocol import WorkerInfo
 from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import generate_key
 
@@ -88,7 +89,7 @@ def _plant_records(dht: Any, tmp: Path) -> Publisher:
 
     expiration = get_dht_time() + 600
     for peer, record in STRANGERS.items():
-        assert dht.store(f"{RUN}_loco_state", record, expiration_time=expiration, subkey=peer)
+        assert dht.store(loco_state_key(RUN), record, expiration_time=expiration, subkey=peer)
     publisher = Publisher(dht, f"{RUN}.policy", generate_key(), tmp / "store")
     state = {"w": torch.zeros(16, 4)}
     publisher.publish(state)
@@ -296,7 +297,7 @@ def _report(peers: list[tuple[str, int, list[tuple[int, int, int, int, int]]]]) 
 
     states = [PeerState(p, r, "d", False, True, (), tuple(RoundRecord(*e) for e in rs)) for p, r, rs in peers]
     reference, majority, reports = classify_peers(states)
-    return SwarmStatus("r", "r_loco_state", reports, reference, majority)
+    return SwarmStatus("r", loco_state_key("r"), reports, reference, majority)
 
 
 class _Collect:

@@ -37,6 +37,7 @@ from rollout_helpers import reference_logprobs, rollout_worker, save_tiny_model
 from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dht, wait_for
 
 from pulseloco.errors import PayloadError, PayloadSizeError
+from pulseloco.keys import workers_key
 from pulseloco.rollouts.client import NoWorkersError, RolloutClient
 from pulseloco.rollouts.protocol import (
     LOGPROB_SLACK,
@@ -48,7 +49,6 @@ from pulseloco.rollouts.protocol import (
     decode_reply,
     encode_reply,
     parse_worker_record,
-    workers_key,
 )
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES
 

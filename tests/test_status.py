@@ -21,8 +21,9 @@ from hivemind.utils import get_dht_time
 from sync_helpers import maddrs, start_dht, wait_for
 
 from pulseloco.cli import main
+from pulseloco.keys import refused_key, workers_key
 from pulseloco.loco.matchmaking import Matchmaker, PeerState
-from pulseloco.rollouts.protocol import WorkerInfo, refused_key, workers_key
+from pulseloco.rollouts.protocol import WorkerInfo
 from pulseloco.status import (
     RefusalReport,
     SwarmStatus,
@@ -223,7 +224,7 @@ def test_disagreeing_run_exits_1_and_json_names_the_peer(swarm: Swarm) -> None:
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["exit_code"] == 1 and report["agree"] is False
-    assert report["run_id"] == SPLIT_RUN and report["state_key"] == f"{SPLIT_RUN}_loco_state"
+    assert report["run_id"] == SPLIT_RUN and report["state_key"] == f"pulseloco:{SPLIT_RUN}:loco:state"
     assert (report["reference_round"], report["majority_digest"]) == (7, "a" * 16)
     by_id = {p["peer_id"]: p for p in report["peers"]}
     assert by_id[swarm.peers["C"]]["status"] == "disagree"
@@ -286,7 +287,7 @@ def test_collect_status_in_process_for_scripts(swarm: Swarm) -> None:
         ]
     )
     text = render_text(report)
-    assert "no state records under DHT key 'nobody-runs-this_loco_state'" in text
+    assert "no state records under DHT key 'pulseloco:nobody-runs-this:loco:state'" in text
     assert "no head or provider records for run id(s) 'nobody-runs-this.policy', 'nobody-runs-this'" in text
     assert report.workers == [] and report.workers_key is None and report.malformed_workers == 0
     assert (
@@ -338,7 +339,7 @@ def test_render_text_of_workers_without_a_dht() -> None:
     """The table's columns and the lag rule on a hand-made report (no network)."""
     report = SwarmStatus(
         run_id="r",
-        state_key="r_loco_state",
+        state_key="pulseloco:r:loco:state",
         sync_run_ids=["r.policy", "r"],
         workers=[WorkerReport("peer-a", "vllm", 7, 3, 2048.0, 12.25, 4, 99, 256)],
         workers_key="pulseloco:r.policy:rollout_workers",

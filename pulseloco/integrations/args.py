@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pulseloco.errors import ConfigError
+from pulseloco.keys import policy_run_id
 from pulseloco.loco.optimizer import OUTER_STATE_DEVICES
 from pulseloco.loco.selection import VALUE_DTYPES
 
@@ -88,7 +89,7 @@ class SwarmArguments:
     @property
     def policy_run_id(self) -> str:
         """The PULSESync run that rollout workers follow."""
-        return f"{self.run_id}.policy"
+        return policy_run_id(self.run_id)
 
     def swarm_config(self) -> Any:
         """The :class:`pulseloco.swarm.SwarmConfig` of these options (raises :class:`ConfigError` for a bad

@@ -64,6 +64,7 @@ from pulseloco.errors import ConfigError
 from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback
 from pulseloco.integrations.verify import RolloutVerifier, VersionStates, settle, stop_ids
 from pulseloco.jsonl import JsonLinesWriter
+from pulseloco.keys import policy_run_id
 from pulseloco.rollouts.client import GroupResult, NoWorkersError, RolloutClient
 from pulseloco.swarm import SwarmConfig
 
@@ -261,7 +262,7 @@ class SwarmRollouts:
         vocab_size = len(trainer.processing_class)
         self.client = RolloutClient(
             self.dht,
-            f"{self.run_id}.policy",
+            policy_run_id(self.run_id),
             self.public_key,
             vocab_size=max(vocab_size, int(getattr(trainer.model.config, "vocab_size", 0) or 0)),
             max_lag=self.max_lag,
@@ -278,13 +279,13 @@ class SwarmRollouts:
             template = {n: t for n, t in model.state_dict().items() if t.is_floating_point()}
             publishers = [c for c in callbacks if isinstance(c, PulseSyncCallback) and c.signing_key is not None]
             follow = None if publishers else self.dht
-            states = VersionStates(follow, f"{self.run_id}.policy", self.public_key, template, keep=self.max_lag + 2)
+            states = VersionStates(follow, policy_run_id(self.run_id), self.public_key, template, keep=self.max_lag + 2)
             for callback in publishers:
                 callback.add_version_listener(states.add)
             self.verifier.states = self._states = states
         trainer.add_callback(_CloseAtEnd(self))
         print(
-            f"rollouts: from the swarm's workers of run_id={self.run_id}.policy max_lag={self.max_lag} "
+            f"rollouts: from the swarm's workers of run_id={policy_run_id(self.run_id)} max_lag={self.max_lag} "
             f"fallback={self.fallback}",
             flush=True,
         )

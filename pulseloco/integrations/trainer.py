@@ -63,6 +63,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pulseloco.errors import ConfigError, PulseLocoError
 from pulseloco.jsonl import JsonLinesWriter
+from pulseloco.keys import policy_run_id
 from pulseloco.loco.optimizer import PulseLoCo
 from pulseloco.loco.selection import SELECTORS
 from pulseloco.swarm import SwarmConfig
@@ -660,7 +661,7 @@ class PulseSyncCallback(_LogsContributor):
             dht = loco.dht
         if dht is None:
             self._owned_dht = dht = _join_swarm(self.swarm or SwarmConfig())
-        run_id = self.run_id or (f"{loco.run_id}.policy" if loco is not None else "pulseloco.policy")
+        run_id = self.run_id or policy_run_id(loco.run_id if loco is not None else "pulseloco")
         store = Path(self.store_dir) if self.store_dir is not None else Path(str(args.output_dir)) / "versions"
         self.publisher = Publisher(dht, run_id, self.signing_key, store, anchor_every=self.anchor_every)
         self._owns_publisher = True

@@ -5,12 +5,13 @@ Only small records go through the DHT; payloads travel over libp2p streams (:mod
 Group formation for round ``r`` (all keys are prefixed by the run id): a registration set closed at a DHT-time
 deadline, then a check that every member computed the same group before any payload moves.
 
-1. every peer registers under ``{run_id}_loco_r{r}_peers`` (subkey: its peer id, value: its client mode, the
-   DHT time ``t`` of its registration and the digest of the theta it starts the round from);
+1. every peer registers under ``pulseloco:{run_id}:loco:r{r}:peers`` (:func:`pulseloco.keys.loco_round_key`;
+   subkey: its peer id, value: its client mode, the DHT time ``t`` of its registration and the digest of the theta
+   it starts the round from);
 2. registration for the round closes ``matchmaking_time`` after the earliest registration: the members are the
    registrations with ``t`` at or before the close. A peer reads registrations until the close has passed, or
    until ``target_group_size`` members are seen. A peer that registered after the close sits the round out;
-3. every member publishes the member list it computed under ``{run_id}_loco_r{r}_view0`` and reads the
+3. every member publishes the member list it computed under ``pulseloco:{run_id}:loco:r{r}:view0`` and reads the
    others' lists for at most ``request_timeout``. Equal lists make the group (members that published nothing
    in time are left out: they died or stalled before the round began). If the others agree on a group without
    this peer, it sits the round out. Differing lists (a registration some saw and others did not) are merged
@@ -30,13 +31,13 @@ behind, and it downloads the state. Views that still disagree (a DHT partition) 
 carried in every averaging request and, at worst, by the digest check after the round. DHT time is each
 peer's clock: registrations from a machine whose clock runs far ahead look late.
 
-State records live under ``{run_id}_loco_state``: subkey peer id, value ``{"round", "digest", "client",
-"complete", "disputed", "rounds"}`` (``disputed``: owners whose average the peer refused as poisoned; no peer repairs
-its state from a disputed peer; ``rounds``: the peer's last :data:`MAX_ROUND_RECORDS` rounds as
-:class:`RoundRecord` lists, for monitors such as ``pulseloco monitor``). Readers ignore keys they do not know, so
-records with and without ``rounds`` are read by old and new readers alike. Records come from strangers:
-:meth:`Matchmaker.read_state_records` skips malformed ones (and drops a malformed ``rounds`` alone, keeping the
-peer's vote) and counts them.
+State records live under ``pulseloco:{run_id}:loco:state`` (:func:`pulseloco.keys.loco_state_key`): subkey peer id,
+value ``{"round", "digest", "client", "complete", "disputed", "rounds"}`` (``disputed``: owners whose average the peer
+refused as poisoned; no peer repairs its state from a disputed peer; ``rounds``: the peer's last
+:data:`MAX_ROUND_RECORDS` rounds as :class:`RoundRecord` lists, for monitors such as ``pulseloco monitor``). Readers
+ignore keys they do not know, so records with and without ``rounds`` are read by old and new readers alike. Records come
+from strangers: :meth:`Matchmaker.read_state_records` skips malformed ones (and drops a malformed ``rounds`` alone,
+keeping the peer's vote) and counts them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ from typing import Any, TypeGuard
 
 import xxhash
 from hivemind.utils import get_dht_time
+
+from pulseloco.keys import loco_round_key, loco_state_key
 
 logger = logging.getLogger(__name__)
 
@@ -303,7 +306,7 @@ class Matchmaker:
 
     # -- group formation ----------------------------------------------------------------------------------
     def _key(self, round_index: int, what: str) -> str:
-        return f"{self.run_id}_loco_r{round_index}_{what}"
+        return loco_round_key(self.run_id, round_index, what)
 
     def _registrations(self, round_index: int) -> dict[str, tuple[bool, float, str]]:
         """Peer id -> (client mode, DHT time of registration, theta digest) of the well-formed registrations."""
@@ -474,7 +477,7 @@ class Matchmaker:
             "disputed": sorted(disputed)[:MAX_DISPUTED],
             "rounds": [r.to_wire() for r in self.rounds if r.round < round_index],
         }
-        self._store(f"{self.run_id}_loco_state", self.peer_id, value, get_dht_time() + self.state_ttl)
+        self._store(loco_state_key(self.run_id), self.peer_id, value, get_dht_time() + self.state_ttl)
 
     def read_states(self) -> list[PeerState]:
         """Every peer's latest published state (malformed records are skipped)."""
@@ -485,7 +488,7 @@ class Matchmaker:
         carried a malformed ``rounds`` list (dropped: the rest of the record is kept). A lookup that fails or
         times out is logged and reads as no records; never raises."""
         states, malformed, malformed_rounds = [], 0, 0
-        for peer, (value, _) in self._get(f"{self.run_id}_loco_state").items():
+        for peer, (value, _) in self._get(loco_state_key(self.run_id)).items():
             parsed = _parse_state(peer, value)
             if parsed is None:
                 malformed += 1

@@ -2,7 +2,7 @@
 answered once, with every reply checked.
 
 A :class:`RolloutClient` turns a batch of prompt groups (one prompt, ``num_samples`` completions) into leases and
-runs them on the workers it finds in the DHT (:func:`pulseloco.rollouts.protocol.workers_key`):
+runs them on the workers it finds in the DHT (:func:`pulseloco.keys.workers_key`):
 
 - at most ``leases_per_worker`` leases of this trainer run on a worker at once, and a worker gets its next lease
   as soon as one of its own returns, so faster workers take proportionally more leases (leases are cut to about
@@ -44,6 +44,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from pulseloco.errors import PayloadError, SwarmError, TruncatedPayloadError
+from pulseloco.keys import refused_key, training_run_id, workers_key
 from pulseloco.p2p import P2PHost, read_stream
 from pulseloco.rollouts.protocol import (
     MAX_REASON_CHARS,
@@ -53,9 +54,7 @@ from pulseloco.rollouts.protocol import (
     WorkerInfo,
     decode_reply,
     parse_worker_record,
-    refused_key,
     reply_max_bytes,
-    workers_key,
 )
 from pulseloco.rollouts.worker import RolloutServicer, rollout_namespace
 from pulseloco.sync.signing import verify_envelope
@@ -128,7 +127,7 @@ class RolloutClient:
         leases_per_worker: leases of this trainer running on one worker at once.
         max_refusals: replies in a row that fail the checks of this client, or leases whose completions fail the
             trainer's checks (:meth:`report_check_failure`, however far apart), before a worker is refused for the
-            run; refusals are logged and stored in the DHT (:func:`pulseloco.rollouts.protocol.refused_key`).
+            run; refusals are logged and stored in the DHT (:func:`pulseloco.keys.refused_key`).
         seed: seeds the leases' sampling seeds.
     """
 
@@ -318,7 +317,7 @@ class RolloutClient:
                         idle_since = now
                     failing = now - last_ok > self.rollout_timeout + self.lease_timeout
                     if now - idle_since > self.rollout_timeout or failing:
-                        swarm_run = self.run_id.removesuffix(".policy")
+                        swarm_run = training_run_id(self.run_id)
                         if failing:
                             message = (
                                 f"every lease to the rollout workers of run {self.run_id!r} failed for "

@@ -43,8 +43,6 @@ __all__ = [
     "encode_reply",
     "parse_refusals",
     "parse_worker_record",
-    "refused_key",
-    "workers_key",
 ]
 
 #: Bound on a lease request's bytes (hivemind's daemon carries unary messages up to 4 MiB).
@@ -56,17 +54,6 @@ _DIGEST = re.compile(r"^[0-9a-f]{1,128}$")
 _LEASE_ID = re.compile(r"^[0-9A-Za-z_.:-]{1,80}$")
 #: A sampling log-probability is <= 0; this slack covers rounding in BF16/FP32 log-softmax.
 LOGPROB_SLACK = 1e-3
-
-
-def workers_key(run_id: str) -> str:
-    """The DHT key under which the rollout workers of PULSESync run ``run_id`` announce themselves."""
-    return f"pulseloco:{run_id}:rollout_workers"
-
-
-def refused_key(run_id: str) -> str:
-    """The DHT key under which the trainers of PULSESync run ``run_id`` list the workers they refused (one subkey
-    per trainer: ``{worker peer id: reason}``)."""
-    return f"pulseloco:{run_id}:refused_workers"
 
 
 #: Bounds on a refusal record that ``pulseloco status`` reads (trainers write them; strangers could too).

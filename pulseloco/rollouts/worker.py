@@ -7,7 +7,7 @@ under the subscriber's lock: a lease is generated with one version from start to
 version and its state digest. The subscriber downloads and verifies the next patch while a lease generates and
 applies it between leases.
 
-The server announces itself in the DHT (:func:`pulseloco.rollouts.protocol.workers_key`) every few seconds with the
+The server announces itself in the DHT (:func:`pulseloco.keys.workers_key`) every few seconds with the
 version it serves, its measured throughput and its queue, so that trainers can find it and size their leases.
 
 Failure behaviour: a malformed or oversized lease is answered with an ``error`` status naming the reason (it never
@@ -33,6 +33,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from pulseloco.errors import PayloadError
+from pulseloco.keys import workers_key
 from pulseloco.p2p import CHUNK_BYTES, P2PHost, stream_messages
 from pulseloco.rollouts.protocol import (
     Lease,
@@ -40,7 +41,6 @@ from pulseloco.rollouts.protocol import (
     WorkerInfo,
     decode_lease,
     encode_reply,
-    workers_key,
 )
 from pulseloco.swarm import is_reachable
 

@@ -39,6 +39,7 @@ from pulseloco.errors import (
     TensorMismatchError,
     UnauthorizedError,
 )
+from pulseloco.keys import POLICY_SUFFIX
 from pulseloco.swarm import is_reachable
 from pulseloco.sync.anchor import load_anchor
 from pulseloco.sync.patch import apply_patch
@@ -460,7 +461,7 @@ class Subscriber:
             where = f"a version in {self.source.store.path}"
         else:
             where = f"a head from {type(self.source).__name__}"
-        hint = "" if self.run_id.endswith(".policy") else " (the recipes publish under '<run_id>.policy')"
+        hint = "" if self.run_id.endswith(POLICY_SUFFIX) else f" (the recipes publish under '<run_id>{POLICY_SUFFIX}')"
         logger.warning(
             "no version of run %r after %.0f s: waiting for %s; check the run id%s and the public key",
             self.run_id,

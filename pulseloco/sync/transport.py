@@ -34,6 +34,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
 from pulseloco.errors import PayloadError, PayloadSizeError, TruncatedPayloadError, UnauthorizedError
+from pulseloco.keys import head_key, providers_key
 from pulseloco.p2p import P2PHost, header_message, parse_header, stream_messages
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES, Envelope, verify_envelope
 
@@ -47,7 +48,6 @@ __all__ = [
     "Provided",
     "SwarmEndpoint",
     "SyncServicer",
-    "head_key",
     "read_head",
     "read_head_record",
 ]
@@ -216,7 +216,7 @@ class SwarmEndpoint:
         self.dht = dht
         self.run_id = run_id
         self.head_key = head_key(run_id)
-        self.providers_key = f"pulseloco:{run_id}:providers"
+        self.providers_key = providers_key(run_id)
         self._host = P2PHost(dht, name=f"{name}-p2p")
         self.p2p: P2P = self._host.p2p
         self.peer_id: PeerID = self._host.peer_id
@@ -487,11 +487,6 @@ class SwarmEndpoint:
     def close(self) -> None:
         """Remove handlers, close the replica and stop the loop (bounded; errors are logged, not raised)."""
         self._host.close()
-
-
-def head_key(run_id: str) -> str:
-    """The DHT key of run ``run_id``'s signed head record."""
-    return f"pulseloco:{run_id}:head"
 
 
 def read_head_record(dht: hivemind.DHT, run_id: str, *, timeout: float = 10.0) -> bytes | None:

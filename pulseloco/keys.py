@@ -1,0 +1,68 @@
+"""The names a swarm run uses in the DHT, in one scheme: ``pulseloco:<run id>:<what>``.
+
+A training run ``RUN`` averages under its own run id (PULSELoCo's records) and publishes its weights under the
+PULSESync run id :func:`policy_run_id` (``RUN.policy``), which rollout workers follow and under which they
+announce themselves. Every module that reads or writes a DHT record takes its key from here.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "POLICY_SUFFIX",
+    "head_key",
+    "loco_round_key",
+    "loco_state_key",
+    "policy_run_id",
+    "providers_key",
+    "refused_key",
+    "training_run_id",
+    "workers_key",
+]
+
+POLICY_SUFFIX = ".policy"
+"""What turns a training run id into the PULSESync run id its weights are published under."""
+
+
+def policy_run_id(run_id: str) -> str:
+    """The PULSESync run id a training run ``run_id`` publishes its weights under (``run_id.policy``)."""
+    return f"{run_id}{POLICY_SUFFIX}"
+
+
+def training_run_id(sync_run_id: str) -> str:
+    """The training run id of a PULSESync run id (the inverse of :func:`policy_run_id`; unchanged without the
+    suffix)."""
+    return sync_run_id.removesuffix(POLICY_SUFFIX)
+
+
+def _key(run_id: str, *what: str) -> str:
+    return ":".join(("pulseloco", run_id, *what))
+
+
+def loco_round_key(run_id: str, round_index: int, what: str) -> str:
+    """A PULSELoCo round's matchmaking records (``what``: ``peers``, ``view0`` ...; subkey: peer id)."""
+    return _key(run_id, "loco", f"r{round_index}", what)
+
+
+def loco_state_key(run_id: str) -> str:
+    """PULSELoCo's state records: each trainer's last completed round and digest (subkey: peer id)."""
+    return _key(run_id, "loco", "state")
+
+
+def head_key(run_id: str) -> str:
+    """PULSESync run ``run_id``'s signed head record."""
+    return _key(run_id, "head")
+
+
+def providers_key(run_id: str) -> str:
+    """Who serves PULSESync run ``run_id``'s objects: the publisher and relaying subscribers (subkey: peer id)."""
+    return _key(run_id, "providers")
+
+
+def workers_key(run_id: str) -> str:
+    """The rollout workers of PULSESync run ``run_id`` (subkey: peer id)."""
+    return _key(run_id, "rollout_workers")
+
+
+def refused_key(run_id: str) -> str:
+    """The workers the trainers of PULSESync run ``run_id`` refused (subkey: trainer; value: worker -> reason)."""
+    return _key(run_id, "refused_workers")
