@@ -80,24 +80,6 @@ def check_output_dir(output_dir: str, resume_from_checkpoint: Any) -> None:
         )
 
 
-def swarm_callbacks(pulse_args: Any, training_args: Any) -> list[Any]:
-    """The pulseloco callbacks of ``pulse_args`` for a Trainer with ``training_args``.
-
-    Swarm strategies must end on an outer-round boundary (otherwise the last steps are never averaged and the
-    saved model is one peer's local weights): ``max_steps`` must be a multiple of ``inner_steps``.
-    """
-    if pulse_args.selector is not None:
-        max_steps = getattr(training_args, "max_steps", -1)
-        if max_steps is None or max_steps <= 0:
-            raise ConfigError(f"--strategy {pulse_args.strategy} needs --max_steps (a multiple of --inner_steps)")
-        if max_steps % pulse_args.inner_steps:
-            raise ConfigError(
-                f"max_steps ({max_steps}) must be a multiple of inner_steps ({pulse_args.inner_steps}) for "
-                f"--strategy {pulse_args.strategy}"
-            )
-    return pulse_args.callbacks(output_dir=training_args.output_dir)
-
-
 TENSORBOARD_SUBDIR = "tensorboard"
 """Where the recipes' TensorBoard event files go, under ``output_dir`` (unless ``TENSORBOARD_LOGGING_DIR`` is set)."""
 

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
         skip_vllm_import()
     spec = tasks.spec_for_model(model_args.model_name_or_path, task_args.task, task_args.max_operand)
     common.check_output_dir(training_args.output_dir, training_args.resume_from_checkpoint)
-    callbacks = common.swarm_callbacks(pulse_args, training_args)
+    callbacks = pulse_args.callbacks(output_dir=training_args.output_dir, max_steps=training_args.max_steps)
     rollout_func = rollout_args.rollout_func(pulse_args, output_dir=training_args.output_dir)
 
     from accelerate import PartialState

@@ -467,7 +467,8 @@ def _resume_arg(value: str | None) -> str | bool | None:
 def training_function(
     model_args: ModelArguments, data_args: DataArguments, training_args: Any, pulse_args: Any
 ) -> None:
-    callbacks = common.swarm_callbacks(pulse_args, training_args)  # none for ddp: the Trainer's own
+    # none for ddp (the Trainer's own); swarm strategies end on an outer-round boundary
+    callbacks = pulse_args.callbacks(output_dir=training_args.output_dir, max_steps=training_args.max_steps)
     swarm = pulse_args.selector is not None
     trainer = make_trainer(model_args, data_args, training_args, callbacks=callbacks, swarm=swarm)
     model = trainer.model

@@ -118,6 +118,15 @@ def test_resume_without_pulseloco_state_is_refused(tmp_path: Path) -> None:
     callback.close()
 
 
+def test_a_run_that_would_not_end_on_a_round_boundary_is_refused_before_joining(tmp_path: Path) -> None:
+    """The two-line callback checks what the recipes check: the last 2 of 6 steps would never be averaged."""
+    callback = PulseLoCoCallback(run_id="ragged", inner_steps=4, **LONE_PEER)
+    with pytest.raises(ConfigError, match=r"max_steps \(6\) must be a multiple of inner_steps \(4\)"):
+        train(tmp_path / "out", [callback], max_steps=6)
+    assert callback.loco is None and callback.dht is None  # refused before the swarm was joined
+    callback.close()
+
+
 def test_pulsesync_every_round_publishes_each_consensus_version(tmp_path: Path) -> None:
     from pulseloco.cli import main as pulseloco_main
     from pulseloco.sync.signing import load_public_key

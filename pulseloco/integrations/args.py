@@ -206,12 +206,20 @@ class PulseLoCoArguments(SwarmArguments):
         """The PulseLoCo selector of the strategy (``None`` for ``ddp``)."""
         return STRATEGIES[self.strategy]
 
-    def callbacks(self, *, output_dir: str | Path | None = None) -> list[Any]:
+    def callbacks(self, *, output_dir: str | Path | None = None, max_steps: int | None = None) -> list[Any]:
         """The Trainer callbacks of these options: a :class:`PulseLoCoCallback` for swarm strategies and a
         :class:`PulseSyncCallback` with ``--publish``; none for plain ``ddp``. Round metrics go to
         ``<output_dir>/pulseloco_rounds.jsonl`` and published versions to ``<output_dir>/pulsesync_versions.jsonl``
-        when ``output_dir`` is given."""
-        from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback
+        when ``output_dir`` is given. With ``max_steps`` (the Trainer's), a swarm strategy checks at once that the
+        run ends on an outer-round boundary (the callback checks again when training starts); raises
+        :class:`ConfigError` naming the flags."""
+        from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback, check_round_boundary
+
+        if self.selector is not None and max_steps is not None:
+            try:
+                check_round_boundary(max_steps, self.inner_steps)
+            except ConfigError as exc:
+                raise ConfigError(f"--strategy {self.strategy}: {exc} (set --max_steps or --inner_steps)") from None
 
         out = Path(output_dir) if output_dir is not None else None
         callbacks: list[Any] = []

@@ -83,6 +83,18 @@ _CALLBACK_OF_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, PulseLoCoCallback
 """The PulseLoCoCallback driving a model, so that a PulseSyncCallback on the same Trainer can find its rounds."""
 
 
+def check_round_boundary(max_steps: int, inner_steps: int) -> None:
+    """Refuse a run that would not end on an outer-round boundary: its last ``max_steps % inner_steps`` steps would
+    never be averaged, and the saved model would be one peer's local weights. Raises :class:`ConfigError`."""
+    if max_steps is None or max_steps <= 0:
+        raise ConfigError(f"PULSELoCo needs max_steps (a multiple of inner_steps {inner_steps}), got {max_steps}")
+    if max_steps % inner_steps:
+        raise ConfigError(
+            f"max_steps ({max_steps}) must be a multiple of inner_steps ({inner_steps}): the last "
+            f"{max_steps % inner_steps} steps would never be averaged"
+        )
+
+
 def _join_swarm(config: SwarmConfig) -> Any:
     """Start a DHT on the main process; every process raises the same error if that fails
     (:class:`pulseloco.errors.SwarmUnreachableError` or :class:`ConfigError`, from :func:`make_dht`)."""
@@ -373,6 +385,7 @@ class PulseLoCoCallback(_LogsContributor):
             raise ConfigError("PulseLoCoCallback needs the Trainer's model (transformers passes it to callbacks)")
         if self.loco is not None:
             raise ConfigError("PulseLoCoCallback drives one training run; give each Trainer.train() a new callback")
+        check_round_boundary(state.max_steps, self.inner_steps)
         if self._owns_dht:
             self.dht = _join_swarm(self.swarm)
         elif not PartialState().is_main_process:
