@@ -78,7 +78,7 @@ case "${PULSELOCO_VLLM:-auto}" in
     none) vllm_extra="" ;;
     *) _setup_die "PULSELOCO_VLLM must be auto, gpu, cpu or none, got '$PULSELOCO_VLLM'" ;;
 esac
-extras="test${vllm_extra:+,$vllm_extra}"
+extras="test,scripts${vllm_extra:+,$vllm_extra}"
 
 # The stamp names pyproject.toml's content, the extras and this checkout's path (an editable install points at a
 # path).

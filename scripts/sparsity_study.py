@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import itertools
 import json
 import math
@@ -686,6 +687,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def study(args: argparse.Namespace) -> dict[str, Any]:
+    if importlib.util.find_spec("matplotlib") is None:  # before hours of runs, not at the plots
+        raise ConfigError("matplotlib is not installed: pip install -e '.[scripts]' (scripts/_setup.sh installs it)")
     import transformers
     import trl
     from trl import GRPOConfig, ModelConfig

@@ -9,8 +9,12 @@ Modules, one concept each:
 - :mod:`~pulseloco.loco.averaging`: the sparse reduce-scatter / all-gather over libp2p;
 - :mod:`~pulseloco.loco.state`: serving and downloading the global state (peers behind or disagreeing);
 - :mod:`~pulseloco.loco.ledger`: exactly-once bookkeeping of what each round counted;
-- :mod:`~pulseloco.loco.metrics`: per-round JSON-lines metrics;
+- :mod:`~pulseloco.loco.metrics`: per-round metrics (written with :class:`pulseloco.jsonl.JsonLinesWriter`);
 - :mod:`~pulseloco.loco.optimizer`: :class:`PulseLoCo`, which ties them together.
+
+Tensor names carry their length as a suffix: ``_N`` for a flat FP32 vector over all N parameters (``theta_N``,
+``residual_N``), ``_K`` for the K selected entries of one (``indices_K``, ``values_K``), ``_C`` for a chunk of a
+flat vector (``theta_C``, one slice of ``theta_N``).
 """
 
 from pulseloco.loco.metrics import RoundMetrics

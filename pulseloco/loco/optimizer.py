@@ -237,8 +237,8 @@ class PulseLoCo:
         self._copy_stream = torch.cuda.Stream(self.model_device) if self.pin_memory else None
         self._staging: list[torch.Tensor] = []
         self.theta_N = self._empty_state("theta")
-        for start, stop, local_B in self._local_chunks():
-            self.theta_N[start:stop].copy_(local_B)
+        for start, stop, local_chunk in self._local_chunks():
+            self.theta_N[start:stop].copy_(local_chunk)
         self.residual_N = self._empty_state("residual").zero_()
         self.round = 0
         self.local_step = 0
@@ -513,9 +513,9 @@ class PulseLoCo:
         return self._staging[index][:numel]
 
     def _local_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """The local parameters as FP32 on the outer state's device, chunk by chunk: ``(start, stop, local_B)``.
+        """The local parameters as FP32 on the outer state's device, chunk by chunk: ``(start, stop, local_chunk)``.
 
-        ``local_B`` is a staging buffer, valid until the generator is resumed: with pinned memory the next
+        ``local_chunk`` is a staging buffer, valid until the generator is resumed: with pinned memory the next
         chunk's copy from the GPU is queued (on a side stream) while the caller works on this one."""
         ranges = list(self._chunk_ranges())
         stream = self._copy_stream
@@ -550,8 +550,8 @@ class PulseLoCo:
         """A full FP32 copy of the local parameters on the outer state's device (for tools and tests; the
         round itself works chunk by chunk)."""
         flat_N = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        for start, stop, local_B in self._local_chunks():
-            flat_N[start:stop].copy_(local_B)
+        for start, stop, local_chunk in self._local_chunks():
+            flat_N[start:stop].copy_(local_chunk)
         return flat_N
 
     def _load_theta_into_model(self) -> None:
@@ -580,10 +580,10 @@ class PulseLoCo:
             return
         if self.theta_N.device.type == "cpu" and "nccl" in str(torch.distributed.get_backend()).lower():
             for start, stop in self._chunk_ranges():
-                staging_B = self.theta_N[start:stop].to(self.model_device)
-                torch.distributed.broadcast(staging_B, src=0)
+                staging = self.theta_N[start:stop].to(self.model_device)
+                torch.distributed.broadcast(staging, src=0)
                 if not self.is_main_process:  # rank 0's theta may be shared with the served snapshot
-                    self.theta_N[start:stop].copy_(staging_B)
+                    self.theta_N[start:stop].copy_(staging)
             return
         torch.distributed.broadcast(self.theta_N, src=0)
 
@@ -691,8 +691,8 @@ class PulseLoCo:
                 return False
             if peak < _NO_OVERFLOW_BOUND:
                 return True
-            for start, stop, local_B in self._local_chunks():
-                if not bool(torch.isfinite(self.theta_N[start:stop] - local_B).all()):
+            for start, stop, local_chunk in self._local_chunks():
+                if not bool(torch.isfinite(self.theta_N[start:stop] - local_chunk).all()):
                     return False
             return True
 
@@ -704,8 +704,8 @@ class PulseLoCo:
                 for start, stop in self._chunk_ranges():
                     self.residual_N[start:stop].add_(torch.zeros(stop - start, device=self.device))
                 return
-            for start, stop, local_B in self._local_chunks():
-                self.residual_N[start:stop].add_(theta_start_N[start:stop] - local_B)
+            for start, stop, local_chunk in self._local_chunks():
+                self.residual_N[start:stop].add_(theta_start_N[start:stop] - local_chunk)
 
     def _drop_diverged_round(self) -> None:
         """The inner steps made the local parameters non-finite: nothing of them may reach the swarm. Drops the

@@ -51,16 +51,16 @@ class NesterovOuterOptimizer:
             self.momentum_N = torch.zeros_like(theta_N)
         elif self.momentum_N.shape != theta_N.shape:
             raise ValueError(f"momentum {tuple(self.momentum_N.shape)} and theta {tuple(theta_N.shape)} differ")
-        self._step_block(theta_N, pseudo_gradient_N, self.momentum_N)
+        self._step_chunk(theta_N, pseudo_gradient_N, self.momentum_N)
 
-    def _step_block(self, theta_B: torch.Tensor, gradient_B: torch.Tensor, v_B: torch.Tensor) -> None:
+    def _step_chunk(self, theta_C: torch.Tensor, gradient_C: torch.Tensor, v_C: torch.Tensor) -> None:
         """The update on one block of entries (every operation is element-wise: blocks do not change bits)."""
-        v_B.mul_(self.momentum)
-        v_B.add_(gradient_B)
-        update_B = v_B * self.momentum
-        update_B = gradient_B + update_B
-        update_B.mul_(self.lr)
-        theta_B.sub_(update_B)
+        v_C.mul_(self.momentum)
+        v_C.add_(gradient_C)
+        update_C = v_C * self.momentum
+        update_C = gradient_C + update_C
+        update_C.mul_(self.lr)
+        theta_C.sub_(update_C)
 
     def step_sparse(
         self, theta_N: torch.Tensor, indices_K: torch.Tensor, values_K: torch.Tensor, *, chunk_numel: int
@@ -94,9 +94,9 @@ class NesterovOuterOptimizer:
         cuts = [0, *torch.searchsorted(indices_K.cpu(), stops).tolist()]
         for j, start in enumerate(range(0, numel, chunk_numel)):
             stop = min(start + chunk_numel, numel)
-            gradient_B = torch.zeros(stop - start, dtype=torch.float32, device=theta_N.device)
-            gradient_B[indices_K[cuts[j] : cuts[j + 1]] - start] = values_K[cuts[j] : cuts[j + 1]]
-            self._step_block(theta_N[start:stop], gradient_B, self.momentum_N[start:stop])
+            gradient_C = torch.zeros(stop - start, dtype=torch.float32, device=theta_N.device)
+            gradient_C[indices_K[cuts[j] : cuts[j + 1]] - start] = values_K[cuts[j] : cuts[j + 1]]
+            self._step_chunk(theta_N[start:stop], gradient_C, self.momentum_N[start:stop])
 
     def state_dict(self) -> dict[str, Any]:
         """``lr``, ``momentum`` and the momentum buffer (``None`` before the first step)."""

@@ -56,9 +56,11 @@ __all__ = [
 PROBE_KIND = "probe"
 #: Bound on the versions one provider record lists (a few kB in the DHT).
 _MAX_ANNOUNCED_VERSIONS = 1024
-#: Payload bytes per stream message. Smaller than :data:`pulseloco.p2p.CHUNK_BYTES` (1 MiB) because a relay
-#: forwards a message once it has all of it: each hop of a relay tree adds one message's transfer time (21 ms
-#: at 100 Mbit/s for 256 KiB, 84 ms for 1 MiB).
+#: Payload bytes per stream message of an object a relay forwards while it arrives. Smaller than
+#: :data:`pulseloco.p2p.CHUNK_BYTES` (1 MiB) because a relay forwards a message once it has all of it: each hop
+#: of a relay tree adds one message's transfer time (21 ms at 100 Mbit/s for 256 KiB, 84 ms for 1 MiB). A complete
+#: object (the publisher's store, or a relay holding all of it) goes out in :data:`pulseloco.p2p.CHUNK_BYTES`
+#: messages, so the first hop's pieces are 1 MiB and a relay re-cuts each one as it arrives.
 SYNC_CHUNK_BYTES = 256 << 10
 
 
