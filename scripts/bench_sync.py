@@ -99,7 +99,6 @@ class WorkerSpec:
     lr: float = LR
     poll: float = 0.2
     fetch_timeout: float = 600.0
-    provider_wait: float = 2.0
     relay_wait: float | None = None  # None: the library's SwarmSource default
     relay_max_bytes: int | None = None  # None: the library's Subscriber default
     threads: int | None = None
@@ -225,37 +224,6 @@ def publisher_worker(spec: WorkerSpec) -> None:
         dht.shutdown()
 
 
-class ProviderWaitSource:
-    """Workaround for a race in the library: wraps a subscriber's ``SwarmSource``.
-
-    The publisher stores the signed head in the DHT (blocking) and only then announces the versions it provides
-    (``return_future=True``, not awaited). A subscriber that sees the new head at once finds no provider listing
-    the version, and ``SwarmSource.fetch`` returns None without a warning: the subscriber then falls back to a full
-    anchor plus the patch chain (or, for the first version or in full-checkpoint mode, fails the update and retries
-    on the next poll). This wrapper asks again for up to ``wait`` seconds before giving up, and counts how often.
-    """
-
-    def __init__(self, inner: Any, wait: float) -> None:
-        self.inner = inner
-        self.wait = wait
-        self.retries = 0
-
-    def head(self) -> Any:
-        return self.inner.head()
-
-    def __getattr__(self, name: str) -> Any:  # served_by, relay_wait, ... of the wrapped SwarmSource
-        return getattr(self.inner, name)
-
-    def fetch(self, request: Any) -> Any:
-        deadline = time.monotonic() + self.wait
-        while True:
-            got = self.inner.fetch(request)
-            if got is not None or time.monotonic() >= deadline:
-                return got
-            self.retries += 1
-            time.sleep(0.05)
-
-
 def subscriber_worker(spec: WorkerSpec) -> None:
     """A rollout worker: join the publisher's swarm, follow the run, report every version it holds."""
     _worker_logging()
@@ -289,9 +257,6 @@ def subscriber_worker(spec: WorkerSpec) -> None:
     if spec.relay_wait is not None:
         sub.source.relay_wait = spec.relay_wait
     swarm_source = sub.source
-    source = ProviderWaitSource(sub.source, spec.provider_wait) if spec.provider_wait > 0 else None
-    if source is not None:
-        sub.source = source
     if spec.full:
         # Workaround: the relay keeps its last 16 objects in memory whatever their size; in this mode they are
         # full checkpoints (16 x 2 bytes per parameter). Only the newest is ever requested here.
@@ -314,7 +279,6 @@ def subscriber_worker(spec: WorkerSpec) -> None:
                     "bytes_received": report.bytes_received,
                     "path": report.path,
                     "update_s": report.seconds,
-                    "provider_retries": source.retries if source is not None else 0,
                     "served_by": served[-1] if served else None,
                 },
             )
@@ -512,7 +476,6 @@ class CaseResult:
             "off_path_updates": sum(
                 h["path"] != ("anchor" if self.mode == "full" else "patch") for v in vs for h in v.subscribers
             ),
-            "provider_retries": self.provider_retries,
             **self.bound_summary(),
         }
 
@@ -534,15 +497,6 @@ class CaseResult:
             "mean_latency_after_encode_s": statistics.mean(v.latency_s - v.encode_s for v in vs),
             "mean_ratio_after_encode": statistics.mean(after),
         }
-
-    @property
-    def provider_retries(self) -> int:
-        """Times the ProviderWaitSource workaround asked again (summed over subscribers, whole case)."""
-        last: dict[int, int] = {}
-        for v in self.versions:
-            for h in v.subscribers:
-                last[h["index"]] = h.get("provider_retries", 0)
-        return sum(last.values())
 
 
 class Coordinator:
@@ -680,7 +634,6 @@ class Coordinator:
             seed=args.seed,
             poll=args.poll,
             fetch_timeout=args.fetch_timeout,
-            provider_wait=args.provider_wait,
             relay_wait=args.relay_wait,
             relay_max_bytes=None if args.relay_max_mb is None else int(args.relay_max_mb * 1e6),
         )
@@ -1025,12 +978,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--fetch-timeout", type=float, default=600.0, help="subscribers' per-update fetch timeout")
     ap.add_argument(
-        "--provider-wait",
-        type=float,
-        default=2.0,
-        help="workaround: seconds a subscriber waits for a provider record of a new head (0: library as is)",
-    )
-    ap.add_argument(
         "--relay-wait",
         type=float,
         default=None,
@@ -1172,11 +1119,6 @@ def main(argv: list[str] | None = None) -> int:
         "holds the version (digest checked against the publisher's); recv_MB/sub: bytes a subscriber actually "
         "received per version; off_path: subscriber updates that fell back to another path (anchor + chain)."
     )
-    if args.provider_wait > 0:
-        print(
-            f"Workaround active: subscribers wait up to {args.provider_wait:g} s for the publisher's provider record "
-            "of a new head (a race in the library; --provider-wait 0 measures the library as is)."
-        )
     for cond in conditions:
         print()
         if cond["skipped"] is not None:
@@ -1209,11 +1151,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         for c in mine:
             initial = next((v for v in c.versions if not v.counted), None)
-            if c.warnings or c.provider_retries:
-                print(
-                    f"  {c.subscribers} subscriber(s) {c.mode}: {len(c.warnings)} warning(s) from the library, "
-                    f"{c.provider_retries} provider-record retries (workaround)"
-                )
+            if c.warnings:
+                print(f"  {c.subscribers} subscriber(s) {c.mode}: {len(c.warnings)} warning(s) from the library")
             if initial is not None and c.mode == "patches":
                 print(
                     f"  {c.subscribers} subscriber(s): initial anchor ({initial.object_bytes / 1e6:.1f} MB) reached "
@@ -1237,7 +1176,6 @@ def main(argv: list[str] | None = None) -> int:
                 "modes": args.modes,
                 "seed": args.seed,
                 "poll_s": args.poll,
-                "provider_wait_s": args.provider_wait,
                 "relay_wait_s": args.relay_wait,
                 "relay_max_mb": args.relay_max_mb,
                 "warmup_batch": args.warmup_batch,
