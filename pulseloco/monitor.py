@@ -35,11 +35,11 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO, get_args
 
 from pulseloco.errors import ConfigError, SwarmError
 from pulseloco.loco.matchmaking import RoundRecord
-from pulseloco.status import PeerReport, SwarmStatus, collect_status
+from pulseloco.status import PeerReport, PeerStatus, SwarmStatus, collect_status
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ MAX_WORKER_SERIES = 32
 """Most ``worker_lag/<peer id>`` series logged per poll (the first by peer id): worker records are written by
 anyone, and each new id would make a new series."""
 
-_STATUSES = ("agree", "ahead", "behind", "disagree", "disputed")
+_STATUSES: tuple[PeerStatus, ...] = get_args(PeerStatus)
 
 
 @dataclass(frozen=True)

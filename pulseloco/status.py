@@ -45,7 +45,7 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -79,6 +79,10 @@ DEFAULT_RUN_ID = "pulseloco"
 """The trainers' default run id (``SwarmArguments.run_id``, ``PulseLoCo(run_id=...)``)."""
 
 
+PeerStatus = Literal["agree", "ahead", "behind", "disagree", "disputed"]
+"""Where a peer stands against the majority of its round (see :func:`classify_peers`)."""
+
+
 @dataclass(frozen=True)
 class PeerReport:
     """One PULSELoCo peer's state record and how it compares (``status``: agree, disagree, ahead, behind,
@@ -89,7 +93,7 @@ class PeerReport:
     round: int
     digest: str
     complete: bool
-    status: str
+    status: PeerStatus
     rounds_behind: int
     """Reference round minus this peer's round (negative when ahead)."""
     rounds: tuple[RoundRecord, ...] = ()
@@ -210,6 +214,7 @@ def classify_peers(states: list[PeerState]) -> tuple[int | None, str | None, lis
     majorities = {r: majority_digest(trusted, r) for r in counts}
     reports = []
     for s in sorted(states, key=lambda s: (-s.round, s.peer_id)):
+        status: PeerStatus
         if s.peer_id in distrusted:
             status = "disputed"
         elif s.round < reference:

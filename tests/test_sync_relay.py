@@ -287,3 +287,27 @@ def test_relay_readers_follow_the_download_and_end_with_an_error_when_it_fails_o
             await asyncio.wait_for(_read_all(relay.provide(FetchRequest("patch", 3)).source), 5)
 
     asyncio.run(scenario())
+
+
+def test_a_provider_answering_an_unknown_status_is_refused_and_busy_is_passed_on() -> None:
+    """The stream header's status comes from a stranger: only ok, missing, busy (and error) are accepted."""
+    first = start_dht()
+    second = start_dht(maddrs(first))
+    strange: Any = "weird"  # a stranger's status, outside ProvidedStatus
+    answers = iter([Provided(strange), Provided("busy")])
+    server = SwarmEndpoint(first, RUN, name="strange")
+    client = SwarmEndpoint(second, RUN, name="asker")
+    try:
+        server.serve(lambda request: next(answers))
+        peer = server.peer_id.to_base58()
+        key = generate_key().public_key()
+        with pytest.raises(PayloadError, match="unknown status 'weird'"):
+            client.fetch(peer, FetchRequest("patch", 1), key, max_bytes=1 << 20, timeout=30, chunk_timeout=10)
+        assert (
+            client.fetch(peer, FetchRequest("patch", 1), key, max_bytes=1 << 20, timeout=30, chunk_timeout=10) == "busy"
+        )
+    finally:
+        client.close()
+        server.close()
+        second.shutdown()
+        first.shutdown()

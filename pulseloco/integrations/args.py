@@ -14,14 +14,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pulseloco.errors import ConfigError
 from pulseloco.keys import policy_run_id
 from pulseloco.loco.optimizer import OUTER_STATE_DEVICES
-from pulseloco.loco.selection import VALUE_DTYPES
+from pulseloco.loco.selection import VALUE_DTYPES, SelectorName
 
-STRATEGIES: dict[str, str | None] = {"ddp": None, "diloco": "dense", "pulseloco": "pulse", "sparseloco": "topk"}
+if TYPE_CHECKING:
+    from pulseloco.integrations.swarm_rollouts import Fallback
+
+STRATEGIES: dict[str, SelectorName | None] = {
+    "ddp": None,
+    "diloco": "dense",
+    "pulseloco": "pulse",
+    "sparseloco": "topk",
+}
 """Strategy -> PulseLoCo selector; ``ddp`` (``None``) is the Trainer's own data parallelism, no swarm."""
 
 
@@ -202,7 +210,7 @@ class PulseLoCoArguments(SwarmArguments):
             raise ConfigError("--publish with --strategy ddp has no outer rounds: set --publish_every N (steps)")
 
     @property
-    def selector(self) -> str | None:
+    def selector(self) -> SelectorName | None:
         """The PulseLoCo selector of the strategy (``None`` for ``ddp``)."""
         return STRATEGIES[self.strategy]
 
@@ -380,7 +388,7 @@ class RolloutArguments:
             max_lag=self.max_lag,
             lease_timeout=self.lease_timeout,
             rollout_timeout=self.rollout_timeout,
-            fallback=self.rollout_fallback,
+            fallback=cast(Fallback, self.rollout_fallback),  # one of FALLBACKS: checked in __post_init__
             lookahead=self.rollout_lookahead,
             verify=self.verify_rollouts,
             verifier=RolloutVerifier(

@@ -56,7 +56,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from transformers import TrainerCallback
 
@@ -72,7 +72,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FALLBACKS", "SwarmRollouts", "enable_importance_sampling"]
 
-FALLBACKS = ("local", "wait")
+Fallback = Literal["local", "wait"]
+FALLBACKS: tuple[Fallback, ...] = get_args(Fallback)
 #: Times a round's stale or failing groups are generated again by the workers before the trainer generates them.
 MAX_REGENERATIONS = 3
 
@@ -155,7 +156,7 @@ class SwarmRollouts:
         max_lag: int = 2,
         lease_timeout: float = 60.0,
         rollout_timeout: float = 60.0,
-        fallback: str = "local",
+        fallback: Fallback = "local",
         lookahead: bool = True,
         leases_per_worker: int = 2,
         verify: bool = True,

@@ -65,7 +65,7 @@ from pulseloco.errors import ConfigError, PulseLocoError
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id
 from pulseloco.loco.optimizer import PulseLoCo
-from pulseloco.loco.selection import SELECTORS
+from pulseloco.loco.selection import SELECTORS, SelectorName
 from pulseloco.swarm import SwarmConfig
 
 if TYPE_CHECKING:
@@ -348,7 +348,7 @@ class PulseLoCoCallback(_LogsContributor):
         initial_peers: list[str] | None = None,
         run_id: str = "pulseloco",
         inner_steps: int = 8,
-        selector: str = "pulse",
+        selector: SelectorName = "pulse",
         linger: float = 0.0,
         **pulseloco_kwargs: Any,
     ) -> None:

@@ -30,7 +30,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict, get_args
 
 import torch
 from hivemind.utils import get_dht_time
@@ -43,7 +43,7 @@ from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
-from pulseloco.loco.selection import SELECTORS, make_selector, select_in_place
+from pulseloco.loco.selection import SELECTORS, SelectorName, make_selector, select_in_place
 from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
 from pulseloco.swarm import is_reachable
@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_OUTER_CHUNK_BYTES", "OUTER_STATE_DEVICES", "PulseLoCo"]
 
-OUTER_STATE_DEVICES = ("auto", "cpu", "model")
+OuterStateDevice = Literal["auto", "cpu", "model"]
+OUTER_STATE_DEVICES: tuple[OuterStateDevice, ...] = get_args(OuterStateDevice)
 """Where :class:`PulseLoCo` keeps its outer state (``theta``, residual, outer momentum: 12 bytes a parameter)."""
 
 DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
@@ -170,7 +171,7 @@ class PulseLoCo:
         inner_steps: int = 8,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
-        selector: str = "pulse",
+        selector: SelectorName = "pulse",
         topk_density: float = 0.01,
         topk_chunk_size: int = 4096,
         pulse_values: str = "float32",
@@ -183,7 +184,7 @@ class PulseLoCo:
         max_norm_ratio: float = 10.0,
         metrics_path: str | os.PathLike[str] | None = None,
         num_download_retries: int = 3,
-        outer_state_device: str = "auto",
+        outer_state_device: OuterStateDevice = "auto",
         outer_chunk_bytes: int = DEFAULT_OUTER_CHUNK_BYTES,
     ) -> None:
         if inner_steps < 1:

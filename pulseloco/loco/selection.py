@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
@@ -49,8 +49,9 @@ __all__ = [
     "select_in_place",
 ]
 
+SelectorName = Literal["pulse", "dense", "topk"]
 #: Names accepted by :func:`make_selector`.
-SELECTORS = ("pulse", "dense", "topk")
+SELECTORS: tuple[SelectorName, ...] = get_args(SelectorName)
 
 #: Value precisions of the pulse rule: the dtype in which sent values are exact (and travel on the wire).
 VALUE_DTYPES = tuple(WIRE_FORMATS)

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["PATCH_VALUE_MODES", "PatchInfo", "apply_patch", "make_patch", "squash"]
 
 #: Value modes a patch may use (``float32`` payloads carry signals, not states).
-PATCH_VALUE_MODES = ("absolute", "delta")
+PatchValueMode = Literal["absolute", "delta"]
+PATCH_VALUE_MODES: tuple[PatchValueMode, ...] = get_args(PatchValueMode)
 
 
 @dataclass(frozen=True)

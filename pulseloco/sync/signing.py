@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -46,7 +46,8 @@ __all__ = [
 _DOMAIN = b"pulseloco-sync-envelope-v1\n"
 #: Bound on an envelope's size: it is read from the DHT and the network before anything else.
 MAX_ENVELOPE_BYTES = 16 << 10
-ENVELOPE_KINDS = ("head", "patch", "squash", "anchor")
+EnvelopeKind = Literal["head", "patch", "squash", "anchor"]
+ENVELOPE_KINDS: tuple[EnvelopeKind, ...] = get_args(EnvelopeKind)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from typing import Literal, get_args
 
 from pulseloco.errors import ConfigError, PayloadError
 
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["KINDS", "VersionStore"]
 
-KINDS = ("anchor", "patch")
+StoredKind = Literal["anchor", "patch"]
+KINDS: tuple[StoredKind, ...] = get_args(StoredKind)
 _NAME = re.compile(r"^v(\d{8})\.(anchor|patch)\.env$")
 
 

@@ -25,7 +25,7 @@ import time
 import typing
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import hivemind
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -122,6 +122,10 @@ class ObjectSink(Protocol):
     def fail(self, reason: str) -> None: ...
 
 
+ProvidedStatus = Literal["ok", "missing", "busy"]
+"""A provider's answer to a fetch (the stream header also carries ``error`` for a bad request)."""
+PROVIDED_STATUSES: tuple[ProvidedStatus, ...] = typing.get_args(ProvidedStatus)
+
 #: ``on_start(envelope, envelope_bytes)``: called once an object's signed envelope verified, before its payload
 #: arrives; returns where the payload's pieces should also go, or None.
 OnStart = Callable[[Envelope, bytes], "ObjectSink | None"]
@@ -132,7 +136,7 @@ class Provided:
     """A provider's answer: ``status`` is ok, missing or busy; ``envelope`` and ``payload`` when ok, or
     ``envelope`` and ``source`` for a payload still arriving (served as it arrives)."""
 
-    status: str
+    status: ProvidedStatus
     envelope: bytes = b""
     payload: bytes = b""
     source: ChunkSource | None = None
@@ -361,8 +365,10 @@ class SwarmEndpoint:
         size = head.get("size")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise PayloadError(f"provider {peer}: stream header has no valid size: {size!r}")
+        if status not in PROVIDED_STATUSES:
+            raise PayloadError(f"provider {peer}: unknown status {status[:40]!r} in the stream header")
         if status != "ok":
-            return Provided(status)
+            return Provided(typing.cast(ProvidedStatus, status))
         if size > max_bytes:
             raise PayloadSizeError(f"provider {peer}: stream declares {size} bytes, above the limit of {max_bytes}")
         env: Envelope | None = None
