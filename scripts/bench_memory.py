@@ -160,8 +160,8 @@ def loco_worker(args: dict[str, Any], swarm: bool, results: Any) -> None:
             "numel": numel,
             "init_peak": init_peak,
             "rounds": rounds,
-            "pinned": opt.pin_memory,
-            "state_device": str(opt.device),
+            "pinned": opt.placement.pin_memory,
+            "state_device": str(opt.placement.device),
         }
     )
 

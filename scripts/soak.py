@@ -122,7 +122,7 @@ class Audit:
             return is_finite()
 
         def add_and_record(theta_start_N: torch.Tensor, finite: bool) -> None:
-            local = opt._flatten_local()
+            local = opt.placement.flatten_local()
             name = f"{self.peer_id}.{round_started[0]}.npy"
             np.save(self.out / "prod" / name, (theta_start_N - local).numpy())
             add_pseudo_gradient(theta_start_N, finite)

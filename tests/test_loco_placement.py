@@ -68,7 +68,7 @@ def _pulseloco(selector: str, dtype: torch.dtype, *, device: str = "cpu", **kwar
         opt.count_inner_step()
     momentum = opt.outer_optimizer.momentum_N
     assert momentum is not None
-    assert opt.theta_N.device == momentum.device == opt.residual_N.device == opt.device
+    assert opt.theta_N.device == momentum.device == opt.residual_N.device == opt.placement.device
     return {"theta": opt.theta_N, "residual": opt.residual_N, "momentum": momentum, "model": flat_params(model)}
 
 
@@ -97,7 +97,7 @@ def test_chunked_round_is_bit_identical_to_the_whole_tensor_round(
 
 def test_outer_state_is_plain_host_memory_for_a_cpu_model() -> None:
     opt = PulseLoCo(_model(torch.float32), None, outer_state_device="model")
-    assert opt.device == torch.device("cpu") and not opt.pin_memory and not opt.theta_N.is_pinned()
+    assert opt.placement.device == torch.device("cpu") and not opt.placement.pin_memory and not opt.theta_N.is_pinned()
     assert _bits_equal(opt.theta_N, flat_params(opt.model))
 
 

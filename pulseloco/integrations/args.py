@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from pulseloco.errors import ConfigError
 from pulseloco.keys import policy_run_id
-from pulseloco.loco.optimizer import OUTER_STATE_DEVICES
+from pulseloco.loco.placement import OUTER_STATE_DEVICES
 from pulseloco.loco.selection import VALUE_DTYPES, SelectorName
 
 if TYPE_CHECKING:

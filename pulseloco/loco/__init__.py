@@ -9,6 +9,7 @@ Modules, one concept each:
 - :mod:`~pulseloco.loco.averaging`: the sparse reduce-scatter / all-gather over libp2p;
 - :mod:`~pulseloco.loco.state`: serving and downloading the global state (peers behind or disagreeing);
 - :mod:`~pulseloco.loco.ledger`: exactly-once bookkeeping of what each round counted;
+- :mod:`~pulseloco.loco.placement`: where the outer state lives and the chunked copies to and from the model;
 - :mod:`~pulseloco.loco.metrics`: per-round metrics (written with :class:`pulseloco.jsonl.JsonLinesWriter`);
 - :mod:`~pulseloco.loco.optimizer`: :class:`PulseLoCo`, which ties them together.
 

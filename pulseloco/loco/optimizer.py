@@ -29,8 +29,8 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, Literal, TypedDict, get_args
+from collections.abc import Callable
+from typing import Any, TypedDict
 
 import torch
 from hivemind.utils import get_dht_time
@@ -43,6 +43,7 @@ from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
+from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterPlacement, OuterStateDevice
 from pulseloco.loco.selection import SELECTORS, SelectorName, make_selector, select_in_place
 from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
@@ -50,11 +51,7 @@ from pulseloco.swarm import is_reachable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_OUTER_CHUNK_BYTES", "OUTER_STATE_DEVICES", "PulseLoCo"]
-
-OuterStateDevice = Literal["auto", "cpu", "model"]
-OUTER_STATE_DEVICES: tuple[OuterStateDevice, ...] = get_args(OuterStateDevice)
-"""Where :class:`PulseLoCo` keeps its outer state (``theta``, residual, outer momentum: 12 bytes a parameter)."""
+__all__ = ["DEFAULT_OUTER_CHUNK_BYTES", "PulseLoCo"]
 
 DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
 """FP32 bytes of one chunk of the outer round's chunked phases: bounds their temporaries."""
@@ -64,11 +61,11 @@ _NO_OVERFLOW_BOUND = 2.0**103
 ``|theta| <= 2**128 - 2**104``, and FP32 rounds to infinity only from ``2**128 - 2**103`` up."""
 
 
-def _distributed() -> tuple[bool, int]:
-    """(several processes in an initialized torch.distributed group, this process's rank)."""
+def _rank() -> int:
+    """This process's rank in an initialized ``torch.distributed`` group, 0 without one."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False, 0
-    return torch.distributed.get_world_size() > 1, torch.distributed.get_rank()
+        return 0
+    return torch.distributed.get_rank()
 
 
 class _ByteSplit(TypedDict, total=False):
@@ -224,23 +221,10 @@ class PulseLoCo:
             selector, topk_density=topk_density, topk_chunk_size=topk_chunk_size, pulse_values=pulse_values
         )
         self.outer_optimizer = NesterovOuterOptimizer(outer_lr, outer_momentum)
-        model_device = self.params[0].device
-        self.model_device = model_device if model_device.type == "cuda" else torch.device("cpu")
-        """The device the parameters are on (CUDA), or the CPU."""
         self.outer_state_device = outer_state_device
-        on_gpu = self.model_device.type == "cuda"
-        self.device = self.model_device if outer_state_device == "model" and on_gpu else torch.device("cpu")
-        """Where the outer state lives (see ``outer_state_device``)."""
-        self.pin_memory = on_gpu and self.device.type == "cpu" and torch.cuda.is_available()
-        """Whether the outer state and the staging chunks are pinned host memory."""
-        self.chunk_numel = max(1, int(outer_chunk_bytes) // 4)
-        # The host <-> GPU copies run on their own stream, so they queue without waiting for each other.
-        self._copy_stream = torch.cuda.Stream(self.model_device) if self.pin_memory else None
-        self._staging: list[torch.Tensor] = []
-        self.theta_N = self._empty_state("theta")
-        for start, stop, local_chunk in self._local_chunks():
-            self.theta_N[start:stop].copy_(local_chunk)
-        self.residual_N = self._empty_state("residual").zero_()
+        self.placement = OuterPlacement(self.params, outer_state_device, max(1, int(outer_chunk_bytes) // 4))
+        self.theta_N = self.placement.flatten_local("theta")
+        self.residual_N = self.placement.empty("residual").zero_()
         self.round = 0
         self.local_step = 0
         self.digest_timeout = request_timeout if digest_timeout is None else float(digest_timeout)
@@ -251,8 +235,7 @@ class PulseLoCo:
         self._round_start = time.monotonic()
         self._round_listeners: list[Callable[[PulseLoCo, RoundMetrics | None], None]] = []
         self._rounds_alone = 0
-        self._distributed, rank = _distributed()
-        self.is_main_process = rank == 0
+        self.is_main_process = _rank() == 0
         self.averager: SparseAverager | None = None
         self.matchmaker: Matchmaker | None = None
         self.ledger = Ledger("")
@@ -282,8 +265,8 @@ class PulseLoCo:
             self.ledger = Ledger(self.averager.peer_id)
             self._catch_up()
             self._publish()
-        self._broadcast_theta()
-        self._load_theta_into_model()
+        self.placement.broadcast(self.theta_N)
+        self.placement.load_into_model(self.theta_N)
 
     # -- public API -------------------------------------------------------------------------------------------
     @property
@@ -345,10 +328,10 @@ class PulseLoCo:
         metrics = None
         if not self.is_main_process:
             self.round += 1
-            self._broadcast_theta()
+            self.placement.broadcast(self.theta_N)
         else:
             metrics = self._outer_round(seconds_inner, start)
-        self._load_theta_into_model()
+        self.placement.load_into_model(self.theta_N)
         self.local_step = 0
         self._losses = []
         self._round_start = time.monotonic()
@@ -414,12 +397,12 @@ class PulseLoCo:
         self.outer_optimizer = outer
         self.round = int(state["round"])
         self.local_step = int(state["local_step"])
-        self.theta_N = self._place(state["theta_N"], "theta")
-        self.residual_N = self._place(state["residual_N"], "residual")
+        self.theta_N = self.placement.place(state["theta_N"], "theta")
+        self.residual_N = self.placement.place(state["residual_N"], "residual")
         if self.outer_optimizer.momentum_N is not None:
-            self.outer_optimizer.momentum_N = self._place(self.outer_optimizer.momentum_N, "momentum")
+            self.outer_optimizer.momentum_N = self.placement.place(self.outer_optimizer.momentum_N, "momentum")
         if self.local_step == 0:
-            self._load_theta_into_model()
+            self.placement.load_into_model(self.theta_N)
         if self.averager is not None:
             self._publish()
 
@@ -429,6 +412,11 @@ class PulseLoCo:
             self.averager.shutdown()
             self.averager = None
             self.matchmaker = None
+
+    def _zeros_momentum(self) -> None:
+        """Create the outer momentum (zeros) in the outer state's memory before the first outer step."""
+        if self.outer_optimizer.momentum_N is None:
+            self.outer_optimizer.momentum_N = self.placement.empty("momentum").zero_()
 
     def _warn_if_alone(self, metrics: RoundMetrics) -> None:
         """Say so when rounds average over this peer alone (a wrong ``run_id`` or ``initial_peers`` looks
@@ -447,146 +435,6 @@ class PulseLoCo:
                 self._rounds_alone,
                 self.matchmaker.matchmaking_time,
             )
-
-    # -- placement and chunked transfers ----------------------------------------------------------------------
-    def _empty_state(self, what: str) -> torch.Tensor:
-        """An uninitialized flat FP32 tensor of the outer state, where ``outer_state_device`` puts it. Raises
-        :class:`ConfigError` when it does not fit (GPU memory, or pinned host memory)."""
-        try:
-            return torch.empty(self.numel, dtype=torch.float32, device=self.device, pin_memory=self.pin_memory)
-        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError, or cudaHostAlloc failing for pinned memory
-            where = "pinned host memory" if self.pin_memory else str(self.device)
-            hint = "outer_state_device='cpu'" if self.device.type == "cuda" else "a host with more memory"
-            raise ConfigError(
-                f"PulseLoCo's {what} ({4 * self.numel / 2**30:.2f} GiB, FP32) does not fit in {where}: "
-                f"{' '.join(str(exc).split())[:200]}; use {hint}"
-            ) from exc
-
-    def _place(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
-        """A copy of a flat FP32 ``tensor`` in the outer state's memory (:meth:`_empty_state`)."""
-        out = self._empty_state(what)
-        out.copy_(tensor.detach())
-        return out
-
-    def _zeros_momentum(self) -> None:
-        """Create the outer momentum (zeros) in the outer state's memory before the first outer step."""
-        if self.outer_optimizer.momentum_N is None:
-            self.outer_optimizer.momentum_N = self._empty_state("momentum").zero_()
-
-    def _pieces(self, start: int, stop: int) -> Iterator[tuple[torch.Tensor, int, int]]:
-        """The parts of the trainable parameters in flat range ``[start, stop)``: ``(flat view, lo, hi)`` with
-        ``lo, hi`` relative to ``start``. Non-contiguous parameters come whole, in the chunk where they begin."""
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            if offset >= stop:
-                return
-            if offset + n > start and n:
-                if p.is_contiguous():
-                    a, b = max(start, offset), min(stop, offset + n)
-                    yield p.detach().view(-1)[a - offset : b - offset], a - start, b - start
-                elif offset >= start:
-                    yield p.detach(), offset - start, offset + n - start
-            offset += n
-
-    def _chunk_ranges(self) -> Iterator[tuple[int, int]]:
-        """Chunk ranges of the flat parameter space (non-contiguous parameters stretch the chunk they begin in)."""
-        start = 0
-        while start < self.numel:
-            stop = min(start + self.chunk_numel, self.numel)
-            offset = 0
-            for p in self.params:  # a non-contiguous parameter beginning here moves the end past it
-                n = p.numel()
-                if start <= offset < stop and not p.is_contiguous():
-                    stop = max(stop, offset + n)
-                offset += n
-            yield start, stop
-            start = stop
-
-    def _staging_buffer(self, index: int, numel: int) -> torch.Tensor:
-        """Staging chunk ``index`` (0 or 1) of at least ``numel`` FP32 entries, kept for the next rounds."""
-        while len(self._staging) <= index:
-            self._staging.append(torch.empty(0, dtype=torch.float32))
-        if self._staging[index].numel() < numel:
-            self._staging[index] = torch.empty(
-                max(numel, self.chunk_numel), dtype=torch.float32, device=self.device, pin_memory=self.pin_memory
-            )
-        return self._staging[index][:numel]
-
-    def _local_chunks(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """The local parameters as FP32 on the outer state's device, chunk by chunk: ``(start, stop, local_chunk)``.
-
-        ``local_chunk`` is a staging buffer, valid until the generator is resumed: with pinned memory the next
-        chunk's copy from the GPU is queued (on a side stream) while the caller works on this one."""
-        ranges = list(self._chunk_ranges())
-        stream = self._copy_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.model_device))  # the inner steps wrote the params
-
-        def fill(j: int) -> tuple[torch.Tensor, Any]:
-            start, stop = ranges[j]
-            buffer = self._staging_buffer(j % 2, stop - start)
-            if stream is None:
-                for piece, lo, hi in self._pieces(start, stop):
-                    buffer[lo:hi].view_as(piece).copy_(piece)
-                return buffer, None
-            with torch.cuda.stream(stream):
-                for piece, lo, hi in self._pieces(start, stop):
-                    buffer[lo:hi].view_as(piece).copy_(piece, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            return buffer, event
-
-        with torch.no_grad():
-            queued = [fill(0)] if ranges else []
-            for j, (start, stop) in enumerate(ranges):
-                if j + 1 < len(ranges):
-                    queued.append(fill(j + 1))
-                buffer, event = queued.pop(0)
-                if event is not None:
-                    event.synchronize()
-                yield start, stop, buffer
-
-    def _flatten_local(self) -> torch.Tensor:
-        """A full FP32 copy of the local parameters on the outer state's device (for tools and tests; the
-        round itself works chunk by chunk)."""
-        flat_N = torch.empty(self.numel, dtype=torch.float32, device=self.device)
-        for start, stop, local_chunk in self._local_chunks():
-            flat_N[start:stop].copy_(local_chunk)
-        return flat_N
-
-    def _load_theta_into_model(self) -> None:
-        """Copy ``theta`` into the model, chunk by chunk (asynchronous copies from pinned memory on a side
-        stream, waited for once at the end); temporaries of one chunk at most."""
-        stream = self._copy_stream
-        with torch.no_grad():
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(self.model_device))  # pending uses of the params
-            for start, stop in self._chunk_ranges():
-                for piece, lo, hi in self._pieces(start, stop):
-                    source = self.theta_N[start + lo : start + hi].view_as(piece)
-                    if stream is None:
-                        piece.copy_(source)
-                    else:
-                        with torch.cuda.stream(stream):
-                            piece.copy_(source, non_blocking=True)
-            if stream is not None:
-                torch.cuda.current_stream(self.model_device).wait_stream(stream)
-                stream.synchronize()  # theta may change once the copies are done, not before
-
-    def _broadcast_theta(self) -> None:
-        """Rank 0's ``theta`` to every rank. A host ``theta`` under a backend that cannot send host tensors
-        (NCCL) goes chunk by chunk through a buffer on the model's GPU."""
-        if not self._distributed:
-            return
-        if self.theta_N.device.type == "cpu" and "nccl" in str(torch.distributed.get_backend()).lower():
-            for start, stop in self._chunk_ranges():
-                staging = self.theta_N[start:stop].to(self.model_device)
-                torch.distributed.broadcast(staging, src=0)
-                if not self.is_main_process:  # rank 0's theta may be shared with the served snapshot
-                    self.theta_N[start:stop].copy_(staging)
-            return
-        torch.distributed.broadcast(self.theta_N, src=0)
 
     # -- phases -----------------------------------------------------------------------------------------------
 
@@ -668,9 +516,9 @@ class PulseLoCo:
             logger.warning("state repair failed, keeping own state: %s", exc)
             return False
         # New tensors, never in place: the round that called this still needs the theta it started from.
-        self.theta_N = self._place(snapshot.theta_N, "theta")
+        self.theta_N = self.placement.place(snapshot.theta_N, "theta")
         if snapshot.momentum_N is not None:
-            self.outer_optimizer.momentum_N = self._place(snapshot.momentum_N, "momentum")
+            self.outer_optimizer.momentum_N = self.placement.place(snapshot.momentum_N, "momentum")
         self.round = snapshot.round
         self._complete = True  # the swarm's majority state
         self._num_reconciled += self.ledger.reconcile(snapshot.ledger, snapshot.round, self.residual_N)
@@ -692,7 +540,7 @@ class PulseLoCo:
                 return False
             if peak < _NO_OVERFLOW_BOUND:
                 return True
-            for start, stop, local_chunk in self._local_chunks():
+            for start, stop, local_chunk in self.placement.local_chunks():
                 if not bool(torch.isfinite(self.theta_N[start:stop] - local_chunk).all()):
                     return False
             return True
@@ -702,10 +550,10 @@ class PulseLoCo:
         signal (``+= 0`` when the round diverged). Same bits as the out-of-place ``residual + (theta - local)``."""
         with torch.no_grad():
             if not finite:
-                for start, stop in self._chunk_ranges():
-                    self.residual_N[start:stop].add_(torch.zeros(stop - start, device=self.device))
+                for start, stop in self.placement.chunk_ranges():
+                    self.residual_N[start:stop].add_(torch.zeros(stop - start, device=self.placement.device))
                 return
-            for start, stop, local_chunk in self._local_chunks():
+            for start, stop, local_chunk in self.placement.local_chunks():
                 self.residual_N[start:stop].add_(theta_start_N[start:stop] - local_chunk)
 
     def _drop_diverged_round(self) -> None:
@@ -726,7 +574,7 @@ class PulseLoCo:
         the selected indices and values, and without swarm averaging the header of the selection encoded as one
         frame (``payload_bytes``; the result carries it otherwise)."""
         indices_K, values_K, value_dtype = select_in_place(
-            self.selector, self.theta_N, self.residual_N, chunk_numel=self.chunk_numel
+            self.selector, self.theta_N, self.residual_N, chunk_numel=self.placement.chunk_numel
         )
         if self.averager is None or self.matchmaker is None:
             payload = payload_frame(self.numel, indices_K, values_K, round_index=self.round, value_dtype=value_dtype)
@@ -771,7 +619,7 @@ class PulseLoCo:
         num_sent = int(indices_K.numel())
         if self.averager is None:
             self._zeros_momentum()
-            self.outer_optimizer.step_sparse(self.theta_N, indices_K, values_K, chunk_numel=self.chunk_numel)
+            self.outer_optimizer.step_sparse(self.theta_N, indices_K, values_K, chunk_numel=self.placement.chunk_numel)
         elif result is not None and result.indices_K.numel() + int(result.complete) > 0:
             self._withdraw_snapshot()  # theta and the momentum change in place; _publish below serves them again
             if not result.complete:
@@ -785,7 +633,7 @@ class PulseLoCo:
                 )
             self._zeros_momentum()
             self.outer_optimizer.step_sparse(
-                self.theta_N, result.indices_K, result.average_K, chunk_numel=self.chunk_numel
+                self.theta_N, result.indices_K, result.average_K, chunk_numel=self.placement.chunk_numel
             )
         self.round = round_index + 1
         # A peer that sat the round out (no group) applied nothing: its record must not outvote the peers that
@@ -797,7 +645,7 @@ class PulseLoCo:
             waiting = set(result.live_peers) - {str(self.peer_id)} if result is not None else set()
             states = self.matchmaker.wait_for_states(self.round, waiting, self.digest_timeout)
             repaired = self._catch_up(states) or repaired
-        self._broadcast_theta()
+        self.placement.broadcast(self.theta_N)
         digest = theta_digest(self.theta_N)
         metrics = RoundMetrics(
             round=round_index,
