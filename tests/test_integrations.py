@@ -161,7 +161,7 @@ def test_pulsesync_every_step_with_pulseloco_publishes_local_steps_and_each_cons
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
     loco = PulseLoCoCallback(run_id="sync-steps", inner_steps=3, **LONE_PEER)
     sync = PulseSyncCallback(every=1, signing_key=str(tmp_path / "key"), metrics_path=tmp_path / "versions.jsonl")
-    with caplog.at_level(logging.INFO, logger="pulseloco.integrations.trainer"):
+    with caplog.at_level(logging.INFO, logger="pulseloco.integrations"):
         trainer = train(tmp_path / "out", [sync, loco] if sync_first else [loco, sync], max_steps=6)
     queued = [r.getMessage() for r in caplog.records if r.getMessage().startswith("queued version=")]
     reasons = [(int(m.split()[1].split("=")[1]), m.split("reason=")[1]) for m in queued]
@@ -218,7 +218,7 @@ def test_callbacks_run_before_the_reporting_integrations_both_ways(
     from transformers.integrations import TensorBoardCallback
 
     from pulseloco.cli import main as pulseloco_main
-    from pulseloco.integrations.trainer import _LogsContributor
+    from pulseloco.integrations.callback_base import LogsContributor
 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
     loco = PulseLoCoCallback(run_id="order", inner_steps=2, **LONE_PEER)
@@ -235,11 +235,11 @@ def test_callbacks_run_before_the_reporting_integrations_both_ways(
     assert position(loco) < tensorboard()  # moved at on_init_end
     trainer.add_callback(sync)
     assert position(sync) > tensorboard()  # as transformers adds it
-    others_before = [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, _LogsContributor)]
+    others_before = [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, LogsContributor)]
     trainer.train()
     assert position(loco) < position(sync) < tensorboard()  # sync moved at on_train_begin, after loco
     # every other callback kept its order
-    assert [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, _LogsContributor)] == others_before
+    assert [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, LogsContributor)] == others_before
     series = scalars(tmp_path / "out")
     assert [step for step, _ in series["train/pulseloco/round"]] == [2]
     assert [value for _, value in series["train/pulsesync/version"]][-1] == 2  # the start, then round 0
@@ -248,7 +248,7 @@ def test_callbacks_run_before_the_reporting_integrations_both_ways(
 
     # Called other than through a CallbackHandler, it says why its numbers may not reach report_to.
     stray = PulseLoCoCallback(run_id="stray")
-    with caplog.at_level(logging.WARNING, logger="pulseloco.integrations.trainer"):
+    with caplog.at_level(logging.WARNING, logger="pulseloco.integrations"):
         stray._run_before_log_readers(warn=True)
         stray._run_before_log_readers(warn=True)
     assert sum("could not find the transformers CallbackHandler" in r.getMessage() for r in caplog.records) == 1

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pulseloco.integrations.args import PulseLoCoArguments
+    from pulseloco.integrations.pulsesync import PulseSyncCallback
     from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
     from pulseloco.integrations.swarm_rollouts import SwarmRollouts
-    from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback
+    from pulseloco.integrations.trainer import PulseLoCoCallback
 
 __all__ = [
     "PulseLoCoArguments",
@@ -36,7 +37,7 @@ __all__ = [
 _LAZY = {
     "PulseLoCoArguments": "pulseloco.integrations.args",
     "PulseLoCoCallback": "pulseloco.integrations.trainer",
-    "PulseSyncCallback": "pulseloco.integrations.trainer",
+    "PulseSyncCallback": "pulseloco.integrations.pulsesync",
     "RolloutEngine": "pulseloco.integrations.rollout",
     "TransformersEngine": "pulseloco.integrations.rollout",
     "SwarmRollouts": "pulseloco.integrations.swarm_rollouts",

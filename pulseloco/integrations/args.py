@@ -221,7 +221,8 @@ class PulseLoCoArguments(SwarmArguments):
         when ``output_dir`` is given. With ``max_steps`` (the Trainer's), a swarm strategy checks at once that the
         run ends on an outer-round boundary (the callback checks again when training starts); raises
         :class:`ConfigError` naming the flags."""
-        from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback, check_round_boundary
+        from pulseloco.integrations.pulsesync import PulseSyncCallback
+        from pulseloco.integrations.trainer import PulseLoCoCallback, check_round_boundary
 
         if self.selector is not None and max_steps is not None:
             try:
@@ -388,7 +389,7 @@ class RolloutArguments:
             max_lag=self.max_lag,
             lease_timeout=self.lease_timeout,
             rollout_timeout=self.rollout_timeout,
-            fallback=cast(Fallback, self.rollout_fallback),  # one of FALLBACKS: checked in __post_init__
+            fallback=cast("Fallback", self.rollout_fallback),  # one of FALLBACKS: checked in __post_init__
             lookahead=self.rollout_lookahead,
             verify=self.verify_rollouts,
             verifier=RolloutVerifier(

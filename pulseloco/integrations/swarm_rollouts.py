@@ -61,7 +61,8 @@ from typing import Any, Literal, get_args
 from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.trainer import PulseLoCoCallback, PulseSyncCallback
+from pulseloco.integrations.pulsesync import PulseSyncCallback
+from pulseloco.integrations.trainer import PulseLoCoCallback
 from pulseloco.integrations.verify import RolloutVerifier, VersionStates, settle, stop_ids
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id

@@ -100,7 +100,7 @@ class VersionStates:
 
     def add(self, version: int, state: dict[str, torch.Tensor]) -> None:
         """Hold ``state`` as ``version`` (a publisher's own versions: :attr:`PulseSyncCallback.version_listeners
-        <pulseloco.integrations.trainer.PulseSyncCallback.version_listeners>`); the oldest beyond ``keep`` go."""
+        <pulseloco.integrations.pulsesync.PulseSyncCallback.version_listeners>`); the oldest beyond ``keep`` go."""
         with self._lock:
             self._held[version] = state
             for old in sorted(self._held)[: -self.keep]:

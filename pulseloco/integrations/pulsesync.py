@@ -1,0 +1,311 @@
+"""``PulseSyncCallback``: a Trainer publishes its weights to rollout workers as signed PULSESync versions.
+
+It publishes the starting weights as the first version, then the consensus weights after every PULSELoCo outer
+round (``every="round"``, with a :class:`~pulseloco.integrations.trainer.PulseLoCoCallback` on the same Trainer) or
+every ``every`` optimizer steps; with PULSELoCo and ``every=N`` it publishes both (the consensus after every round
+and, between rounds, this peer's own weights every N optimizer steps). Its numbers reach the Trainer's logs as
+``pulsesync/*`` (:mod:`pulseloco.integrations.callback_base`).
+
+Failure behaviour: bad arguments raise :class:`~pulseloco.errors.ConfigError` at construction or at train begin
+(``every="round"`` without a PulseLoCoCallback); a swarm that cannot be joined raises
+:class:`~pulseloco.errors.SwarmUnreachableError` on every process; publishing runs in the publisher's thread and
+never fails a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from accelerate import PartialState
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from pulseloco.errors import ConfigError
+from pulseloco.integrations.callback_base import LogsContributor, join_swarm, loco_callback_of
+from pulseloco.jsonl import JsonLinesWriter
+from pulseloco.keys import policy_run_id
+from pulseloco.swarm import SwarmConfig
+
+if TYPE_CHECKING:
+    from pulseloco.integrations.trainer import PulseLoCoCallback
+    from pulseloco.loco.optimizer import PulseLoCo
+    from pulseloco.sync.publisher import PublishedVersion
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PulseSyncCallback"]
+
+
+@dataclass
+class _VersionTotals:
+    """The versions stored since the last log."""
+
+    num_versions: int = 0
+    version: int = 0
+    patch_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, published: PublishedVersion) -> None:
+        self.num_versions += 1
+        self.version = max(self.version, published.version)
+        self.patch_bytes += published.patch_bytes
+        self.seconds += published.seconds
+
+    def entries(self) -> dict[str, float]:
+        if not self.num_versions:
+            return {}
+        return {
+            "pulsesync/version": self.version,
+            "pulsesync/num_versions": self.num_versions,
+            "pulsesync/patch_bytes": self.patch_bytes,
+            "pulsesync/seconds_publish": self.seconds / self.num_versions,
+        }
+
+
+class PulseSyncCallback(LogsContributor):
+    """Publishes the Trainer's model to rollout workers with PULSESync.
+
+    Args:
+        publisher: a ready :class:`pulseloco.sync.publisher.Publisher` (main process only; ``None`` elsewhere).
+            Without one, give ``signing_key``: the callback then makes a publisher on the main process when
+            training begins, over the DHT of the :class:`PulseLoCoCallback` on the same Trainer (or ``dht``, or
+            one it starts from ``swarm``), and closes it when training ends.
+        every: ``"round"`` to publish after every outer round of the :class:`PulseLoCoCallback` driving the same
+            model (the consensus ``theta``), or a number of optimizer steps N. With a PulseLoCoCallback and N, the
+            consensus is still published after every round (never the pre-averaging weights of a round's last
+            step), and between rounds the publishing peer's local weights every N steps.
+        signing_key: the publisher's Ed25519 private key, or a path to it (``pulseloco keygen --out PATH``).
+        run_id: the PULSESync run (default: ``<PulseLoCo run_id>.policy``).
+        store_dir: the version store (default: ``<output_dir>/versions``).
+        anchor_every: a full BF16 anchor every this many versions.
+        dht, swarm: the DHT to publish on, or how to start one, when there is no PulseLoCoCallback.
+        linger: seconds to keep serving after training, when this callback started the DHT.
+        metrics_path: append one JSON line per stored version (``version``, ``digest``, ``patch_bytes``,
+            ``seconds_publish``, ``announced``: :class:`pulseloco.sync.publisher.PublishedVersion`).
+        flush_timeout: seconds to wait at the end for the last version to be encoded and stored.
+
+    Metrics: the Trainer's next log after one or more versions were stored gets (on the main process, the one
+    that publishes; ``train/pulsesync/...`` in TensorBoard and W&B):
+
+    * ``pulsesync/version``: the newest version stored;
+    * ``pulsesync/num_versions``: the versions this log covers (queued versions superseded before they were
+      encoded are not stored and not counted); the sum and mean below are over them;
+    * ``pulsesync/patch_bytes``: the sum of their patch sizes (0 for the first, anchor-only version);
+    * ``pulsesync/seconds_publish``: the mean, over them, of the seconds from queueing the version (right after
+      the optimizer step or outer round it follows) to the end of its announce in the DHT: the publisher's
+      wait for the previous version, encoding, signing, store writes and announce.
+
+    The publisher works in the background, so a version usually reaches the log after the one of the step that
+    queued it; at the last log of training the callback first waits (``flush_timeout``) for the last version.
+    """
+
+    def __init__(
+        self,
+        publisher: Any | None = None,
+        *,
+        every: str | int = "round",
+        signing_key: Any | None = None,
+        run_id: str | None = None,
+        store_dir: str | os.PathLike[str] | None = None,
+        anchor_every: int = 10,
+        dht: Any | None = None,
+        swarm: SwarmConfig | None = None,
+        linger: float = 0.0,
+        metrics_path: str | os.PathLike[str] | None = None,
+        flush_timeout: float = 120.0,
+    ) -> None:
+        if every != "round" and not (isinstance(every, int) and every >= 1):
+            raise ConfigError(f"every must be 'round' or a positive number of optimizer steps, got {every!r}")
+        if publisher is not None and signing_key is not None:
+            raise ConfigError("give publisher= or signing_key=, not both")
+        if anchor_every < 1:
+            raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
+        if isinstance(signing_key, str | os.PathLike):
+            from pulseloco.sync.signing import load_private_key
+
+            signing_key = load_private_key(signing_key)  # fails here, with a clear message, not mid-training
+        self.publisher = publisher
+        self.every = every
+        self.signing_key = signing_key
+        self.run_id = run_id
+        self.store_dir = store_dir
+        self.anchor_every = anchor_every
+        self.dht = dht
+        self.swarm = swarm
+        self.linger = linger
+        self.flush_timeout = flush_timeout
+        self.metrics = JsonLinesWriter(metrics_path, stamp=True) if metrics_path is not None else None
+        self._model: torch.nn.Module | None = None
+        self._owned_dht: Any | None = None
+        self._owns_publisher = False
+        self._closed = False
+        self._attached = False
+        self._step = 0
+        self._loco: PulseLoCo | None = None  # that of a PulseLoCoCallback on the same model, once attached
+        self._round_at_step_begin: tuple[int, int] | None = None  # (round, inner step) when the step began
+        #: called with (version, BF16 state) after each version this process publishes (the trainer's own check
+        #: of rollouts keeps them: :class:`pulseloco.integrations.verify.VersionStates`)
+        self.version_listeners: list[Callable[[int, dict[str, torch.Tensor]], None]] = []
+        self._last_published: tuple[int, int] | None = None  # (version, step) of the last version published
+        self._versions_lock = threading.Lock()
+        self._versions = _VersionTotals()  # stored since the last log
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._run_before_log_readers(warn=True)
+        self._model = kwargs.get("model")
+        if self._model is None:
+            raise ConfigError("PulseSyncCallback needs the Trainer's model (transformers passes it to callbacks)")
+        self._step = state.global_step
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Set up at the first step: by then every callback's on_train_begin has run, whatever their order, so a
+        # PulseLoCoCallback driving this model exists (and its DHT).
+        if not self._attached and self._model is not None:
+            self._attach(args)
+        if self._loco is not None:
+            self._round_at_step_begin = (self._loco.round, self._loco.local_step)
+
+    def _attach(self, args: TrainingArguments) -> None:
+        assert self._model is not None  # noqa: S101 (the caller checks)
+        self._attached = True
+        loco = loco_callback_of(self._model)
+        if loco is not None and loco.loco is None:
+            loco = None
+        if self.every == "round" and loco is None:
+            raise ConfigError(
+                "PulseSyncCallback(every='round') needs a PulseLoCoCallback on the same Trainer; without "
+                "PULSELoCo, publish every N optimizer steps with every=N"
+            )
+        if self.publisher is None and self.signing_key is not None:
+            self._make_publisher(args, loco)
+        if self.publisher is not None:
+            self.publisher.add_announce_listener(self._record)
+        if loco is not None:
+            assert loco.loco is not None  # noqa: S101 (checked above)
+            self._loco = loco.loco
+            self._loco.add_round_listener(lambda _loco, _metrics: self._publish("round"))
+            loco.add_close_hooks(self.flush, self.close)  # serve the last version while the peer lingers
+        self._publish("start")
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._step = state.global_step
+        if not isinstance(self.every, int) or state.global_step % self.every != 0:
+            return
+        if self._loco is not None and self._round_at_step_begin is not None:
+            # A step that ends a round is published by the round listener, after the outer step, whichever of the
+            # two callbacks runs first: the round has run already (its number changed) or is about to (this was
+            # the round's last inner step). A step the gradient scaler skipped counts as no step for PulseLoCo.
+            round_begin, inner_begin = self._round_at_step_begin
+            if self._loco.round != round_begin or inner_begin + 1 >= self._loco.inner_steps:
+                return
+            if getattr(kwargs.get("optimizer"), "step_was_skipped", False):
+                return
+        self._publish("step")
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+
+    def flush(self) -> None:
+        """Wait (``flush_timeout``) until the last queued version is stored and announced."""
+        if self.publisher is None or self._closed:
+            return
+        try:
+            self.publisher.flush(timeout=self.flush_timeout)
+        except TimeoutError:
+            logger.warning("the last version was still being encoded after %.0f s", self.flush_timeout)
+
+    def close(self) -> None:
+        """Flush and, for a publisher this callback made, close it and the DHT it started (after lingering).
+        Idempotent."""
+        if self._closed or self.publisher is None:
+            return
+        self.flush()
+        self._closed = True
+        if self._owns_publisher:
+            if self._owned_dht is not None and self.linger > 0:
+                time.sleep(self.linger)
+            self.publisher.close()
+            if self._owned_dht is not None:
+                self._owned_dht.shutdown()
+
+    def _make_publisher(self, args: TrainingArguments, loco: PulseLoCoCallback | None) -> None:
+        if not PartialState().is_main_process or self.signing_key is None:
+            return
+        from pulseloco.sync.publisher import Publisher
+
+        dht = self.dht
+        if dht is None and loco is not None:
+            dht = loco.dht
+        if dht is None:
+            self._owned_dht = dht = join_swarm(self.swarm or SwarmConfig())
+        run_id = self.run_id or policy_run_id(loco.run_id if loco is not None else "pulseloco")
+        store = Path(self.store_dir) if self.store_dir is not None else Path(str(args.output_dir)) / "versions"
+        self.publisher = Publisher(dht, run_id, self.signing_key, store, anchor_every=self.anchor_every)
+        self._owns_publisher = True
+        print(f"pulsesync: publishing run_id={run_id} store={store}", flush=True)
+
+    @property
+    def dht_in_use(self) -> Any | None:
+        """The DHT the publisher runs on (given, started by this callback, or its PulseLoCoCallback's); None before
+        the publisher exists and on processes other than the main one."""
+        if self.publisher is None or self.publisher.endpoint is None:
+            return None
+        return self.publisher.endpoint.dht
+
+    def _record(self, published: PublishedVersion) -> None:
+        """The publisher's announce listener (its thread): the JSON line and the totals of the next log."""
+        with self._versions_lock:
+            self._versions.add(published)
+        if self.metrics is not None:
+            self.metrics.write(
+                event="publish",
+                version=published.version,
+                digest=published.digest,
+                patch_bytes=published.patch_bytes,
+                seconds_publish=round(published.seconds, 4),
+                announced=published.announced,
+            )
+
+    def _take_log_entries(self) -> dict[str, float]:
+        with self._versions_lock:
+            versions, self._versions = self._versions, _VersionTotals()
+        return versions.entries()
+
+    def _before_last_log(self) -> None:
+        self.flush()  # the last version (queued by the last step or round) is then in the last log
+
+    def add_version_listener(self, listener: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+        """Call ``listener(version, BF16 state)`` after each version this process publishes from now on, and at once
+        for the last one when the model has not taken a step since (a version published at train begin)."""
+        self.version_listeners.append(listener)
+        last = self._last_published
+        if last is not None and last[1] == self._step and self._model is not None:
+            from pulseloco.sync.publisher import bf16_snapshot
+
+            listener(last[0], bf16_snapshot(self._model))
+
+    def _publish(self, why: str) -> None:
+        if self.publisher is None or self._model is None or self._closed:
+            return
+        version = self.publisher.publish(self._model)
+        logger.info("queued version=%d step=%d reason=%s", version, self._step, why)
+        self._last_published = (version, self._step)
+        if self.version_listeners:
+            from pulseloco.sync.publisher import bf16_snapshot
+
+            state = bf16_snapshot(self._model)  # the values the publisher signs as this version
+            for listener in self.version_listeners:
+                listener(version, state)
