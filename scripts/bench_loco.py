@@ -33,9 +33,11 @@ logger = logging.getLogger("bench_loco")
 
 
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pulseloco.integrations.models import random_causal_lm
 
-    config = LlamaConfig(
+    return random_causal_lm(
+        "llama",
+        seed=0,
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 8 // 3 // 8 * 8,
@@ -45,8 +47,6 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
         max_position_embeddings=args.seq_len,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
 
 
 def run_peer(

@@ -62,11 +62,9 @@ def build_model(config_name: str, seed: int) -> Any:
 
     Raises RuntimeError if the default model has fewer than MIN_DEFAULT_PARAMS parameters.
     """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from pulseloco.integrations.models import random_causal_lm
 
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIGS[config_name]))
+    model = random_causal_lm("qwen2", seed=seed, **MODEL_CONFIGS[config_name])
     num_params = sum(p.numel() for p in model.parameters())
     if config_name == "default" and num_params < MIN_DEFAULT_PARAMS:
         raise RuntimeError(f"default model has {num_params} parameters, expected >= {MIN_DEFAULT_PARAMS}")
@@ -76,8 +74,9 @@ def build_model(config_name: str, seed: int) -> Any:
 def state_shapes(config_name: str) -> dict[str, list[int]]:
     """Names and shapes of the model's floating state dict (what a publisher publishes), without weights."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pulseloco.integrations.models import random_causal_lm
 
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(**MODEL_CONFIGS[config_name]))
+        model = random_causal_lm("qwen2", seed=None, **MODEL_CONFIGS[config_name])
     return {name: list(t.shape) for name, t in model.state_dict().items() if t.is_floating_point()}

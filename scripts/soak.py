@@ -71,20 +71,12 @@ LEDGER_TOLERANCE = 1e-5
 
 def tiny_model() -> torch.nn.Module:
     """A one-layer Llama of about 5k parameters, identical in every process (seed 0)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pulseloco.integrations.models import random_causal_lm
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=SEQ_LEN,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return random_causal_lm(
+        "llama", seed=0, vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ_LEN, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 class Audit:

@@ -22,20 +22,12 @@ BATCH = 4
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     """A two-layer Llama with hidden size 32 (about 40k parameters), built from a config, FP32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pulseloco.integrations.models import random_causal_lm
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ_LEN,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return random_causal_lm(
+        "llama", seed=seed, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 def batch(peer_index: int, step: int) -> torch.Tensor:

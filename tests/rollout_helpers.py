@@ -84,18 +84,18 @@ def byte_tokenizer() -> Any:
 def save_tiny_model(path: Path, seed: int = 0) -> Path:
     """A random-init tiny Llama with the byte-level tokenizer, saved as a Hugging Face model directory (what
     ``--model_name_or_path`` takes)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from pulseloco.integrations.models import random_causal_lm
 
     tokenizer = byte_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    model = random_causal_lm(
+        "llama",
+        seed=seed,
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
         **TINY_LLAMA,
     )
-    model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)

@@ -48,11 +48,9 @@ TIMEOUT = 60.0
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A randomly initialized tiny Qwen2 causal LM (deterministic for a seed)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from pulseloco.integrations.models import random_causal_lm
 
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG))
-    return model.to(dtype)
+    return random_causal_lm("qwen2", seed=seed, dtype=dtype, **TINY_CONFIG)
 
 
 def float_state(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

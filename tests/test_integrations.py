@@ -18,29 +18,23 @@ pytest.importorskip("transformers")
 
 from datasets import Dataset
 from tensorboard_helpers import scalars
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback
+from pulseloco.integrations.models import random_causal_lm
 from pulseloco.integrations.trainer import STATE_FILE
 
 LONE_PEER = {"target_group_size": 1, "matchmaking_time": 2.0, "request_timeout": 5.0}
 """A peer alone in its swarm: each round's group forms at once."""
 
 
-def tiny_model() -> LlamaForCausalLM:
+def tiny_model() -> Any:
     """A config-built Llama (random init): enough for the callback's bookkeeping."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    return LlamaForCausalLM(config)
+    return random_causal_lm(
+        "llama", seed=0, vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
 
 
 def token_dataset(num: int = 64, length: int = 12) -> Dataset:
@@ -323,3 +317,15 @@ def test_two_peers_log_rounds_and_versions_to_tensorboard(tmp_path: Path) -> Non
     assert all(0 < v < 60 for _, v in publisher["train/pulsesync/seconds_publish"])
     assert all(p["announced"] and p["seconds_publish"] > 0 for p in published)
     assert not any(tag.startswith("train/pulsesync/") for tag in scalars(tmp_path / "peer1"))
+
+
+def test_random_causal_lm_is_the_same_model_for_a_seed_and_refuses_unknown_types() -> None:
+    sizes = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}
+    a = random_causal_lm("qwen2", seed=3, num_attention_heads=2, num_key_value_heads=1, **sizes)
+    b = random_causal_lm("qwen2", seed=3, num_attention_heads=2, num_key_value_heads=1, **sizes)
+    c = random_causal_lm("qwen2", seed=4, num_attention_heads=2, num_key_value_heads=1, **sizes)
+    assert type(a).__name__ == "Qwen2ForCausalLM" and a.config.hidden_size == 16
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+    assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+    with pytest.raises(ConfigError, match="unknown model type 'no-such-arch'"):
+        random_causal_lm("no-such-arch")

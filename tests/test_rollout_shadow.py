@@ -7,11 +7,13 @@ changed elements (or, after an anchor, everything) to the model.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from codec_helpers import assert_state_bits_equal, changed_copy, random_mask
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from pulseloco.integrations.models import random_causal_lm
 from pulseloco.integrations.rollout import TransformersEngine
 from pulseloco.sync import apply_patch, make_patch, state_digest
 
@@ -20,18 +22,11 @@ class _Tokenizer:
     padding_side = "right"
 
 
-def _model(tied: bool) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(config).to(torch.bfloat16)
+def _model(tied: bool) -> Any:
+    return random_causal_lm(
+        "llama", seed=0, dtype=torch.bfloat16, vocab_size=64, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
 
 
 def _params(engine: TransformersEngine) -> dict[str, torch.Tensor]:

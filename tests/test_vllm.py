@@ -47,10 +47,14 @@ MAX_NEW_TOKENS = 6
 @pytest.fixture(scope="module")
 def vllm_model_dir(tiny_warm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small Llama (head_dim 32) in Hugging Face format, with the tiny warm model's tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer
+
+    from pulseloco.integrations.models import random_causal_lm
 
     out = tmp_path_factory.mktemp("vllm-model")
-    config = LlamaConfig(
+    model = random_causal_lm(
+        "llama",
+        seed=0,
         vocab_size=258,
         hidden_size=64,
         intermediate_size=128,
@@ -65,8 +69,7 @@ def vllm_model_dir(tiny_warm_model: Path, tmp_path_factory: pytest.TempPathFacto
         eos_token_id=256,
         pad_token_id=257,
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
+    model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny_warm_model).save_pretrained(out)
     return out
 

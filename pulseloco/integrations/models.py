@@ -25,6 +25,7 @@ __all__ = [
     "check_pretrained",
     "load_causal_lm",
     "load_tokenizer",
+    "random_causal_lm",
 ]
 
 TRAINING_BYTES_PER_PARAMETER = 16 + 12
@@ -34,6 +35,25 @@ _LOCAL_HINT = (
     "give a local directory in Hugging Face format (config.json, *.safetensors, tokenizer files), "
     "for example one made by `python scripts/warm_model.py`"
 )
+
+
+def random_causal_lm(
+    arch: str = "llama", *, seed: int | None = 0, dtype: torch.dtype = torch.float32, **config: Any
+) -> Any:
+    """A randomly initialized causal LM built from a config (no weights downloaded): the models the tests, the
+    soak and the benchmarks train. ``arch``: a transformers model type (``llama``, ``qwen2``); ``config``: its
+    config's fields (sizes, vocabulary, tied embeddings, ...); ``seed`` seeds torch's generator first (the same
+    seed gives the same weights in every process; None leaves it alone, as under ``torch.device("meta")``).
+    Raises :class:`ConfigError` for a model type transformers does not know."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model_config = AutoConfig.for_model(arch, **config)
+    except ValueError as exc:  # an unrecognized model type
+        raise ConfigError(f"unknown model type {arch!r}: {' '.join(str(exc).split())[:200]}") from None
+    if seed is not None:
+        torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(model_config).to(dtype)
 
 
 def _looks_local(name: str) -> bool:
