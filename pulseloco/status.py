@@ -500,9 +500,8 @@ def _refusal_lines(report: SwarmStatus) -> list[str]:
     return lines
 
 
-def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
-    """A human-readable summary: the peer table, the PULSESync head and providers, the rollout workers, and a
-    verdict line."""
+def _peer_lines(report: SwarmStatus) -> list[str]:
+    """The PULSELoCo part of :func:`render_text`: the peers' table (or why there is none)."""
     lines: list[str] = []
     if not report.peers:
         lines.append(
@@ -530,7 +529,12 @@ def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
             lines.append(f"  {p.peer_id:<{width}}  {mode:<6}  {p.round:>5}  {p.digest:<16}  {status}")
     if report.malformed_states:
         lines.append(f"  {report.malformed_states} malformed state record(s) skipped")
+    return lines
 
+
+def _sync_lines(report: SwarmStatus, now: float | None) -> list[str]:
+    """The PULSESync part of :func:`render_text`: the head, and the providers (probed or not)."""
+    lines: list[str] = []
     looked_up = ", ".join(repr(r) for r in report.sync_run_ids)
     if report.sync_run_id is None:
         lines.append(f"PULSESync: no head or provider records for run id(s) {looked_up} (see --sync-run-id)")
@@ -576,7 +580,13 @@ def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
                 else:
                     reach = f"  UNREACHABLE: {prov.error}"
                 lines.append(f"  {prov.peer_id:<{width}}  {role:<9}  {_versions(prov)}{reach}")
+    return lines
 
+
+def render_text(report: SwarmStatus, *, now: float | None = None) -> str:
+    """A human-readable summary: the peer table, the PULSESync head and providers, the rollout workers, and a
+    verdict line."""
+    lines = _peer_lines(report) + _sync_lines(report, now)
     lines.extend(_worker_lines(report))
     lines.extend(_refusal_lines(report))
     if not report.peers:

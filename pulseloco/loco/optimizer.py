@@ -108,6 +108,49 @@ def _byte_split(result: AllReduceResult | None, payload: FrameHeader | None) -> 
     }
 
 
+def _check_settings(
+    *,
+    inner_steps: int,
+    selector: str,
+    run_id: str,
+    matchmaking_time: float,
+    averaging_timeout: float,
+    request_timeout: float,
+    target_group_size: int | None,
+    max_norm_ratio: float,
+    num_download_retries: int,
+    outer_state_device: str,
+    outer_chunk_bytes: int,
+) -> None:
+    """Raise :class:`ConfigError` naming the first of :class:`PulseLoCo`'s settings that is out of range."""
+    if inner_steps < 1:
+        raise ConfigError(f"inner_steps must be at least 1, got {inner_steps}")
+    if selector not in SELECTORS:
+        raise ConfigError(f"selector must be one of {SELECTORS}, got {selector!r}")
+    if not run_id or any(c.isspace() for c in run_id):
+        raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
+    for name, value in (
+        ("matchmaking_time", matchmaking_time),
+        ("averaging_timeout", averaging_timeout),
+        ("request_timeout", request_timeout),
+    ):
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+    if target_group_size is not None and target_group_size < 1:
+        raise ConfigError(f"target_group_size must be at least 1 or None, got {target_group_size}")
+    if not max_norm_ratio > 1.0:
+        raise ConfigError(f"max_norm_ratio must be above 1, got {max_norm_ratio}")
+    if num_download_retries < 1:
+        raise ConfigError(f"num_download_retries must be at least 1, got {num_download_retries}")
+    if outer_state_device not in OUTER_STATE_DEVICES:
+        raise ConfigError(
+            f"outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)} (auto/cpu: host memory, "
+            f"pinned for a model on a GPU; model: the model's GPU), got {outer_state_device!r}"
+        )
+    if isinstance(outer_chunk_bytes, bool) or not isinstance(outer_chunk_bytes, int) or outer_chunk_bytes < 4:
+        raise ConfigError(f"outer_chunk_bytes must be an integer of at least 4 bytes, got {outer_chunk_bytes!r}")
+
+
 class PulseLoCo:
     """Wraps a model's trainable parameters and its ``inner_optimizer`` (any ``torch.optim.Optimizer``).
 
@@ -184,32 +227,19 @@ class PulseLoCo:
         outer_state_device: OuterStateDevice = "auto",
         outer_chunk_bytes: int = DEFAULT_OUTER_CHUNK_BYTES,
     ) -> None:
-        if inner_steps < 1:
-            raise ConfigError(f"inner_steps must be at least 1, got {inner_steps}")
-        if selector not in SELECTORS:
-            raise ConfigError(f"selector must be one of {SELECTORS}, got {selector!r}")
-        if not run_id or any(c.isspace() for c in run_id):
-            raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
-        for name, value in (
-            ("matchmaking_time", matchmaking_time),
-            ("averaging_timeout", averaging_timeout),
-            ("request_timeout", request_timeout),
-        ):
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
-        if target_group_size is not None and target_group_size < 1:
-            raise ConfigError(f"target_group_size must be at least 1 or None, got {target_group_size}")
-        if not max_norm_ratio > 1.0:
-            raise ConfigError(f"max_norm_ratio must be above 1, got {max_norm_ratio}")
-        if num_download_retries < 1:
-            raise ConfigError(f"num_download_retries must be at least 1, got {num_download_retries}")
-        if outer_state_device not in OUTER_STATE_DEVICES:
-            raise ConfigError(
-                f"outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)} (auto/cpu: host memory, "
-                f"pinned for a model on a GPU; model: the model's GPU), got {outer_state_device!r}"
-            )
-        if isinstance(outer_chunk_bytes, bool) or not isinstance(outer_chunk_bytes, int) or outer_chunk_bytes < 4:
-            raise ConfigError(f"outer_chunk_bytes must be an integer of at least 4 bytes, got {outer_chunk_bytes!r}")
+        _check_settings(
+            inner_steps=inner_steps,
+            selector=selector,
+            run_id=run_id,
+            matchmaking_time=matchmaking_time,
+            averaging_timeout=averaging_timeout,
+            request_timeout=request_timeout,
+            target_group_size=target_group_size,
+            max_norm_ratio=max_norm_ratio,
+            num_download_retries=num_download_retries,
+            outer_state_device=outer_state_device,
+            outer_chunk_bytes=outer_chunk_bytes,
+        )
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
