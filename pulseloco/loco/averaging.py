@@ -689,45 +689,15 @@ class SparseAverager(StateTransfer):
                 f"average's largest entry {peak:.3e} exceeds {self.max_norm_ratio:g}x this peer's own {own_peak:.3e}"
             )
 
-    def all_reduce(
-        self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor, value_dtype: str = "float32"
-    ) -> AllReduceResult:
-        """Average this peer's sparse entries (sorted global ``indices_K``, FP32 ``values_K``) with ``group``; the
-        parts travel in ``value_dtype`` (``"bfloat16"`` only for values exact in BF16: the pulse rule's option).
-
-        Never raises because of another peer: entries of shards whose fetched accepted list does not show this
-        peer (or whose sum could not be fetched) are flagged in ``returned_K``. Waits at most
-        ``averaging_timeout`` plus twice ``request_timeout``, and one more ``request_timeout`` plus a second
-        to collect the sums again when that wait was cut short (a stalled process resuming past its deadline).
-        Encodes the whole selection once more for ``payload_bytes`` (:func:`payload_frame`) on another thread
-        during the exchange when the group has more than one shard owner.
-        """
-        self._current_round = group.round
-        bounds = shard_bounds(self.numel, len(group.servers))
-        stops = torch.tensor([stop for _, stop in bounds], dtype=torch.int64)
-        cut = torch.searchsorted(indices_K, stops).tolist()
-        parts, offsets = [], [0, *cut]
-        for j, (start, stop) in enumerate(bounds):
-            local_K = indices_K[offsets[j] : offsets[j + 1]] - start
-            parts.append(
-                encode_sparse(
-                    CONTRIBUTION_NAME,
-                    stop - start,
-                    local_K,
-                    values_K[offsets[j] : offsets[j + 1]],
-                    round_index=group.round,
-                    value_dtype=value_dtype,
-                )
-            )
-        # The whole selection as one frame (payload_bytes): the one part when there is one shard, else encoded on
-        # another thread while the exchange waits on the network.
-        whole_frame: Future[FrameHeader] | None = None
-        if len(parts) > 1:
-            whole_frame = self._payload_pool.submit(
-                payload_frame, self.numel, indices_K, values_K, round_index=group.round, value_dtype=value_dtype
-            )
+    def _run_exchange(
+        self, group: Group, parts: list[bytes]
+    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], int, Traffic]:
+        """Push ``parts`` to their owners and fetch the shard sums (:meth:`_exchange`), waiting at most
+        ``averaging_timeout`` plus twice ``request_timeout``; a wait cut short collects the sums once more (one
+        ``request_timeout`` plus a second) and reads what the traffic counters hold. Never raises: a shard whose
+        sum did not arrive is None in the results."""
         deadline = time.monotonic() + self.averaging_timeout
-        results: list[tuple[dict[str, Any], bytes] | None] = [None] * len(bounds)
+        results: list[tuple[dict[str, Any], bytes] | None] = [None] * len(parts)
         num_rejected, traffic = 0, Traffic()
         try:
             results, num_rejected, traffic = self._host.run(
@@ -745,6 +715,45 @@ class SparseAverager(StateTransfer):
                 traffic = self._host.run(self._traffic_copy(group.round), timeout=self.request_timeout)
             except (SwarmError, TimeoutError) as error:
                 logger.warning("reading the traffic counters failed round=%d error=%s", group.round, error)
+        return results, num_rejected, traffic
+
+    def all_reduce(
+        self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor, value_dtype: str = "float32"
+    ) -> AllReduceResult:
+        """Average this peer's sparse entries (sorted global ``indices_K``, FP32 ``values_K``) with ``group``; the
+        parts travel in ``value_dtype`` (``"bfloat16"`` only for values exact in BF16: the pulse rule's option).
+
+        Never raises because of another peer: entries of shards whose fetched accepted list does not show this
+        peer (or whose sum could not be fetched) are flagged in ``returned_K``. Waits at most
+        ``averaging_timeout`` plus twice ``request_timeout``, and one more ``request_timeout`` plus a second
+        to collect the sums again when that wait was cut short (a stalled process resuming past its deadline).
+        Encodes the whole selection once more for ``payload_bytes`` (:func:`payload_frame`) on another thread
+        during the exchange when the group has more than one shard owner.
+        """
+        self._current_round = group.round
+        bounds = shard_bounds(self.numel, len(group.servers))
+        stops = torch.tensor([stop for _, stop in bounds], dtype=torch.int64)
+        cut = torch.searchsorted(indices_K, stops).tolist()
+        offsets = [0, *cut]
+        parts = [
+            encode_sparse(
+                CONTRIBUTION_NAME,
+                stop - start,
+                indices_K[offsets[j] : offsets[j + 1]] - start,
+                values_K[offsets[j] : offsets[j + 1]],
+                round_index=group.round,
+                value_dtype=value_dtype,
+            )
+            for j, (start, stop) in enumerate(bounds)
+        ]
+        # The whole selection as one frame (payload_bytes): the one part when there is one shard, else encoded on
+        # another thread while the exchange waits on the network.
+        whole_frame: Future[FrameHeader] | None = None
+        if len(parts) > 1:
+            whole_frame = self._payload_pool.submit(
+                payload_frame, self.numel, indices_K, values_K, round_index=group.round, value_dtype=value_dtype
+            )
+        results, num_rejected, traffic = self._run_exchange(group, parts)
         whole = peek_header(parts[0], max_elements=_NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
         returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
         own_peaks = [_peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
