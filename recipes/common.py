@@ -50,17 +50,21 @@ def parse_args(dataclass_types: Iterable[type], argv: Sequence[str] | None, prog
             raise ConfigError(f"--config: no such file {where}; give a YAML file such as recipes/configs/*.yaml")
     parser = Parser(list(dataclass_types), prog=prog)
     try:
-        return tuple(parser.parse_args_and_config(args=args))
+        *parsed, from_config, from_command_line = parser.parse_args_and_config(
+            args=args, return_remaining_strings=True, separate_remaining_strings=True
+        )
     except ValueError as exc:  # HfArgumentParser and the dataclasses' __post_init__ raise ValueError
-        message = " ".join(str(exc).split())
-        if message.startswith("Some specified arguments are not used by the HfArgumentParser:"):
-            unknown = message.split(":", 1)[1].strip()
-            message = f"unknown option(s) {unknown} (see --help)"
-        raise ConfigError(message) from None
+        raise ConfigError(" ".join(str(exc).split())) from None
     except Exception as exc:  # a YAML syntax error, an unreadable file
         if type(exc).__module__.startswith("yaml"):
             raise ConfigError(f"--config: not valid YAML: {' '.join(str(exc).split())}") from None
         raise
+    if from_command_line:
+        raise ConfigError(f"unknown option(s) {' '.join(from_command_line)} (see --help)")
+    if from_config:  # TrlParser returns them as flags: ["--key", "value", ...]
+        keys = [item[2:] for item in from_config if item.startswith("--")] or from_config
+        raise ConfigError(f"--config: unknown key(s) {', '.join(keys)} (see --help for the options)")
+    return tuple(parsed)
 
 
 def check_output_dir(output_dir: str, resume_from_checkpoint: Any) -> None:
