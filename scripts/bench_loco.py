@@ -108,11 +108,9 @@ def run_config(
             raise SystemExit(f"peer of {selector} lr={lr:g} did not finish within {args.timeout}s")
         if proc.exitcode != 0:
             raise SystemExit(f"peer of {selector} lr={lr:g} exited with {proc.exitcode}")
-    records = []
-    for out in outs:
-        with open(out, encoding="utf-8") as fh:
-            records.extend(json.loads(line) for line in fh if line.strip())
-    return records
+    from pulseloco.jsonl import read_json_lines
+
+    return [record for out in outs for record in read_json_lines(out)]
 
 
 def summarize(records: list[dict], numel: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -5,7 +5,6 @@ The GRPOTrainer path through ``accelerate launch`` (two peers and a rollout work
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -24,6 +23,7 @@ from pulseloco.errors import ConfigError
 from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback
 from pulseloco.integrations.models import random_causal_lm
 from pulseloco.integrations.trainer import STATE_FILE
+from pulseloco.jsonl import read_json_lines
 
 LONE_PEER = {"target_group_size": 1, "matchmaking_time": 2.0, "request_timeout": 5.0}
 """A peer alone in its swarm: each round's group forms at once."""
@@ -70,16 +70,12 @@ def train(output_dir: Path, callbacks: list[Any], resume: str | None = None, **o
     return trainer
 
 
-def rounds(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 def test_inner_steps_count_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
     callback = PulseLoCoCallback(run_id="accum", inner_steps=4, metrics_path=tmp_path / "rounds.jsonl", **LONE_PEER)
     trainer = train(tmp_path / "out", [callback], max_steps=8, gradient_accumulation_steps=3)
     assert trainer.state.global_step == 8
     assert callback.loco is not None and callback.loco.round == 2 and callback.loco.local_step == 0
-    recorded = rounds(tmp_path / "rounds.jsonl")
+    recorded = read_json_lines(tmp_path / "rounds.jsonl")
     assert [r["round"] for r in recorded] == [0, 1]
     assert all(r["num_peers"] == 1 and r["density"] > 0 for r in recorded)
     # The model holds theta (cast to its dtype) after the last round.
@@ -131,7 +127,7 @@ def test_pulsesync_every_round_publishes_each_consensus_version(tmp_path: Path) 
     sync = PulseSyncCallback(signing_key=str(tmp_path / "key"), metrics_path=tmp_path / "versions.jsonl")
     # PulseSyncCallback first: it must find the PulseLoCoCallback whatever the order.
     trainer = train(tmp_path / "out", [sync, loco], max_steps=6)
-    published = rounds(tmp_path / "versions.jsonl")
+    published = read_json_lines(tmp_path / "versions.jsonl")
     assert [p["version"] for p in published] == [1, 2, 3, 4]  # the start, then one per round
     # The last version is the consensus model, bit for bit in BF16.
     follower = Subscriber.from_directory(tmp_path / "out" / "versions", load_public_key(tmp_path / "key.pub"))
@@ -161,7 +157,7 @@ def test_pulsesync_every_step_with_pulseloco_publishes_local_steps_and_each_cons
     reasons = [(int(m.split()[1].split("=")[1]), m.split("reason=")[1]) for m in queued]
     # the start, then one per step: the local weights between rounds, the consensus after each round's last step
     assert reasons == [(1, "start"), (2, "step"), (3, "step"), (4, "round"), (5, "step"), (6, "step"), (7, "round")]
-    published = rounds(tmp_path / "versions.jsonl")
+    published = read_json_lines(tmp_path / "versions.jsonl")
     assert published[-1]["version"] == 7  # a queued version may be superseded by the next before it is stored
     follower = Subscriber.from_directory(tmp_path / "out" / "versions", load_public_key(tmp_path / "key.pub"))
     state: dict[str, torch.Tensor] = {}
@@ -296,7 +292,7 @@ def test_two_peers_log_rounds_and_versions_to_tensorboard(tmp_path: Path) -> Non
 
     for index in range(2):
         series = scalars(tmp_path / f"peer{index}")
-        recorded = rounds(tmp_path / f"peer{index}" / "rounds.jsonl")
+        recorded = read_json_lines(tmp_path / f"peer{index}" / "rounds.jsonl")
         assert [r["round"] for r in recorded] == [0, 1]
         assert [s for s, _ in series["train/loss"]] == [1, 2, 3, 4]
         # logging_steps=1: each round in the log of the step that ended it, its values as recorded
@@ -308,7 +304,7 @@ def test_two_peers_log_rounds_and_versions_to_tensorboard(tmp_path: Path) -> Non
         assert [v for _, v in series["train/pulseloco/num_contributors"]] == [2.0, 2.0]  # both peers, every round
         assert [v for _, v in series["train/pulseloco/repaired"]] == [0.0, 0.0]
     publisher = scalars(tmp_path / "peer0")
-    published = rounds(tmp_path / "peer0" / "versions.jsonl")
+    published = read_json_lines(tmp_path / "peer0" / "versions.jsonl")
     assert [p["version"] for p in published] == [1, 2, 3]  # the start, then one per round
     versions = [value for _, value in publisher["train/pulsesync/version"]]
     assert versions == sorted(set(versions)) and versions[-1] == 3  # increasing; the last flushed into the last log

@@ -4,7 +4,6 @@ resume from ``state_dict``, metrics lines, configuration errors."""
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from loco_helpers import batch, flat_params, inner_step, load_flat, make_inner_o
 
 from pulseloco import PulseLoCo
 from pulseloco.errors import ConfigError, TensorMismatchError
+from pulseloco.jsonl import read_json_lines
 from pulseloco.loco.outer import NesterovOuterOptimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -113,7 +113,7 @@ def test_metrics_lines(tmp_path: Path) -> None:
     path = tmp_path / "metrics" / "loco.jsonl"
     opt = PulseLoCo(model, inner, inner_steps=H, selector="pulse", metrics_path=path)
     _train(opt, model, inner, 2)
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = read_json_lines(path)
     assert [line["round"] for line in lines] == [0, 1]
     required = {
         "round",

@@ -11,7 +11,6 @@ which accelerate adds its own traceback when the script exits non-zero.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from pulseloco.jsonl import read_json_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -141,7 +142,7 @@ def test_two_processes_pulseloco_report_the_main_process_rounds(tmp_path: Path) 
     swarm = ["--strategy", "pulseloco", "--inner_steps", "2", "--target_group_size", "1", "--linger", "0"]
     swarm += ["--matchmaking_time", "1"]  # alone in its swarm: no one to wait for
     assert_ok(launch(MULTI_CPU, *SMALL_DATA, *swarm, output_dir=out))
-    rounds = [json.loads(line) for line in (out / "pulseloco_rounds.jsonl").read_text().splitlines()]
+    rounds = read_json_lines(out / "pulseloco_rounds.jsonl")
     assert [r["round"] for r in rounds] == [0, 1, 2]  # written by rank 0 only
     assert len({path.name.split(".")[-2] for path in (out / "tensorboard").iterdir()}) == 1  # one process's pid
     series = scalars(out / "tensorboard")

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from pulseloco.jsonl import read_json_lines
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 CONFIGS = RECIPES / "configs"
@@ -94,10 +96,6 @@ def grpo(model: Path, out: Path, *args: str, launch: Sequence[str] = SINGLE) -> 
     return [*argv, "--model_name_or_path", str(model), "--output_dir", str(out), *args]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def test_grpo_peers_publish_to_rollout_worker(
     runs: list[Run], tmp_path: Path, tiny_warm_model: Path, bootstrap: str
 ) -> None:
@@ -118,16 +116,16 @@ def test_grpo_peers_publish_to_rollout_worker(
     worker_log = worker.wait()
     peer0_log, _ = peer0.wait(), peer1.wait()
 
-    rounds = [read_jsonl(tmp_path / name / "pulseloco_rounds.jsonl") for name in ("peer0", "peer1")]
+    rounds = [read_json_lines(tmp_path / name / "pulseloco_rounds.jsonl") for name in ("peer0", "peer1")]
     for peer_rounds in rounds:
         assert [r["round"] for r in peer_rounds] == [0, 1, 2]
         assert all(r["num_peers"] == 2 and r["bytes_sent"] > 0 for r in peer_rounds)
     assert [r["theta_digest"] for r in rounds[0]] == [r["theta_digest"] for r in rounds[1]]
     assert any(r["num_sent"] > 0 for r in rounds[0])  # GRPO moved some weights visibly
 
-    published = {p["version"]: p["digest"] for p in read_jsonl(tmp_path / "peer0" / "pulsesync_versions.jsonl")}
+    published = {p["version"]: p["digest"] for p in read_json_lines(tmp_path / "peer0" / "pulsesync_versions.jsonl")}
     assert sorted(published) == [1, 2, 3, 4]  # the starting weights, then one version per round
-    rollouts = read_jsonl(tmp_path / "worker" / "rollouts.jsonl")
+    rollouts = read_json_lines(tmp_path / "worker" / "rollouts.jsonl")
     assert rollouts[0]["path"] == "anchor" and rollouts[-1]["version"] == 4
     for record in rollouts:
         assert record["digest"] == published[record["version"]]

@@ -37,6 +37,7 @@ from rollout_helpers import reference_logprobs, rollout_worker, save_tiny_model
 from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dht, wait_for
 
 from pulseloco.errors import PayloadError, PayloadSizeError
+from pulseloco.jsonl import read_json_lines
 from pulseloco.keys import workers_key
 from pulseloco.rollouts.client import NoWorkersError, RolloutClient
 from pulseloco.rollouts.protocol import (
@@ -920,10 +921,6 @@ def grpo(model_dir: Path, out: Path, *args: str) -> list[str]:
     return [*argv, "--output_dir", str(out), *small, *args]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.fixture(scope="module")
 def keypair(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from pulseloco.cli import main as pulseloco_main
@@ -950,7 +947,7 @@ def test_grpo_without_workers_falls_back_to_local_generation(
     assert log.count("generating this round locally") == 1, log[-3000:]
     assert "no rollout worker of run 'alone.policy' could take a lease for 3 s" in log
     assert "start one with `python recipes/rollout_worker.py --serve_rollouts --run_id alone" in log
-    (record,) = read_jsonl(out / "rollouts.jsonl")
+    (record,) = read_json_lines(out / "rollouts.jsonl")
     assert record["local"] is True and record["workers"] == ["local"] and record["versions"] == [-1], record
     assert record["completions"] == 16 and record["num_generations"] == 8 and record["seconds_waiting"] >= 3
     assert json.loads((out / "trainer_state.json").read_text())["global_step"] == 1
@@ -1022,9 +1019,9 @@ def test_grpo_trains_on_a_rollout_workers_completions(
     worker_log = worker.text()
 
     assert "generating this round locally" not in log, log[-3000:]
-    published = {p["version"]: p["digest"] for p in read_jsonl(out / "pulsesync_versions.jsonl")}
+    published = {p["version"]: p["digest"] for p in read_json_lines(out / "pulsesync_versions.jsonl")}
     assert sorted(published) == [1, 2]  # the starting weights, then the one outer round
-    rounds = read_jsonl(out / "rollouts.jsonl")
+    rounds = read_json_lines(out / "rollouts.jsonl")
     assert [r["round"] for r in rounds] == list(range(1, 9)), rounds
     peer = worker_log.split("rollout: serving leases peer_id=")[1].split()[0]
     for record in rounds:
@@ -1035,7 +1032,7 @@ def test_grpo_trains_on_a_rollout_workers_completions(
         checked = record["verify"]  # every lease checked with the weights of the version it claims, and passed
         assert checked["failed_leases"] == 0 and checked["leases"] >= record["round"]
         assert checked["pinned_leases"] == checked["leases"] and checked["mismatches"] == 0
-    worker_versions = read_jsonl(tmp_path / "worker" / "rollouts.jsonl")
+    worker_versions = read_json_lines(tmp_path / "worker" / "rollouts.jsonl")
     assert worker_versions[0]["version"] == 1 and worker_versions[0]["digest"] == published[1]
 
     state = json.loads((out / "trainer_state.json").read_text())

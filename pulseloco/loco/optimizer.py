@@ -43,7 +43,7 @@ from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
-from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterPlacement, OuterStateDevice
+from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterPlacement, OuterStateDevice, process_group
 from pulseloco.loco.selection import SELECTORS, SelectorName, make_selector, select_in_place
 from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
@@ -59,13 +59,6 @@ DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
 _NO_OVERFLOW_BOUND = 2.0**103
 """Local parameters below this in magnitude cannot make ``theta - local`` overflow for any finite FP32 ``theta``:
 ``|theta| <= 2**128 - 2**104``, and FP32 rounds to infinity only from ``2**128 - 2**103`` up."""
-
-
-def _rank() -> int:
-    """This process's rank in an initialized ``torch.distributed`` group, 0 without one."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 0
-    return torch.distributed.get_rank()
 
 
 class _ByteSplit(TypedDict, total=False):
@@ -265,7 +258,7 @@ class PulseLoCo:
         self._round_start = time.monotonic()
         self._round_listeners: list[Callable[[PulseLoCo, RoundMetrics | None], None]] = []
         self._rounds_alone = 0
-        self.is_main_process = _rank() == 0
+        self.is_main_process = process_group()[1] == 0
         self.averager: SparseAverager | None = None
         self.matchmaker: Matchmaker | None = None
         self.ledger = Ledger("")

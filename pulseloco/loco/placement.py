@@ -17,11 +17,18 @@ import torch
 
 from pulseloco.errors import ConfigError
 
-__all__ = ["OUTER_STATE_DEVICES", "OuterPlacement", "OuterStateDevice"]
+__all__ = ["OUTER_STATE_DEVICES", "OuterPlacement", "OuterStateDevice", "process_group"]
 
 OuterStateDevice = Literal["auto", "cpu", "model"]
 OUTER_STATE_DEVICES: tuple[OuterStateDevice, ...] = get_args(OuterStateDevice)
 """Where :class:`PulseLoCo` keeps its outer state (``theta``, residual, outer momentum: 12 bytes a parameter)."""
+
+
+def process_group() -> tuple[int, int]:
+    """(world size, this process's rank) of the initialized ``torch.distributed`` group; (1, 0) without one."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 1, 0
+    return torch.distributed.get_world_size(), torch.distributed.get_rank()
 
 
 class OuterPlacement:
@@ -174,16 +181,14 @@ class OuterPlacement:
         """Rank 0's ``theta_N`` to every rank of an initialized ``torch.distributed`` group (nothing without one).
         A host ``theta_N`` under a backend that cannot send host tensors (NCCL) goes chunk by chunk through a
         buffer on the model's GPU."""
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        world_size, rank = process_group()
+        if world_size == 1:
             return
-        if torch.distributed.get_world_size() == 1:
-            return
-        main = torch.distributed.get_rank() == 0
         if theta_N.device.type == "cpu" and "nccl" in str(torch.distributed.get_backend()).lower():
             for start, stop in self.chunk_ranges():
                 staging = theta_N[start:stop].to(self.model_device)
                 torch.distributed.broadcast(staging, src=0)
-                if not main:  # rank 0's theta may be shared with the served snapshot
+                if rank != 0:  # rank 0's theta may be shared with the served snapshot
                     theta_N[start:stop].copy_(staging)
             return
         torch.distributed.broadcast(theta_N, src=0)

@@ -661,10 +661,11 @@ class Subscriber:
             except PatchError as exc:  # a follower keeps its last complete version; the next check retries
                 logger.warning("update failed, retrying in %.1f s: %s", interval, exc)
                 report = None
-            if report is not None and on_update is not None:
+            if report is None:
+                if on_idle is not None:
+                    on_idle()
+            elif on_update is not None:
                 on_update(report)
-            elif report is None and on_idle is not None:
-                on_idle()
             if until_version is not None and self.version is not None and self.version >= until_version:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
