@@ -234,10 +234,8 @@ def grown_model(base: str, layers: int, intermediate: int, norm_scale: float, se
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "pulseloco_warm.json"):
         if (Path(base) / extra).is_file():
             shutil.copy2(Path(base) / extra, tmp / extra)
-    sys.path.insert(0, str(REPO / "recipes"))
-    import tasks
-
     from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.recipes import tasks
 
     spec = tasks.spec_for_model(base, None, None)
     problems = tasks.eval_problems(spec, 64)

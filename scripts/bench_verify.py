@@ -35,11 +35,9 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes"))
-
-import tasks  # noqa: E402  (recipes/tasks.py)
 
 from pulseloco.integrations.verify import RolloutVerifier  # noqa: E402
+from pulseloco.recipes import tasks  # noqa: E402
 from pulseloco.rollouts.client import GroupResult  # noqa: E402
 
 ENGINES = ("transformers", "vllm-bf16", "vllm-fp32")

@@ -243,8 +243,8 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
     ]  # fmt: skip
     out.append(table(["peer", "steps", "rounds", "sampled reward (first -> last log)", "greedy reward"], rows))
     out.append(
-        "(greedy reward: the evaluation problems of recipes/tasks.py before and after GRPO, the consensus model; "
-        "every problem where the task has no more than --num_eval_prompts)"
+        "(greedy reward: the evaluation problems of pulseloco/recipes/tasks.py before and after GRPO, the consensus "
+        "model; every problem where the task has no more than --num_eval_prompts)"
     )
     out.extend(gain_lines(peers))
     out.append("")

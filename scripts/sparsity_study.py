@@ -9,7 +9,7 @@
 For every learning rate (``--lrs``, default 5e-7,1e-6,3e-6,5e-6,1e-5) and precision (``--precisions``) it trains
 the warm model with TRL's ``GRPOTrainer`` in this process (CPU) for ``--steps`` optimizer steps: the task and GRPO
 settings of ``recipes/grpo.py`` with ``--config`` (default ``recipes/configs/grpo-tiny.yaml``, parsed by
-``recipes/common.py`` as the recipe does; the pulseloco swarm keys in it are ignored: no swarm), a fresh AdamW
+``pulseloco/recipes/common.py`` as the recipe does; the pulseloco swarm keys in it are ignored: no swarm), a fresh AdamW
 (the config's ``optim``), constant learning rate, no warmup, the same ``--seed`` for every run. Precisions:
 
 * ``fp32``: FP32 master weights (the model trains in float32); the "BF16 view" is ``p.to(torch.bfloat16)``;
@@ -72,11 +72,8 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "recipes"))  # recipes/ is not a package: grpo.py, common.py and tasks.py are scripts
 
-import common  # noqa: E402  # recipes/common.py: the recipes' config parsing
-import grpo  # noqa: E402  # recipes/grpo.py: TaskArguments
-import tasks  # noqa: E402  # recipes/tasks.py: dataset and reward
+from pulseloco.recipes import common, grpo, tasks  # noqa: E402  # config parsing, TaskArguments, dataset and reward
 
 sys.path.insert(0, str(REPO / "scripts"))
 from compare import git_revision  # noqa: E402  # scripts/compare.py

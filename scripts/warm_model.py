@@ -14,7 +14,7 @@ What it does, for the size's settings (:data:`SIZES`):
 1. pretraining: a Llama with random weights (seeded, initializer std 0.02) trained as a causal LM with
    transformers' ``Trainer`` on the Python standard library's sources, with recipes/pretrain.py's byte-level
    tokenizer, data and model code, until the loss has flattened;
-2. a supervised warm-up with TRL's ``SFTTrainer`` on the arithmetic task of ``recipes/tasks.py`` (prompt
+2. a supervised warm-up with TRL's ``SFTTrainer`` on the arithmetic task of ``pulseloco/recipes/tasks.py`` (prompt
    ``"37+45="``, completion ``"82"`` then eos), short enough that greedy decoding answers only some held-out
    problems: GRPO afterwards has room to improve it.
 
@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "recipes"))  # recipes/ is not a package: pretrain.py and tasks.py are scripts
 
 PROG = "warm_model.py"
 MARKER = "pulseloco_warm.json"
@@ -241,8 +240,9 @@ def _common_training_args(spec: WarmSpec, steps: int) -> dict[str, Any]:
 
 def pretrain_phase(spec: WarmSpec, run_dir: Path) -> tuple[Any, Any, dict[str, Any]]:
     """Phase 1: (model, tokenizer, record) after causal-LM pretraining with recipes/pretrain.py's pieces."""
-    import pretrain
     from transformers import TrainingArguments
+
+    from pulseloco.recipes import pretrain
 
     started = time.monotonic()
     model_args = pretrain.ModelArguments(
@@ -310,16 +310,16 @@ def greedy_completions(model: Any, tokenizer: Any, prompts: list[str], max_new_t
 
 
 def _eval_problems(spec: WarmSpec) -> list[tuple[str, str]]:
-    """The problems the warm model is scored on (``recipes/tasks.py``: every problem of a task with at most
+    """The problems the warm model is scored on (``pulseloco/recipes/tasks.py``: every problem of a task with at most
     :data:`NUM_EVAL_PROBLEMS` of them, else that many held-out ones)."""
-    import tasks
+    from pulseloco.recipes import tasks
 
     return tasks.eval_problems(tasks.TaskSpec(task=spec.task, max_operand=spec.max_operand), NUM_EVAL_PROBLEMS)
 
 
 def greedy_reward(model: Any, tokenizer: Any, spec: WarmSpec) -> tuple[float, list[list[str]]]:
     """Mean exact-match reward of greedy answers to the task's evaluation problems, and a few (prompt, answer, got)."""
-    import tasks
+    from pulseloco.recipes import tasks
 
     problems = _eval_problems(spec)
     longest_answer = len(str(2 * spec.max_operand))
@@ -330,8 +330,9 @@ def greedy_reward(model: Any, tokenizer: Any, spec: WarmSpec) -> tuple[float, li
 
 def sft_phase(spec: WarmSpec, model: Any, tokenizer: Any, run_dir: Path) -> tuple[Any, dict[str, Any]]:
     """Phase 2: (model, record) after TRL's SFTTrainer on the task's prompt/completion pairs (eos appended)."""
-    import tasks
     from trl import SFTConfig, SFTTrainer
+
+    from pulseloco.recipes import tasks
 
     started = time.monotonic()
     before, _ = greedy_reward(model, tokenizer, spec)
@@ -370,11 +371,12 @@ def sft_phase(spec: WarmSpec, model: Any, tokenizer: Any, run_dir: Path) -> tupl
 
 def build(size: str, spec: WarmSpec, tmp: Path) -> dict[str, Any]:
     """Train the warm model and save it (and its marker, last) into ``tmp``; returns the marker."""
-    import common
     import datasets
     import torch
     import transformers
     import trl
+
+    from pulseloco.recipes import common
 
     common.quiet_libraries()  # progress lines only: no progress bars of saving, no TRL deprecation noise
     datasets.disable_progress_bars()

@@ -12,15 +12,12 @@ real server, so a rogue speaks the real protocol on the real handler.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from sync_helpers import _serve_requests, _worker_logging, start_dht
-
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 TINY_LLAMA = dict(
     hidden_size=32,
@@ -73,10 +70,8 @@ LEASE_MAX_NEW_TOKENS = 64
 
 
 def byte_tokenizer() -> Any:
-    """The recipes' byte-level tokenizer (recipes/pretrain.py): one token per byte, then EOS and PAD."""
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    import pretrain
+    """The recipes' byte-level tokenizer (pulseloco/recipes/pretrain.py): one token per byte, then EOS and PAD."""
+    from pulseloco.recipes import pretrain
 
     return pretrain.byte_level_tokenizer(TINY_LLAMA["max_position_embeddings"])
 

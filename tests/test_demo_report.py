@@ -1,5 +1,5 @@
 """The demo's closing table (scripts/demo_report.py) says what RL gained and whether the run was in PULSE's sparse
-regime (issue 22), and the task's evaluation problems cover a small task exactly once (recipes/tasks.py).
+regime (issue 22), and the task's evaluation problems cover a small task exactly once (pulseloco/recipes/tasks.py).
 
 The run directory is written here by hand, in the formats the recipes write (``grpo_eval.json``,
 ``trainer_state.json``, ``pulseloco_rounds.jsonl``), so every number in the report can be checked by hand.
@@ -17,10 +17,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "recipes"))
 
 import demo_report  # noqa: E402
-import tasks  # noqa: E402
+
+from pulseloco.recipes import tasks  # noqa: E402
 
 
 def test_small_task_is_scored_on_every_problem_once() -> None:

@@ -77,13 +77,9 @@ def in_process(capfd: pytest.CaptureFixture[str], *args: str, output_dir: Path) 
 
 
 def _recipe_modules() -> tuple[Any, Any]:
-    """recipes/common.py and recipes/pretrain.py as modules."""
-    sys.path.insert(0, str(RECIPES))
-    try:
-        import common
-        import pretrain
-    finally:
-        sys.path.remove(str(RECIPES))
+    """pulseloco/recipes/common.py and pulseloco/recipes/pretrain.py as modules."""
+    from pulseloco.recipes import common, pretrain
+
     return common, pretrain
 
 
@@ -231,12 +227,10 @@ def test_bad_configurations_are_one_line(tmp_path: Path, capfd: pytest.CaptureFi
 def test_configs_parse(config: str) -> None:
     """Every shipped config parses (the 1B one needs a GPU and the hub to run, not to parse; transformers refuses
     its ``bf16: true`` on a machine without a GPU, so that one key is overridden here)."""
-    sys.path.insert(0, str(RECIPES))
-    import common
-    import pretrain
     from transformers import TrainingArguments
 
     from pulseloco.integrations.args import PulseLoCoArguments
+    from pulseloco.recipes import common, pretrain
 
     model_args, data_args, training_args, pulse_args = common.parse_args(
         (pretrain.ModelArguments, pretrain.DataArguments, TrainingArguments, PulseLoCoArguments),

@@ -225,12 +225,10 @@ def _too_big(tmp_path: Path, warm: Path) -> Path:
 
 
 def _grpo_module() -> Any:
-    """recipes/grpo.py as a module (its ``main`` raises what the script prints as one line)."""
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    import grpo as module
+    """pulseloco/recipes/grpo.py (its ``main`` raises what the script prints as one line)."""
+    from pulseloco.recipes import grpo
 
-    return module
+    return grpo
 
 
 def test_bad_configurations_are_refused_with_one_line(tmp_path: Path, tiny_warm_model: Path) -> None:
@@ -296,16 +294,12 @@ def test_bad_configurations_end_with_one_line(runs: list[Run], tmp_path: Path, t
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("grpo*.yaml")), ids=lambda p: p.stem)
 def test_every_grpo_config_parses(path: Path) -> None:
-    sys.path.insert(0, str(RECIPES))
-    try:
-        import common
-        import grpo as recipe
-    finally:
-        sys.path.remove(str(RECIPES))
     import torch
     from trl import GRPOConfig, ModelConfig
 
     from pulseloco.integrations.args import PulseLoCoArguments
+    from pulseloco.recipes import common
+    from pulseloco.recipes import grpo as recipe
 
     argv = ["--config", str(path)]
     if not torch.cuda.is_available():  # GPU configs train in bf16, which TrainingArguments refuses without a GPU

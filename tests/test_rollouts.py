@@ -976,10 +976,7 @@ def test_grpo_refuses_bad_rollout_flags_with_one_line(runs: list[Run], tmp_path:
         processes.append((run, args, expected, tmp_path / f"process{i}"))
 
     from pulseloco.errors import ConfigError
-
-    if str(RECIPES) not in sys.path:
-        sys.path.insert(0, str(RECIPES))
-    import grpo as recipe
+    from pulseloco.recipes import grpo as recipe
 
     for i, (args, expected) in enumerate(BAD_FLAGS):
         out = tmp_path / f"bad{i}"

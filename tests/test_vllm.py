@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,14 +30,12 @@ from sync_helpers import forge_object, maddrs, start_dht
 
 from pulseloco.digest import state_digest
 from pulseloco.errors import PulseLocoError
+from pulseloco.recipes import tasks
 from pulseloco.sync.patch import make_patch
 from pulseloco.sync.publisher import Publisher, bf16_snapshot
 from pulseloco.sync.signing import Envelope, generate_key, sign_envelope
 from pulseloco.sync.store import VersionStore
 from pulseloco.sync.subscriber import Subscriber
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))
-import tasks
 
 RUN_ID = "vllm-test.policy"
 MAX_NEW_TOKENS = 6

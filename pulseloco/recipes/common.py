@@ -20,7 +20,6 @@ from pulseloco.errors import ConfigError, PulseLocoError
 
 EXIT_CONFIG_ERROR = 2
 EXIT_RUNTIME_ERROR = 1
-RECIPES_DIR = Path(__file__).resolve().parent
 
 
 def is_main_process() -> bool:
@@ -30,7 +29,7 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def parse_args(dataclass_types: Iterable[type], argv: Sequence[str] | None, prog: str) -> tuple[Any, ...]:
+def parse_args(dataclass_types: Iterable[Any], argv: Sequence[str] | None, prog: str) -> tuple[Any, ...]:
     """The recipe's dataclasses from ``--config FILE`` and the command line.
 
     Raises :class:`ConfigError` (one line) for an unknown option or key, a value of the wrong type, a missing

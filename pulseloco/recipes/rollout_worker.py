@@ -1,0 +1,259 @@
+"""A rollout worker: follows the GRPO trainers' published versions (PULSESync), generates and scores with them.
+
+    python recipes/rollout_worker.py --model_name_or_path WARM_MODEL_DIR --run_id tiny \\
+        --initial_peers MADDR_OF_A_TRAINER --public_key keys/publisher.pub --output_dir runs/worker [--until_version N]
+
+``model_name_or_path`` is the policy's starting checkpoint (the trainers' ``--model_name_or_path``): it gives the
+tokenizer and the tensor names and shapes; the weights then come from the publisher, held in BF16 exactly as
+published. Every version arrives as a signed sparse patch (or a squashed patch, or an anchor plus patches after
+a gap) and is verified by state digest before use. For each new version the worker prints one line and appends
+one JSON line to ``<output_dir>/rollouts.jsonl``: version, greedy exact-match reward on the held-out problems,
+changed elements, bytes received, seconds the update took, seconds from the publisher signing the version to
+this worker serving it (``seconds_to_serve``; the two clocks must agree), the engine's weight version, digest (equal
+to the one the publisher logged), path.
+
+``--engine vllm`` generates with vLLM (:class:`pulseloco.integrations.vllm.VLLMEngine`, the ``pulseloco[vllm]``
+extra): the subscriber patches the engine's BF16 state in checkpoint coordinates, then only what changed is
+loaded into the running engine. ``--compare_full_reload`` also times loading every tensor into the same engine
+for each version (``seconds_full_reload``), the baseline that a full-checkpoint push would need at the least.
+``--engine transformers`` generates with the ``transformers`` model itself.
+
+``--serve_rollouts`` makes the worker generate the trainers' GRPO completions (``recipes/grpo.py --rollouts swarm``):
+it announces itself in the DHT with the version it serves and its throughput, answers the trainers' leases with
+token ids, sampling log-probabilities and the version (with the publisher's signed envelope of it) it generated
+with (:class:`pulseloco.rollouts.worker.RolloutServer`), downloads the next version while it generates, and does
+not score the versions itself. ``--full_checkpoints`` fetches a full BF16 copy of every version instead of patches
+(the baseline; the publisher runs with ``--anchor_every 1``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pulseloco.recipes import common, tasks
+
+PROG = "rollout_worker.py"
+ENGINES = ("transformers", "vllm")
+
+
+@dataclass(kw_only=True)
+class WorkerArguments:
+    """What the worker loads, whom it trusts, and how long it runs."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "The policy's starting checkpoint (the trainers' --model_name_or_path)."}
+    )
+    engine: str = field(default="transformers", metadata={"help": f"Generation engine: {', '.join(ENGINES)}."})
+    vllm_dtype: str = field(
+        default="bfloat16", metadata={"help": "vLLM's compute dtype: bfloat16, or float32 (the same BF16 weights)."}
+    )
+    compare_full_reload: bool = field(
+        default=False, metadata={"help": "vLLM: also time a reload of every tensor per version (the baseline)."}
+    )
+    public_key: str | None = field(
+        default=None, metadata={"help": "The publisher's public key (the .pub written by `pulseloco keygen`)."}
+    )
+    output_dir: str = field(default="runs/worker", metadata={"help": "rollouts.jsonl goes here."})
+    task: str | None = field(
+        default=None, metadata={"help": "add or sub (pulseloco/recipes/tasks.py); default: the warm model's, else add."}
+    )
+    max_operand: int | None = field(
+        default=None, metadata={"help": "Operands 0..max_operand; default: what the warm model was taught, else 99."}
+    )
+    num_prompts: int = field(default=64, metadata={"help": "Held-out prompts scored greedily per version."})
+    max_new_tokens: int = field(default=6, metadata={"help": "Longest completion."})
+    interval: float = field(default=1.0, metadata={"help": "Seconds between checks for a new version."})
+    until_version: int | None = field(default=None, metadata={"help": "Exit once this version is reached."})
+    max_seconds: float = field(default=0.0, metadata={"help": "Exit after this many seconds; 0: no limit."})
+    update_timeout: float = field(default=60.0, metadata={"help": "Seconds one update may take."})
+    wait_warning: float = field(
+        default=60.0, metadata={"help": "Say what the worker waits for when no version arrived after this long."}
+    )
+    serve_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate the trainers' rollouts: announce this worker in the DHT and answer their leases "
+            "(trainers run recipes/grpo.py --rollouts swarm). Versions are then not scored."
+        },
+    )
+    lease_max_new_tokens: int = field(
+        default=512, metadata={"help": "With --serve_rollouts: the longest completion a lease may ask for."}
+    )
+    full_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "The baseline of an ordinary weight push: fetch a full BF16 copy of every version instead of "
+            "patches (the publisher must run with --anchor_every 1)."
+        },
+    )
+    max_queue: int = field(
+        default=8, metadata={"help": "With --serve_rollouts: leases waiting at once; more are answered busy."}
+    )
+
+    def __post_init__(self) -> None:
+        tasks.TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.vllm_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"vllm_dtype must be bfloat16 or float32, got {self.vllm_dtype!r}")
+        if self.compare_full_reload and self.engine != "vllm":
+            raise ValueError("--compare_full_reload needs --engine vllm")
+        for name in ("num_prompts", "max_new_tokens", "lease_max_new_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("interval", "update_timeout", "wait_warning"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pulseloco.integrations.args import SwarmArguments
+
+    args, swarm = common.parse_args((WorkerArguments, SwarmArguments), argv, PROG)
+    if not args.model_name_or_path:
+        raise common.ConfigError("--model_name_or_path is required: the trainers' starting checkpoint")
+    if not args.public_key:
+        raise common.ConfigError("--public_key is required: the publisher's .pub file (from `pulseloco keygen`)")
+    if not swarm.initial_peers:
+        raise common.ConfigError("--initial_peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
+    swarm_config = swarm.swarm_config()
+
+    from pulseloco.cli import stop_on_signals
+    from pulseloco.errors import VersionTimeoutError
+    from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
+    from pulseloco.jsonl import JsonLinesWriter
+    from pulseloco.swarm import make_dht
+    from pulseloco.sync.signing import load_public_key
+    from pulseloco.sync.subscriber import Subscriber, UpdateReport
+
+    public_key = load_public_key(args.public_key)
+    engine: RolloutEngine
+    vllm_engine = None
+    if args.engine == "vllm":
+        from pulseloco.integrations.vllm import VLLMEngine
+
+        engine = vllm_engine = VLLMEngine.from_pretrained(args.model_name_or_path, dtype=args.vllm_dtype)
+        print(f"rollout: vLLM engine loaded in {vllm_engine.load_seconds:.1f} s", flush=True)
+    else:
+        engine = TransformersEngine.from_pretrained(args.model_name_or_path)
+    dht = make_dht(swarm_config)
+    subscriber = Subscriber(
+        dht, swarm.policy_run_id, public_key, timeout=args.update_timeout, full_checkpoints=args.full_checkpoints
+    )
+    server = None
+    if args.serve_rollouts:
+        from transformers import AutoConfig
+
+        from pulseloco.rollouts.worker import RolloutServer
+
+        vocab_size = max(len(engine.tokenizer), int(AutoConfig.from_pretrained(args.model_name_or_path).vocab_size))
+        server = RolloutServer(
+            dht,
+            swarm.policy_run_id,
+            engine,
+            subscriber,
+            engine_name=args.engine,
+            vocab_size=vocab_size,
+            max_new_tokens=args.lease_max_new_tokens,
+            max_queue=args.max_queue,
+        )
+        print(f"rollout: serving leases peer_id={server.peer_id}", flush=True)
+    output = Path(args.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "rollouts.jsonl").unlink(missing_ok=True)  # one run per directory: no records of an earlier run
+    log = JsonLinesWriter(output / "rollouts.jsonl")
+    problems = tasks.eval_problems(
+        tasks.spec_for_model(args.model_name_or_path, args.task, args.max_operand), args.num_prompts
+    )
+    stop = stop_on_signals()
+    started = time.monotonic()
+    warned = False
+
+    def on_update(report: UpdateReport) -> None:
+        loaded = time.perf_counter()
+        engine.weights_updated(report.changed, version=report.version)
+        seconds_load = time.perf_counter() - loaded
+        if server is not None:
+            server.weights_loaded(report.version, report.digest)
+        seconds_to_serve = time.time() - report.published if report.published else None
+        full_reload = vllm_engine.reload_all() if vllm_engine and args.compare_full_reload else None
+        reward = None
+        if server is None:  # a serving worker spends its time on the trainers' leases
+            with subscriber.lock:
+                completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
+            reward = tasks.score(completions, problems)
+        record = {
+            "version": report.version,
+            "reward": reward,
+            "digest": report.digest,
+            "num_changed": report.num_changed,
+            "bytes_received": report.bytes_received,
+            "seconds_update": round(report.seconds, 4),
+            "seconds_load": round(seconds_load, 4),
+            "seconds_to_serve": round(seconds_to_serve, 4) if seconds_to_serve is not None else None,
+            "seconds_full_reload": round(full_reload, 4) if full_reload is not None else None,
+            "engine": args.engine,
+            "path": report.path,
+            "time": round(time.time(), 3),
+        }
+        if server is not None:
+            record.update(leases_served=server.num_served, tokens_per_s=round(server.tokens_per_s, 2))
+        log.write(record)
+        serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
+        scored = f" reward={reward:.3f}" if reward is not None else ""
+        if server is not None:
+            scored += f" leases_served={server.num_served}"
+        print(
+            f"rollout: version={report.version}{scored} digest={report.digest} "
+            f"changed={report.num_changed} bytes={report.bytes_received} path={report.path} "
+            f"load={seconds_load:.3f}s{serve}",
+            flush=True,
+        )
+
+    def on_idle() -> None:
+        nonlocal warned
+        if subscriber.version is None and not warned and time.monotonic() - started > args.wait_warning:
+            warned = True
+            print(
+                f"rollout: no version of run_id={swarm.policy_run_id} after {args.wait_warning:.0f} s; a trainer "
+                f"must run with --publish and --run_id {swarm.run_id} in the swarm of --initial_peers",
+                flush=True,
+            )
+
+    print(f"rollout: following run_id={swarm.policy_run_id} engine={args.engine}", flush=True)
+    try:
+        reached = subscriber.run(
+            engine.weights(),
+            on_update,
+            interval=args.interval,
+            stop=stop,
+            until_version=args.until_version,
+            max_seconds=args.max_seconds or None,
+            on_idle=on_idle,
+        )
+        if args.until_version is not None and not reached and not stop.is_set():
+            raise VersionTimeoutError(
+                f"version {args.until_version} did not arrive within --max_seconds {args.max_seconds:g} "
+                f"(holding version {subscriber.version}); check --initial_peers and that a trainer runs "
+                f"with --publish --run_id {swarm.run_id}"
+            )
+    finally:
+        if server is not None:
+            server.close()
+        subscriber.close()
+        dht.shutdown()
+        if vllm_engine is not None:
+            vllm_engine.close()
+
+
+def run() -> None:
+    """The command line (``python recipes/rollout_worker.py ...``): :func:`main` on ``sys.argv``; exits 2 on a bad
+    configuration and 1 on a run-time failure, with one line (:func:`common.run_recipe`)."""
+    common.run_recipe(PROG, lambda: main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    run()
