@@ -23,18 +23,12 @@ from hivemind.proto import runtime_pb2
 
 from pulseloco.codec import peek_header
 from pulseloco.codec.indices import encode_indices
-from pulseloco.loco.averaging import (
-    AGGREGATE_NAME,
-    CONTRIBUTION_NAME,
-    AllReduceResult,
-    SparseAverager,
-    Traffic,
-    _FrameLayout,
-    shard_bounds,
-)
+from pulseloco.loco.averaging import AllReduceResult, SparseAverager, shard_bounds
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.metrics import RoundMetrics, index_entropy_bits, traffic_summary
 from pulseloco.loco.optimizer import PulseLoCo
+from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME
+from pulseloco.loco.traffic import FrameLayout, Traffic
 from pulseloco.loco.validation import decode_sparse, encode_sparse
 from pulseloco.p2p import header_message, stream_messages
 
@@ -54,7 +48,7 @@ def test_a_frames_sections_add_up_to_its_length_and_split_exactly_by_chunk() -> 
     assert header.index_bytes == len(encode_indices(np.array([1, 5]), 8).data)
     assert header.value_bytes == 8 and header_json["value_section"]["codec"] == "raw"  # 2 FP32, too few to zstd
     assert len(frame) == header.header_bytes + header.index_bytes + header.value_bytes + 8  # xxh3-64 checksum
-    layout = _FrameLayout.of(frame)
+    layout = FrameLayout.of(frame)
     assert layout.num_entries == 2
     for chunk in (1, 3, 7, len(frame)):
         splits = [layout.split(start, min(start + chunk, len(frame))) for start in range(0, len(frame), chunk)]
@@ -78,7 +72,7 @@ def test_every_message_sent_is_split_by_the_bytes_it_carries() -> None:
     averager._traffic = {}
     messages = stream_messages(runtime_pb2.ExpertRequest, {"round": 4}, [frame], chunk_bytes=CHUNK)
     offset, before = 0, Traffic()
-    for i, message in enumerate(averager._counted(4, messages, _FrameLayout.of(frame), is_sum=False)):
+    for i, message in enumerate(averager._counted(4, messages, FrameLayout.of(frame), is_sum=False)):
         now = averager._traffic[4]
         carried = labels[offset : offset + len(message.metadata)] if i else ""  # message 0: the stream's header
         offset += len(carried)

@@ -24,14 +24,11 @@ shard of the flat parameter space:
 A member's traffic grows with its own payload plus the (sparse) sums, not with the number of peers times the
 model. Client-mode members push and fetch but own no shard and serve nothing.
 
-Byte accounting (:class:`Traffic`, :class:`AllReduceResult`, :class:`pulseloco.loco.metrics.RoundMetrics`). Every
-protobuf message a peer sends or receives for a round is counted at its serialized size (``ByteSize()``, libp2p
-framing not included) where it is sent or read (:meth:`SparseAverager._count`). Each message sent is split
-exactly: the bytes of a contribution frame's index and value sections it carries (their offsets read from the
-frame's header, :func:`pulseloco.codec.peek_header`), the same for a shard sum it serves, and the rest (the
-stream's JSON header, the frame's prefix, JSON header and checksum, protobuf tags and lengths, push replies,
-fetch requests and refusals). The parts add up to the bytes sent. :func:`payload_frame` gives the size of
-the peer's whole selection as one frame (what the paper's all-gather through an object store uploads).
+The owner's side (receiving, validating and summing the parts, serving the sums) is
+:mod:`pulseloco.loco.shard_owner`; the byte accounting (every message counted at its serialized size and split
+into the frames' index and value sections and the rest) is :mod:`pulseloco.loco.traffic`.
+:func:`payload_frame` gives the size of the peer's whole selection as one frame (what the paper's all-gather
+through an object store uploads).
 
 Exactly once (docs/design.md, "Exactly-once contributions"). What a round counted is decided by the owners
 alone: shard ``j``'s sum contains exactly the contributions on its ``accepted`` list, fixed when the owner
@@ -58,39 +55,32 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-
-# hivemind's ServicerBase recognises streaming handlers by typing.AsyncIterator hints (their ``_name``); the
-# collections.abc alias is not recognised and would silently register a unary handler.
-from typing import Any, AsyncIterator, TypeVar  # noqa: UP035
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from pulseloco.codec import FrameHeader, peek_header
 from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedShard, ShardOwner, peak
 from pulseloco.loco.state import StateSnapshot, StateTransfer
-from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
-from pulseloco.p2p import CHUNK_BYTES, Message, P2PHost, header_message, parse_header, read_stream, stream_messages
+from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
+from pulseloco.loco.validation import decode_sparse, encode_sparse
+from pulseloco.p2p import CHUNK_BYTES, P2PHost, header_message, parse_header, read_stream, stream_messages
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AllReduceResult", "SparseAverager", "Traffic", "payload_frame", "shard_bounds"]
+__all__ = ["AllReduceResult", "SparseAverager", "payload_frame", "shard_bounds"]
 
-M = TypeVar("M", bound=Message)
-
-CONTRIBUTION_NAME = "pseudo_gradient"
-AGGREGATE_NAME = "pseudo_gradient_sum"
 #: Owner-side rounds kept for late fetches before they are pruned.
 _KEEP_ROUNDS = 2
 #: Fetches of a shard's sum after the first one failed (each bounded by ``request_timeout``).
 _FETCH_RETRIES = 2
-#: Element bound when reading the headers of this peer's own frames (the receivers' bound is ``numel``).
-_NO_ELEMENT_LIMIT = 1 << 40
 
 
 def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
@@ -118,69 +108,7 @@ def payload_frame(
     frame = encode_sparse(
         CONTRIBUTION_NAME, numel, indices_K, values_K, round_index=round_index, value_dtype=value_dtype
     )
-    return peek_header(frame, max_elements=_NO_ELEMENT_LIMIT)
-
-
-@dataclass
-class Traffic:
-    """Wire bytes of one round on one peer, counted by :meth:`SparseAverager._count`: whole protobuf messages
-    (``ByteSize()``) and the frame bytes those messages carry.
-
-    ``sent == sent_index + sent_value + sent_sum_index + sent_sum_value + sent_header`` exactly, message by
-    message."""
-
-    sent: int = 0
-    """Every message sent: parts pushed, fetch requests, push replies and refusals, sums served."""
-    received: int = 0
-    """Every message received: parts pushed to this owner, push replies, sums fetched, refusals."""
-    sent_index: int = 0
-    """Bytes of the index sections of the contribution frames this peer pushed to other owners."""
-    sent_value: int = 0
-    """Bytes of the value sections of those frames."""
-    sent_sum_index: int = 0
-    """Bytes of the index sections of the shard sums this owner served to other members (the union of the
-    group's indices in its shard), once per member served."""
-    sent_sum_value: int = 0
-    """Bytes of the value sections of those sums."""
-    sent_header: int = 0
-    """The rest of ``sent``: stream JSON headers, frame prefixes, JSON headers and checksums, protobuf tags and
-    lengths, fetch requests, push replies and refusals."""
-    num_pushed: int = 0
-    """Entries of the contribution frames this peer sent to the end (its own shard's part stays local)."""
-    num_sum_entries: int = 0
-    """Entries of the shard sums this owner served to the end, once per member served."""
-
-
-@dataclass(frozen=True)
-class _FrameLayout:
-    """Where a frame's index and value sections lie (byte offsets into the frame) and its number of entries."""
-
-    index_start: int = 0
-    value_start: int = 0
-    value_stop: int = 0
-    num_entries: int = 0
-
-    @classmethod
-    def of(cls, frame: bytes) -> _FrameLayout:
-        """The layout of ``frame``; a frame that does not parse (never one this peer encoded) counts as all
-        header and no entries."""
-        try:
-            header = peek_header(frame, max_elements=_NO_ELEMENT_LIMIT)
-        except PayloadError:
-            return cls()
-        value_start = header.header_bytes + header.index_bytes
-        return cls(header.header_bytes, value_start, value_start + header.value_bytes, header.num_changed)
-
-    def split(self, start: int, stop: int) -> tuple[int, int]:
-        """How many of the frame's bytes ``[start, stop)`` lie in its index section and in its value section."""
-        index = max(0, min(stop, self.value_start) - max(start, self.index_start))
-        value = max(0, min(stop, self.value_stop) - max(start, self.value_start))
-        return index, value
-
-
-def _peak(values_K: torch.Tensor) -> float:
-    """The largest absolute entry (0 for none): the scale of a part that does not grow with its entry count."""
-    return float(values_K.abs().max()) if values_K.numel() else 0.0
+    return peek_header(frame, max_elements=NO_ELEMENT_LIMIT)
 
 
 @dataclass(frozen=True)
@@ -227,36 +155,10 @@ class AllReduceResult:
         return len({peer for shard in self.accepted if shard is not None for peer in shard})
 
 
-@dataclass
-class _OwnedShard:
-    """Owner-side state of one shard in one round (created on the first push, fetch or local begin)."""
-
-    round: int
-    group_id: str
-    expected: frozenset[str] | None = None
-    numel: int | None = None
-    contributions: dict[str, bytes] = field(default_factory=dict)
-    closed: bool = False
-    all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    all_fetched: asyncio.Event = field(default_factory=asyncio.Event)
-    fetched: set[str] = field(default_factory=set)
-    awaiting: frozenset[str] | None = None
-    header: dict[str, Any] | None = None
-    payload: bytes = b""
-    layout: _FrameLayout = field(default_factory=_FrameLayout)
-    num_rejected: int = 0
-
-
-def _refusal(reason: str) -> dict[str, Any]:
-    """The header of the one message of a refused stream (:func:`pulseloco.p2p.read_stream` reads it): ``ok``
-    False, the ``reason`` and no payload."""
-    return {"ok": False, "reason": reason, "size": 0}
-
-
-class SparseAverager(StateTransfer):
-    """Sparse reduce-scatter / all-gather of one flat parameter space of ``numel`` entries over a hivemind DHT,
-    and the state transfer of :class:`~pulseloco.loco.state.StateTransfer`.
+class SparseAverager(ShardOwner, StateTransfer):
+    """Sparse reduce-scatter / all-gather of one flat parameter space of ``numel`` entries over a hivemind DHT:
+    the member side here, the owner side of :class:`~pulseloco.loco.shard_owner.ShardOwner` and the state transfer
+    of :class:`~pulseloco.loco.state.StateTransfer`.
 
     Runs its RPC handlers on a :class:`~pulseloco.p2p.P2PHost` (a private event loop in a background thread with
     a replica of the DHT's P2P). ``client_mode`` peers register no handlers: they neither own shards nor serve
@@ -285,7 +187,7 @@ class SparseAverager(StateTransfer):
         self.max_norm_ratio = max_norm_ratio
         self.chunk_bytes = chunk_bytes
         self.namespace = f"{run_id}_loco"
-        self._owned: dict[tuple[int, str], _OwnedShard] = {}
+        self._owned: dict[tuple[int, str], OwnedShard] = {}
         self._traffic: dict[int, Traffic] = {}
         # Encodes the whole selection (payload_bytes) while the exchange waits on the network.
         self._payload_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseloco-payload")
@@ -313,12 +215,6 @@ class SparseAverager(StateTransfer):
         self._host.close(timeout=self.request_timeout)
         self._payload_pool.shutdown(wait=False, cancel_futures=True)
 
-    @property
-    def max_payload_bytes(self) -> int:
-        """Upper bound of one encoded part or sum: 12 bytes per entry (index and value, uncompressed) plus 1 MiB
-        of framing; anything larger is refused while it streams in."""
-        return 12 * self.numel + (1 << 20)
-
     def _prune(self, round_index: int) -> None:
         """Forget owner state and traffic counters of rounds older than ``_KEEP_ROUNDS`` (event-loop thread only:
         the handlers iterate these dictionaries there)."""
@@ -329,204 +225,10 @@ class SparseAverager(StateTransfer):
         for r in [r for r in self._traffic if r < round_index - _KEEP_ROUNDS]:
             del self._traffic[r]
 
-    # -- owner side ---------------------------------------------------------------------------------------
-    def _count(
-        self,
-        round_index: int,
-        sent: int = 0,
-        received: int = 0,
-        *,
-        index: int = 0,
-        value: int = 0,
-        is_sum: bool = False,
-    ) -> None:
-        """Add one message to the round's :class:`Traffic` (event-loop thread only): ``sent`` / ``received`` its
-        serialized size, ``index`` / ``value`` the bytes of a contribution frame's (with ``is_sum``, a shard
-        sum's) sections among the ``sent`` bytes; the rest of ``sent`` counts as header."""
-        traffic = self._traffic.setdefault(round_index, Traffic())
-        traffic.sent += sent
-        traffic.received += received
-        if is_sum:
-            traffic.sent_sum_index += index
-            traffic.sent_sum_value += value
-        else:
-            traffic.sent_index += index
-            traffic.sent_value += value
-        traffic.sent_header += sent - index - value
-
-    def _counted(self, round_index: int, messages: Iterator[M], layout: _FrameLayout, *, is_sum: bool) -> Iterator[M]:
-        """``messages`` (one :func:`~pulseloco.p2p.stream_messages` stream of a frame of ``layout``), each counted
-        as sent and split into the frame's sections as it goes out; the frame's entries are counted once its last
-        message went out."""
-        offset = 0
-        for i, message in enumerate(messages):
-            index = value = 0
-            if i:  # the first message is the stream's JSON header, the others carry the frame's bytes in order
-                stop = offset + len(message.metadata)
-                index, value = layout.split(offset, stop)
-                offset = stop
-            self._count(round_index, sent=message.ByteSize(), index=index, value=value, is_sum=is_sum)
-            yield message
-        traffic = self._traffic.setdefault(round_index, Traffic())
-        if is_sum:
-            traffic.num_sum_entries += layout.num_entries
-        else:
-            traffic.num_pushed += layout.num_entries
-
-    def _reply(self, round_index: int, header: dict[str, Any]) -> runtime_pb2.ExpertResponse:
-        """A one-message answer (push acknowledgement, refusal), counted as sent in ``round_index``."""
-        message = header_message(runtime_pb2.ExpertResponse, header)
-        self._count(round_index, sent=message.ByteSize())
-        return message
-
-    def _owned_shard(self, round_index: int, group_id: str) -> _OwnedShard | None:
-        """The owner state for ``(round, group)``, created on demand for rounds near the current one."""
-        key = (round_index, group_id)
-        shard = self._owned.get(key)
-        if shard is None:
-            if not self._current_round - 1 <= round_index <= self._current_round + 2:
-                return None
-            if sum(1 for r, _ in self._owned if r == round_index) >= 4:
-                return None  # bounded state per round: a flood of bogus group ids is refused
-            shard = self._owned[key] = _OwnedShard(round_index, group_id)
-        return shard
-
-    def _add_contribution(self, shard: _OwnedShard, sender: str, payload: bytes) -> str | None:
-        """Store a part; return a refusal reason or ``None``."""
-        if shard.closed:
-            return "late: the shard was already aggregated"
-        if sender in shard.contributions:
-            return "duplicate contribution"
-        if shard.expected is not None and sender not in shard.expected:
-            return "sender is not a member of this group"
-        shard.contributions[sender] = payload
-        if shard.expected is not None and shard.expected <= shard.contributions.keys():
-            shard.all_arrived.set()
-        return None
-
-    async def rpc_push(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """Receive one member's part of this owner's shard (header first, then chunks)."""
-        sender = context.remote_id.to_base58()
-        round_key = -1  # the round the stream's header names, once read (-1: none, not counted in any round)
-
-        def count(header: dict[str, Any], message: runtime_pb2.ExpertRequest) -> None:
-            nonlocal round_key
-            round_key = header["round"] if isinstance(header.get("round"), int) else -1
-            self._count(round_key, received=message.ByteSize())
-
-        try:
-            header, payload = await read_stream(
-                requests, max_bytes=self.max_payload_bytes, timeout=self.request_timeout, on_message=count
-            )
-        except (TimeoutError, PayloadError) as exc:
-            logger.warning("push refused sender=%s error=%r", sender, exc)
-            return self._reply(round_key, {"ok": False, "reason": repr(exc)})
-        if not isinstance(header.get("round"), int) or not isinstance(header.get("group"), str):
-            return self._reply(round_key, {"ok": False, "reason": "missing round or group"})
-        shard = self._owned_shard(header["round"], header["group"])
-        reason = "round out of range" if shard is None else self._add_contribution(shard, sender, payload)
-        if reason is not None:
-            logger.info("push refused sender=%s round=%s reason=%s", sender, header["round"], reason)
-        return self._reply(header["round"], {"ok": reason is None, "reason": reason})
-
-    async def rpc_fetch(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Stream this owner's summed shard for ``(round, group)`` once it is aggregated."""
-        requester = context.remote_id.to_base58()
-        try:
-            header = parse_header(request.metadata)
-        except PayloadError as exc:
-            self._count(-1, received=request.ByteSize())
-            yield self._reply(-1, _refusal(str(exc)))
-            return
-        round_index, group_id = header.get("round"), header.get("group")
-        round_key = round_index if isinstance(round_index, int) else -1
-        self._count(round_key, received=request.ByteSize())
-        shard = None
-        if isinstance(round_index, int) and isinstance(group_id, str):
-            shard = self._owned_shard(round_index, group_id)
-        if shard is None:
-            yield self._reply(round_key, _refusal("unknown round or group"))
-            return
-        try:
-            await asyncio.wait_for(shard.done.wait(), timeout=self.averaging_timeout + self.request_timeout)
-        except TimeoutError:
-            yield self._reply(round_key, _refusal("aggregation did not finish"))
-            return
-        if shard.expected is None or requester not in shard.expected or shard.header is None:
-            yield self._reply(round_key, _refusal("not a member of this group"))
-            return
-        messages = stream_messages(
-            runtime_pb2.ExpertResponse, shard.header, [shard.payload], chunk_bytes=self.chunk_bytes
-        )
-        for message in self._counted(shard.round, messages, shard.layout, is_sum=True):
-            yield message
-        shard.fetched.add(requester)
-        if shard.awaiting is not None and shard.awaiting <= shard.fetched:
-            shard.all_fetched.set()
-
-    async def _aggregate(self, shard: _OwnedShard, deadline: float) -> None:
-        """Wait for the members' parts (until ``deadline``, loop time), validate and sum them."""
-        try:
-            await asyncio.wait_for(shard.all_arrived.wait(), timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            missing = sorted((shard.expected or frozenset()) - shard.contributions.keys())
-            logger.warning(
-                "averaging timeout: aggregating without parts round=%d missing=%s (raise averaging_timeout if "
-                "peers are slow rather than gone)",
-                shard.round,
-                missing,
-            )
-        shard.closed = True
-        contributions = dict(shard.contributions)
-        loop = asyncio.get_running_loop()
-        header, payload, num_rejected = await loop.run_in_executor(
-            None, self._sum_contributions, shard.round, shard.numel or 0, contributions
-        )
-        shard.layout = await loop.run_in_executor(None, _FrameLayout.of, payload)
-        shard.header, shard.payload, shard.num_rejected = header, payload, num_rejected
-        shard.done.set()
-
-    def _sum_contributions(
-        self, round_index: int, numel: int, contributions: dict[str, bytes]
-    ) -> tuple[dict[str, Any], bytes, int]:
-        """Validate and sum in sorted peer-id order (CPU work, run off the event loop)."""
-        valid: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        rejected: dict[str, str] = {}
-        for peer in sorted(contributions):
-            try:
-                valid[peer] = decode_sparse(contributions[peer], CONTRIBUTION_NAME, numel)
-            except PayloadError as exc:
-                rejected[peer] = f"{type(exc).__name__}: {exc}"
-        if len(valid) >= 3:  # L2 norms against the leave-one-out median
-            norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
-            reference = None
-        else:  # no majority: largest entries against this owner's own (the part it can trust)
-            norms = {peer: _peak(values_K) for peer, (_, values_K) in valid.items()}
-            reference = norms.get(self.peer_id)
-        for peer, reason in screen_outliers(norms, self.max_norm_ratio, reference=reference).items():
-            rejected[peer] = f"OutlierPayloadError: {reason}"
-            del valid[peer]
-        for peer, reason in rejected.items():
-            logger.warning("contribution rejected round=%d peer=%s reason=%s", round_index, peer, reason)
-        sum_N = torch.zeros(numel, dtype=torch.float32)
-        touched_N = torch.zeros(numel, dtype=torch.bool)
-        for peer in sorted(valid):
-            indices_K, values_K = valid[peer]
-            sum_N[indices_K] += values_K
-            touched_N[indices_K] = True
-        indices_K = torch.nonzero(touched_N, as_tuple=False).reshape(-1)
-        payload = encode_sparse(AGGREGATE_NAME, numel, indices_K, sum_N[indices_K], round_index=round_index)
-        header = {"ok": True, "accepted": sorted(valid), "rejected": sorted(rejected), "size": len(payload)}
-        return header, payload, len(rejected)
-
     # -- member side ----------------------------------------------------------------------------------------
     async def _push(self, owner: str, header: dict[str, Any], payload: bytes, deadline: float) -> bool:
         round_index = header["round"]
-        layout = _FrameLayout.of(payload)
+        layout = FrameLayout.of(payload)
 
         async def _requests() -> AsyncIterator[runtime_pb2.ExpertRequest]:
             messages = stream_messages(runtime_pb2.ExpertRequest, header, [payload], chunk_bytes=self.chunk_bytes)
@@ -578,27 +280,10 @@ class SparseAverager(StateTransfer):
         self._prune(group.round)
         base = {"round": group.round, "group": group.group_id}
         own_index = group.servers.index(self.peer_id) if self.peer_id in group.servers else None
-        owned: _OwnedShard | None = None
+        owned: OwnedShard | None = None
         if own_index is not None:
-            owned = self._owned_shard(group.round, group.group_id)
-            if owned is None:  # cannot happen: the current round is always in range
-                raise SwarmError(f"cannot own a shard of round {group.round}")
-            owned.expected = frozenset(group.members)
             start, stop = shard_bounds(self.numel, len(group.servers))[own_index]
-            owned.numel = stop - start
-            for sender in list(owned.contributions):
-                if sender not in owned.expected:
-                    logger.warning("dropping part from non-member round=%d peer=%s", group.round, sender)
-                    del owned.contributions[sender]
-            reason = self._add_contribution(owned, self.peer_id, parts[own_index])
-            if reason is not None:
-                logger.warning("own part refused round=%d reason=%s", group.round, reason)
-            if owned.expected <= owned.contributions.keys():
-                owned.all_arrived.set()
-            # Its own task, not cancelled with this exchange: the other members fetch this sum even when this
-            # peer's wait is cut short (a stalled process resumes past its deadline).
-            self._aggregations[(group.round, group.group_id)] = asyncio.create_task(self._aggregate(owned, deadline))
-
+            owned = self._open_own_shard(group, stop - start, parts[own_index], deadline)
         pushes = [
             self._push(owner, {**base, "shard": j}, parts[j], deadline)
             for j, owner in enumerate(group.servers)
@@ -609,24 +294,8 @@ class SparseAverager(StateTransfer):
         num_rejected = 0
         if owned is not None:
             num_rejected = owned.num_rejected
-            # Keep serving until every member that contributed has fetched (bounded by the deadline), so that a
-            # peer finishing first does not leave the others without its shard; later fetches are still served.
-            owned.awaiting = frozenset(owned.contributions) | {self.peer_id}
-            if owned.awaiting <= owned.fetched:
-                owned.all_fetched.set()
-            try:
-                await asyncio.wait_for(owned.all_fetched.wait(), timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                logger.info(
-                    "not every member fetched round=%d missing=%s",
-                    group.round,
-                    sorted(owned.awaiting - owned.fetched),
-                )
+            await self._serve_until_fetched(owned, deadline)
         return results, num_rejected, await self._traffic_copy(group.round)
-
-    async def _traffic_copy(self, round_index: int) -> Traffic:
-        """A copy of the round's :class:`Traffic` (a coroutine: the counters are only touched on the loop)."""
-        return replace(self._traffic.get(round_index, Traffic()))
 
     async def _collect(
         self, group: Group, results: list[tuple[dict[str, Any], bytes] | None], deadline: float
@@ -637,19 +306,7 @@ class SparseAverager(StateTransfer):
 
         async def _one(j: int, owner: str) -> tuple[dict[str, Any], bytes] | None:
             if owner == self.peer_id:
-                task = self._aggregations.get((group.round, group.group_id))
-                owned = self._owned.get((group.round, group.group_id))
-                if task is None or owned is None:
-                    return None
-                try:
-                    await asyncio.wait_for(
-                        asyncio.shield(task), timeout=max(self.request_timeout, deadline - time.monotonic())
-                    )
-                except TimeoutError:
-                    logger.warning("own aggregation did not finish round=%d", group.round)
-                    return None
-                owned.fetched.add(self.peer_id)
-                return (owned.header or {}), owned.payload
+                return await self._own_sum(group, deadline)
             result = await self._fetch(owner, {**base, "shard": j}, deadline)
             # Retries share one window of request_timeout after the deadline (or after now, for a peer that
             # resumes from a stall past it): a dead owner costs at most that, a late fetcher gets the kept sum.
@@ -682,11 +339,11 @@ class SparseAverager(StateTransfer):
         raises :class:`PayloadError` and adds ``owner`` to :attr:`disputed`. A poisoned owner, or a poisoned
         contribution an owner let through, is caught here; with no part of its own in the shard this peer has
         no bar and accepts."""
-        peak = _peak(average_K)
-        if own_peak > 0.0 and peak > self.max_norm_ratio * own_peak:
+        largest = peak(average_K)
+        if own_peak > 0.0 and largest > self.max_norm_ratio * own_peak:
             self.disputed.add(owner)
             raise PayloadError(
-                f"average's largest entry {peak:.3e} exceeds {self.max_norm_ratio:g}x this peer's own {own_peak:.3e}"
+                f"average's largest entry {largest:.3e} exceeds {self.max_norm_ratio:g}x this peer's own {own_peak:.3e}"
             )
 
     def _run_exchange(
@@ -716,6 +373,50 @@ class SparseAverager(StateTransfer):
             except (SwarmError, TimeoutError) as error:
                 logger.warning("reading the traffic counters failed round=%d error=%s", group.round, error)
         return results, num_rejected, traffic
+
+    def _average_shards(
+        self,
+        group: Group,
+        bounds: list[tuple[int, int]],
+        results: list[tuple[dict[str, Any], bytes] | None],
+        own_peaks: list[float],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[str, ...] | None], set[str]]:
+        """Check and divide every fetched shard sum of ``results`` (``bounds`` the shards, ``own_peaks`` the
+        largest entry of this peer's part of each): the accepted list must name members only, a sum with values
+        must name contributors, and the average must pass :meth:`_screen_aggregate`. Returns the averages'
+        global indices and values (shards with contributors only), the accepted list per shard (None where the
+        sum is missing or fails a check, logged as a warning) and the live peers (this one, the owners whose
+        sums were accepted and their contributors). Never raises."""
+        all_indices, all_average = [], []
+        accepted_lists: list[tuple[str, ...] | None] = []
+        live_peers: set[str] = {self.peer_id}
+        for j, (start, stop) in enumerate(bounds):
+            result = results[j]
+            accepted: tuple[str, ...] | None = None
+            if result is not None:
+                reply, payload = result
+                names = reply.get("accepted")
+                try:
+                    if not isinstance(names, list) or not all(isinstance(p, str) for p in names):
+                        raise PayloadError("aggregate header lacks its accepted contributors")
+                    if not set(names) <= set(group.members):
+                        raise PayloadError("aggregate counts peers outside the group")
+                    sum_indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, stop - start)
+                    if not names and sum_K.numel():
+                        raise PayloadError("aggregate has values but no accepted contributors")
+                    if names:
+                        self._screen_aggregate(group.servers[j], sum_K / float(len(names)), own_peaks[j])
+                except PayloadError as exc:
+                    logger.warning("aggregate rejected round=%d owner=%s error=%s", group.round, group.servers[j], exc)
+                else:
+                    accepted = tuple(sorted(names))
+                    if accepted:  # every part refused: nothing counted in this shard
+                        all_indices.append(sum_indices_K + start)
+                        all_average.append(sum_K / float(len(accepted)))
+                    live_peers.update(accepted)
+                    live_peers.add(group.servers[j])
+            accepted_lists.append(accepted)
+        return all_indices, all_average, accepted_lists, live_peers
 
     def all_reduce(
         self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor, value_dtype: str = "float32"
@@ -754,38 +455,11 @@ class SparseAverager(StateTransfer):
                 payload_frame, self.numel, indices_K, values_K, round_index=group.round, value_dtype=value_dtype
             )
         results, num_rejected, traffic = self._run_exchange(group, parts)
-        whole = peek_header(parts[0], max_elements=_NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
+        whole = peek_header(parts[0], max_elements=NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
+        own_peaks = [peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
+        all_indices, all_average, accepted_lists, live_peers = self._average_shards(group, bounds, results, own_peaks)
         returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
-        own_peaks = [_peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
-        all_indices, all_average = [], []
-        accepted_lists: list[tuple[str, ...] | None] = []
-        live_peers: set[str] = {self.peer_id}
-        for j, (start, stop) in enumerate(bounds):
-            result = results[j]
-            accepted: tuple[str, ...] | None = None
-            if result is not None:
-                reply, payload = result
-                names = reply.get("accepted")
-                try:
-                    if not isinstance(names, list) or not all(isinstance(p, str) for p in names):
-                        raise PayloadError("aggregate header lacks its accepted contributors")
-                    if not set(names) <= set(group.members):
-                        raise PayloadError("aggregate counts peers outside the group")
-                    sum_indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, stop - start)
-                    if not names and sum_K.numel():
-                        raise PayloadError("aggregate has values but no accepted contributors")
-                    if names:
-                        self._screen_aggregate(group.servers[j], sum_K / float(len(names)), own_peaks[j])
-                except PayloadError as exc:
-                    logger.warning("aggregate rejected round=%d owner=%s error=%s", group.round, group.servers[j], exc)
-                else:
-                    accepted = tuple(sorted(names))
-                    if accepted:  # every part refused: nothing counted in this shard
-                        all_indices.append(sum_indices_K + start)
-                        all_average.append(sum_K / float(len(accepted)))
-                    live_peers.update(accepted)
-                    live_peers.add(group.servers[j])
-            accepted_lists.append(accepted)
+        for j, accepted in enumerate(accepted_lists):
             if accepted is None or self.peer_id not in accepted:
                 returned_K[offsets[j] : offsets[j + 1]] = True
         return AllReduceResult(

@@ -1,0 +1,307 @@
+"""The shard owner's side of the sparse all-reduce (:mod:`pulseloco.loco.averaging`): receiving, checking and
+summing the members' parts of the owner's shard, and serving the sum.
+
+:class:`ShardOwner` is a base of :class:`~pulseloco.loco.averaging.SparseAverager` (never used on its own). A
+server-mode member owns one contiguous shard of the flat parameter space per round. It receives the other
+members' parts over ``rpc_push`` (and takes its own locally, :meth:`ShardOwner._open_own_shard`), waits for all of
+them until the round's deadline, decodes and validates them (frame, index range, finiteness, norm against the other
+contributions' median, or largest entry against the owner's own part's in a group of two) and sums the accepted
+ones in sorted peer-id order (:meth:`ShardOwner._aggregate`). ``rpc_fetch`` streams that sum, with the sorted list
+of accepted contributors, to every member of the group; the list is what decides delivery (docs/design.md,
+"Exactly-once contributions"). Owner state is created only for rounds near the current one and for at most four
+groups per round.
+
+Failure behaviour: a handler never raises because of a peer; a refused push is answered ``ok`` False with a
+reason, a refused fetch with one refusal message (:func:`pulseloco.p2p.read_stream` reads it); a part that fails
+validation is left out of the sum and counted as rejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+# hivemind's ServicerBase recognises streaming handlers by typing.AsyncIterator hints (their ``_name``); the
+# collections.abc alias is not recognised and would silently register a unary handler.
+from typing import Any, AsyncIterator  # noqa: UP035
+
+import torch
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
+
+from pulseloco.errors import PayloadError, SwarmError
+from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.traffic import FrameLayout, TrafficCounter
+from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
+from pulseloco.p2p import header_message, parse_header, read_stream, stream_messages
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AGGREGATE_NAME", "CONTRIBUTION_NAME", "OwnedShard", "ShardOwner", "peak"]
+
+CONTRIBUTION_NAME = "pseudo_gradient"
+"""The tensor name of a member's part (a contribution frame)."""
+AGGREGATE_NAME = "pseudo_gradient_sum"
+"""The tensor name of a shard's sum (the frame an owner serves)."""
+
+
+def peak(values_K: torch.Tensor) -> float:
+    """The largest absolute entry (0 for none): the scale of a part that does not grow with its entry count."""
+    return float(values_K.abs().max()) if values_K.numel() else 0.0
+
+
+@dataclass
+class OwnedShard:
+    """Owner-side state of one shard in one round (created on the first push, fetch or local begin)."""
+
+    round: int
+    group_id: str
+    expected: frozenset[str] | None = None
+    numel: int | None = None
+    contributions: dict[str, bytes] = field(default_factory=dict)
+    closed: bool = False
+    all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    all_fetched: asyncio.Event = field(default_factory=asyncio.Event)
+    fetched: set[str] = field(default_factory=set)
+    awaiting: frozenset[str] | None = None
+    header: dict[str, Any] | None = None
+    payload: bytes = b""
+    layout: FrameLayout = field(default_factory=FrameLayout)
+    num_rejected: int = 0
+
+
+def _refusal(reason: str) -> dict[str, Any]:
+    """The header of the one message of a refused stream (:func:`pulseloco.p2p.read_stream` reads it): ``ok``
+    False, the ``reason`` and no payload."""
+    return {"ok": False, "reason": reason, "size": 0}
+
+
+class ShardOwner(TrafficCounter):
+    """The owner side of :class:`~pulseloco.loco.averaging.SparseAverager`, which sets the attributes below and
+    registers ``rpc_push`` and ``rpc_fetch`` with its other handlers. Owner state is touched on the averager's
+    event-loop thread only (the handlers, the aggregation tasks and the exchange run there)."""
+
+    numel: int
+    peer_id: str
+    averaging_timeout: float
+    request_timeout: float
+    max_norm_ratio: float
+    chunk_bytes: int
+    _owned: dict[tuple[int, str], OwnedShard]
+    _aggregations: dict[tuple[int, str], asyncio.Task[None]]
+    _current_round: int
+
+    @property
+    def max_payload_bytes(self) -> int:
+        """Upper bound of one encoded part or sum: 12 bytes per entry (index and value, uncompressed) plus 1 MiB
+        of framing; anything larger is refused while it streams in."""
+        return 12 * self.numel + (1 << 20)
+
+    def _reply(self, round_index: int, header: dict[str, Any]) -> runtime_pb2.ExpertResponse:
+        """A one-message answer (push acknowledgement, refusal), counted as sent in ``round_index``."""
+        message = header_message(runtime_pb2.ExpertResponse, header)
+        self._count(round_index, sent=message.ByteSize())
+        return message
+
+    def _owned_shard(self, round_index: int, group_id: str) -> OwnedShard | None:
+        """The owner state for ``(round, group)``, created on demand for rounds near the current one."""
+        key = (round_index, group_id)
+        shard = self._owned.get(key)
+        if shard is None:
+            if not self._current_round - 1 <= round_index <= self._current_round + 2:
+                return None
+            if sum(1 for r, _ in self._owned if r == round_index) >= 4:
+                return None  # bounded state per round: a flood of bogus group ids is refused
+            shard = self._owned[key] = OwnedShard(round_index, group_id)
+        return shard
+
+    def _add_contribution(self, shard: OwnedShard, sender: str, payload: bytes) -> str | None:
+        """Store a part; return a refusal reason or ``None``."""
+        if shard.closed:
+            return "late: the shard was already aggregated"
+        if sender in shard.contributions:
+            return "duplicate contribution"
+        if shard.expected is not None and sender not in shard.expected:
+            return "sender is not a member of this group"
+        shard.contributions[sender] = payload
+        if shard.expected is not None and shard.expected <= shard.contributions.keys():
+            shard.all_arrived.set()
+        return None
+
+    async def rpc_push(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """Receive one member's part of this owner's shard (header first, then chunks)."""
+        sender = context.remote_id.to_base58()
+        round_key = -1  # the round the stream's header names, once read (-1: none, not counted in any round)
+
+        def count(header: dict[str, Any], message: runtime_pb2.ExpertRequest) -> None:
+            nonlocal round_key
+            round_key = header["round"] if isinstance(header.get("round"), int) else -1
+            self._count(round_key, received=message.ByteSize())
+
+        try:
+            header, payload = await read_stream(
+                requests, max_bytes=self.max_payload_bytes, timeout=self.request_timeout, on_message=count
+            )
+        except (TimeoutError, PayloadError) as exc:
+            logger.warning("push refused sender=%s error=%r", sender, exc)
+            return self._reply(round_key, {"ok": False, "reason": repr(exc)})
+        if not isinstance(header.get("round"), int) or not isinstance(header.get("group"), str):
+            return self._reply(round_key, {"ok": False, "reason": "missing round or group"})
+        shard = self._owned_shard(header["round"], header["group"])
+        reason = "round out of range" if shard is None else self._add_contribution(shard, sender, payload)
+        if reason is not None:
+            logger.info("push refused sender=%s round=%s reason=%s", sender, header["round"], reason)
+        return self._reply(header["round"], {"ok": reason is None, "reason": reason})
+
+    async def rpc_fetch(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Stream this owner's summed shard for ``(round, group)`` once it is aggregated."""
+        requester = context.remote_id.to_base58()
+        try:
+            header = parse_header(request.metadata)
+        except PayloadError as exc:
+            self._count(-1, received=request.ByteSize())
+            yield self._reply(-1, _refusal(str(exc)))
+            return
+        round_index, group_id = header.get("round"), header.get("group")
+        round_key = round_index if isinstance(round_index, int) else -1
+        self._count(round_key, received=request.ByteSize())
+        shard = None
+        if isinstance(round_index, int) and isinstance(group_id, str):
+            shard = self._owned_shard(round_index, group_id)
+        if shard is None:
+            yield self._reply(round_key, _refusal("unknown round or group"))
+            return
+        try:
+            await asyncio.wait_for(shard.done.wait(), timeout=self.averaging_timeout + self.request_timeout)
+        except TimeoutError:
+            yield self._reply(round_key, _refusal("aggregation did not finish"))
+            return
+        if shard.expected is None or requester not in shard.expected or shard.header is None:
+            yield self._reply(round_key, _refusal("not a member of this group"))
+            return
+        messages = stream_messages(
+            runtime_pb2.ExpertResponse, shard.header, [shard.payload], chunk_bytes=self.chunk_bytes
+        )
+        for message in self._counted(shard.round, messages, shard.layout, is_sum=True):
+            yield message
+        shard.fetched.add(requester)
+        if shard.awaiting is not None and shard.awaiting <= shard.fetched:
+            shard.all_fetched.set()
+
+    def _open_own_shard(self, group: Group, numel: int, part: bytes, deadline: float) -> OwnedShard:
+        """Become the owner of this peer's shard (``numel`` entries) of ``group``'s round: fix the expected
+        members (parts pushed early by non-members are dropped), add this peer's own ``part`` and start the
+        aggregation (until ``deadline``) as its own task. Raises :class:`SwarmError` when the round is out of
+        range (never for the current round)."""
+        owned = self._owned_shard(group.round, group.group_id)
+        if owned is None:  # cannot happen: the current round is always in range
+            raise SwarmError(f"cannot own a shard of round {group.round}")
+        owned.expected = frozenset(group.members)
+        owned.numel = numel
+        for sender in list(owned.contributions):
+            if sender not in owned.expected:
+                logger.warning("dropping part from non-member round=%d peer=%s", group.round, sender)
+                del owned.contributions[sender]
+        reason = self._add_contribution(owned, self.peer_id, part)
+        if reason is not None:
+            logger.warning("own part refused round=%d reason=%s", group.round, reason)
+        if owned.expected <= owned.contributions.keys():
+            owned.all_arrived.set()
+        # Its own task, not cancelled with this exchange: the other members fetch this sum even when this
+        # peer's wait is cut short (a stalled process resumes past its deadline).
+        self._aggregations[(group.round, group.group_id)] = asyncio.create_task(self._aggregate(owned, deadline))
+        return owned
+
+    async def _own_sum(self, group: Group, deadline: float) -> tuple[dict[str, Any], bytes] | None:
+        """This owner's sum of its shard of ``group``'s round, once aggregated (waiting at least
+        ``request_timeout``, else until ``deadline``); None when there is none or the aggregation did not finish
+        in time (logged)."""
+        task = self._aggregations.get((group.round, group.group_id))
+        owned = self._owned.get((group.round, group.group_id))
+        if task is None or owned is None:
+            return None
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout=max(self.request_timeout, deadline - time.monotonic()))
+        except TimeoutError:
+            logger.warning("own aggregation did not finish round=%d", group.round)
+            return None
+        owned.fetched.add(self.peer_id)
+        return (owned.header or {}), owned.payload
+
+    async def _serve_until_fetched(self, owned: OwnedShard, deadline: float) -> None:
+        """Keep serving until every member that contributed (and this peer) has fetched the sum, at most until
+        ``deadline`` (a timeout is logged, never raised), so that a peer finishing first does not leave the others
+        without its shard; later fetches are still served."""
+        owned.awaiting = frozenset(owned.contributions) | {self.peer_id}
+        if owned.awaiting <= owned.fetched:
+            owned.all_fetched.set()
+        try:
+            await asyncio.wait_for(owned.all_fetched.wait(), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            logger.info(
+                "not every member fetched round=%d missing=%s",
+                owned.round,
+                sorted(owned.awaiting - owned.fetched),
+            )
+
+    async def _aggregate(self, shard: OwnedShard, deadline: float) -> None:
+        """Wait for the members' parts (until ``deadline``, loop time), validate and sum them."""
+        try:
+            await asyncio.wait_for(shard.all_arrived.wait(), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            missing = sorted((shard.expected or frozenset()) - shard.contributions.keys())
+            logger.warning(
+                "averaging timeout: aggregating without parts round=%d missing=%s (raise averaging_timeout if "
+                "peers are slow rather than gone)",
+                shard.round,
+                missing,
+            )
+        shard.closed = True
+        contributions = dict(shard.contributions)
+        loop = asyncio.get_running_loop()
+        header, payload, num_rejected = await loop.run_in_executor(
+            None, self._sum_contributions, shard.round, shard.numel or 0, contributions
+        )
+        shard.layout = await loop.run_in_executor(None, FrameLayout.of, payload)
+        shard.header, shard.payload, shard.num_rejected = header, payload, num_rejected
+        shard.done.set()
+
+    def _sum_contributions(
+        self, round_index: int, numel: int, contributions: dict[str, bytes]
+    ) -> tuple[dict[str, Any], bytes, int]:
+        """Validate and sum in sorted peer-id order (CPU work, run off the event loop)."""
+        valid: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        rejected: dict[str, str] = {}
+        for peer in sorted(contributions):
+            try:
+                valid[peer] = decode_sparse(contributions[peer], CONTRIBUTION_NAME, numel)
+            except PayloadError as exc:
+                rejected[peer] = f"{type(exc).__name__}: {exc}"
+        if len(valid) >= 3:  # L2 norms against the leave-one-out median
+            norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
+            reference = None
+        else:  # no majority: largest entries against this owner's own (the part it can trust)
+            norms = {peer: peak(values_K) for peer, (_, values_K) in valid.items()}
+            reference = norms.get(self.peer_id)
+        for peer, reason in screen_outliers(norms, self.max_norm_ratio, reference=reference).items():
+            rejected[peer] = f"OutlierPayloadError: {reason}"
+            del valid[peer]
+        for peer, reason in rejected.items():
+            logger.warning("contribution rejected round=%d peer=%s reason=%s", round_index, peer, reason)
+        sum_N = torch.zeros(numel, dtype=torch.float32)
+        touched_N = torch.zeros(numel, dtype=torch.bool)
+        for peer in sorted(valid):
+            indices_K, values_K = valid[peer]
+            sum_N[indices_K] += values_K
+            touched_N[indices_K] = True
+        indices_K = torch.nonzero(touched_N, as_tuple=False).reshape(-1)
+        payload = encode_sparse(AGGREGATE_NAME, numel, indices_K, sum_N[indices_K], round_index=round_index)
+        header = {"ok": True, "accepted": sorted(valid), "rejected": sorted(rejected), "size": len(payload)}
+        return header, payload, len(rejected)
