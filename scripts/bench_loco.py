@@ -28,24 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-logger = logging.getLogger("bench_loco")
+from harness import models, procs
 
 
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
-    from pulseloco.integrations.models import random_causal_lm
-
-    return random_causal_lm(
-        "llama",
-        seed=0,
+    """The Llama every peer trains (seed 0: the same initial weights everywhere)."""
+    return models.llama(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3 // 8 * 8,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
         max_position_embeddings=args.seq_len,
-        tie_word_embeddings=False,
     )
 
 
@@ -92,22 +85,20 @@ def run_peer(
 def run_config(
     args: argparse.Namespace, selector: str, lr: float, initial_peers: list[str], workdir: Path
 ) -> list[dict]:
+    """Run ``--num-peers`` peers of one configuration to the end; their metrics records. Exits (SystemExit) when a
+    peer fails or runs past ``--timeout`` (the others are killed)."""
     ctx = mp.get_context("spawn" if args.device != "cpu" else "fork")  # CUDA does not survive a fork
     outs = [str(workdir / f"{selector}-{lr:g}-peer{i}.jsonl") for i in range(args.num_peers)]
-    procs = [
+    peers = [
         ctx.Process(target=run_peer, args=(i, args, selector, lr, initial_peers, outs[i]))
         for i in range(args.num_peers)
     ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=args.timeout)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
-            raise SystemExit(f"peer of {selector} lr={lr:g} did not finish within {args.timeout}s")
-        if proc.exitcode != 0:
-            raise SystemExit(f"peer of {selector} lr={lr:g} exited with {proc.exitcode}")
+    for peer in peers:
+        peer.start()
+    try:
+        procs.join_all(peers, args.timeout, f"peer of {selector} lr={lr:g}")
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
     from pulseloco.jsonl import read_json_lines
 
     return [record for out in outs for record in read_json_lines(out)]
@@ -131,6 +122,54 @@ def summarize(records: list[dict], numel: int, args: argparse.Namespace) -> dict
             statistics.mean(r["density"] for r in records if r["round"] == k) for k in sorted(digests_per_round)
         ],
     }
+
+
+def measure(args: argparse.Namespace, numel: int, ddp_bytes: float) -> list[dict[str, Any]]:
+    """Every (inner learning rate, selector) configuration on one bootstrap node, with its ratios to dense DiLoCo
+    (the same learning rate) and to DDP."""
+    import hivemind
+
+    boot = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    results: list[dict[str, Any]] = []
+    try:
+        initial_peers = [str(a) for a in boot.get_visible_maddrs()]
+        with tempfile.TemporaryDirectory() as tmp:
+            for lr in args.lrs:
+                per_selector = {}
+                for selector in args.selectors:
+                    start = time.monotonic()
+                    records = run_config(args, selector, lr, initial_peers, Path(tmp))
+                    per_selector[selector] = summarize(records, numel, args)
+                    print(f"  {selector} lr={lr:g}: {time.monotonic() - start:.0f}s", file=sys.stderr)
+                dense = per_selector["dense"]["bytes_sent_per_round"]
+                for selector, summary in per_selector.items():
+                    summary.update(
+                        selector=selector,
+                        inner_lr=lr,
+                        ratio_vs_dense=dense / summary["bytes_sent_per_round"],
+                        ratio_vs_ddp=ddp_bytes / summary["bytes_sent_per_round"],
+                        ddp_bytes_per_round=ddp_bytes,
+                    )
+                    results.append(summary)
+    finally:
+        boot.shutdown()
+    return results
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """One line per configuration: density, MB sent per round, ratios, outer-step seconds, digests, loss."""
+    header = (
+        f"{'inner lr':>8} {'selector':>10} {'density':>8} {'MB sent/round':>13} {'vs DiLoCo':>9} {'vs DDP':>8} "
+        f"{'sync s':>7} {'equal':>5} {'loss':>6}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(
+            f"{r['inner_lr']:>8g} {r['selector']:>10} {r['density']:>8.4f} {r['bytes_sent_per_round'] / 1e6:>13.3f} "
+            f"{r['ratio_vs_dense']:>8.1f}x {r['ratio_vs_ddp']:>7.1f}x {r['seconds_sync']:>7.2f} "
+            f"{'yes' if r['equal_digests'] else 'NO':>5} {r['loss_last_round']:>6.3f}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
         parser.error(f"--device {args.device}: only cpu, or cuda where torch sees a CUDA GPU")
 
-    import hivemind
-
     with torch.device("meta"):  # count parameters without allocating them
         numel = sum(p.numel() for p in make_model(args).parameters())
     ring = 2 * (args.num_peers - 1) / args.num_peers
@@ -179,43 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds; DDP ring all-reduce per peer per round = {ddp_bytes / 1e6:.1f} MB",
         file=sys.stderr,
     )
-    boot = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    results: list[dict[str, Any]] = []
-    try:
-        initial_peers = [str(a) for a in boot.get_visible_maddrs()]
-        with tempfile.TemporaryDirectory() as tmp:
-            for lr in args.lrs:
-                per_selector = {}
-                for selector in args.selectors:
-                    start = time.monotonic()
-                    records = run_config(args, selector, lr, initial_peers, Path(tmp))
-                    per_selector[selector] = summarize(records, numel, args)
-                    print(f"  {selector} lr={lr:g}: {time.monotonic() - start:.0f}s", file=sys.stderr)
-                dense = per_selector["dense"]["bytes_sent_per_round"]
-                for selector, summary in per_selector.items():
-                    summary.update(
-                        selector=selector,
-                        inner_lr=lr,
-                        ratio_vs_dense=dense / summary["bytes_sent_per_round"],
-                        ratio_vs_ddp=ddp_bytes / summary["bytes_sent_per_round"],
-                        ddp_bytes_per_round=ddp_bytes,
-                    )
-                    results.append(summary)
-    finally:
-        boot.shutdown()
-
-    header = (
-        f"{'inner lr':>8} {'selector':>10} {'density':>8} {'MB sent/round':>13} {'vs DiLoCo':>9} {'vs DDP':>8} "
-        f"{'sync s':>7} {'equal':>5} {'loss':>6}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in results:
-        print(
-            f"{r['inner_lr']:>8g} {r['selector']:>10} {r['density']:>8.4f} {r['bytes_sent_per_round'] / 1e6:>13.3f} "
-            f"{r['ratio_vs_dense']:>8.1f}x {r['ratio_vs_ddp']:>7.1f}x {r['seconds_sync']:>7.2f} "
-            f"{'yes' if r['equal_digests'] else 'NO':>5} {r['loss_last_round']:>6.3f}"
-        )
+    results = measure(args, numel, ddp_bytes)
+    print(format_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     return 0
