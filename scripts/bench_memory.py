@@ -1,7 +1,7 @@
 """Memory, measured: the extra host memory per parameter that PulseLoCo, a PULSESync publisher and a subscriber
 hold and touch at their peak, each in its own fresh process.
 
-    python scripts/bench_memory.py                 # the ~122M-parameter default model (scripts/bench_models.py)
+    python scripts/bench_memory.py                 # the ~122M-parameter default model (scripts/harness/models.py)
     python scripts/bench_memory.py --small --json out.json
 
 Method: every measurement runs in a new ``spawn`` process that builds the FP32 model first, then reads its
@@ -30,10 +30,7 @@ Nothing is hard-coded: every number printed is read from /proc during this run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import multiprocessing as mp
-import queue
 import shutil
 import sys
 import tempfile
@@ -41,50 +38,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_models import build_model  # scripts/ is on sys.path when run as a script
+from harness import memory, procs
+from harness.memory import MIB
+from harness.models import build_model
 
-MIB = 2**20
 SLACK_RELATIVE = 0.10
 SLACK_BYTES = 16 * MIB
 RUN_ID = "bench-memory"
 
 
 # ---- measuring -------------------------------------------------------------------------------------------------
-
-
-def _status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, in bytes."""
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
-
-
-def _trim() -> None:
-    """Collect garbage and hand freed heap pages back to the kernel (glibc ``malloc_trim``), so that VmRSS
-    counts live memory rather than what the allocator kept after a free."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS may then include freed heap pages
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _held() -> int:
-    """VmRSS after :func:`_trim`."""
-    _trim()
-    return _status()["VmRSS"]
-
-
-def _reset_peak() -> int:
-    """Reset the peak RSS to the current RSS (Linux clear_refs 5); returns the RSS. Raises OSError where the
-    kernel does not allow it (the benchmark then cannot measure peaks and says so)."""
-    _trim()
-    Path("/proc/self/clear_refs").write_text("5")
-    return _status()["VmRSS"]
 
 
 def _perturb(model: Any, stride: int, step: int) -> None:
@@ -114,39 +77,38 @@ def loco_worker(args: dict[str, Any], swarm: bool, results: Any) -> None:
     logging.basicConfig(level=logging.WARNING)
     model, numel = _build(args["config"], args["threads"])
     from pulseloco import PulseLoCo
+    from pulseloco.loco import AveragingConfig, PlacementConfig, RoundConfig
 
     dht = None
     if swarm:
         import hivemind
 
         dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    baseline = _reset_peak()
+    baseline = memory.reset_peak()
     opt = PulseLoCo(
         model,
         None,
         dht=dht,
         run_id=RUN_ID,
-        inner_steps=1,
-        selector="pulse",
-        outer_chunk_bytes=args["chunk_mib"] * MIB,
-        matchmaking_time=1.0,
-        target_group_size=1,
-        averaging_timeout=60.0,
-        request_timeout=10.0,
+        round_config=RoundConfig(inner_steps=1, selector="pulse"),
+        averaging_config=AveragingConfig(
+            matchmaking_time=1.0, target_group_size=1, averaging_timeout=60.0, request_timeout=10.0
+        ),
+        placement_config=PlacementConfig(outer_chunk_bytes=args["chunk_mib"] * MIB),
     )
-    init_peak = _status()["VmHWM"] - baseline
+    init_peak = memory.status()["VmHWM"] - baseline
     rounds = []
     for step in range(2):
         _perturb(model, args["stride"], step)
-        before = _reset_peak()
+        before = memory.reset_peak()
         start = time.monotonic()
         opt.count_inner_step()
-        peak = _status()["VmHWM"]
+        peak = memory.status()["VmHWM"]
         metrics = opt.last_metrics
         rounds.append(
             {
                 "temporaries": peak - before,
-                "held": _held() - baseline,
+                "held": memory.held() - baseline,
                 "num_sent": metrics.num_sent if metrics is not None else 0,
                 "num_peers": metrics.num_peers if metrics is not None else 0,
                 "seconds": time.monotonic() - start,
@@ -177,7 +139,7 @@ def publisher_worker(args: dict[str, Any], workdir: str, results: Any) -> None:
     key = generate_key()
     patch_bytes: dict[int, int] = {}
     store = Path(workdir) / "store"
-    baseline = _reset_peak()
+    baseline = memory.reset_peak()
     publisher = Publisher(
         None,
         RUN_ID,
@@ -189,14 +151,14 @@ def publisher_worker(args: dict[str, Any], workdir: str, results: Any) -> None:
     publisher.publish(model)
     if publisher.flush(timeout=600) is None:
         raise RuntimeError(f"the anchor version was not published: {publisher.last_error!r}")
-    anchor_peak = _status()["VmHWM"] - baseline
+    anchor_peak = memory.status()["VmHWM"] - baseline
     shutil.copytree(store, Path(workdir) / "store-anchor")
     _perturb(model, args["stride"], 0)
-    _reset_peak()
+    memory.reset_peak()
     version = publisher.publish(model)
     if publisher.flush(timeout=600) != version:
         raise RuntimeError(f"the patch version was not published: {publisher.last_error!r}")
-    peak, held = _status()["VmHWM"], _held()
+    peak, held = memory.status()["VmHWM"], memory.held()
     publisher.close()
     public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     results.put(
@@ -220,15 +182,15 @@ def subscriber_worker(args: dict[str, Any], workdir: str, public_key: str, resul
     from pulseloco.sync.subscriber import Subscriber
 
     key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key))
-    baseline = _reset_peak()
+    baseline = memory.reset_peak()
     subscriber = Subscriber.from_directory(Path(workdir) / "store-anchor", key, run_id=RUN_ID)
     first = subscriber.update(model)
-    anchor_peak = _status()["VmHWM"] - baseline
-    _reset_peak()
+    anchor_peak = memory.status()["VmHWM"] - baseline
+    memory.reset_peak()
     # The same subscriber (its BF16 shadow) now reads the store that also holds the patch version.
     subscriber.source = DirectorySource(Path(workdir) / "store", key, RUN_ID)
     second = subscriber.update(model)
-    peak, held = _status()["VmHWM"], _held()
+    peak, held = memory.status()["VmHWM"], memory.held()
     subscriber.close()
     if first is None or second is None or second <= first:
         raise RuntimeError(f"subscriber did not reach the patch version (got {first}, then {second})")
@@ -240,27 +202,6 @@ def subscriber_worker(args: dict[str, Any], workdir: str, public_key: str, resul
             "held": held - baseline,
         }
     )
-
-
-def _run(target: Any, *args: Any, timeout: float = 900.0) -> dict[str, Any]:
-    """Run ``target(*args, queue)`` in a fresh spawn process; its result, or RuntimeError if it failed."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    process = ctx.Process(target=target, args=(*args, results))
-    process.start()
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result: dict[str, Any] = results.get(timeout=1.0)
-            break
-        except queue.Empty:
-            if process.is_alive() and time.monotonic() < deadline:
-                continue
-            process.kill()
-            process.join(timeout=10)
-            raise RuntimeError(f"{target.__name__} gave no result (exit code {process.exitcode})") from None
-    process.join(timeout=60)
-    return result
 
 
 # ---- report ------------------------------------------------------------------------------------------------------
@@ -288,7 +229,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for swarm in (False, True) if args.dht else (False,):
         label = "pulseloco+dht" if swarm else "pulseloco"
         print(f"measuring {label} ...", file=sys.stderr, flush=True)
-        loco = _run(loco_worker, settings, swarm)
+        loco = procs.run_spawned(loco_worker, settings, swarm)
         n = loco["numel"]
         meta["numel"] = n
         meta[label] = loco
@@ -307,9 +248,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
     print("measuring publisher ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as workdir:
-        publisher = _run(publisher_worker, settings, workdir)
+        publisher = procs.run_spawned(publisher_worker, settings, workdir)
         print("measuring subscriber ...", file=sys.stderr, flush=True)
-        subscriber = _run(subscriber_worker, settings, workdir, publisher["public_key"])
+        subscriber = procs.run_spawned(subscriber_worker, settings, workdir, publisher["public_key"])
     n, patch = publisher["numel"], publisher["patch_bytes"]
     meta["patch_bytes"] = patch
     meta["publisher"] = {k: v for k, v in publisher.items() if k != "public_key"}
@@ -339,7 +280,7 @@ def table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="default", help="a scripts/bench_models.py config (default ~122M)")
+    parser.add_argument("--model", default="default", help="a scripts/harness/models.py config (default ~122M)")
     parser.add_argument("--small", action="store_true", help="the ~7M-parameter model and 1 MiB chunks: a smoke run")
     parser.add_argument("--chunk-mib", type=int, default=16, help="PulseLoCo outer_chunk_bytes, in MiB")
     parser.add_argument("--stride", type=int, default=97, help="the simulated inner steps move 1 entry in this many")
@@ -352,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.chunk_mib < 1 or args.stride < 1 or args.threads < 1:
         parser.error("--chunk-mib, --stride and --threads must be at least 1")
     try:
-        _reset_peak()
+        memory.reset_peak()
     except OSError as exc:
         print(
             f"cannot reset the peak RSS here (/proc/self/clear_refs: {exc}); peaks cannot be measured", file=sys.stderr
