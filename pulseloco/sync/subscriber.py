@@ -13,9 +13,8 @@ publisher's upload does not grow with the number of workers. It registers and an
 the object's signed envelope verified, and forwards the payload's chunks while they still arrive (a pipelined
 relay tree); downstreams verify the SHA-256 themselves, and a download that fails ends its downstream streams
 with an error (they try another provider). It says so only while others can reach it
-(:func:`pulseloco.swarm.is_reachable`: a server-mode peer, or one holding a relay address from
-``use_auto_relay``): a client-mode worker behind NAT that announced itself would be tried first by every other
-subscriber, fail ("routing: not found") and send them all back to the publisher.
+(:class:`pulseloco.sync.announcer.RelayAnnouncer`). The ways from the version held to the head, and fetching their
+objects, are :mod:`pulseloco.sync.catchup`.
 """
 
 from __future__ import annotations
@@ -36,15 +35,15 @@ from pulseloco.errors import (
     PatchError,
     PayloadError,
     StalePatchError,
-    TensorMismatchError,
     UnauthorizedError,
 )
 from pulseloco.keys import POLICY_SUFFIX
-from pulseloco.swarm import is_reachable
-from pulseloco.sync.anchor import load_anchor
+from pulseloco.sync.announcer import RelayAnnouncer
+from pulseloco.sync.catchup import Prefetch, catch_up_paths, fetch_path, prefetch, walk_back
+from pulseloco.sync.model_state import copy_to_model, float_state, load_anchor_into, union_indices
 from pulseloco.sync.patch import apply_patch
 from pulseloco.sync.relay import DEFAULT_RELAY_MAX_BYTES, DEFAULT_RELAY_UPLOADS, Relay
-from pulseloco.sync.signing import Envelope, check_payload, public_key_fingerprint, verify_envelope
+from pulseloco.sync.signing import check_payload, public_key_fingerprint, verify_envelope
 from pulseloco.sync.sources import DEFAULT_MAX_PAYLOAD_BYTES, DirectorySource, Fetched, Head, Source, SwarmSource
 from pulseloco.sync.store import VersionStore
 from pulseloco.sync.transport import FetchRequest, SwarmEndpoint
@@ -81,31 +80,6 @@ class UpdateReport:
     #: wall-clock time (seconds since the epoch) at which the model held ``version``, before the head was read
     #: again for ``lag``
     held_at: float = 0.0
-
-
-@dataclass(frozen=True)
-class _Prefetch:
-    """Catch-up objects fetched before :attr:`Subscriber.lock` was taken, to go from version ``base`` to ``head``:
-    those of the catch-up path at ``index`` (see :meth:`Subscriber._catch_up_paths`), the earlier paths having
-    served nothing or failed (logged); ``index`` is past the last path, and ``objects`` empty, when all did."""
-
-    base: int
-    head: int
-    index: int
-    objects: list[Fetched]
-
-
-def _union_indices(changed: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per tensor, the sorted union of the flat indices several patches wrote."""
-    return {
-        name: (parts[0] if len(parts) == 1 else torch.unique(torch.cat(parts), sorted=True)).to(torch.int64)
-        for name, parts in changed.items()
-    }
-
-
-def _float_state(model: torch.nn.Module | MutableMapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
-    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
 
 
 class Subscriber:
@@ -168,19 +142,16 @@ class Subscriber:
         # Only a subscriber that serves others holds objects for them: one that reads a directory, or does not
         # relay, would keep an anchor (a second full BF16 copy) in memory for nobody.
         serving = source is None and dht is not None and relay
+        self._announcer: RelayAnnouncer | None = None
         self.relay = Relay(
             max_bytes=relay_max_bytes if serving else 0,
             max_uploads=relay_uploads,
             stall_timeout=chunk_timeout,
             on_change=self._request_announce,
         )
-        self._announce_wanted = threading.Event()
-        self._announcer: threading.Thread | None = None
         self._shadow: dict[str, torch.Tensor] | None = None
         self._changed: dict[str, list[torch.Tensor]] | None = {}  # indices written by the update in progress
         self.endpoint: SwarmEndpoint | None = None
-        self._dht = dht
-        self._unreachable_logged = False
         if source is None:
             if dht is None:
                 raise ValueError("give a DHT or a source")
@@ -200,7 +171,7 @@ class Subscriber:
         self._thread: threading.Thread | None = None
         if self.endpoint is not None and relay:
             self.endpoint.serve(self.relay.provide)
-            self._announcer = threading.Thread(target=self._announce_loop, name="pulsesync-announce", daemon=True)
+            self._announcer = RelayAnnouncer(self.endpoint, self.relay, dht, provider_ttl=provider_ttl)
             self._announcer.start()
 
     @classmethod
@@ -221,7 +192,7 @@ class Subscriber:
         self, model: torch.nn.Module | MutableMapping[str, torch.Tensor]
     ) -> MutableMapping[str, torch.Tensor]:
         """The BF16 state patches are applied to: the model's own tensors when they are BF16, else a shadow."""
-        state = _float_state(model)
+        state = float_state(model)
         if all(t.dtype == torch.bfloat16 for t in state.values()):
             if isinstance(model, MutableMapping) and len(state) == len(model):
                 return model  # the caller's own dict, so that an empty one adopts the publisher's tensors
@@ -229,33 +200,6 @@ class Subscriber:
         if self._shadow is None or set(self._shadow) != set(state):
             self._shadow = {k: v.detach().to("cpu", torch.bfloat16, copy=True) for k, v in state.items()}
         return self._shadow
-
-    def _sync_model(
-        self, model: torch.nn.Module | MutableMapping[str, torch.Tensor], target: MutableMapping[str, torch.Tensor]
-    ) -> None:
-        if target is model:
-            return
-        state = _float_state(model)
-        if all(state[k] is target.get(k) for k in state):
-            return
-        with torch.no_grad():
-            for name, t in state.items():
-                t.copy_(target[name])  # converts dtype and device in place: no tensor-sized temporary
-
-    def _apply_anchor(self, target: MutableMapping[str, torch.Tensor], env: Envelope, payload: bytes) -> None:
-        loaded = load_anchor(payload, expected_digest=env.digest)
-        if not target:  # an empty state dict adopts the publisher's tensors (``pulseloco sync follow``)
-            target.update(loaded)
-            return
-        if set(loaded) != set(target):
-            missing = sorted(set(target) ^ set(loaded))[:5]
-            raise TensorMismatchError(f"anchor tensors differ from the model's: {missing}")
-        for name, t in loaded.items():
-            if t.shape != target[name].shape or t.dtype != target[name].dtype:
-                raise TensorMismatchError(f"anchor tensor {name!r} is {t.dtype}{tuple(t.shape)}")
-        with torch.no_grad():
-            for name, t in loaded.items():
-                target[name].copy_(t)
 
     def _keep(self, obj: Fetched) -> None:
         """Remember an applied object: served to other subscribers, and kept in the mirror directory."""
@@ -309,7 +253,7 @@ class Subscriber:
                 return None
             if result is None:
                 return None
-            self._sync_model(model, target)
+            copy_to_model(model, target)
             logger.info("restored version=%s from mirror=%s", self.version, self.mirror.path)
             return self.version
 
@@ -368,7 +312,7 @@ class Subscriber:
                     )
                 received, changed, path = received + result[0], result[1], result[2]
                 self._changed = None
-            self._sync_model(model, target)
+            copy_to_model(model, target)
             seconds, digest, held_at = time.perf_counter() - started - waited, self.digest, time.time()
         report = UpdateReport(
             version=head.version,
@@ -381,7 +325,7 @@ class Subscriber:
             path=path,
             published=head.time,
             held_at=held_at,
-            changed=_union_indices(self._changed) if self._changed is not None else None,
+            changed=union_indices(self._changed) if self._changed is not None else None,
         )
         self._request_announce()
         logger.info(
@@ -396,44 +340,20 @@ class Subscriber:
         return report
 
     def _request_announce(self) -> None:
-        """Ask the announcer thread to publish the relay's holdings (coalesced; returns at once)."""
-        self._announce_wanted.set()
-
-    def _announce_loop(self) -> None:
-        """Announce the relay's objects (complete and arriving) whenever they change, and every third of
-        ``provider_ttl`` so the record does not expire; until :meth:`close`. DHT errors are logged, retried."""
-        while not self._stop.is_set():
-            self._announce_wanted.wait(timeout=self.provider_ttl / 3)
-            self._announce_wanted.clear()
-            if self._stop.is_set() or self.endpoint is None:
-                return
-            versions = self.relay.versions()
-            if not versions or not self._reachable():
-                continue
-            try:
-                self.endpoint.announce_provider(
-                    versions, partial=self.relay.partial(), publisher=False, ttl=self.provider_ttl, timeout=10.0
-                )
-            except Exception as exc:  # the DHT process is gone or stuck: keep the relay serving, try again later
-                logger.warning("announcing the relay failed error=%r", exc)
-
-    def _reachable(self) -> bool:
-        """Whether other peers can reach this subscriber's relay (checked before every announcement: a relay
-        address can arrive, or go, after start). The first refusal is logged with what to change."""
-        reachable = self._dht is not None and is_reachable(self._dht)
-        if not reachable and not self._unreachable_logged:
-            self._unreachable_logged = True
-            logger.info(
-                "not announcing this subscriber as a relay: it is in client mode without a relay address, so "
-                "nobody can reach it (client-mode peers reserve a relay slot on a public initial peer by default; "
-                "see the log for 'no relay reservation', or set use_auto_relay true / relays)"
-            )
-        return reachable
+        """Ask the announcer thread to publish the relay's holdings (coalesced; returns at once; nothing when this
+        subscriber does not announce)."""
+        if self._announcer is not None:
+            self._announcer.request()
 
     @property
     def announced(self) -> bool:
         """Whether this subscriber announces itself as a relay (it relays and is reachable now)."""
-        return self.endpoint is not None and self.endpoint.servicer is not None and self._reachable()
+        return (
+            self.endpoint is not None
+            and self.endpoint.servicer is not None
+            and self._announcer is not None
+            and self._announcer.reachable()
+        )
 
     def _lag(self, version: int) -> int:
         """Versions the newest head (read now) is ahead of ``version``; 0 when no head is readable."""
@@ -488,53 +408,10 @@ class Subscriber:
                 self.relay.add(obj.kind, env.version, obj.envelope_blob, obj.payload, env.base_version)
         return changed
 
-    def _walk_back(self, version: int, stop: int | None) -> list[Fetched] | None:
-        """Patches from ``stop`` (exclusive) to ``version``, oldest first; None if the chain cannot be fetched."""
-        chain: list[Fetched] = []
-        v = version
-        while v != stop:
-            got = self.source.fetch(FetchRequest("patch", v))
-            if got is None:
-                return None
-            chain.append(got)
-            base = got.envelope.base_version
-            if base is None or (stop is not None and base < stop) or len(chain) > 10_000:
-                return None
-            v = base
-        return chain[::-1]
-
-    def _catch_up_paths(self, head: Head, current: int) -> list[tuple[str, Callable[[], list[Fetched] | None]]]:
-        """The ways from ``current`` to ``head`` in the order they are tried, each a name and a function that
-        fetches (and authenticates) its objects: a squash when more than one behind, then the next patch or the
-        chain. A function returns None (or nothing) when no provider served the objects and raises what the
-        source raises (:class:`PayloadError` for objects that do not authenticate)."""
-
-        def by_squash() -> list[Fetched] | None:
-            got = self.source.fetch(FetchRequest("squash", head.version, current))
-            return None if got is None else [got]
-
-        def by_chain() -> list[Fetched] | None:
-            return self._walk_back(head.version, current)
-
-        paths: list[tuple[str, Callable[[], list[Fetched] | None]]] = [
-            ("patch" if head.version - current == 1 else "chain", by_chain)
-        ]
-        if head.version - current > 1:
-            paths.insert(0, ("squash", by_squash))
-        return paths
-
-    @staticmethod
-    def _fetch_path(name: str, get: Callable[[], list[Fetched] | None]) -> list[Fetched] | None:
-        """The objects of one catch-up path; None when it served nothing or they failed (logged as a warning)."""
-        try:
-            return get() or None
-        except (StalePatchError, DigestMismatchError, PayloadError) as exc:
-            logger.warning("catch-up by %s failed error=%s; trying the next path", name, exc)
-            return None
-
-    def _prefetch(self, head: Head) -> _Prefetch | None:
-        """Fetch, without :attr:`lock`, the objects of the first catch-up path that serves them; None when there
-        is no catch-up to prepare (no version held, already at or past the head, or full checkpoints).
+    def _prefetch(self, head: Head) -> Prefetch | None:
+        """Fetch, without :attr:`lock`, the objects of the first catch-up path that serves them
+        (:func:`pulseloco.sync.catchup.prefetch`); None when there is no catch-up to prepare (no version held,
+        already at or past the head, or full checkpoints).
 
         Touches neither the model nor the version (a rollout may be generating with them); relies on a single
         updating thread, so that the version read here is still the one held when the lock is taken (checked
@@ -543,15 +420,10 @@ class Subscriber:
         current = self.version
         if self.full_checkpoints or current is None or head.version <= current:
             return None
-        paths = self._catch_up_paths(head, current)
-        for index, (name, get) in enumerate(paths):
-            objects = self._fetch_path(name, get)
-            if objects:
-                return _Prefetch(current, head.version, index, objects)
-        return _Prefetch(current, head.version, len(paths), [])
+        return prefetch(self.source, head, current)
 
     def _catch_up(
-        self, target: MutableMapping[str, torch.Tensor], head: Head, prefetched: _Prefetch | None = None
+        self, target: MutableMapping[str, torch.Tensor], head: Head, prefetched: Prefetch | None = None
     ) -> tuple[int, int, str] | None:
         """From the current version by one patch, a squash, or the patch chain; None on failure (the state then
         holds the last version applied completely). Call with :attr:`lock` held.
@@ -562,7 +434,7 @@ class Subscriber:
         current = self.version
         if current is None or head.version <= current:
             return None
-        paths = self._catch_up_paths(head, current)
+        paths = catch_up_paths(self.source, head, current)
         first: list[Fetched] | None = None
         if prefetched is not None:
             if (prefetched.base, prefetched.head) == (current, head.version):
@@ -572,7 +444,7 @@ class Subscriber:
                     "discarding objects fetched for v%d->v%d: now at v%s", prefetched.base, prefetched.head, current
                 )
         for index, (name, get) in enumerate(paths):
-            objects = first if index == 0 and first else self._fetch_path(name, get)
+            objects = first if index == 0 and first else fetch_path(name, get)
             if not objects:
                 continue
             try:
@@ -591,7 +463,7 @@ class Subscriber:
         previous = (self.version, self.digest, self.envelope)
         adopted = not target
         try:
-            self._apply_anchor(target, anchor.envelope, anchor.payload)
+            load_anchor_into(target, anchor.envelope, anchor.payload)
             self.version, self.digest = anchor.envelope.version, anchor.envelope.digest
             self.envelope = anchor.envelope_blob
             if keep:
@@ -617,7 +489,7 @@ class Subscriber:
             if anchor is None:
                 return None
             version = anchor.envelope.version
-            chain = [] if head.version == version else self._walk_back(head.version, version)
+            chain = [] if head.version == version else walk_back(self.source, head.version, version)
         except (PatchError, PayloadError) as exc:
             logger.warning("fetching the anchor failed error=%s", exc)
             return None
@@ -703,7 +575,8 @@ class Subscriber:
     def close(self) -> None:
         """Stop following and leave the swarm (bounded)."""
         self._stop.set()
-        self._announce_wanted.set()
+        if self._announcer is not None:
+            self._announcer.stop()
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._announcer is not None:
