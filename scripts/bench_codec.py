@@ -10,13 +10,13 @@ Inputs:
   * synthetic: a Gaussian (std 0.02) BF16 state with the model's tensor shapes, in which a seeded random
     mask of each --densities fraction of elements moves to the neighbouring BF16 value.
 
-Codecs: pulseloco absolute and delta (`make_patch`), and two baselines implemented here
-(``naive``: flat int32 indices + BF16 values + zstd-1; ``authors``: the PULSE authors' production
+Codecs: pulseloco absolute and delta (`make_patch`), and two baselines (scripts/harness/codec_baselines.py:
+``naive``: flat int32 indices + BF16 values + zstd-1; ``authors``: the PULSE authors' production
 codec as docs/design.md section 6.2 describes it, per-tensor 2-D row/column gaps narrowed to u8/u16 + raw BF16
 values + zstd-1). Every codec is timed as encode (diff + pack) and apply (decode + scatter into a copy of
 the base), as a ratio to ``torch.clone`` of the same state timed in the same run (interleaved with the
 measured calls; glibc malloc is told to keep freed memory so that page faults do not dominate, see
-``tune_malloc``), and every round trip is checked bit for bit.
+``harness.memory.tune_malloc``), and every round trip is checked bit for bit.
 
 Prints a fixed-width table and a Targets section; ``--json PATH`` writes the same as JSON.
 """
@@ -24,35 +24,29 @@ Prints a fixed-width table and a Targets section; ``--json PATH`` writes the sam
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
 import statistics
-import struct
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
-import zstandard
-from bench_models import MODEL_CONFIGS, build_model  # scripts/ is on sys.path when run as a script
-
-State = dict[str, torch.Tensor]
+from harness import memory
+from harness.codec_baselines import BASELINES, State
+from harness.logs import progress
+from harness.models import MODEL_CONFIGS, SyntheticLM, build_model
+from harness.report import Column, fixed_table, fmt, parse_floats, parse_ints
 
 BATCH_SIZE = 2
 SEQ_LEN = 64
 CODECS = ("pulseloco-abs", "pulseloco-delta", "naive", "authors")
-ZSTD_LEVEL = 1
 CLONES_PER_RUN = 3
 
-
-def log(msg: str) -> None:
-    """Progress goes to stderr so that stdout holds only the table."""
-    print(f"[bench_codec {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = progress("bench_codec")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,25 +68,17 @@ def real_updates(
     step 0 is the initial state. The synthetic loss is LM cross-entropy on seeded random token ids,
     a new batch of BATCH_SIZE x SEQ_LEN every step.
     """
-    model = build_model(config_name, seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
-    vocab = int(model.config.vocab_size)
-    gen = torch.Generator().manual_seed(seed + 1)
+    training = SyntheticLM(config_name, seed, lr, device=device, batch_size=BATCH_SIZE, seq_len=SEQ_LEN)
     wanted = sorted({s for w in windows for s in w})
     snaps: dict[int, State] = {}
     if 0 in wanted:
-        snaps[0] = bf16_state(model)
+        snaps[0] = bf16_state(training.model)
     for step in range(1, max(wanted) + 1):
-        t0 = time.perf_counter()
-        ids = torch.randint(0, vocab, (BATCH_SIZE, SEQ_LEN), generator=gen).to(device)
-        loss = model(input_ids=ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        loss, seconds = training.step()
         if step in wanted:
-            snaps[step] = bf16_state(model)
-        log(f"lr={lr:g} step={step} loss={loss.item():.4f} took={time.perf_counter() - t0:.2f}s")
-    del model, opt
+            snaps[step] = bf16_state(training.model)
+        log(f"lr={lr:g} step={step} loss={loss:.4f} took={seconds:.2f}s")
+    del training
     return {w: (snaps[w[0]], snaps[w[1]]) for w in windows}
 
 
@@ -117,167 +103,6 @@ def synthetic_update(base: State, density: float, seed: int) -> State:
         bits = t.view(torch.int16)
         new[name] = torch.where(mask, bits + 1, bits).view(torch.bfloat16)
     return new
-
-
-# --------------------------------------------------------------------------------------------------
-# Baselines. Both are per tensor in sorted-name order, with zstd level 1 over the whole payload.
-# Decode needs the base state (for names and shapes), as apply does anyway.
-# --------------------------------------------------------------------------------------------------
-
-
-def _changed(base: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """Bitwise diff of two BF16 tensors: (flat int64 indices, int16 bit patterns of new values)."""
-    b = base.view(torch.int16).reshape(-1)
-    n = new.view(torch.int16).reshape(-1)
-    idx = torch.nonzero(b != n).squeeze(1)
-    return idx.numpy(), n[idx].numpy()
-
-
-def _as_2d(shape: torch.Size) -> tuple[int, int]:
-    """(rows, cols) of a tensor viewed 2-D: dim 0 by the rest; 0-D and 1-D tensors are one row."""
-    if len(shape) <= 1:
-        return 1, int(math.prod(shape))
-    return int(shape[0]), int(math.prod(shape[1:]))
-
-
-def _narrow(a: np.ndarray) -> np.ndarray:
-    """Narrow a non-negative integer array to the smallest of u8/u16/u32 that holds all of it."""
-    top = int(a.max()) if a.size else 0
-    for dt in (np.uint8, np.uint16, np.uint32):
-        if top <= np.iinfo(dt).max:
-            return a.astype(dt)
-    raise ValueError(f"value {top} does not fit u32")
-
-
-_DTYPE_CODE: dict[np.dtype[Any], int] = {
-    np.dtype(np.uint8): 1,
-    np.dtype(np.uint16): 2,
-    np.dtype(np.uint32): 4,
-}
-_CODE_DTYPE: dict[int, np.dtype[Any]] = {v: k for k, v in _DTYPE_CODE.items()}
-
-
-def _apply_changes(t: torch.Tensor, idx: np.ndarray, vals: np.ndarray) -> None:
-    """Scatter int16 bit patterns into a BF16 tensor in place."""
-    if idx.size:
-        flat = t.view(torch.int16).view(-1)
-        flat[torch.from_numpy(idx)] = torch.from_numpy(vals)
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """A baseline codec: ``index_parts`` turns one tensor's changes into byte chunks for the index
-    stream, ``parse_index`` reads them back; values are raw BF16 after the index chunks."""
-
-    name: str
-    index_parts: Callable[[np.ndarray, torch.Size], list[bytes]]
-    parse_index: Callable[[memoryview, int, torch.Size], tuple[np.ndarray, int]]
-
-    def _parts(self, base: State, new: State) -> Iterable[tuple[list[bytes], bytes]]:
-        for name in sorted(new):
-            idx, vals = _changed(base[name], new[name])
-            yield self.index_parts(idx, new[name].shape), vals.tobytes()
-
-    def encode(self, base: State, new: State) -> bytes:
-        chunks: list[bytes] = []
-        for idx_chunks, val_bytes in self._parts(base, new):
-            chunks += idx_chunks
-            chunks.append(val_bytes)
-        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(b"".join(chunks))
-
-    def index_bytes(self, base: State, new: State) -> int:
-        """Size of the index stream alone (all tensors' index chunks) after zstd-1."""
-        chunks = [c for idx_chunks, _ in self._parts(base, new) for c in idx_chunks]
-        return len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(b"".join(chunks)))
-
-    def apply(self, state: State, payload: bytes) -> int:
-        """Decode ``payload`` and scatter it into ``state`` in place; returns the number of changes."""
-        # bytearray: torch.from_numpy wants writable arrays.
-        buf = memoryview(bytearray(zstandard.ZstdDecompressor().decompress(payload)))
-        off = 0
-        total = 0
-        for name in sorted(state):
-            t = state[name]
-            idx, off = self.parse_index(buf, off, t.shape)
-            vals = np.frombuffer(buf, dtype=np.int16, count=idx.size, offset=off)
-            off += 2 * idx.size
-            _apply_changes(t, idx, vals)
-            total += idx.size
-        if off != len(buf):
-            raise ValueError(f"{self.name}: {len(buf) - off} trailing bytes")
-        return total
-
-
-def _naive_index_parts(idx: np.ndarray, shape: torch.Size) -> list[bytes]:
-    """Naive: u64 count, then flat int32 indices."""
-    return [struct.pack("<Q", idx.size), idx.astype(np.int32).tobytes()]
-
-
-def _naive_parse_index(buf: memoryview, off: int, shape: torch.Size) -> tuple[np.ndarray, int]:
-    (count,) = struct.unpack_from("<Q", buf, off)
-    off += 8
-    idx = np.frombuffer(buf, dtype=np.int32, count=count, offset=off).astype(np.int64)
-    return idx, off + 4 * count
-
-
-_AUTHORS_HEADER = struct.Struct("<QQBBB")  # num_changed, num_rows_nonempty, row-gap/count/col-gap widths
-
-
-def _authors_index_parts(idx: np.ndarray, shape: torch.Size) -> list[bytes]:
-    """Authors' codec, index part of one tensor viewed 2-D.
-
-    For each non-empty row: the gap since the previous non-empty row (first one absolute), the number of
-    changes in that row, and column gaps that restart at each row (first column absolute). Row gaps and
-    counts are narrowed to u8/u16/u32 per tensor; column gaps are u16 (u32 only for > 65536 columns).
-    """
-    _, ncols = _as_2d(shape)
-    rows = idx // ncols
-    cols = idx - rows * ncols
-    if idx.size:
-        starts = np.concatenate(([0], np.flatnonzero(np.diff(rows)) + 1))
-    else:
-        starts = np.zeros(0, dtype=np.int64)
-    row_ids = rows[starts]
-    row_gaps = _narrow(np.diff(row_ids, prepend=0))
-    counts = _narrow(np.diff(np.append(starts, idx.size)))
-    col_gaps = np.empty_like(cols)
-    col_gaps[1:] = cols[1:] - cols[:-1]
-    col_gaps[starts] = cols[starts]
-    col_gaps = col_gaps.astype(np.uint16 if ncols <= 65536 else np.uint32)
-    header = _AUTHORS_HEADER.pack(
-        idx.size,
-        starts.size,
-        _DTYPE_CODE[row_gaps.dtype],
-        _DTYPE_CODE[counts.dtype],
-        _DTYPE_CODE[col_gaps.dtype],
-    )
-    return [header, row_gaps.tobytes(), counts.tobytes(), col_gaps.tobytes()]
-
-
-def _authors_parse_index(buf: memoryview, off: int, shape: torch.Size) -> tuple[np.ndarray, int]:
-    _, ncols = _as_2d(shape)
-    count, num_rows, rw, cw, gw = _AUTHORS_HEADER.unpack_from(buf, off)
-    off += _AUTHORS_HEADER.size
-    row_gaps = np.frombuffer(buf, dtype=_CODE_DTYPE[rw], count=num_rows, offset=off)
-    off += rw * num_rows
-    counts = np.frombuffer(buf, dtype=_CODE_DTYPE[cw], count=num_rows, offset=off).astype(np.int64)
-    off += cw * num_rows
-    col_gaps = np.frombuffer(buf, dtype=_CODE_DTYPE[gw], count=count, offset=off).astype(np.int64)
-    off += gw * count
-    row_ids = np.cumsum(row_gaps, dtype=np.int64)
-    # Column = running sum of gaps within the row: a global cumsum minus its value before each row.
-    csum = np.cumsum(col_gaps)
-    starts = np.cumsum(counts) - counts
-    before_row = csum[starts] - col_gaps[starts] if count else np.zeros(0, dtype=np.int64)
-    cols = csum - np.repeat(before_row, counts)
-    idx = np.repeat(row_ids, counts) * ncols + cols
-    return idx, off
-
-
-BASELINES = {
-    "naive": Baseline("naive", _naive_index_parts, _naive_parse_index),
-    "authors": Baseline("authors", _authors_index_parts, _authors_parse_index),
-}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -320,25 +145,6 @@ def timed_with_clone(
     return fn_times, clone_times, result
 
 
-def tune_malloc() -> bool:
-    """Make glibc keep freed memory instead of returning it to the kernel; True if it took effect.
-
-    By default every free of a large tensor unmaps it and the next allocation page-faults fresh zeroed
-    pages. On this kind of VM that makes a 250 MB clone take either ~15 ms or ~700 ms depending on
-    allocator history, which swamps every ratio against it. With these settings the process reaches a
-    steady state where clone, encode and apply all measure compute and memory bandwidth.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4  # from glibc's malloc.h
-    # mallopt takes a C int: 2**31 - 1 is the largest trim threshold it accepts.
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
-
-
 def clone_state(state: State) -> State:
     """A clone of every tensor, on the tensors' device (waits for a GPU to finish, so it can be timed)."""
     out = {k: v.clone() for k, v in state.items()}
@@ -348,6 +154,7 @@ def clone_state(state: State) -> State:
 
 
 def to_device(state: State, device: str) -> State:
+    """``state`` on ``device`` (itself on the CPU)."""
     return state if device == "cpu" else {k: v.to(device) for k, v in state.items()}
 
 
@@ -563,39 +370,25 @@ def evaluate_targets(rows: list[Row]) -> list[Target]:
     return targets
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+COLUMNS: list[Column[Row]] = [
+    ("input", 26, lambda r: r.input),
+    ("codec", 15, lambda r: r.codec),
+    ("density", 8, lambda r: f"{100 * r.density:.3f}%"),
+    ("patch_MB", 9, lambda r: f"{r.patch_bytes / 1e6:.3f}"),
+    ("B/elem", 7, lambda r: f"{r.bytes_per_changed:.3f}"),
+    ("vs_full_bf16", 12, lambda r: f"{r.ratio_vs_full_bf16:.5f}"),
+    ("idx_B/elem", 10, lambda r: fmt(r.index_bytes_per_changed, ".3f")),
+    ("idx_vs_bound", 12, lambda r: fmt(r.index_vs_bound, ".3f")),
+    ("enc_x_clone", 11, lambda r: f"{r.encode_x_clone:.2f}"),
+    ("apply_x_clone", 13, lambda r: f"{r.apply_x_clone:.2f}"),
+    ("clone_ms", 8, lambda r: f"{r.clone_s * 1e3:.0f}"),
+    ("rt", 4, lambda r: "ok" if r.roundtrip_ok else "FAIL"),
+]
+"""The main table: the first two columns (labels) align left, numbers right; a blank line between inputs."""
 
 
 def format_table(rows: list[Row]) -> str:
-    cols = [
-        ("input", 26, lambda r: r.input),
-        ("codec", 15, lambda r: r.codec),
-        ("density", 8, lambda r: f"{100 * r.density:.3f}%"),
-        ("patch_MB", 9, lambda r: f"{r.patch_bytes / 1e6:.3f}"),
-        ("B/elem", 7, lambda r: f"{r.bytes_per_changed:.3f}"),
-        ("vs_full_bf16", 12, lambda r: f"{r.ratio_vs_full_bf16:.5f}"),
-        ("idx_B/elem", 10, lambda r: _fmt(r.index_bytes_per_changed, ".3f")),
-        ("idx_vs_bound", 12, lambda r: _fmt(r.index_vs_bound, ".3f")),
-        ("enc_x_clone", 11, lambda r: f"{r.encode_x_clone:.2f}"),
-        ("apply_x_clone", 13, lambda r: f"{r.apply_x_clone:.2f}"),
-        ("clone_ms", 8, lambda r: f"{r.clone_s * 1e3:.0f}"),
-        ("rt", 4, lambda r: "ok" if r.roundtrip_ok else "FAIL"),
-    ]
-
-    def line(cells: list[str]) -> str:
-        # The first two columns (labels) align left, numbers right.
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w, _)) in enumerate(zip(cells, cols)))
-
-    lines = [line([name for name, _, _ in cols])]
-    lines.append("-" * len(lines[0]))
-    prev = None
-    for r in rows:
-        if prev is not None and r.input != prev:
-            lines.append("")
-        prev = r.input
-        lines.append(line([fn(r) for _, _, fn in cols]))
-    return "\n".join(lines)
+    return fixed_table(COLUMNS, rows, group=lambda r: r.input)
 
 
 def format_scaling(rows: list[Row], thread_counts: list[int]) -> str:
@@ -618,19 +411,11 @@ def format_targets(targets: list[Target]) -> str:
     lines = ["Targets"]
     for t in targets:
         verdict = "PASS" if t.passed else "MISS"
-        lines.append(f"  {verdict}  {t.name:<48} {_fmt(t.measured, '.3f'):>7} <= {t.limit:<5g} [{t.input}]")
+        lines.append(f"  {verdict}  {t.name:<48} {fmt(t.measured, '.3f'):>7} <= {t.limit:<5g} [{t.input}]")
     return "\n".join(lines)
 
 
-def parse_floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lrs", type=parse_floats, default=[1e-6, 3e-6, 1e-5], help="AdamW learning rates (comma list)")
     ap.add_argument(
@@ -668,9 +453,85 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--no-malloc-tuning",
         action="store_true",
-        help="leave glibc's malloc defaults (clone times then depend on page faults; see tune_malloc)",
+        help="leave glibc's malloc defaults (clone times then depend on page faults; see harness.memory.tune_malloc)",
     )
     ap.add_argument("--json", metavar="PATH", help="also write rows and targets as JSON to PATH")
+    return ap
+
+
+def measure_real(args: argparse.Namespace, config_name: str, windows: list[tuple[int, int]]) -> list[Row]:
+    """Every codec on the real updates: each learning rate's windows."""
+    rows: list[Row] = []
+    for lr in args.lrs:
+        updates = real_updates(config_name, lr, windows, args.seed, args.device)
+        for (s0, s1), (base, new) in updates.items():
+            label = f"lr={lr:g} {s1 - s0}-step ({s0}->{s1})"
+            meta = {"lr": lr, "start_step": s0, "end_step": s1}
+            rows += measure_input(label, "real", base, new, args.codecs, args.reps, meta)
+        del updates
+    return rows
+
+
+def measure_random(
+    args: argparse.Namespace, shapes: dict[str, torch.Size], thread_counts: list[int]
+) -> tuple[list[Row], list[Row]]:
+    """Every codec on the synthetic updates at every thread count; returns the rows at the largest count (the
+    table's) and all of them (the scaling table's)."""
+    base_cpu = synthetic_base(shapes, args.seed + 2)
+    base = to_device(base_cpu, args.device)
+    rows: list[Row] = []
+    scaling: list[Row] = []
+    for i, p in enumerate(args.densities):
+        new = to_device(synthetic_update(base_cpu, p, args.seed + 3 + i), args.device)
+        for n in reversed(thread_counts):
+            torch.set_num_threads(n)
+            meta = {"target_density": p, "threads": n}
+            measured = measure_input(f"random {100 * p:g}%", "random", base, new, args.codecs, args.reps, meta)
+            scaling += measured
+            if n == thread_counts[-1]:
+                rows += measured
+        del new
+    torch.set_num_threads(thread_counts[-1])
+    return rows, scaling
+
+
+def print_report(
+    args: argparse.Namespace,
+    header: str,
+    rows: list[Row],
+    scaling: list[Row],
+    thread_counts: list[int],
+    targets: list[Target],
+    load: tuple[float, float],
+) -> None:
+    """The header lines, the table, the scaling table (several thread counts) and the targets, on stdout."""
+    print(header)
+    print(f"1-step windows start after {args.warmup} warm-up AdamW steps; longer windows start at step 0.")
+    print(
+        f"Timing: median of {args.reps} runs, each right after {CLONES_PER_RUN} timed clones of the new BF16 "
+        "state (torch.clone per tensor); *_x_clone = median time / median clone time."
+    )
+    print("B/elem = patch bytes per changed element; idx_vs_bound = index bytes / (n*H(p)/8).")
+    print(
+        "Timing targets use the larger of the median/median and min/min ratios "
+        "(a stalled clone sample only flatters the median ratio)."
+    )
+    if max(load) > (os.cpu_count() or 1):
+        print(
+            f"WARNING: load average {max(load):.1f} exceeds {os.cpu_count()} CPUs: "
+            "other processes were running; timing columns are unreliable (compare clone_ms across rows)."
+        )
+    print()
+    print(format_table(rows))
+    if len(thread_counts) > 1:
+        print()
+        print(format_scaling(scaling, thread_counts))
+    print()
+    print(format_targets(targets))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     unknown = set(args.codecs) - set(CODECS)
     if unknown:
@@ -679,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     if thread_counts[0] < 1:
         ap.error("--threads must be positive")
     torch.set_num_threads(thread_counts[-1])
-    malloc_tuned = not args.no_malloc_tuning and tune_malloc()
+    malloc_tuned = not args.no_malloc_tuning and memory.tune_malloc()
     if any(c.startswith("pulseloco") for c in args.codecs):
         make_codec("pulseloco-abs")  # fail before the slow part if the library is missing
 
@@ -695,68 +556,18 @@ def main(argv: list[str] | None = None) -> int:
     windows = sorted(
         {(args.warmup, args.warmup + 1) if k == 1 else (0, k) for k in args.steps}, key=lambda w: w[1] - w[0]
     )
-    rows: list[Row] = []
-    for lr in args.lrs:
-        updates = real_updates(config_name, lr, windows, args.seed, args.device)
-        for (s0, s1), (base, new) in updates.items():
-            label = f"lr={lr:g} {s1 - s0}-step ({s0}->{s1})"
-            meta = {"lr": lr, "start_step": s0, "end_step": s1}
-            rows += measure_input(label, "real", base, new, args.codecs, args.reps, meta)
-        del updates
-
-    base_cpu = synthetic_base(shapes, args.seed + 2)
-    base = to_device(base_cpu, args.device)
-    scaling: list[Row] = []
-    for i, p in enumerate(args.densities):
-        new = to_device(synthetic_update(base_cpu, p, args.seed + 3 + i), args.device)
-        for n in reversed(thread_counts):
-            torch.set_num_threads(n)
-            measured = measure_input(
-                f"random {100 * p:g}%",
-                "random",
-                base,
-                new,
-                args.codecs,
-                args.reps,
-                {"target_density": p, "threads": n},
-            )
-            scaling += measured
-            if n == thread_counts[-1]:
-                rows += measured
-        del new
-    torch.set_num_threads(thread_counts[-1])
-
+    rows = measure_real(args, config_name, windows)
+    random_rows, scaling = measure_random(args, shapes, thread_counts)
+    rows += random_rows
     targets = evaluate_targets(rows)
     elapsed = time.perf_counter() - t_start
-    print(
+    header = (
         f"pulseloco codec benchmark: model={config_name} ({num_params / 1e6:.1f}M params, "
         f"BF16 {2 * num_params / 1e6:.1f} MB), device={args.device}, threads={torch.get_num_threads()}, "
-        f"load average {os.getloadavg()[0]:.2f} (at start {load_at_start:.2f})"
+        f"load average {os.getloadavg()[0]:.2f} (at start {load_at_start:.2f})\n"
+        f"malloc tuned to keep freed memory: {malloc_tuned}"
     )
-    print(f"malloc tuned to keep freed memory: {malloc_tuned}")
-    print(f"1-step windows start after {args.warmup} warm-up AdamW steps; longer windows start at step 0.")
-    print(
-        f"Timing: median of {args.reps} runs, each right after {CLONES_PER_RUN} timed clones of the new BF16 "
-        "state (torch.clone per tensor); *_x_clone = median time / median clone time."
-    )
-    print("B/elem = patch bytes per changed element; idx_vs_bound = index bytes / (n*H(p)/8).")
-    print(
-        "Timing targets use the larger of the median/median and min/min ratios "
-        "(a stalled clone sample only flatters the median ratio)."
-    )
-    load_end = os.getloadavg()[0]
-    if max(load_at_start, load_end) > (os.cpu_count() or 1):
-        print(
-            f"WARNING: load average {max(load_at_start, load_end):.1f} exceeds {os.cpu_count()} CPUs: "
-            "other processes were running; timing columns are unreliable (compare clone_ms across rows)."
-        )
-    print()
-    print(format_table(rows))
-    if len(thread_counts) > 1:
-        print()
-        print(format_scaling(scaling, thread_counts))
-    print()
-    print(format_targets(targets))
+    print_report(args, header, rows, scaling, thread_counts, targets, (load_at_start, os.getloadavg()[0]))
     print(f"\nTotal time {elapsed:.0f}s")
     if args.json:
         out = {

@@ -6,33 +6,19 @@ these tests check that it runs, reports every codec, and that its baselines are 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
+import bench_codec as bench
 import pytest
 import torch
+from harness.codec_baselines import BASELINES
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_codec.py"
-
-
-def _load_bench() -> ModuleType:
-    if str(SCRIPT.parent) not in sys.path:  # as when run as a script: it imports its sibling bench_models
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_codec", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_codec"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
 
 
 @pytest.mark.timeout(120)
@@ -114,7 +100,7 @@ def _edge_states() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("codec", ["naive", "authors"])
 def test_baselines_round_trip_edge_shapes(codec: str) -> None:
     base, new = _edge_states()
-    baseline = bench.BASELINES[codec]
+    baseline = BASELINES[codec]
     payload = baseline.encode(base, new)
     state = bench.clone_state(base)
     num_changed = baseline.apply(state, payload)
