@@ -117,7 +117,7 @@ def tiny_warm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with filelock.FileLock(str(root / "pulseloco-cache.lock"), timeout=900):
         done = cache / "warm-model-path.txt"
         if not done.exists():
-            _build_tiny_warm_model(cache)
+            _build_tiny_warm_model(cache, _tiny_model_name())
         path = Path(done.read_text())
     if _BACKGROUND_BUILD:
         _BACKGROUND_BUILD[0].poll()  # reap it (it has released the lock, so it is exiting or gone)
@@ -146,7 +146,7 @@ def _start_warm_model_build(config: pytest.Config) -> None:
         os.close(os.open(root / "pulseloco-cache.started", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return
-    argv = [sys.executable, __file__, "--build-tiny-warm-model", str(root)]
+    argv = [sys.executable, __file__, "--build-tiny-warm-model", str(root), _tiny_model_name()]
     _BACKGROUND_BUILD.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
 
@@ -159,16 +159,19 @@ def _is_background_build(proc: psutil.Process) -> bool:
     return "--build-tiny-warm-model" in cmdline or any(arg.endswith("pulseloco-cache") for arg in cmdline)
 
 
-def _build_tiny_warm_model(cache: Path) -> None:
+def _tiny_model_name() -> str:
+    """The directory name of the tiny warm model (scripts/harness/warm.py; scripts/ is on the tests' path)."""
+    from harness import warm
+
+    return f"warm-tiny-{warm.SIZES['tiny'].digest()}"
+
+
+def _build_tiny_warm_model(cache: Path, name: str) -> None:
     """Build the tiny warm model into ``cache`` and record its directory in ``cache/warm-model-path.txt``.
 
-    The build starts from a killed build's leftovers (a half-written model directory without the completion
+    The build starts from a killed build's leftovers (a half-written model directory ``name`` without the completion
     marker, a stale temporary directory), so that tests/test_warm_model.py checks that they are rebuilt and
     removed without a second build; the build's stdout is kept in ``build.log`` for it."""
-    sys.path.insert(0, str(WARM_MODEL_SCRIPT.parent))
-    import warm_model
-
-    name = f"warm-tiny-{warm_model.SIZES['tiny'].digest()}"
     (cache / "models" / name).mkdir(parents=True, exist_ok=True)
     (cache / "models" / name / "config.json").write_text("{not json")
     (cache / "models" / f".{name}.tmp-killed").mkdir(exist_ok=True)
@@ -224,7 +227,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         _start_warm_model_build(config)
 
 
-def _build_in_background(root: Path) -> None:
+def _build_in_background(root: Path, name: str) -> None:
     """The background build (:func:`_start_warm_model_build`): under the shared lock, build unless done. A failed
     build leaves no ``warm-model-path.txt``, so the first test that needs the model builds it again and reports
     the failure."""
@@ -232,8 +235,8 @@ def _build_in_background(root: Path) -> None:
 
     with filelock.FileLock(str(root / "pulseloco-cache.lock"), timeout=900):
         if not (root / "pulseloco-cache" / "warm-model-path.txt").exists():
-            _build_tiny_warm_model(root / "pulseloco-cache")
+            _build_tiny_warm_model(root / "pulseloco-cache", name)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--build-tiny-warm-model"]:
-    _build_in_background(Path(sys.argv[2]))
+    _build_in_background(Path(sys.argv[2]), sys.argv[3])

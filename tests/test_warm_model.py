@@ -1,4 +1,5 @@
-"""scripts/warm_model.py: the tiny warm model is a real Hugging Face checkpoint, cached and reused.
+"""scripts/warm_model.py and its library scripts/harness/warm.py: the tiny warm model is a real Hugging Face
+checkpoint, cached and reused.
 
 The model itself comes from the session fixture ``tiny_warm_model`` (tests/conftest.py), built once into a
 temporary cache; these tests check what it holds, that a second call reuses it, that a directory without the
@@ -16,12 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import warm
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "warm_model.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import warm_model  # noqa: E402  (a script, importable once scripts/ is on the path)
 
 
 def run_script(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -43,7 +42,7 @@ def test_tiny_warm_model_is_a_hugging_face_checkpoint(tiny_warm_model: Path) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert tiny_warm_model.is_absolute()
-    assert tiny_warm_model.name == f"warm-tiny-{warm_model.SIZES['tiny'].digest()}"
+    assert tiny_warm_model.name == f"warm-tiny-{warm.SIZES['tiny'].digest()}"
     assert (tiny_warm_model / "model.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(tiny_warm_model)
     tokenizer = AutoTokenizer.from_pretrained(tiny_warm_model)
@@ -64,8 +63,8 @@ def test_tiny_warm_model_is_a_hugging_face_checkpoint(tiny_warm_model: Path) -> 
 
 
 def test_marker_records_the_build(tiny_warm_model: Path) -> None:
-    marker = json.loads((tiny_warm_model / warm_model.MARKER).read_text())
-    spec = warm_model.SIZES["tiny"]
+    marker = json.loads((tiny_warm_model / warm.MARKER).read_text())
+    spec = warm.SIZES["tiny"]
     assert marker["task"] == spec.task and marker["max_operand"] == spec.max_operand
     assert marker["settings"]["pretrain_steps"] == spec.pretrain_steps
     assert marker["hash"] == spec.digest()
@@ -85,13 +84,13 @@ def test_reward_in_marker_is_the_saved_models(tiny_warm_model: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(tiny_warm_model)
     tokenizer = AutoTokenizer.from_pretrained(tiny_warm_model)
-    marker = warm_model.read_marker(tiny_warm_model)
-    reward, _ = warm_model.greedy_reward(model, tokenizer, warm_model.SIZES["tiny"])
+    marker = warm.read_marker(tiny_warm_model)
+    reward, _ = warm.greedy_reward(model, tokenizer, warm.SIZES["tiny"])
     assert reward == marker["reward"]
 
 
 def test_second_call_reuses_the_cached_model(tiny_warm_model: Path) -> None:
-    marker = tiny_warm_model / warm_model.MARKER
+    marker = tiny_warm_model / warm.MARKER
     before = marker.stat().st_mtime_ns
     result = run_script("--size", "tiny", "--cache-dir", str(tiny_warm_model.parent.parent), timeout=120)
     assert result.returncode == 0, result.stderr
@@ -107,7 +106,7 @@ def test_directory_without_marker_is_rebuilt(tiny_warm_model: Path) -> None:
     build_log = (models.parent / "build.log").read_text()
     assert "building" in build_log
     assert build_log.strip().splitlines()[-1] == f"warm model: {tiny_warm_model}"
-    assert warm_model.is_complete(tiny_warm_model)
+    assert warm.is_complete(tiny_warm_model)
     json.loads((tiny_warm_model / "config.json").read_text())
     assert not list(models.glob(f".{tiny_warm_model.name}.tmp-*"))
 
@@ -156,10 +155,10 @@ def test_larger_sizes_build_and_load_reduced(tmp_path: Path, size: str) -> None:
 
     from transformers import AutoModelForCausalLM
 
-    spec = warm_model.SIZES[size]
+    spec = warm.SIZES[size]
     reduced = dataclasses.replace(spec, pretrain_steps=3, warmup_steps=1, max_bytes=100_000, sft_steps=2,
                                   sft_examples=64)  # fmt: skip
-    marker = warm_model.build(size, reduced, tmp_path)
+    marker = warm.build(size, reduced, tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config.hidden_size == spec.hidden_size
     assert model.config.num_hidden_layers == spec.num_hidden_layers
@@ -167,4 +166,4 @@ def test_larger_sizes_build_and_load_reduced(tmp_path: Path, size: str) -> None:
     assert marker["max_operand"] == spec.max_operand == 9
     assert marker["num_eval_problems"] == 100  # single-digit sums: every problem scored
     assert 0.0 <= marker["reward"] <= 1.0
-    assert warm_model.read_marker(tmp_path)["size"] == size
+    assert warm.read_marker(tmp_path)["size"] == size
