@@ -1,5 +1,6 @@
-"""scripts/sparsity_study.py: the sparsity and mechanism computations on hand-made tensors (fast), and a smoke run
-end to end on the tiny warm model (TRL GRPO in process, two learning rates, both precisions, a few steps).
+"""scripts/sparsity_study.py: the sparsity and mechanism computations (scripts/harness/sparsity.py) on hand-made
+tensors (fast), and a smoke run end to end on the tiny warm model (TRL GRPO in process, two learning rates, both
+precisions, a few steps).
 
 The smoke run checks what must hold whatever the numbers: the outputs exist, every S is a fraction, the minimum is
 at most the mean, the changed set over k steps is within the union of the per-step changed sets, and FP32 master
@@ -17,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import sparsity_study  # scripts/sparsity_study.py (scripts/ is on the tests' path)
 import torch
+from harness import sparsity
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "sparsity_study.py"
-sys.path.insert(0, str(SCRIPT.parent))
-import sparsity_study  # noqa: E402  # scripts/sparsity_study.py
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -38,37 +39,37 @@ def test_k_step_sparsity_counts_bitwise_equal_entries() -> None:
         bf16([1.0, 2.0, 3.0, 5.0, -0.0]),
         bf16([1.0, 2.0, 3.0, 5.0, -0.0]),
     ]
-    s = sparsity_study.k_step_sparsity(snapshots, [1, 2, 3])
+    s = sparsity.k_step_sparsity(snapshots, [1, 2, 3])
     assert s[1] == [3 / 5, 3 / 5, 1.0]
     assert s[2] == [3 / 5, 3 / 5]  # t=0 -> 2: entries 3 and 4 differ; entry 1 went 2 -> 2.5 -> 2 (back)
     assert s[3] == [3 / 5]
     # one ulp of bf16 is 2^-7 at 1.0: 1 + 2^-9 rounds back to 1.0, the BF16 view does not change
     fp32 = torch.tensor([1.0, 1.0 + 2**-9, 1.0 + 2**-7])
-    view = sparsity_study.bf16_view([fp32])
-    assert sparsity_study.k_step_sparsity([bf16([1.0, 1.0, 1.0]), view], [1])[1] == [2 / 3]
+    view = sparsity.bf16_view([fp32])
+    assert sparsity.k_step_sparsity([bf16([1.0, 1.0, 1.0]), view], [1])[1] == [2 / 3]
     with pytest.raises(ValueError, match=r"k must be in 1\.\.3"):
-        sparsity_study.k_step_sparsity(snapshots, [4])
+        sparsity.k_step_sparsity(snapshots, [4])
     with pytest.raises(ValueError, match="bfloat16"):
-        sparsity_study.k_step_sparsity([torch.zeros(3), torch.zeros(3)], [1])
+        sparsity.k_step_sparsity([torch.zeros(3), torch.zeros(3)], [1])
 
 
 def test_mechanism_bins_ratio_and_changed_fraction() -> None:
     weight = torch.tensor([1.0, 1.0, 1.0, 2.56, 0.0, 1.0])
     update = torch.tensor([0.0, 1 / 256, 10 / 256, 0.0001, 1e-9, 1e6])
-    r, index = sparsity_study.ratio_bins(update, weight)
+    r, index = sparsity.ratio_bins(update, weight)
     assert r[0] == 0 and r[1] == pytest.approx(1.0) and r[2] == pytest.approx(10.0) and r[3] == pytest.approx(0.01)
     assert math.isinf(r[4])
-    edges = sparsity_study.RATIO_EDGES
-    assert index[0] == 0 and index[4] == sparsity_study.NUM_BINS - 1 and index[5] == sparsity_study.NUM_BINS - 1
+    edges = sparsity.RATIO_EDGES
+    assert index[0] == 0 and index[4] == sparsity.NUM_BINS - 1 and index[5] == sparsity.NUM_BINS - 1
     for i in (1, 2, 3):  # each r lies in its bin
         assert edges[int(index[i])] * (1 - 1e-9) <= r[i] < edges[int(index[i]) + 1]
     changed = torch.tensor([False, True, True, False, True, True])
-    rec = sparsity_study.step_mechanism(update, weight, changed)
+    rec = sparsity.step_mechanism(update, weight, changed)
     assert sum(rec["total"]) == 6 and sum(rec["changed"]) == 4
     assert rec["frac_r_ge_1"] == pytest.approx(4 / 6)
-    assert sparsity_study.band_density(rec["total"], rec["changed"], 1, math.inf) == 1.0
-    assert sparsity_study.band_density(rec["total"], rec["changed"], 0, 0.1) == 0.0  # r = 0 and r = 0.01
-    assert sparsity_study.band_density(rec["total"], rec["changed"], 0.1, 1) is None
+    assert sparsity.band_density(rec["total"], rec["changed"], 1, math.inf) == 1.0
+    assert sparsity.band_density(rec["total"], rec["changed"], 0, 0.1) == 0.0  # r = 0 and r = 0.01
+    assert sparsity.band_density(rec["total"], rec["changed"], 0.1, 1) is None
 
 
 def test_adam_update_rebuilds_the_step_torch_takes() -> None:
@@ -76,15 +77,15 @@ def test_adam_update_rebuilds_the_step_torch_takes() -> None:
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=False)
     for _ in range(3):
-        before = sparsity_study.flat_float(params)
+        before = sparsity.flat_float(params)
         opt.zero_grad()
         (params[0].sin().sum() + (params[1] ** 2).sum()).backward()
         opt.step()
-        exact = sparsity_study.flat_float(params) - before
-        rebuilt = sparsity_study.adam_update(opt, params, before)
+        exact = sparsity.flat_float(params) - before
+        rebuilt = sparsity.adam_update(opt, params, before)
         assert rebuilt is not None
         torch.testing.assert_close(rebuilt, exact, rtol=1e-4, atol=1e-8)
-    assert sparsity_study.adam_update(torch.optim.SGD(params, lr=0.1), params, before) is None
+    assert sparsity.adam_update(torch.optim.SGD(params, lr=0.1), params, before) is None
 
 
 def test_flags_are_validated(capsys: pytest.CaptureFixture[str]) -> None:
