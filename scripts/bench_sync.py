@@ -30,50 +30,38 @@ Progress goes to stderr; worker logs go to files under a temporary directory (pr
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
 import logging
 import math
 import os
-import queue
-import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
-import psutil
-from bench_models import MODEL_CONFIGS, build_model, state_shapes  # scripts/ is on sys.path when run as a script
-from netns import NetNS, rate_label
-
-REPO = Path(__file__).resolve().parents[1]
+from harness import REPO, channel, memory, procs
+from harness.logs import progress
+from harness.machine import library_revision
+from harness.models import MODEL_CONFIGS, SyntheticLM, state_shapes
+from harness.netns import NetNS, open_netns, parse_rate, rate_label
+from harness.report import Column, comma_list, fixed_table, parse_ints
 
 LR = 3e-6
 BATCH_SIZE = 2
 SEQ_LEN = 64
 MODES = ("patches", "full")
-AUTHKEY_ENV = "BENCH_SYNC_AUTHKEY"
 STARTUP_TIMEOUT = 300.0  # importing torch/transformers/hivemind in 9 processes on 2 shared cores is slow
 STOP_TIMEOUT = 30.0
+GB = memory.GB
+MEMORY_MARGIN = 2 * GB
+"""Memory left for everything else on the machine when deciding whether a case fits."""
 
-
-def log(msg: str) -> None:
-    """Progress goes to stderr so that stdout holds only the tables."""
-    print(f"[bench_sync {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------------------
+log = progress("bench_sync")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -104,31 +92,6 @@ class WorkerSpec:
     threads: int | None = None
 
 
-class _ForwardWarnings(logging.Handler):
-    """Sends pulseloco warnings to the coordinator, which counts them per case."""
-
-    def __init__(self, send: Any) -> None:
-        super().__init__(level=logging.WARNING)
-        self._send = send
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with contextlib.suppress(Exception):
-            self._send(("warning", f"{record.name}: {record.getMessage()}"[:500]))
-
-
-def _connect(spec: WorkerSpec) -> tuple[Connection, Any]:
-    conn = Client(spec.socket, family="AF_UNIX", authkey=bytes.fromhex(os.environ[AUTHKEY_ENV]))
-    lock = threading.Lock()
-
-    def send(msg: tuple) -> None:
-        with lock:
-            conn.send(msg)
-
-    send(("hello", spec.role, spec.index, os.getpid()))
-    logging.getLogger("pulseloco").addHandler(_ForwardWarnings(send))
-    return conn, send
-
-
 def _worker_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     logging.getLogger("hivemind").setLevel(logging.WARNING)
@@ -145,7 +108,7 @@ def _file_size(path: Path) -> int | None:
 def publisher_worker(spec: WorkerSpec) -> None:
     """The trainer: build the model, then answer the coordinator's publish/stats/stop requests."""
     _worker_logging()
-    conn, send = _connect(spec)
+    conn, send = channel.connect(spec.socket, spec.role, spec.index)
     import torch
 
     from pulseloco.swarm import SwarmConfig, make_dht
@@ -154,10 +117,8 @@ def publisher_worker(spec: WorkerSpec) -> None:
 
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    model = build_model(spec.config, spec.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.999), weight_decay=0.0)
-    vocab = int(model.config.vocab_size)
-    gen = torch.Generator().manual_seed(spec.seed + 1)
+    training = SyntheticLM(spec.config, spec.seed, spec.lr, batch_size=BATCH_SIZE, seq_len=SEQ_LEN)
+    model = training.model
     num_elements = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
     dht = make_dht(SwarmConfig(host_maddrs=[f"/ip4/{spec.host}/tcp/0"]))
     publisher = Publisher(
@@ -186,14 +147,8 @@ def publisher_worker(spec: WorkerSpec) -> None:
                 send(("stats", {"bytes_uploaded": publisher.bytes_uploaded, "uploads": servicer.num_uploads}))
             elif msg[0] == "publish":
                 step_s = loss = None
-                if msg[1]:  # one optimizer step first
-                    t0 = time.perf_counter()
-                    ids = torch.randint(0, vocab, (BATCH_SIZE, SEQ_LEN), generator=gen)
-                    out = model(input_ids=ids, labels=ids)
-                    out.loss.backward()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)  # frees the gradients while the version is published
-                    step_s, loss = time.perf_counter() - t0, float(out.loss)
+                if msg[1]:  # one optimizer step first (its gradients freed while the version is published)
+                    loss, step_s = training.step()
                 t_call = time.time()
                 version = publisher.publish(model)
                 t_returned = time.time()
@@ -227,7 +182,7 @@ def publisher_worker(spec: WorkerSpec) -> None:
 def subscriber_worker(spec: WorkerSpec) -> None:
     """A rollout worker: join the publisher's swarm, follow the run, report every version it holds."""
     _worker_logging()
-    conn, send = _connect(spec)
+    conn, send = channel.connect(spec.socket, spec.role, spec.index)
     import torch
 
     from pulseloco.swarm import SwarmConfig, make_dht
@@ -300,13 +255,8 @@ def subscriber_worker(spec: WorkerSpec) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# --------------------------------------------------------------------------------------------------
 # Memory (the machine is shared: a case that would not fit is skipped, never left to the OOM killer)
 # --------------------------------------------------------------------------------------------------
-
-GB = 1e9
-MEMORY_MARGIN = 2 * GB
-"""Memory left for everything else on the machine when deciding whether a case fits."""
 
 
 def estimate_memory(
@@ -332,75 +282,8 @@ def estimate_memory(
 
 
 # --------------------------------------------------------------------------------------------------
-# Coordinator
+# Results
 # --------------------------------------------------------------------------------------------------
-
-
-class WorkerFailed(RuntimeError):
-    pass
-
-
-class Hub:
-    """The coordinator's end of the worker connections: one reader thread per worker feeding one queue."""
-
-    def __init__(self, path: str, authkey: bytes) -> None:
-        self.listener = Listener(path, family="AF_UNIX", authkey=authkey)
-        self.messages: queue.Queue[tuple[str, int, tuple]] = queue.Queue()
-        self.conns: dict[tuple[str, int], Connection] = {}
-        self._lock = threading.Lock()
-        self.closed = False
-        threading.Thread(target=self._accept, name="hub-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed:
-            try:
-                conn = self.listener.accept()
-            except Exception:  # closed, or a client that failed authentication
-                continue
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
-    def _read(self, conn: Connection) -> None:
-        try:
-            hello = conn.recv()
-        except (EOFError, OSError):
-            return
-        if not (isinstance(hello, tuple) and hello[0] == "hello"):
-            return
-        who = (hello[1], int(hello[2]))
-        with self._lock:
-            self.conns[who] = conn
-        self.messages.put((who[0], who[1], hello))
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                self.messages.put((who[0], who[1], ("eof",)))
-                return
-            self.messages.put((who[0], who[1], msg))
-
-    def send(self, role: str, index: int, msg: tuple) -> None:
-        with self._lock:
-            conn = self.conns[(role, index)]
-        conn.send(msg)
-
-    def close(self) -> None:
-        self.closed = True
-        with contextlib.suppress(Exception):
-            self.listener.close()
-
-
-@dataclass
-class Worker:
-    role: str
-    index: int
-    proc: subprocess.Popen
-    log_path: Path
-
-    def tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
 
 
 @dataclass
@@ -499,14 +382,26 @@ class CaseResult:
         }
 
 
+class WorkerFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Worker:
+    role: str
+    index: int
+    proc: procs.Proc
+
+
 class Coordinator:
+    """Starts each case's workers, drives them over the hub and measures every version."""
+
     def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
         from pulseloco.sync.signing import generate_key, save_keypair
 
         self.args = args
         self.workdir = workdir
-        self.authkey = os.urandom(16)
-        self.hub = Hub(str(workdir / "hub.sock"), self.authkey)
+        self.hub = channel.Hub(workdir / "hub.sock")
         self.key_path, self.pub_path = save_keypair(generate_key(), workdir / "publisher.key")
         self.workers: list[Worker] = []
         self.case_counter = 0
@@ -523,79 +418,56 @@ class Coordinator:
 
     # ---- workers -----------------------------------------------------------------------------------------
 
-    def start_worker(self, spec: WorkerSpec, netns: NetNS | None) -> Worker:
-        spec_path = self.workdir / f"case{self.case_counter}-{spec.role}{spec.index}.json"
+    def start_worker(self, spec: WorkerSpec, runner: procs.Runner) -> Worker:
+        """Write ``spec`` and start its worker (in its peer's namespace when the runner has a network); its log is
+        ``case<N>-<role><index>.log`` beside the spec."""
+        name = f"case{self.case_counter}-{spec.role}{spec.index}"
+        spec_path = self.workdir / f"{name}.json"
         spec_path.write_text(json.dumps(asdict(spec)))
-        log_path = spec_path.with_suffix(".log")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", spec.role, "--spec", str(spec_path)]
-        if netns is not None:
-            cmd = ["ip", "netns", "exec", netns.peer_ns(spec.index), *cmd]
-        env = {
-            **os.environ,
-            AUTHKEY_ENV: self.authkey.hex(),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-        }
-        with open(log_path, "wb") as logf:
-            proc = subprocess.Popen(
-                cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True
-            )
-        worker = Worker(spec.role, spec.index, proc, log_path)
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**self.hub.worker_env(), "PYTHONPATH": pythonpath}
+        worker = Worker(spec.role, spec.index, runner.start(name, cmd, ns_index=spec.index, env=env))
         self.workers.append(worker)
         return worker
 
     def stop_workers(self) -> None:
-        """Ask every worker to stop, wait (bounded), then kill each one's process group (started by us)."""
+        """Ask every worker to stop, wait (bounded), then stop each one's process group (which also holds its DHT
+        process and libp2p daemon)."""
+        started = time.monotonic()
         for w in self.workers:
-            if w.proc.poll() is None:
+            if w.proc.running:
                 with contextlib.suppress(Exception):
                     self.hub.send(w.role, w.index, ("stop",))
-        deadline = time.monotonic() + STOP_TIMEOUT
-        for w in self.workers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            signalled = False
-            for w in self.workers:
-                # each worker leads its own process group, which also holds its DHT process and libp2p daemon
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(w.proc.pid, sig)
-                    signalled = True
-            if not signalled:
-                break
-            if sig == signal.SIGTERM:
-                time.sleep(1.0)
-        for w in self.workers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                w.proc.wait(timeout=5)
+        procs.wait_exited([w.proc for w in self.workers], STOP_TIMEOUT)
+        procs.stop_all([w.proc for w in self.workers], grace=1.0)
         if self.workers:
-            log(f"stopped {len(self.workers)} workers in {time.monotonic() - deadline + STOP_TIMEOUT:.1f} s")
+            log(f"stopped {len(self.workers)} workers in {time.monotonic() - started:.1f} s")
         self.workers = []
-        with self.hub._lock:
-            self.hub.conns.clear()
-        while True:  # drop messages of the finished case
-            try:
-                self.hub.messages.get_nowait()
-            except queue.Empty:
-                break
+        self.hub.forget()  # the connections and messages of the finished case
 
     def _check_alive(self) -> None:
         for w in self.workers:
             code = w.proc.poll()
             if code is not None:
-                raise WorkerFailed(f"{w.role} {w.index} exited with code {code}; log {w.log_path}:\n{w.tail()}")
+                raise WorkerFailed(
+                    f"{w.role} {w.index} exited with code {code}; log {w.proc.log_path}:\n{w.proc.tail(30)}"
+                )
 
     def next_message(self, deadline: float, what: str, case: CaseResult | None) -> tuple[str, int, tuple]:
         """The next message from any worker; warnings are collected into ``case``. Raises on timeout/death."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                tails = "\n".join(f"--- {w.role} {w.index} ({w.log_path}):\n{w.tail(15)}" for w in self.workers)
+                tails = "\n".join(
+                    f"--- {w.role} {w.index} ({w.proc.log_path}):\n{w.proc.tail(15)}" for w in self.workers
+                )
                 raise TimeoutError(f"timed out waiting for {what}\n{tails}")
-            try:
-                role, index, msg = self.hub.messages.get(timeout=min(1.0, remaining))
-            except queue.Empty:
+            got = self.hub.get(timeout=min(1.0, remaining))
+            if got is None:
                 self._check_alive()
                 continue
+            role, index, msg = got
             if msg[0] == "warning":
                 if case is not None:
                     case.warnings.append(f"{role}{index}: {msg[1]}")
@@ -620,89 +492,20 @@ class Coordinator:
     # ---- one case ----------------------------------------------------------------------------------------
 
     def run_case(self, condition: str, netns: NetNS | None, n_subs: int, mode: str) -> CaseResult:
+        """Measure one case: start the publisher and ``n_subs`` subscribers, publish the initial anchor and
+        ``--versions`` versions, stop them. Raises WorkerFailed or TimeoutError (the case so far stays in
+        ``current_case``)."""
         args = self.args
         self.case_counter += 1
-        full = mode == "full"
-        run_id = f"bench-{os.getpid()}-{self.case_counter}-{condition}-{n_subs}-{mode}"
         store_dir = self.workdir / f"store{self.case_counter}"
         started = time.perf_counter()
-        common = dict(
-            socket=str(self.workdir / "hub.sock"),
-            run_id=run_id,
-            config="small" if args.small else "default",
-            full=full,
-            seed=args.seed,
-            poll=args.poll,
-            fetch_timeout=args.fetch_timeout,
-            relay_wait=args.relay_wait,
-            relay_max_bytes=None if args.relay_max_mb is None else int(args.relay_max_mb * 1e6),
-        )
-
-        def host(i: int) -> str:
-            return netns.host(i) if netns is not None else "127.0.0.1"
-
+        runner = procs.Runner(self.workdir, netns=netns)
         try:
-            self.start_worker(
-                WorkerSpec(
-                    role="publisher",
-                    index=0,
-                    host=host(0),
-                    key_path=str(self.key_path),
-                    store_dir=str(store_dir),
-                    lr=args.lr,
-                    **common,
-                ),
-                netns,
-            )
-            for i in range(1, n_subs + 1):
-                self.start_worker(
-                    WorkerSpec(
-                        role="subscriber",
-                        index=i,
-                        host=host(i),
-                        key_path=str(self.pub_path),
-                        shapes_path=str(self.shapes_path),
-                        **common,
-                    ),
-                    netns,
-                )
-            deadline = time.monotonic() + STARTUP_TIMEOUT
-            info: dict[str, Any] | None = None
-            hellos: set[int] = set()
-            while info is None or len(hellos) < n_subs:
-                role, index, msg = self.next_message(deadline, "workers to start", None)
-                if role == "publisher" and msg[0] == "ready":
-                    info = msg[1]
-                elif role == "subscriber" and msg[0] == "hello":
-                    hellos.add(index)
-            case = CaseResult(
-                condition=condition,
-                subscribers=n_subs,
-                mode=mode,
-                num_params=info["num_params"],
-                num_elements=info["num_elements"],
-                full_bf16_bytes=2 * info["num_elements"],
-                library=library_revision(),
-            )
-            case.peers[info["peer_id"]] = 0
-            self.current_case = case
-            for i in range(1, n_subs + 1):
-                self.hub.send("subscriber", i, ("join", info["maddrs"]))
-            joined: set[int] = set()
-            while len(joined) < n_subs:
-                role, index, msg = self.next_message(deadline, "subscribers to join", case)
-                if role == "subscriber" and msg[0] == "joined":
-                    joined.add(index)
-                    case.peers[msg[1]["peer_id"]] = index
-            log(
-                f"{condition} subscribers={n_subs} mode={mode}: {n_subs + 1} peers up "
-                f"({info['num_params'] / 1e6:.1f}M params, trainer threads={info['threads']})"
-            )
+            case = self._start_case(runner, condition, n_subs, mode, store_dir)
             uploaded = self.request(("stats",), "stats", 60, case)
             for k in range(args.versions + 1):
-                result = self.one_version(case, step=k > 0, uploaded_before=uploaded, n_subs=n_subs)
-                uploaded = {"bytes_uploaded": result[1], "uploads": result[2]}
-                v = result[0]
+                v, uploaded_bytes, uploads = self.one_version(case, step=k > 0, uploaded_before=uploaded, n_subs=n_subs)
+                uploaded = {"bytes_uploaded": uploaded_bytes, "uploads": uploads}
                 case.versions.append(v)
                 log(
                     f"{condition} subscribers={n_subs} mode={mode} v{v.version}{'' if v.counted else ' (initial)'}: "
@@ -715,6 +518,70 @@ class Coordinator:
             self.stop_workers()
             shutil.rmtree(store_dir, ignore_errors=True)
         case.seconds = time.perf_counter() - started
+        return case
+
+    def _start_case(self, runner: procs.Runner, condition: str, n_subs: int, mode: str, store_dir: Path) -> CaseResult:
+        """Start the case's workers, wait until the publisher is ready and every subscriber joined its swarm."""
+        args = self.args
+        run_id = f"bench-{os.getpid()}-{self.case_counter}-{condition}-{n_subs}-{mode}"
+        common = dict(
+            socket=self.hub.path,
+            run_id=run_id,
+            config="small" if args.small else "default",
+            full=mode == "full",
+            seed=args.seed,
+            poll=args.poll,
+            fetch_timeout=args.fetch_timeout,
+            relay_wait=args.relay_wait,
+            relay_max_bytes=None if args.relay_max_mb is None else int(args.relay_max_mb * 1e6),
+        )
+
+        def host(i: int) -> str:
+            return runner.netns.host(i) if runner.netns is not None else "127.0.0.1"
+
+        publisher = WorkerSpec(
+            role="publisher", index=0, host=host(0), key_path=str(self.key_path), store_dir=str(store_dir),
+            lr=args.lr, **common,
+        )  # fmt: skip
+        self.start_worker(publisher, runner)
+        for i in range(1, n_subs + 1):
+            subscriber = WorkerSpec(
+                role="subscriber", index=i, host=host(i), key_path=str(self.pub_path),
+                shapes_path=str(self.shapes_path), **common,
+            )  # fmt: skip
+            self.start_worker(subscriber, runner)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        info: dict[str, Any] | None = None
+        hellos: set[int] = set()
+        while info is None or len(hellos) < n_subs:
+            role, index, msg = self.next_message(deadline, "workers to start", None)
+            if role == "publisher" and msg[0] == "ready":
+                info = msg[1]
+            elif role == "subscriber" and msg[0] == "hello":
+                hellos.add(index)
+        case = CaseResult(
+            condition=condition,
+            subscribers=n_subs,
+            mode=mode,
+            num_params=info["num_params"],
+            num_elements=info["num_elements"],
+            full_bf16_bytes=2 * info["num_elements"],
+            library=library_revision(),
+        )
+        case.peers[info["peer_id"]] = 0
+        self.current_case = case
+        for i in range(1, n_subs + 1):
+            self.hub.send("subscriber", i, ("join", info["maddrs"]))
+        joined: set[int] = set()
+        while len(joined) < n_subs:
+            role, index, msg = self.next_message(deadline, "subscribers to join", case)
+            if role == "subscriber" and msg[0] == "joined":
+                joined.add(index)
+                case.peers[msg[1]["peer_id"]] = index
+        log(
+            f"{condition} subscribers={n_subs} mode={mode}: {n_subs + 1} peers up "
+            f"({info['num_params'] / 1e6:.1f}M params, trainer threads={info['threads']})"
+        )
         return case
 
     def one_version(
@@ -834,74 +701,54 @@ def tree_depth(parents: dict[int, int | None]) -> int | None:
     return None if not found or any(d is None for d in found) else max(d for d in found if d is not None)
 
 
-def parse_rate(rate: str) -> float | None:
-    """A ``tc`` rate in bits per second (``100mbit``, ``1gbit``, ``12500kbps`` = bytes); None if unparsable."""
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", rate.strip().lower())
-    if not m:
-        return None
-    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    return float(m.group(1)) * scale * (8 if m.group(3) == "bps" else 1)
+BOUND_COLUMNS: list[Column[tuple[CaseResult, dict[str, Any]]]] = [
+    ("subs", 4, lambda cs: str(cs[0].subscribers)),
+    ("mode", 7, lambda cs: cs[0].mode),
+    ("depth_min", 9, lambda cs: str(cs[1]["min_depth"])),
+    ("depth_formed", 12, lambda cs: "?" if cs[1]["formed_depth_max"] is None else str(cs[1]["formed_depth_max"])),
+    ("transfer_s", 10, lambda cs: f"{cs[1]['mean_transfer_s']:.2f}"),
+    ("bound_s", 7, lambda cs: f"{cs[1]['mean_bound_s']:.2f}"),
+    ("latency_mean_s", 14, lambda cs: f"{cs[1]['mean_latency_s']:.2f}"),
+    ("ratio_mean", 10, lambda cs: f"{cs[1]['mean_ratio']:.2f}"),
+    ("ratio_max", 9, lambda cs: f"{cs[1]['max_ratio']:.2f}"),
+    ("after_encode_s", 14, lambda cs: f"{cs[1]['mean_latency_after_encode_s']:.2f}"),
+    ("ratio_after_encode", 18, lambda cs: f"{cs[1]['mean_ratio_after_encode']:.2f}"),
+    ("upload_x_obj", 12, lambda cs: f"{cs[1]['upload_x_object']:.2f}"),
+    ("target(<=1.5)", 13, lambda cs: "met" if cs[1]["mean_ratio"] <= TARGET_RATIO else "MISSED"),
+]
 
 
 def format_bound_table(cases: list[CaseResult]) -> str:
-    rows = [
-        "subs  mode     depth_min  depth_formed  transfer_s  bound_s  latency_mean_s  ratio_mean  ratio_max  "
-        "after_encode_s  ratio_after_encode  upload_x_obj  target(<=1.5)"
-    ]
-    rows.append("-" * len(rows[0]))
-    for c in cases:
-        s = c.summary()
-        if not s or "mean_ratio" not in s:
-            continue
-        formed = "?" if s["formed_depth_max"] is None else str(s["formed_depth_max"])
-        verdict = "met" if s["mean_ratio"] <= TARGET_RATIO else "MISSED"
-        rows.append(
-            f"{c.subscribers:<4}  {c.mode:<7}  {s['min_depth']:>9}  {formed:>12}  {s['mean_transfer_s']:>10.2f}  "
-            f"{s['mean_bound_s']:>7.2f}  {s['mean_latency_s']:>14.2f}  {s['mean_ratio']:>10.2f}  "
-            f"{s['max_ratio']:>9.2f}  {s['mean_latency_after_encode_s']:>14.2f}  "
-            f"{s['mean_ratio_after_encode']:>18.2f}  {s['upload_x_object']:>12.2f}  {verdict:>13}"
-        )
-    return "\n".join(rows)
+    measured = [(c, s) for c, s in ((c, c.summary()) for c in cases) if s and "mean_ratio" in s]
+    return fixed_table(BOUND_COLUMNS, measured)
 
 
 # --------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------
 
+COLUMNS: list[Column[tuple[CaseResult, dict[str, Any]]]] = [
+    ("subs", 4, lambda cs: str(cs[0].subscribers)),
+    ("mode", 7, lambda cs: cs[0].mode),
+    ("versions", 8, lambda cs: str(cs[1]["versions"])),
+    ("MB/version", 10, lambda cs: f"{cs[1]['mean_object_bytes'] / 1e6:.3f}"),
+    ("vs_full_bf16", 12, lambda cs: f"{cs[1]['ratio_vs_full_bf16']:.5f}"),
+    ("upload_MB/v", 11, lambda cs: f"{cs[1]['mean_upload_bytes'] / 1e6:.3f}"),
+    ("upload_x_obj", 12, lambda cs: f"{cs[1]['upload_x_object']:.2f}"),
+    ("max_x_obj", 9, lambda cs: f"{cs[1]['max_upload_x_object']:.2f}"),
+    ("encode_s", 8, lambda cs: f"{cs[1]['mean_encode_s']:.2f}"),
+    ("latency_mean_s", 14, lambda cs: f"{cs[1]['mean_latency_s']:.2f}"),
+    ("latency_max_s", 13, lambda cs: f"{cs[1]['max_latency_s']:.2f}"),
+    ("recv_MB/sub", 11, lambda cs: f"{cs[1]['mean_received_bytes'] / 1e6:.3f}"),
+    ("off_path", 8, lambda cs: str(cs[1]["off_path_updates"])),
+    ("digests", 7, lambda cs: f"{cs[1]['digests_matched']}/{cs[1]['versions']}"),
+]
+
 
 def format_table(cases: list[CaseResult]) -> str:
-    cols: list[tuple[str, int, Any]] = [
-        ("subs", 4, lambda c, s: str(c.subscribers)),
-        ("mode", 7, lambda c, s: c.mode),
-        ("versions", 8, lambda c, s: str(s["versions"])),
-        ("MB/version", 10, lambda c, s: f"{s['mean_object_bytes'] / 1e6:.3f}"),
-        ("vs_full_bf16", 12, lambda c, s: f"{s['ratio_vs_full_bf16']:.5f}"),
-        ("upload_MB/v", 11, lambda c, s: f"{s['mean_upload_bytes'] / 1e6:.3f}"),
-        ("upload_x_obj", 12, lambda c, s: f"{s['upload_x_object']:.2f}"),
-        ("max_x_obj", 9, lambda c, s: f"{s['max_upload_x_object']:.2f}"),
-        ("encode_s", 8, lambda c, s: f"{s['mean_encode_s']:.2f}"),
-        ("latency_mean_s", 14, lambda c, s: f"{s['mean_latency_s']:.2f}"),
-        ("latency_max_s", 13, lambda c, s: f"{s['max_latency_s']:.2f}"),
-        ("recv_MB/sub", 11, lambda c, s: f"{s['mean_received_bytes'] / 1e6:.3f}"),
-        ("off_path", 8, lambda c, s: str(s["off_path_updates"])),
-        ("digests", 7, lambda c, s: f"{s['digests_matched']}/{s['versions']}"),
-    ]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, (_, w, _)) in enumerate(zip(cells, cols)))
-
-    lines = [line([name for name, _, _ in cols]), ""]
-    lines[1] = "-" * len(lines[0])
-    prev = None
-    for c in cases:
-        s = c.summary()
-        if not s:
-            continue
-        if prev is not None and c.subscribers != prev:
-            lines.append("")
-        prev = c.subscribers
-        lines.append(line([fn(c, s) for _, _, fn in cols]))
-    return "\n".join(lines)
+    """A line per measured case, a blank line between subscriber counts."""
+    measured = [(c, s) for c, s in ((c, c.summary()) for c in cases) if s]
+    return fixed_table(COLUMNS, measured, group=lambda cs: cs[0].subscribers)
 
 
 def summarize(cases: list[CaseResult]) -> list[dict[str, Any]]:
@@ -928,23 +775,6 @@ def summarize(cases: list[CaseResult]) -> list[dict[str, Any]]:
     return out
 
 
-def library_revision() -> dict[str, Any]:
-    """The commit the library was imported from and its uncommitted files (results depend on both)."""
-
-    def git(*cmd: str) -> str:
-        try:
-            proc = subprocess.run(["git", *cmd], cwd=REPO, capture_output=True, text=True, timeout=10, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-        return proc.stdout.strip() if proc.returncode == 0 else ""
-
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted": git("status", "--short", "pulseloco").splitlines()}
-
-
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 # --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
@@ -959,14 +789,14 @@ def _worker_main(role: str, spec_path: str) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--versions", type=int, default=10, help="measured versions per case (after the initial anchor)")
     ap.add_argument("--subscribers", type=parse_ints, default=[1, 8], help="subscriber counts (comma list)")
     ap.add_argument("--small", action="store_true", help="~5M-parameter model instead of ~122M (smoke run)")
     ap.add_argument("--no-netns", action="store_true", help="loopback only: skip the rate-limited namespaces")
     ap.add_argument("--rate", default="100mbit", help="tc rate of every link in the namespace condition")
-    ap.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES), help="subset of patches,full")
+    ap.add_argument("--modes", type=comma_list, default=list(MODES), help="subset of patches,full")
     ap.add_argument("--lr", type=float, default=LR, help="AdamW learning rate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -993,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--conditions",
-        type=lambda t: t.split(","),
+        type=comma_list,
         default=["loopback", "netns"],
         help="subset of loopback,netns (netns: the rate-limited namespaces)",
     )
@@ -1012,6 +842,178 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write every measurement as JSON to PATH")
     ap.add_argument("--role", choices=("publisher", "subscriber"), help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
+    return ap
+
+
+def open_conditions(args: argparse.Namespace) -> tuple[list[dict[str, Any]], NetNS | None]:
+    """The conditions to measure (loopback, the rate-limited namespaces or why they are skipped), and the network
+    of the latter when it could be set up."""
+    conditions: list[dict[str, Any]] = []
+    if "loopback" in args.conditions:
+        conditions.append({"name": "loopback", "rate": None, "skipped": None})
+    netns: NetNS | None = None
+    label = rate_label(args.rate)
+    if "netns" not in args.conditions:
+        pass
+    elif args.no_netns:
+        conditions.append({"name": label, "rate": args.rate, "skipped": "--no-netns"})
+    else:
+        netns, reason = open_netns(max(args.subscribers) + 1, args.rate)
+        conditions.append({"name": label, "rate": args.rate, "skipped": reason})
+        if reason is not None:
+            log(f"{label}: skipped ({reason})")
+    return conditions, netns
+
+
+def run_cases(
+    coordinator: Coordinator,
+    conditions: list[dict[str, Any]],
+    netns: NetNS | None,
+    cases: list[CaseResult],
+    skipped_cases: list[dict[str, Any]],
+) -> None:
+    """Every (condition, subscriber count, mode) case into ``cases``, or into ``skipped_cases`` when it would not
+    fit in memory. Raises WorkerFailed or TimeoutError when a case fails (the cases so far stay)."""
+    args = coordinator.args
+    for cond in conditions:
+        if cond["skipped"] is not None:
+            continue
+        ns = netns if cond["rate"] else None
+        for n in args.subscribers:
+            for mode in args.modes:
+                need = estimate_memory(
+                    coordinator.num_elements,
+                    n,
+                    mode,
+                    warmup_batch=args.warmup_batch,
+                    relay_max_bytes=None if args.relay_max_mb is None else args.relay_max_mb * 1e6,
+                )
+                reason = None if args.no_memory_check else memory.shortfall(need, MEMORY_MARGIN)
+                if reason is not None:
+                    reason += " (--no-memory-check to run anyway)"
+                    skipped_cases.append({"condition": cond["name"], "subscribers": n, "mode": mode, "reason": reason})
+                    log(f"{cond['name']} subscribers={n} mode={mode}: skipped: {reason}")
+                    continue
+                cases.append(coordinator.run_case(cond["name"], ns, n, mode))
+
+
+def print_condition(
+    args: argparse.Namespace,
+    cond: dict[str, Any],
+    cases: list[CaseResult],
+    skipped_cases: list[dict[str, Any]],
+    summary: list[dict[str, Any]],
+) -> None:
+    """One condition's tables and lines: the cases, the bound (rate-limited), skipped cases, the summary."""
+    print()
+    if cond["skipped"] is not None:
+        print(f"{cond['name']}: skipped ({cond['skipped']})")
+        return
+    mine = [c for c in cases if c.condition == cond["name"]]
+    print("loopback (127.0.0.1)" if cond["rate"] is None else f"{cond['name']} links (tc tbf, network namespaces)")
+    print(format_table(mine))
+    if cond["rate"] and any(c.bound_summary() for c in mine):
+        print(
+            f"\nBound (issue 14): minimal relay-tree depth d (publisher serves {PUBLISHER_FANOUT}, every relay "
+            f"{PUBLISHER_FANOUT} more: {PUBLISHER_FANOUT} + {PUBLISHER_FANOUT}^2 + ... + "
+            f"{PUBLISHER_FANOUT}^d >= subscribers) x one transfer of the object at {cond['name']}; ratio = "
+            "publish() -> last subscriber / bound (mean and worst version); after_encode: from the version "
+            "stored and announced; depth_formed: deepest subscriber in the tree of who served whom."
+        )
+        print(format_bound_table(mine))
+    for sk in skipped_cases:
+        if sk["condition"] == cond["name"]:
+            print(f"  {sk['subscribers']} subscriber(s) {sk['mode']}: skipped ({sk['reason']})")
+    for s in summary:
+        if s["condition"] == cond["name"]:
+            print(
+                f"  {s['subscribers']} subscriber(s): patches reach the last subscriber "
+                f"{s['latency_speedup']:.1f}x sooner than full checkpoints on average "
+                f"({s['patches_mean_latency_s']:.2f} s vs {s['full_mean_latency_s']:.2f} s; "
+                f"{s['max_latency_speedup']:.1f}x on the max), {1 / s['bytes_ratio']:.0f}x fewer bytes per "
+                f"version, publisher upload {1 / s['upload_ratio']:.0f}x lower"
+            )
+    for c in mine:
+        initial = next((v for v in c.versions if not v.counted), None)
+        if c.warnings:
+            print(f"  {c.subscribers} subscriber(s) {c.mode}: {len(c.warnings)} warning(s) from the library")
+        if initial is not None and c.mode == "patches":
+            print(
+                f"  {c.subscribers} subscriber(s): initial anchor ({initial.object_bytes / 1e6:.1f} MB) reached "
+                f"all subscribers, {args.warmup_batch} at a time, {initial.latency_s:.2f} s after publish "
+                "(not counted)"
+            )
+
+
+def print_header(args: argparse.Namespace, cases: list[CaseResult], load_at_start: float) -> None:
+    """What was measured, with which model, and what the columns mean."""
+    first = cases[0] if cases else None
+    if first is not None:
+        print(
+            f"pulseloco PULSESync benchmark: model={'small' if args.small else 'default'} "
+            f"({first.num_params / 1e6:.1f}M params, full BF16 copy "
+            f"{first.full_bf16_bytes / 1e6:.1f} MB), AdamW lr={args.lr:g}, {args.versions} versions per case "
+            f"(+1 initial anchor, not counted), load average {os.getloadavg()[0]:.2f} (at start {load_at_start:.2f})"
+        )
+    print(
+        "patches: Publisher defaults (anchor every 10 versions, publisher serves each version at most twice before "
+        "sending subscribers to relays); full: anchor_every=1 + Subscriber(full_checkpoints=True), same transport."
+    )
+    print(
+        "MB/version: what a subscriber fetches per version (patch or checkpoint file); upload_x_obj: publisher upload "
+        "per version / that size; encode_s: publish() -> stored and announced; latency: publish() -> last subscriber "
+        "holds the version (digest checked against the publisher's); recv_MB/sub: bytes a subscriber actually "
+        "received per version; off_path: subscriber updates that fell back to another path (anchor + chain)."
+    )
+
+
+def report_json(
+    args: argparse.Namespace, results: dict[str, Any], incomplete: CaseResult | None, revision: dict[str, Any]
+) -> dict[str, Any]:
+    """Everything measured, as ``--json`` writes it. ``results``: conditions, cases, skipped_cases, summary,
+    completed, elapsed_s, load_average."""
+    model = "small" if args.small else "default"
+    return {
+        "config": {
+            "model": model,
+            "model_config": MODEL_CONFIGS[model],
+            "lr": args.lr,
+            "versions": args.versions,
+            "subscribers": args.subscribers,
+            "modes": args.modes,
+            "seed": args.seed,
+            "poll_s": args.poll,
+            "relay_wait_s": args.relay_wait,
+            "relay_max_mb": args.relay_max_mb,
+            "warmup_batch": args.warmup_batch,
+            "fetch_timeout_s": args.fetch_timeout,
+            "batch_size": BATCH_SIZE,
+            "seq_len": SEQ_LEN,
+            "rate": args.rate,
+            "library": revision,
+        },
+        "conditions": results["conditions"],
+        "cases": [
+            {
+                **{k: v for k, v in asdict(c).items() if k != "versions"},
+                "all_digests_match": c.all_digests_match,
+                "summary": c.summary(),
+                "versions": [asdict(v) for v in c.versions],
+            }
+            for c in results["cases"]
+        ],
+        "skipped_cases": results["skipped_cases"],
+        # versions measured before a failure or interruption (not in the tables)
+        "incomplete_case": asdict(incomplete) if incomplete is not None else None,
+        "summary": results["summary"],
+        "completed": results["completed"],
+        "elapsed_s": results["elapsed_s"],
+        "load_average": {"start": results["load_at_start"], "end": os.getloadavg()[0]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.role:
         return _worker_main(args.role, args.spec)
@@ -1019,39 +1021,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--modes must be a subset of {','.join(MODES)}")
     if args.versions < 1 or not args.subscribers or min(args.subscribers) < 1:
         ap.error("--versions and --subscribers must be positive")
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    if set(args.conditions) - {"loopback", "netns"} or not args.conditions or args.warmup_batch < 1:
+        ap.error("--conditions must be a subset of loopback,netns and --warmup-batch positive")
+    procs.exit_on_signals()
     t_start = time.perf_counter()
     load_at_start = os.getloadavg()[0]
     revision = library_revision()
-    if set(args.conditions) - {"loopback", "netns"} or not args.conditions or args.warmup_batch < 1:
-        ap.error("--conditions must be a subset of loopback,netns and --warmup-batch positive")
-    conditions: list[dict[str, Any]] = []
-    if "loopback" in args.conditions:
-        conditions.append({"name": "loopback", "rate": None, "skipped": None})
-    netns: NetNS | None = None
-    netns_label = rate_label(args.rate)
-    if "netns" not in args.conditions:
-        pass
-    elif args.no_netns:
-        conditions.append({"name": netns_label, "rate": args.rate, "skipped": "--no-netns"})
-    else:
-        reason = NetNS.unavailable_reason()
-        if reason is None:
-            netns = NetNS(max(args.subscribers) + 1, args.rate)
-            atexit.register(netns.teardown)
-            try:
-                netns.setup()
-            except Exception as exc:  # no CAP_NET_ADMIN in a container, missing tbf, ...
-                netns.teardown()
-                netns, reason = None, f"namespace setup failed: {exc}"
-        conditions.append({"name": netns_label, "rate": args.rate, "skipped": reason})
-        if reason is not None:
-            log(f"{netns_label}: skipped ({reason})")
+    conditions, netns = open_conditions(args)
 
     workdir = Path(tempfile.mkdtemp(prefix="bsync"))  # short: AF_UNIX paths are limited to ~100 bytes
     cases: list[CaseResult] = []
@@ -1059,31 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = Coordinator(args, workdir)
     failed, exit_code = False, 1
     try:
-        for cond in conditions:
-            if cond["skipped"] is not None:
-                continue
-            ns = netns if cond["rate"] else None
-            for n in args.subscribers:
-                for mode in args.modes:
-                    need = estimate_memory(
-                        coordinator.num_elements,
-                        n,
-                        mode,
-                        warmup_batch=args.warmup_batch,
-                        relay_max_bytes=None if args.relay_max_mb is None else args.relay_max_mb * 1e6,
-                    )
-                    available = psutil.virtual_memory().available
-                    if not args.no_memory_check and available is not None and need > available - MEMORY_MARGIN:
-                        reason = (
-                            f"needs about {need / GB:.1f} GB, {available / GB:.1f} GB available and "
-                            f"{MEMORY_MARGIN / GB:.0f} GB kept free (--no-memory-check to run anyway)"
-                        )
-                        skipped_cases.append(
-                            {"condition": cond["name"], "subscribers": n, "mode": mode, "reason": reason}
-                        )
-                        log(f"{cond['name']} subscribers={n} mode={mode}: skipped: {reason}")
-                        continue
-                    cases.append(coordinator.run_case(cond["name"], ns, n, mode))
+        run_cases(coordinator, conditions, netns, cases, skipped_cases)
     except (WorkerFailed, TimeoutError) as exc:
         failed = True
         log(f"benchmark failed: {exc}")
@@ -1101,64 +1053,9 @@ def main(argv: list[str] | None = None) -> int:
 
     elapsed = time.perf_counter() - t_start
     summary = summarize(cases)
-    first = cases[0] if cases else None
-    model = "small" if args.small else "default"
-    if first is not None:
-        print(
-            f"pulseloco PULSESync benchmark: model={model} ({first.num_params / 1e6:.1f}M params, full BF16 copy "
-            f"{first.full_bf16_bytes / 1e6:.1f} MB), AdamW lr={args.lr:g}, {args.versions} versions per case "
-            f"(+1 initial anchor, not counted), load average {os.getloadavg()[0]:.2f} (at start {load_at_start:.2f})"
-        )
-    print(
-        "patches: Publisher defaults (anchor every 10 versions, publisher serves each version at most twice before "
-        "sending subscribers to relays); full: anchor_every=1 + Subscriber(full_checkpoints=True), same transport."
-    )
-    print(
-        "MB/version: what a subscriber fetches per version (patch or checkpoint file); upload_x_obj: publisher upload "
-        "per version / that size; encode_s: publish() -> stored and announced; latency: publish() -> last subscriber "
-        "holds the version (digest checked against the publisher's); recv_MB/sub: bytes a subscriber actually "
-        "received per version; off_path: subscriber updates that fell back to another path (anchor + chain)."
-    )
+    print_header(args, cases, load_at_start)
     for cond in conditions:
-        print()
-        if cond["skipped"] is not None:
-            print(f"{cond['name']}: skipped ({cond['skipped']})")
-            continue
-        mine = [c for c in cases if c.condition == cond["name"]]
-        title = "loopback (127.0.0.1)" if cond["rate"] is None else f"{cond['name']} links (tc tbf, network namespaces)"
-        print(title)
-        print(format_table(mine))
-        if cond["rate"] and any(c.bound_summary() for c in mine):
-            print(
-                f"\nBound (issue 14): minimal relay-tree depth d (publisher serves {PUBLISHER_FANOUT}, every relay "
-                f"{PUBLISHER_FANOUT} more: {PUBLISHER_FANOUT} + {PUBLISHER_FANOUT}^2 + ... + "
-                f"{PUBLISHER_FANOUT}^d >= subscribers) x one transfer of the object at {cond['name']}; ratio = "
-                "publish() -> last subscriber / bound (mean and worst version); after_encode: from the version "
-                "stored and announced; depth_formed: deepest subscriber in the tree of who served whom."
-            )
-            print(format_bound_table(mine))
-        for sk in skipped_cases:
-            if sk["condition"] == cond["name"]:
-                print(f"  {sk['subscribers']} subscriber(s) {sk['mode']}: skipped ({sk['reason']})")
-        for s in summary:
-            if s["condition"] == cond["name"]:
-                print(
-                    f"  {s['subscribers']} subscriber(s): patches reach the last subscriber "
-                    f"{s['latency_speedup']:.1f}x sooner than full checkpoints on average "
-                    f"({s['patches_mean_latency_s']:.2f} s vs {s['full_mean_latency_s']:.2f} s; "
-                    f"{s['max_latency_speedup']:.1f}x on the max), {1 / s['bytes_ratio']:.0f}x fewer bytes per "
-                    f"version, publisher upload {1 / s['upload_ratio']:.0f}x lower"
-                )
-        for c in mine:
-            initial = next((v for v in c.versions if not v.counted), None)
-            if c.warnings:
-                print(f"  {c.subscribers} subscriber(s) {c.mode}: {len(c.warnings)} warning(s) from the library")
-            if initial is not None and c.mode == "patches":
-                print(
-                    f"  {c.subscribers} subscriber(s): initial anchor ({initial.object_bytes / 1e6:.1f} MB) reached "
-                    f"all subscribers, {args.warmup_batch} at a time, {initial.latency_s:.2f} s after publish "
-                    "(not counted)"
-                )
+        print_condition(args, cond, cases, skipped_cases, summary)
     if failed:
         print("\nThe benchmark did not finish; the tables show the cases that completed.")
     print(f"\nTotal time {elapsed:.0f}s")
@@ -1166,45 +1063,10 @@ def main(argv: list[str] | None = None) -> int:
         incomplete = coordinator.current_case
         if not failed or any(c is incomplete for c in cases):
             incomplete = None
-        out = {
-            "config": {
-                "model": model,
-                "model_config": MODEL_CONFIGS[model],
-                "lr": args.lr,
-                "versions": args.versions,
-                "subscribers": args.subscribers,
-                "modes": args.modes,
-                "seed": args.seed,
-                "poll_s": args.poll,
-                "relay_wait_s": args.relay_wait,
-                "relay_max_mb": args.relay_max_mb,
-                "warmup_batch": args.warmup_batch,
-                "fetch_timeout_s": args.fetch_timeout,
-                "batch_size": BATCH_SIZE,
-                "seq_len": SEQ_LEN,
-                "rate": args.rate,
-                "library": revision,
-            },
-            "conditions": conditions,
-            "cases": [
-                {
-                    **{k: v for k, v in asdict(c).items() if k != "versions"},
-                    "all_digests_match": c.all_digests_match,
-                    "summary": c.summary(),
-                    "versions": [asdict(v) for v in c.versions],
-                }
-                for c in cases
-            ],
-            "skipped_cases": skipped_cases,
-            # versions measured before a failure or interruption (not in the tables)
-            "incomplete_case": asdict(incomplete) if incomplete is not None else None,
-            "summary": summary,
-            "completed": not failed,
-            "elapsed_s": elapsed,
-            "load_average": {"start": load_at_start, "end": os.getloadavg()[0]},
-        }
+        results = dict(conditions=conditions, cases=cases, skipped_cases=skipped_cases, summary=summary)
+        results.update(completed=not failed, elapsed_s=elapsed, load_at_start=load_at_start)
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+            json.dump(report_json(args, results, incomplete, revision), f, indent=2)
     return exit_code if failed else 0
 
 

@@ -142,9 +142,10 @@ def stop_all(procs: Iterable[Proc], grace: float = 5.0) -> None:
     """SIGTERM every process group, wait up to ``grace`` seconds for them to exit, then SIGKILL every group (a group
     may hold leftovers after its leader exited) and reap. Never raises; idempotent."""
     procs = list(procs)
-    for proc in procs:
-        proc.signal_group(signal.SIGTERM)
-    wait_exited(procs, grace)
+    signalled = [proc for proc in procs if proc.signal_group(signal.SIGTERM)]
+    if signalled:
+        wait_exited(signalled, grace)
+        time.sleep(min(grace, 0.5))  # what is left of a group whose leader exited handles its SIGTERM too
     for proc in procs:
         proc.signal_group(signal.SIGKILL)
     for proc in procs:
