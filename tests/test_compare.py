@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import compare  # scripts/compare.py (scripts/ is on the tests' path)
 import pytest
+from harness import compare_report, compare_results, compare_runs
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "compare.py"
@@ -27,9 +29,6 @@ TINY_CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 HAS_DEPS = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('transformers', 'trl')))"
 """Exits 0 where the Python can import the project's main dependencies (found, not imported: fast)."""
-
-sys.path.insert(0, str(SCRIPT.parent))
-import compare  # noqa: E402  (scripts/compare.py)
 
 
 def run_compare(argv: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -129,7 +128,7 @@ def test_aggregate_judges_quality_by_diloco_range_over_seeds() -> None:
     runs += [fake_run("pulseloco", j, final, 100.0) for j, final in enumerate((0.33, 0.37, 0.38))]
     runs += [fake_run("sparseloco", j, final, 300.0) for j, final in enumerate((0.19, 0.45, 0.45))]
     runs.append({**fake_run("pulseloco", 3, 0.9, 1.0), "error": "peer1 exited with 1"})  # failed: not counted
-    rows = {r["strategy"]: r for r in compare.aggregate(runs)}
+    rows = {r["strategy"]: r for r in compare_results.aggregate(runs)}
     pulse, diloco, sparse = rows["pulseloco"], rows["diloco"], rows["sparseloco"]
     assert pulse["seeds"] == 3 and pulse["final_mean"] == pytest.approx(0.36)
     assert (pulse["final_min"], pulse["final_max"]) == (0.33, 0.38)
@@ -137,12 +136,12 @@ def test_aggregate_judges_quality_by_diloco_range_over_seeds() -> None:
     assert pulse["vs_diloco"] == pytest.approx(1 / 17) and pulse["vs_ddp"] is None
     assert pulse["improved"] and pulse["within_diloco_range"] and pulse["patch_vs_bf16"] == pytest.approx(0.02)
     assert not sparse["improved"]  # one seed fell below the warm model's 0.2
-    assert "did not learn" in compare.quality_verdict(sparse, diloco)
-    assert "within DiLoCo's range [0.300, 0.400] over 3 seeds" in compare.quality_verdict(pulse, diloco)
-    assert compare.verdict(pulse["vs_diloco"], compare.TARGETS["diloco"]) == "1/17 (met)"
-    assert compare.verdict(0.1, compare.TARGETS["diloco"]) == "1/10 (missed by 1.7x)"
-    one_seed = {r["strategy"]: r for r in compare.aggregate(runs[:1] + runs[3:4])}
-    assert "at least 2 seeds" in compare.quality_verdict(one_seed["pulseloco"], one_seed["diloco"])
+    assert "did not learn" in compare_report.quality_verdict(sparse, diloco)
+    assert "within DiLoCo's range [0.300, 0.400] over 3 seeds" in compare_report.quality_verdict(pulse, diloco)
+    assert compare_report.verdict(pulse["vs_diloco"], compare_report.TARGETS["diloco"]) == "1/17 (met)"
+    assert compare_report.verdict(0.1, compare_report.TARGETS["diloco"]) == "1/10 (missed by 1.7x)"
+    one_seed = {r["strategy"]: r for r in compare_results.aggregate(runs[:1] + runs[3:4])}
+    assert "at least 2 seeds" in compare_report.quality_verdict(one_seed["pulseloco"], one_seed["diloco"])
 
 
 def test_aggregate_reports_wire_and_payload_bytes_per_round_and_per_entry() -> None:
@@ -161,7 +160,7 @@ def test_aggregate_reports_wire_and_payload_bytes_per_round_and_per_entry() -> N
            "bytes_per_entry": {**split, "index_bytes": 1.0 + j, "wire_bytes": 9.0 + j}} for j in range(2)),
         fake_run("sparseloco", 0, 0.3, 300.0),  # from a compare.json written before these fields
     ]  # fmt: skip
-    rows = {r["strategy"]: r for r in compare.aggregate(runs)}
+    rows = {r["strategy"]: r for r in compare_results.aggregate(runs)}
     ddp, diloco, pulse, sparse = rows["ddp"], rows["diloco"], rows["pulseloco"], rows["sparseloco"]
     assert ddp["steps_per_round"] == 8  # the swarm's round: ddp's bytes over 8 of its 16 steps
     assert ddp["wire_bytes_per_round"] == 8000 and ddp["payload_bytes_per_round"] == 16000
@@ -174,7 +173,7 @@ def test_aggregate_reports_wire_and_payload_bytes_per_round_and_per_entry() -> N
     assert entry["index_bytes"] + entry["value_bytes"] + entry["sum_bytes"] + entry["header_bytes"] == 9.5
     assert sparse["payload_vs_diloco"] is None and sparse["bytes_per_entry"] is None
     assert sparse["wire_bytes_per_round"] is None and sparse["vs_diloco"] == pytest.approx(300 / 1600)
-    lines = compare.byte_tables(list(rows.values()))
+    lines = compare_report.byte_tables(list(rows.values()))
     assert "| ddp | 8.0 kB (est.) | 10x | 1x | 16.0 kB (est.) | 39x | 1x |" in lines
     assert "| pulseloco | 10 | 9.50 | 1.50 | 3.00 | 4.50 | 0.500 | 5.00 | 8.00 / 7.00 / 6.00 |" in lines
     assert "| sparseloco | - | 1/5.33 | 1/53.3 | - | - | - |" in lines
@@ -190,7 +189,7 @@ def test_seed_and_learning_rate_plans() -> None:
     for bad in ("1e-6,-1", "nan", "fast"):
         with pytest.raises(ValueError):
             compare.parse_lrs(bad)
-    plans = compare.make_plans(["diloco", "pulseloco"], [1e-6, 1e-5], [1, 2], base_seed=7, reference=True)
+    plans = compare_runs.make_plans(["diloco", "pulseloco"], [1e-6, 1e-5], [1, 2], base_seed=7, reference=True)
     assert [(p.strategy, p.lr, p.seed, p.limited) for p in plans] == [
         ("diloco", 1e-6, 7, False), ("pulseloco", 1e-6, 7, False),
         ("diloco", 1e-6, 7, True), ("pulseloco", 1e-6, 7, True),
