@@ -37,26 +37,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut short by a killed process
-                continue
-    return records
-
-
-def human(num_bytes: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(num_bytes) < 1000 or unit == "GB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1000
-    raise AssertionError("unreachable")
+from harness.report import fmt, human, mean, read_json, read_records
+from harness.report import text_table as table
+from harness.run_outputs import allreduce_bytes, store_summary
 
 
 def ratio(baseline: float, value: float) -> str:
@@ -64,18 +47,6 @@ def ratio(baseline: float, value: float) -> str:
         return "n/a"
     r = baseline / value
     return f"{r:.0f}x less" if r >= 10 else f"{r:.1f}x less"
-
-
-def allreduce_bytes(num_params: int, num_workers: int) -> float:
-    """FP32 bytes one worker sends in a ring all-reduce of ``num_params`` values among ``num_workers``."""
-    return 2 * (num_workers - 1) / num_workers * 4 * num_params
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def phase_bytes(rounds: list[dict[str, Any]], num_params: int, num_workers: int, steps: int) -> dict[str, Any]:
@@ -110,12 +81,6 @@ def split_rows(peers: list[dict[str, Any]]) -> list[list[str]]:
              fmt(t["header_bytes_per_entry"], ".3f")]
         )  # fmt: skip
     return rows
-
-
-def mean(values: list[Any]) -> float | None:
-    """The mean of the values that are not ``None``; ``None`` when there are none."""
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -161,17 +126,10 @@ def gain_lines(peers: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
 def peer_summary(peer_dir: Path, num_workers: int) -> dict[str, Any]:
     """One GRPO trainer's rounds (pulseloco_rounds.jsonl), TRL's logs (trainer_state.json) and its held-out
     greedy reward before and after training (grpo_eval.json)."""
-    rounds = read_events(peer_dir / "pulseloco_rounds.jsonl")
+    rounds = read_records(peer_dir / "pulseloco_rounds.jsonl")
     state = read_json(peer_dir / "trainer_state.json")
     evaluation = read_json(peer_dir / "grpo_eval.json")
     sampled = [e["reward"] for e in state.get("log_history", []) if "reward" in e]
@@ -203,45 +161,53 @@ def peer_summary(peer_dir: Path, num_workers: int) -> dict[str, Any]:
     }
 
 
-def store_summary(store: Path) -> dict[str, Any]:
-    """Sizes of the publisher's version store (payload plus signed envelope per object), by version."""
-    sizes: dict[str, dict[int, int]] = {"anchor": {}, "patch": {}}
-    if store.is_dir():
-        for env in sorted(store.glob("v*.*.env")):
-            payload = env.with_suffix("")
-            kind = payload.suffix.lstrip(".")
-            if kind in sizes and payload.exists():
-                version = int(payload.stem.lstrip("v"))
-                sizes[kind][version] = payload.stat().st_size + env.stat().st_size
-    return {"anchors": sizes["anchor"], "patches": sizes["patch"]}
-
-
-def fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, Any], bool]:
+    """The report's text, its numbers (``--json``) and whether the run was whole: every peer finished, a version was
+    published, and every digest matched. Missing or cut-short files read as empty (never raises for them)."""
     peer_dirs = sorted(p for p in run_dir.glob("peer*") if p.is_dir())
-    worker_events = read_events(run_dir / "worker" / "rollouts.jsonl")
+    rollouts = read_records(run_dir / "worker" / "rollouts.jsonl")
     num_workers = len(peer_dirs)
     peers = [peer_summary(p, num_workers) for p in peer_dirs]
-    ok = bool(peers) and all(p["finished"] for p in peers)
-    out: list[str] = []
     num_params = max((p["num_params"] for p in peers), default=0)
     h = next((p["inner_steps"] for p in peers if p["inner_steps"]), None)
     took = f", {seconds:.0f} s" if seconds is not None else ""
-    out.append(
+    out = [
         f"PULSELoCo GRPO demo (TRL GRPOTrainer): {num_workers} trainer peers + 1 rollout worker on 127.0.0.1, "
-        f"{num_params / 1e6:.2f}M parameters, H={h}{took}"
-    )
-    out.append("")
+        f"{num_params / 1e6:.2f}M parameters, H={h}{took}",
+        "",
+        *peer_tables(peers, num_workers),
+    ]
+    publisher = next((p for p in peer_dirs if (p / "pulsesync_versions.jsonl").exists()), None)
+    published: dict[int, str] = {}
+    sync: dict[str, Any] = {}
+    if publisher is None:
+        out.append("\nPULSESync: no peer published a version")
+    else:
+        published = {e["version"]: e["digest"] for e in read_records(publisher / "pulsesync_versions.jsonl")}
+        sync = sync_summary(publisher, published, num_params, rollouts)
+        out.extend(sync_lines(sync, rollouts))
+    digests = digest_summary(peers, published, rollouts)
+    out.extend(digest_lines(digests, rollouts, max(published, default=None)))
+    out.extend(serving_lines(rollouts))
+    loop = rollout_loop(peer_dirs)
+    if loop["peers"]:
+        out.append("")
+        out.extend(loop["lines"])
+    finished = bool(peers) and all(p["finished"] for p in peers)
+    ok = finished and publisher is not None and digests["theta_ok"] and digests["worker_ok"]
+    data = {"peers": peers, "sync": sync, "digests": digests, "rollouts": loop["peers"], "seconds": seconds, "ok": ok}
+    return "\n".join(out), data, ok
+
+
+def peer_tables(peers: list[dict[str, Any]], num_workers: int) -> list[str]:
+    """The per-peer tables: rewards (and what RL gained), bytes against DiLoCo and DDP, bytes per selected entry."""
     rows = [
         [p["name"] + ("" if p["finished"] else " (unfinished)"), str(p["steps"]), str(p["rounds"]),
          f"{fmt(p['sampled_reward_first'])} -> {fmt(p['sampled_reward_last'])}",
          f"{fmt(p['greedy_reward_before'])} -> {fmt(p['greedy_reward_after'])}"]
         for p in peers
     ]  # fmt: skip
-    out.append(table(["peer", "steps", "rounds", "sampled reward (first -> last log)", "greedy reward"], rows))
+    out = [table(["peer", "steps", "rounds", "sampled reward (first -> last log)", "greedy reward"], rows)]
     out.append(
         "(greedy reward: the evaluation problems of pulseloco/recipes/tasks.py before and after GRPO, the consensus "
         "model; every problem where the task has no more than --num_eval_prompts)"
@@ -281,68 +247,76 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
             "log2 C(params, k) / k of k uniformly random indices; sums: per entry of the union of the group's "
             "indices served)"
         )
+    return out
 
-    # PULSESync
-    publisher = next((p for p in peer_dirs if (p / "pulsesync_versions.jsonl").exists()), None)
-    published: dict[int, str] = {}
-    sync: dict[str, Any] = {}
-    if publisher is None:
-        out.append("\nPULSESync: no peer published a version")
-        ok = False
-    else:
-        published = {e["version"]: e["digest"] for e in read_events(publisher / "pulsesync_versions.jsonl")}
-        store = store_summary(publisher / "versions")
-        full = max(store["anchors"].values(), default=2 * num_params)
-        patches = store["patches"]
-        rollouts = worker_events
+
+def sync_summary(
+    publisher: Path, published: dict[int, str], num_params: int, rollouts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """PULSESync's numbers: the versions ``publisher`` published, its store's anchors and patches (bytes by
+    version), a full BF16 checkpoint's size (the largest anchor, else ``2 * num_params``), and what the rollout
+    worker held and received."""
+    store = store_summary(publisher / "versions")
+    full = max(store["anchors"].values(), default=2 * num_params)
+    received = sum(r["bytes_received"] for r in rollouts)
+    return {"publisher": publisher.name, "versions": sorted(published), "full_checkpoint_bytes": full, **store,
+            "worker_versions": [r["version"] for r in rollouts], "worker_bytes_received": received}  # fmt: skip
+
+
+def sync_lines(sync: dict[str, Any], rollouts: list[dict[str, Any]]) -> list[str]:
+    """The PULSESync lines: what was published and stored, a mean patch and the rollout worker's bytes against
+    full BF16 checkpoints."""
+    full, patches = sync["full_checkpoint_bytes"], sync["patches"]
+    out = [
+        f"\nPULSESync: {sync['publisher']} published {len(sync['versions'])} versions; its store holds "
+        f"{len(sync['anchors'])} anchors and {len(patches)} patches (retention may have pruned older ones)"
+    ]
+    rows = []
+    if patches:
+        mean_patch = sum(patches.values()) / len(patches)
+        rows.append(["one version (mean patch)", human(mean_patch), human(full), ratio(full, mean_patch)])
+    if rollouts:
+        full_total, received = full * len(rollouts), sync["worker_bytes_received"]
         paths = sorted({r["path"] for r in rollouts})
-        received = sum(r["bytes_received"] for r in rollouts)
-        sync = {"publisher": publisher.name, "versions": sorted(published), "full_checkpoint_bytes": full, **store,
-                "worker_versions": [r["version"] for r in rollouts], "worker_bytes_received": received}  # fmt: skip
-        out.append(
-            f"\nPULSESync: {publisher.name} published {len(published)} versions; its store holds "
-            f"{len(store['anchors'])} anchors and {len(patches)} patches (retention may have pruned older ones)"
-        )
-        sync_rows = []
-        if patches:
-            mean_patch = sum(patches.values()) / len(patches)
-            sync_rows.append(["one version (mean patch)", human(mean_patch), human(full), ratio(full, mean_patch)])
-        if rollouts:
-            full_total = full * len(rollouts)
-            sync_rows.append(
-                [f"rollout worker, {len(rollouts)} versions ({'/'.join(paths)})", human(received), human(full_total),
-                 ratio(full_total, received)]
-            )  # fmt: skip
-        if sync_rows:
-            out.append(table(["", "PULSESync", "full BF16 checkpoints", "ratio"], sync_rows))
+        rows.append(
+            [f"rollout worker, {len(rollouts)} versions ({'/'.join(paths)})", human(received), human(full_total),
+             ratio(full_total, received)]
+        )  # fmt: skip
+    if rows:
+        out.append(table(["", "PULSESync", "full BF16 checkpoints", "ratio"], rows))
+    return out
 
-    # digests
-    digests: dict[str, Any] = {}
+
+def digest_summary(
+    peers: list[dict[str, Any]], published: dict[int, str], rollouts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Whether every round's ``theta_digest`` is equal across the peers, and every version the rollout worker held
+    equal to the digest the publisher announced (the last one included)."""
     theta = [p["theta_digests"] for p in peers]
     num_rounds = min((len(t) for t in theta), default=0)
     rounds_match = sum(len({t[i] for t in theta}) == 1 for i in range(num_rounds))
-    theta_ok = num_rounds > 0 and rounds_match == num_rounds and len({len(t) for t in theta}) == 1
-    rollouts = worker_events
     versions_match = sum(published.get(r["version"]) == r["digest"] for r in rollouts)
     last_version = max(published, default=None)
-    worker_ok = bool(rollouts) and versions_match == len(rollouts) and rollouts[-1]["version"] == last_version
-    digests = {
+    return {
         "theta_rounds_matching": rounds_match,
         "theta_rounds": num_rounds,
-        "theta_ok": theta_ok,
+        "theta_ok": num_rounds > 0 and rounds_match == num_rounds and len({len(t) for t in theta}) == 1,
         "worker_versions_matching": versions_match,
         "worker_versions": len(rollouts),
-        "worker_ok": worker_ok,
+        "worker_ok": bool(rollouts) and versions_match == len(rollouts) and rollouts[-1]["version"] == last_version,
     }
-    out.append(
-        f"\ndigests: peers' theta after each round: {rounds_match}/{num_rounds} rounds equal -> "
-        f"{'MATCH' if theta_ok else 'MISMATCH'}"
-    )
+
+
+def digest_lines(digests: dict[str, Any], rollouts: list[dict[str, Any]], last_version: int | None) -> list[str]:
+    """The digest verdicts, and the rollout worker's greedy reward at its first and last scored version."""
+    d = digests
     held = f", last v{rollouts[-1]['version']} of v{last_version}" if rollouts else ""
-    out.append(
-        f"digests: rollout worker vs publisher: {versions_match}/{len(rollouts)} versions equal{held} -> "
-        f"{'MATCH' if worker_ok else 'MISMATCH'}"
-    )
+    out = [
+        f"\ndigests: peers' theta after each round: {d['theta_rounds_matching']}/{d['theta_rounds']} rounds equal -> "
+        f"{'MATCH' if d['theta_ok'] else 'MISMATCH'}",
+        f"digests: rollout worker vs publisher: {d['worker_versions_matching']}/{len(rollouts)} versions "
+        f"equal{held} -> {'MATCH' if d['worker_ok'] else 'MISMATCH'}",
+    ]
     scored = [r for r in rollouts if r.get("reward") is not None]
     if scored:
         first, last = scored[0], scored[-1]
@@ -350,14 +324,7 @@ def build_report(run_dir: Path, seconds: float | None) -> tuple[str, dict[str, A
             f"rollout worker greedy reward: v{first['version']} {first['reward']:.3f} -> "
             f"v{last['version']} {last['reward']:.3f}"
         )
-    out.extend(serving_lines(rollouts))
-    loop = rollout_loop(peer_dirs)
-    if loop["peers"]:
-        out.append("")
-        out.extend(loop["lines"])
-    ok = ok and theta_ok and worker_ok
-    data = {"peers": peers, "sync": sync, "digests": digests, "rollouts": loop["peers"], "seconds": seconds, "ok": ok}
-    return "\n".join(out), data, ok
+    return out
 
 
 def rollout_loop(peer_dirs: list[Path]) -> dict[str, Any]:
@@ -367,7 +334,7 @@ def rollout_loop(peer_dirs: list[Path]) -> dict[str, Any]:
     lines: list[str] = []
     rows = []
     for peer_dir in peer_dirs:
-        rounds = [r for r in read_events(peer_dir / "rollouts.jsonl") if r.get("mode") == "train"]
+        rounds = [r for r in read_records(peer_dir / "rollouts.jsonl") if r.get("mode") == "train"]
         if not rounds:
             continue
         by_worker: dict[str, int] = {}

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
+import demo_report  # scripts/demo_report.py (scripts/ is on the tests' path)
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-import demo_report  # noqa: E402
-
-from pulseloco.recipes import tasks  # noqa: E402
+from pulseloco.recipes import tasks
 
 
 def test_small_task_is_scored_on_every_problem_once() -> None:
