@@ -18,43 +18,36 @@ would mismatch at a few margins, the largest mean and per-token log-probability 
 against a GRPO step on the same batch (a forward and backward pass of the trainer's model over it, as TRL's loss
 does, plus TRL's own no-gradient forward for the old log-probabilities when importance sampling is on).
 
-Output: a table on stdout and ``results/bench-verify/bench_verify.json`` / ``.md`` (``--out``).
+Output: a table on stdout and ``results/bench-verify/bench_verify.json`` / ``.md`` (``--out``). Bad flags exit 2
+with argparse's one line; a warm model that cannot be built raises RuntimeError; the engines' errors pass through.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from harness import REPO
+from harness.machine import torch_note
+from harness.models import warm_model_dir
+from harness.report import md_table
 
-REPO = Path(__file__).resolve().parents[1]
-
-from pulseloco.integrations.verify import RolloutVerifier  # noqa: E402
-from pulseloco.recipes import tasks  # noqa: E402
-from pulseloco.rollouts.client import GroupResult  # noqa: E402
+from pulseloco.integrations.verify import RolloutVerifier
+from pulseloco.recipes import tasks
+from pulseloco.rollouts.client import GroupResult
 
 ENGINES = ("transformers", "vllm-bf16", "vllm-fp32")
 MARGINS = (0.0, 0.01, 0.1, 1.0)
 
 
-def demo_model() -> str:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "warm_model.py"), "--size", "demo"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip().splitlines()[-1].removeprefix("warm model: ")
-
-
 def make_engine(name: str, model: str, device: str) -> Any:
+    """A rollout engine of ``ENGINES`` on ``model`` (transformers in BF16 on ``device``; vLLM in BF16 or FP32).
+    Raises ImportError where the engine's library is missing."""
     if name == "transformers":
         from pulseloco.integrations.rollout import TransformersEngine
 
@@ -107,18 +100,21 @@ def step_seconds(model: Any, prompts: list[list[int]], results: list[GroupResult
 
 
 def synchronize(device: torch.device | str) -> None:
+    """Wait for the GPU's queued work on a CUDA ``device`` (nothing on a CPU), so that timings are whole."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def quantile(values: list[float], q: float) -> float:
+    """The value at index ``int(q * n)`` of the sorted ``values`` (the last one at most); 0.0 for none."""
     if not values:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags; exits 2 with one line for unknown engines, counts below one or a device torch cannot use."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model_name_or_path", default=None, help="a Hugging Face model directory (default: demo)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
@@ -131,90 +127,111 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-device", default=None, help="the trainer's replay device (default: --device)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench-verify")
     args = ap.parse_args(argv)
-    engines = [e for e in args.engines.split(",") if e]
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown or not engines or args.prompts < 1 or args.samples < 1 or args.max_new_tokens < 1:
+    args.engines = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown or not args.engines or args.prompts < 1 or args.samples < 1 or args.max_new_tokens < 1:
         ap.error(f"--engines must name some of {', '.join(ENGINES)}; counts must be positive (got {unknown or ''})")
-    trainer_device = args.trainer_device or args.device
-    for flag, device in (("--device", args.device), ("--trainer-device", trainer_device)):
+    args.trainer_device = args.trainer_device or args.device
+    for flag, device in (("--device", args.device), ("--trainer-device", args.trainer_device)):
         if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
             ap.error(f"{flag} {device}: only cpu, or cuda where torch sees a CUDA GPU")
-    torch.manual_seed(0)
-    model_dir = args.model_name_or_path or demo_model()
-    from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+    return args
 
-    tokenizer = load_tokenizer(model_dir)
-    trainer = load_causal_lm(model_dir, dtype=torch.float32, device=trainer_device)  # FP32 holding the BF16 values
+
+def load_trainer(model_dir: str, device: str) -> Any:
+    """The trainer's model: FP32 holding the BF16-rounded values a worker serves."""
+    from pulseloco.integrations.models import load_causal_lm
+
+    trainer = load_causal_lm(model_dir, dtype=torch.float32, device=device)
     with torch.no_grad():
         for p in trainer.parameters():
             p.copy_(p.to(torch.bfloat16).float())
+    return trainer
+
+
+def measure(
+    name: str, model_dir: str, trainer: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One engine's row: its samples replayed by the trainer's check with margin 0 (every gap recorded), the gaps'
+    statistics, the log-probability errors, and the check's seconds against a GRPO step's."""
+    engine = make_engine(name, model_dir, args.device)
+    try:
+        results = sample(engine, prompts, args.samples, args)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+    verifier = RolloutVerifier(record_gaps=True)
+    synchronize(args.trainer_device)
+    started = time.perf_counter()
+    leases = verifier.check(
+        trainer,
+        prompts,
+        results,
+        [0] * len(results),
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        stop_ids=set(),
+    )
+    check_s = time.perf_counter() - started
+    gaps = verifier.gaps or []
+    step_s = step_seconds(trainer, prompts, results)
+    lease = next(iter(leases.values()))
+    off = [g for g in gaps if g > 0]
+    return {
+        "engine": name,
+        "positions": len(gaps),
+        "differ": len(off),
+        "differ_rate": len(off) / max(len(gaps), 1),
+        "max_gap": max(off, default=0.0),
+        "p99_gap": quantile(off, 0.99),
+        "mismatch_rate_at": {str(m): sum(g > m for g in gaps) / max(len(gaps), 1) for m in MARGINS},
+        "mean_logprob_error": lease.logprob_error,
+        "max_logprob_error": lease.max_logprob_error,
+        "check_seconds": check_s,
+        "step_seconds": step_s,
+        "check_over_step": check_s / step_s,
+    }
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The engines' rows as the markdown table printed and written to ``bench_verify.md``."""
+    header = ["engine", "positions", "differ from replay", "largest gap", "mismatch at margin 0.1 / 1.0",
+              "logprob error mean / max", "check s", "step s", "check / step"]  # fmt: skip
+    cells = [
+        [r["engine"], str(r["positions"]), f"{r['differ']} ({r['differ_rate']:.2%})", f"{r['max_gap']:.4f}",
+         f"{r['mismatch_rate_at']['0.1']:.2%} / {r['mismatch_rate_at']['1.0']:.2%}",
+         f"{r['mean_logprob_error']:.4f} / {r['max_logprob_error']:.4f}", f"{r['check_seconds']:.3f}",
+         f"{r['step_seconds']:.3f}", f"{r['check_over_step']:.1%}"]
+        for r in rows
+    ]  # fmt: skip
+    return md_table(header, cells)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure every engine of ``--engines``, print each row as JSON and then the table, and write both files."""
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    model_dir = args.model_name_or_path or str(warm_model_dir("demo"))
+    from pulseloco.integrations.models import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    trainer = load_trainer(model_dir, args.trainer_device)
     spec = tasks.spec_for_model(model_dir, None, None)
     problems = tasks.make_problems(spec, args.prompts, seed=args.seed)
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in problems]
     rows = []
-    for name in engines:
-        engine = make_engine(name, model_dir, args.device)
-        try:
-            results = sample(engine, prompts, args.samples, args)
-        finally:
-            if hasattr(engine, "close"):
-                engine.close()
-        verifier = RolloutVerifier(record_gaps=True)
-        synchronize(trainer_device)
-        started = time.perf_counter()
-        leases = verifier.check(
-            trainer,
-            prompts,
-            results,
-            [0] * len(results),
-            temperature=args.temperature,
-            max_new_tokens=args.max_new_tokens,
-            stop_ids=set(),
-        )
-        check_s = time.perf_counter() - started
-        gaps = verifier.gaps or []
-        step_s = step_seconds(trainer, prompts, results)
-        lease = next(iter(leases.values()))
-        off = [g for g in gaps if g > 0]
-        rows.append(
-            {
-                "engine": name,
-                "positions": len(gaps),
-                "differ": len(off),
-                "differ_rate": len(off) / max(len(gaps), 1),
-                "max_gap": max(off, default=0.0),
-                "p99_gap": quantile(off, 0.99),
-                "mismatch_rate_at": {str(m): sum(g > m for g in gaps) / max(len(gaps), 1) for m in MARGINS},
-                "mean_logprob_error": lease.logprob_error,
-                "max_logprob_error": lease.max_logprob_error,
-                "check_seconds": check_s,
-                "step_seconds": step_s,
-                "check_over_step": check_s / step_s,
-            }
-        )
+    for name in args.engines:
+        rows.append(measure(name, model_dir, trainer, prompts, args))
         print(json.dumps(rows[-1]), flush=True)
-    header = (
-        "| engine | positions | differ from replay | largest gap | mismatch at margin 0.1 / 1.0 | "
-        "logprob error mean / max | check s | step s | check / step |"
-    )
-    lines = [header, "|" + "---|" * 9]
-    for r in rows:
-        at = r["mismatch_rate_at"]
-        lines.append(
-            f"| {r['engine']} | {r['positions']} | {r['differ']} ({r['differ_rate']:.2%}) | {r['max_gap']:.4f} | "
-            f"{at['0.1']:.2%} / {at['1.0']:.2%} | {r['mean_logprob_error']:.4f} / {r['max_logprob_error']:.4f} | "
-            f"{r['check_seconds']:.3f} | {r['step_seconds']:.3f} | {r['check_over_step']:.1%} |"
-        )
-    table = "\n".join(lines)
+    table = markdown_table(rows)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "model": model_dir,
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch "
-        f"{torch.__version__}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""),
+        "machine": torch_note(),
         "device": args.device,
-        "trainer_device": trainer_device,
+        "trainer_device": args.trainer_device,
         "prompts": args.prompts,
         "samples": args.samples,
         "max_new_tokens": args.max_new_tokens,

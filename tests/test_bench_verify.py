@@ -4,15 +4,11 @@ refused with a one-line error (the vLLM rows need vLLM's engine; tests/test_vllm
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import bench_verify as bv  # scripts/bench_verify.py (scripts/ is on the tests' path)
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import bench_verify as bv
 
 
 def test_a_small_run_measures_the_honest_margin(tiny_warm_model: Path, tmp_path: Path) -> None:
