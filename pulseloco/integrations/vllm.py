@@ -10,11 +10,13 @@ Two halves, one in each process:
   :meth:`VLLMEngine.weights_updated` sends the elements that changed (flat indices and their new BF16 values) to
   the engine through vLLM's weight-transfer API (``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update``) and tags the engine with the version (``weight_version``).
-- :class:`PulseSyncWeightTransferEngine` (inside vLLM's worker processes) is the ``pulsesync`` weight-transfer
-  backend, registered with vLLM's ``WeightTransferEngineFactory`` by the ``vllm.general_plugins`` entry point
-  :func:`register` (vLLM loads it in every process it starts). It loads the received elements with
-  ``load_checkpoint_weight_patches``, which goes through the model's own ``load_weights``: checkpoint names are
-  mapped to vLLM's fused and tensor-parallel parameters there (``qkv_proj``, ``gate_up_proj``, tied embeddings).
+- :class:`~pulseloco.integrations.vllm_backend.PulseSyncWeightTransferEngine` (inside vLLM's worker processes,
+  :mod:`pulseloco.integrations.vllm_backend`) is the ``pulsesync`` weight-transfer backend, registered with vLLM's
+  ``WeightTransferEngineFactory`` by the ``vllm.general_plugins`` entry point :func:`register` (vLLM loads it in
+  every process it starts; defined there, importable from here for the entry point). It loads the received
+  elements with ``load_checkpoint_weight_patches``, which goes through the model's own ``load_weights``:
+  checkpoint names are mapped to vLLM's fused and tensor-parallel parameters there (``qkv_proj``,
+  ``gate_up_proj``, tied embeddings).
 
 A version is all or nothing for generation: updates and ``generate`` / ``generate_ids`` run under one lock, so a
 generation runs on one version from start to end, and every completion of ``generate_versioned`` carries the
@@ -25,7 +27,8 @@ too, :class:`EngineStateError` is raised and :meth:`VLLMEngine.generate` and :me
 to run until a later update loads completely.
 
 :meth:`VLLMEngine.generate_ids` samples in token ids by the replayable rule of :mod:`pulseloco.rollouts.sampling`
-(:class:`GumbelSampler`, a vLLM logits processor, with greedy decoding taking its choice) and returns each sampled
+(:class:`~pulseloco.integrations.vllm_sampler.GumbelSampler`, a vLLM logits processor in
+:mod:`pulseloco.integrations.vllm_sampler`, with greedy decoding taking its choice) and returns each sampled
 token's log-probability under ``softmax(logits / temperature)``: vLLM runs with ``logprobs_mode="processed_logits"``,
 which reports the processor's output, where the chosen token holds exactly that value.
 
@@ -36,7 +39,6 @@ quantized engine repacks its weights after loading, which elementwise updates do
 from __future__ import annotations
 
 import logging
-import math
 import random
 import threading
 import time
@@ -49,34 +51,17 @@ import torch
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.models import load_causal_lm, load_tokenizer
 from pulseloco.integrations.rollout import Completion, check_generate_ids
-from pulseloco.rollouts.sampling import choose
+from pulseloco.integrations.vllm_backend import BACKEND, needs_layerwise, register
+from pulseloco.integrations.vllm_sampler import LOGPROBS_MODE, SAMPLER_ARGS, GumbelSampler
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BACKEND",
-    "SAMPLER_ARGS",
-    "EngineStateError",
-    "GumbelSampler",
-    "PulseSyncWeightTransferEngine",
-    "VLLMEngine",
-    "register",
-]
-
-BACKEND = "pulsesync"
-"""The name of the weight-transfer backend (``WeightTransferConfig(backend=BACKEND)``)."""
+# ``register`` is defined in vllm_backend and listed here because pyproject.toml's vllm.general_plugins entry point
+# names it as ``pulseloco.integrations.vllm:register``.
+__all__ = ["EngineStateError", "VLLMEngine", "register"]
 
 #: KV cache of the CPU build unless given: enough for rollouts of small models beside the trainers on one machine.
 CPU_KV_CACHE_BYTES = 1 << 30
-
-#: vLLM's ``logprobs_mode`` here: the logits after the logits processors. :class:`GumbelSampler` leaves one finite
-#: value per row, the chosen token's log-probability under ``softmax(logits / temperature)`` (what the sample was
-#: drawn from), which the trainer's importance-sampling correction compares with its own.
-LOGPROBS_MODE = "processed_logits"
-
-#: The key of ``SamplingParams.extra_args`` that turns :class:`GumbelSampler` on for a request: a dict with the
-#: lease's ``seed``, the request's ``sequence`` index and the ``temperature``.
-SAMPLER_ARGS = "pulseloco_sampler"
 
 #: Bytes of values per ``update_weights`` call when whole tensors are sent (an anchor, a recovery, the baseline).
 DENSE_CHUNK_BYTES = 256 << 20
@@ -84,15 +69,6 @@ DENSE_CHUNK_BYTES = 256 << 20
 
 class EngineStateError(RuntimeError):
     """vLLM's weights could not be brought to the verified version; the engine must not serve until they are."""
-
-
-def register() -> None:
-    """Register the ``pulsesync`` backend with vLLM (the ``vllm.general_plugins`` entry point; idempotent, since
-    vLLM calls it once in every process it starts)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "PulseSyncWeightTransferEngine")
 
 
 def _import_vllm() -> Any:
@@ -106,165 +82,9 @@ def _import_vllm() -> Any:
     return vllm
 
 
-# ---- inside vLLM's worker processes ----------------------------------------------------------------------
-
-
-_WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-@dataclass
-class PulseSyncUpdateInfo:
-    """One ``update_weights`` chunk: elements of checkpoint tensors and their new values.
-
-    vLLM's control channel (msgpack) carries untyped tensors only as bytes, so ``values[i]`` holds the raw
-    little-endian values of ``dtypes[i]`` and ``indices[i]`` the flat indices as int64 bytes, or None when
-    ``values[i]`` is the whole tensor. :meth:`tensors` validates sizes, dtypes and index ranges.
-    """
-
-    names: list[str]
-    shapes: list[list[int]]
-    dtypes: list[str]
-    indices: list[bytes | None]
-    values: list[bytes]
-    layerwise: bool = False
-
-    def __post_init__(self) -> None:
-        n = len(self.names)
-        if not (len(self.shapes) == len(self.dtypes) == len(self.indices) == len(self.values) == n):
-            raise ValueError(
-                f"update info lists differ in length: {n} names, {len(self.shapes)} shapes, {len(self.dtypes)} "
-                f"dtypes, {len(self.indices)} index buffers, {len(self.values)} value buffers"
-            )
-
-    def tensors(self) -> list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]]:
-        """``(name, shape, indices or None, values)`` per entry; raises ValueError on anything inconsistent."""
-        out: list[tuple[str, tuple[int, ...], torch.Tensor | None, torch.Tensor]] = []
-        for name, shape, dtype_name, idx, val in zip(self.names, self.shapes, self.dtypes, self.indices, self.values):
-            dtype = _WIRE_DTYPES.get(dtype_name)
-            if dtype is None:
-                raise ValueError(f"{name}: dtype {dtype_name!r} is not one of {sorted(_WIRE_DTYPES)}")
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            numel = math.prod(shape)
-            if len(val) % itemsize:
-                raise ValueError(f"{name}: {len(val)} value bytes is not a whole number of {dtype_name}")
-            values = torch.frombuffer(bytearray(val), dtype=dtype) if val else torch.empty(0, dtype=dtype)
-            if idx is None:
-                if values.numel() != numel:
-                    raise ValueError(f"{name}: {values.numel()} dense values for shape {tuple(shape)}")
-                out.append((name, tuple(shape), None, values))
-                continue
-            if len(idx) != 8 * values.numel():
-                raise ValueError(f"{name}: {len(idx) // 8} indices for {values.numel()} values")
-            indices = torch.frombuffer(bytearray(idx), dtype=torch.int64) if idx else torch.empty(0, dtype=torch.int64)
-            out.append((name, tuple(shape), indices, values))
-        return out
-
-
-def needs_layerwise(model_config: Any) -> bool:
-    """Whether vLLM repacks this model's weights after loading, so that elements cannot be written in place:
-    always on the CPU build (oneDNN/SGL GEMM layouts), and for quantized models."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu() or getattr(model_config, "quantization", None))
-
-
 def _to_bytes(tensor: torch.Tensor) -> bytes:
     """Raw little-endian bytes of a CPU tensor."""
     return tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
-def _worker_engine_base() -> type:
-    from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo
-
-    @dataclass
-    class PulseSyncInitInfo(WeightTransferInitInfo):
-        """Nothing to set up: updates arrive through ``update_weights`` itself."""
-
-    class Base(WeightTransferEngine[PulseSyncInitInfo, PulseSyncUpdateInfo]):
-        init_info_cls = PulseSyncInitInfo
-        update_info_cls = PulseSyncUpdateInfo
-        supports_draft_weight_update = False
-
-    return Base
-
-
-try:  # the worker-side class exists only where vLLM is installed (this module imports without it)
-    _WorkerEngineBase: type = _worker_engine_base()
-except ImportError:  # pragma: no cover - depends on the environment
-    _WorkerEngineBase = object
-
-
-class PulseSyncWeightTransferEngine(_WorkerEngineBase):
-    """vLLM's side of the ``pulsesync`` backend: loads checkpoint tensors, or elements of them, through the
-    model's ``load_weights``.
-
-    Two ways, chosen by the sender per update (``update_info.layerwise``, see :func:`needs_layerwise`):
-
-    - in place (the engine computes with its parameters as loaded: unquantized weights on a GPU): sparse
-      elements go through ``load_checkpoint_weight_patches``' NaN-masked copy, so only they are written; whole
-      tensors through the same function's dense path. Shapes, index ranges and duplicates are validated first.
-    - layerwise (the engine repacked its weights after loading: the CPU build's oneDNN/SGL layouts, quantized
-      engines): whole tensors only, through vLLM's layerwise reload, which rebuilds each layer's processed
-      weights once all of its checkpoint tensors arrived; layers that receive nothing keep theirs.
-
-    Errors propagate to the caller (:class:`VLLMEngine`), which reloads every tensor.
-    """
-
-    _reloading = False
-
-    def init_transfer_engine(self, init_info: Any) -> None:
-        """Nothing to connect: updates carry their tensors."""
-
-    def start_weight_update(self) -> None:
-        """Nothing yet: the first chunk says whether this update reloads layerwise."""
-        self._reloading = False
-
-    def finish_weight_update(self) -> None:
-        """Finish a layerwise reload (processes what was loaded, puts back the layers that received nothing)."""
-        if self._reloading:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            self._reloading = False
-            # every layer this update did not touch says "Failed to load weights": expected here, not a failure
-            reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-            level = reload_logger.level
-            reload_logger.setLevel(logging.ERROR)
-            try:
-                finalize_layerwise_reload(self.model, self.model_config)
-            finally:
-                reload_logger.setLevel(level)
-
-    def receive_weights(self, update_info: PulseSyncUpdateInfo) -> None:
-        from vllm.model_executor.model_loader.checkpoint_weight_patch import (
-            CheckpointWeightPatch,
-            load_checkpoint_weight_patches,
-        )
-
-        entries = update_info.tensors()
-        if update_info.layerwise:
-            if any(idx is not None for _, _, idx, _ in entries):
-                raise ValueError("a layerwise reload takes whole tensors, not elements")
-            if not self._reloading:
-                from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-                initialize_layerwise_reload(self.model)
-                self._reloading = True
-            self.model.load_weights([(name, val.view(shape)) for name, shape, _, val in entries])
-            return
-        dense: list[Any] = []
-        sparse: list[Any] = []
-        for name, shape, idx, val in entries:
-            patch = CheckpointWeightPatch(name=name, shape=shape, dtype=val.dtype, values=val, indices=idx)
-            (dense if idx is None else sparse).append(patch)
-        for patches in (dense, sparse):
-            if patches:
-                load_checkpoint_weight_patches(self.model, patches)
-
-    def shutdown(self) -> None:
-        """Nothing held."""
-
-
-# ---- the rollout worker's process ------------------------------------------------------------------------
 
 
 def _modules_of(changed: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor]) -> list[str]:
@@ -272,79 +92,6 @@ def _modules_of(changed: Mapping[str, torch.Tensor], weights: Mapping[str, torch
     as ``q_proj``/``k_proj``/``v_proj`` into one layer, which a layerwise reload rebuilds only when all arrive)."""
     parents = {name.rpartition(".")[0].rpartition(".")[0] for name, idx in changed.items() if idx.numel()}
     return [name for name in weights if name.rpartition(".")[0].rpartition(".")[0] in parents]
-
-
-def _sampler_base() -> type:
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    return LogitsProcessor
-
-
-try:  # exists only where vLLM is installed (this module imports without it)
-    _SamplerBase: type = _sampler_base()
-except ImportError:  # pragma: no cover - depends on the environment
-    _SamplerBase = object
-
-
-class GumbelSampler(_SamplerBase):
-    """The replayable sampling rule (:func:`pulseloco.rollouts.sampling.choose`) as a vLLM logits processor.
-
-    It acts on the requests whose ``SamplingParams.extra_args`` hold :data:`SAMPLER_ARGS` (seed, sequence index,
-    temperature) and that vLLM decodes greedily (``temperature=0``): each of their rows becomes ``-inf`` except at
-    the chosen token, which holds its log-probability, so vLLM's greedy step takes the choice and reports that
-    value (``logprobs_mode=processed_logits``). The position is the length of the request's output so far (vLLM
-    passes a live reference to it). Other requests pass through untouched.
-    """
-
-    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.device = device
-        self.requests: dict[int, tuple[int, int, float, list[int]]] = {}
-
-    @classmethod
-    def validate_params(cls, sampling_params: Any) -> None:
-        """Refuse malformed sampler arguments (a ``ValueError`` vLLM turns into its validation error)."""
-        args = (sampling_params.extra_args or {}).get(SAMPLER_ARGS)
-        if args is None:
-            return
-        seed, sequence, temperature = args.get("seed"), args.get("sequence"), args.get("temperature")
-        if not (isinstance(seed, int) and 0 <= seed < 2**63 and isinstance(sequence, int) and sequence >= 0):
-            raise ValueError(f"{SAMPLER_ARGS} needs an integer seed in [0, 2**63) and a sequence index >= 0")
-        if not (isinstance(temperature, int | float) and temperature > 0):
-            raise ValueError(f"{SAMPLER_ARGS} needs a positive temperature, got {temperature!r}")
-        if sampling_params.temperature != 0:
-            raise ValueError(f"{SAMPLER_ARGS} samples itself: the request must be greedy (temperature 0)")
-
-    def is_argmax_invariant(self) -> bool:
-        return False
-
-    def update_state(self, batch_update: Any) -> None:
-        from vllm.v1.sample.logits_processor.builtin import process_dict_updates
-
-        def state(params: Any, prompt: Any, output: list[int]) -> tuple[int, int, float, list[int]] | None:
-            args = (params.extra_args or {}).get(SAMPLER_ARGS)
-            if args is None:
-                return None
-            return int(args["seed"]), int(args["sequence"]), float(args["temperature"]), output
-
-        process_dict_updates(self.requests, batch_update, state)
-
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        if not self.requests:
-            return logits
-        rows = sorted(i for i in self.requests if i < logits.shape[0])
-        if not rows:
-            return logits
-        entries = [self.requests[i] for i in rows]
-        index = torch.tensor(rows, device=logits.device)
-        chosen = choose(
-            logits[index],
-            torch.tensor([e[2] for e in entries]),
-            torch.tensor([e[0] for e in entries], dtype=torch.int64),
-            torch.tensor([e[1] for e in entries], dtype=torch.int64),
-            torch.tensor([len(e[3]) for e in entries], dtype=torch.int64),
-        )
-        logits[index] = chosen.to(logits.dtype)
-        return logits
 
 
 @dataclass(frozen=True)
