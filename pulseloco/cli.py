@@ -8,15 +8,18 @@ exit status.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from pulseloco import __version__
 from pulseloco.errors import ConfigError, PulseLocoError, SwarmUnreachableError
+from pulseloco.keys import check_run_id
 
 logger = logging.getLogger(__name__)
 
@@ -39,45 +42,24 @@ def _cmd_version(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_swarm_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("swarm")
-    group.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
-    group.add_argument(
-        "--host-maddrs", nargs="*", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR", help="addresses to listen on"
-    )
-    group.add_argument("--announce-maddrs", nargs="*", default=[], metavar="MADDR", help="addresses others dial")
-    group.add_argument("--identity", default=None, help="peer identity file (keeps the peer id across restarts)")
-    group.add_argument(
-        "--client-mode",
-        action="store_true",
-        help="behind NAT: connect out only; reachable through a relay slot on a public initial peer (the default)",
-    )
-    group.add_argument(
-        "--use-auto-relay",
-        dest="use_auto_relay",
-        action="store_const",
-        const=True,
-        default=None,
-        help="reserve a slot on a relay (the initial peers, or --relays) and be reachable through it; default: "
-        "with --client-mode when a relay has a public address",
-    )
-    group.add_argument(
-        "--no-auto-relay",
-        dest="use_auto_relay",
-        action="store_const",
-        const=False,
-        help="reserve no relay slot (a client-mode peer then serves nothing)",
-    )
-    group.add_argument(
-        "--relays", nargs="*", default=[], metavar="MADDR", help="relays to reserve a slot on (default: initial peers)"
-    )
-    group.add_argument(
-        "--no-relay",
-        dest="use_relay",
-        action="store_false",
-        help="neither use relayed connections nor serve as a relay (public peers relay for NAT'd ones by default)",
-    )
-    group.add_argument("--swarm-key", default=None, help="shared swarm key file: only its holders can join")
+def _swarm_options() -> argparse.ArgumentParser:
+    """The swarm options, for a command's ``parents``: the fields of :class:`pulseloco.swarm.SwarmConfig` (their
+    one definition), read by transformers' ``HfArgumentParser`` as the recipes read them (``--initial-peers`` and
+    ``--initial_peers`` alike). Built only for the command that runs: it imports transformers and hivemind."""
+    from transformers import HfArgumentParser
+
+    from pulseloco.swarm import SwarmConfig
+
+    dataclass_types: list[Any] = [SwarmConfig]  # transformers types them as a NewType of Any
+    return HfArgumentParser(dataclass_types, add_help=False)
+
+
+def _swarm_config(args: argparse.Namespace):  # -> SwarmConfig, imported lazily to keep `pulseloco version` fast
+    """The :class:`pulseloco.swarm.SwarmConfig` of a command's swarm options; raises :class:`ConfigError` naming a
+    bad one."""
+    from pulseloco.swarm import SwarmConfig
+
+    return SwarmConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SwarmConfig)})
 
 
 def _join_as_reader(args: argparse.Namespace) -> None:
@@ -89,21 +71,9 @@ def _join_as_reader(args: argparse.Namespace) -> None:
 
 
 def _make_dht(args: argparse.Namespace):  # -> hivemind.DHT, imported lazily to keep `pulseloco version` fast
-    from pulseloco.swarm import SwarmConfig, make_dht
+    from pulseloco.swarm import make_dht
 
-    return make_dht(
-        SwarmConfig(
-            initial_peers=args.initial_peers,
-            host_maddrs=args.host_maddrs,
-            announce_maddrs=args.announce_maddrs,
-            identity_path=args.identity,
-            client_mode=args.client_mode,
-            use_relay=args.use_relay,
-            use_auto_relay=args.use_auto_relay,
-            relays=args.relays,
-            swarm_key_path=args.swarm_key,
-        )
-    )
+    return make_dht(_swarm_config(args))
 
 
 def _cmd_dht(args: argparse.Namespace) -> int:
@@ -137,7 +107,6 @@ def _cmd_dht(args: argparse.Namespace) -> int:
 
 def _add_dht_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-swarm-key", action="store_true", help="create the --swarm-key file first")
-    _add_swarm_options(parser)
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
@@ -214,7 +183,6 @@ def _add_sync_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", required=True, help="the publisher's private key (from `pulseloco keygen`)")
     parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks for new versions")
     parser.add_argument("--max-uploads-per-version", type=int, default=2, help="newest patch uploads before relays")
-    _add_swarm_options(parser)
 
 
 def _cmd_sync_follow(args: argparse.Namespace) -> int:
@@ -257,7 +225,6 @@ def _add_sync_follow_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between checks for a new version")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds allowed for one update")
     parser.add_argument("--until-version", type=int, default=None, help="exit once this version is reached")
-    _add_swarm_options(parser)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -271,8 +238,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             raise ConfigError("--initial-peers is required: the multiaddr of any peer of the swarm")
         if not (args.timeout > 0 and args.probe_timeout >= 0):
             raise ConfigError("--timeout must be positive and --probe-timeout not negative")
-        if not args.run_id or any(c.isspace() for c in args.run_id):
-            raise ConfigError(f"--run-id must be non-empty without spaces, got {args.run_id!r}")
+        check_run_id(args.run_id, "--run-id")
         key = load_public_key(args.public_key) if args.public_key else None
         _join_as_reader(args)
         dht = _make_dht(args)
@@ -308,7 +274,6 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--probe-timeout", type=float, default=3.0, help="seconds each provider has to answer the probe; 0: no probe"
     )
-    _add_swarm_options(parser)
 
 
 def _cmd_monitor(args: argparse.Namespace) -> int:
@@ -323,8 +288,7 @@ def _cmd_monitor(args: argparse.Namespace) -> int:
             raise ConfigError("--initial-peers is required: the multiaddr of any peer of the swarm")
         if not (args.interval > 0 and args.timeout > 0 and (args.duration is None or args.duration > 0)):
             raise ConfigError("--interval, --timeout and --duration must be positive")
-        if not args.run_id or any(c.isspace() for c in args.run_id):
-            raise ConfigError(f"--run-id must be non-empty without spaces, got {args.run_id!r}")
+        check_run_id(args.run_id, "--run-id")
         report_to = check_report_to(args.report_to)
         _join_as_reader(args)
         dht = _make_dht(args)
@@ -378,46 +342,69 @@ def _add_monitor_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
     parser.add_argument("--watch", action="store_true", help="print a compact view of the swarm after each poll")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each DHT lookup")
-    _add_swarm_options(parser)
 
 
-_SYNC_COMMANDS: dict[
-    str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]
-] = {
-    "serve": (_cmd_sync_serve, "serve a version store's versions on the swarm", _add_sync_serve_arguments),
-    "follow": (_cmd_sync_follow, "follow a run and print one line per version", _add_sync_follow_arguments),
+class _Command(NamedTuple):
+    handler: Callable[[argparse.Namespace], int]
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    joins_swarm: bool = False
+    """Whether the command takes the swarm options (:func:`_swarm_options`)."""
+
+
+_SYNC_COMMANDS: dict[str, _Command] = {
+    "serve": _Command(
+        _cmd_sync_serve, "serve a version store's versions on the swarm", _add_sync_serve_arguments, True
+    ),
+    "follow": _Command(
+        _cmd_sync_follow, "follow a run and print one line per version", _add_sync_follow_arguments, True
+    ),
 }
 
 
+def _add_commands(parser: argparse.ArgumentParser, commands: dict[str, _Command], dest: str, only: str | None) -> None:
+    """One subparser per command; the arguments only for the command ``only`` (all when ``None``): a command's
+    arguments can import large libraries (:func:`_swarm_options`), and `pulseloco version` should not wait for them."""
+    subparsers = parser.add_subparsers(dest=dest, metavar=dest.upper(), title="commands", required=dest != "command")
+    swarm = None
+    for name, command in commands.items():
+        build = only is None or only == name
+        if build and command.joins_swarm and swarm is None:
+            swarm = _swarm_options()
+        parents = [swarm] if build and command.joins_swarm and swarm is not None else []
+        subparser = subparsers.add_parser(name, help=command.help, description=command.help, parents=parents)
+        subparser.set_defaults(handler=command.handler)
+        if build:
+            command.add_arguments(subparser)
+
+
 def _add_sync_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="sync_command", metavar="SYNC_COMMAND", required=True)
-    for name, (handler, help_text, add_arguments) in _SYNC_COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        add_arguments(p)
-        p.set_defaults(handler=handler)
+    _add_commands(parser, _SYNC_COMMANDS, "sync_command", None)
 
 
 def _no_arguments(parser: argparse.ArgumentParser) -> None:
     del parser
 
 
-_COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str, Callable[[argparse.ArgumentParser], None]]] = {
-    "version": (_cmd_version, "print the pulseloco version and exit", _no_arguments),
-    "keygen": (_cmd_keygen, "make an Ed25519 signing key for publishing", _add_keygen_arguments),
-    "sync": (_cmd_version, "PULSESync: serve or follow weight versions", _add_sync_arguments),
-    "dht": (_cmd_dht, "run a bootstrap node and print how others join", _add_dht_arguments),
-    "status": (
+_COMMANDS: dict[str, _Command] = {
+    "version": _Command(_cmd_version, "print the pulseloco version and exit", _no_arguments),
+    "keygen": _Command(_cmd_keygen, "make an Ed25519 signing key for publishing", _add_keygen_arguments),
+    "sync": _Command(_cmd_version, "PULSESync: serve or follow weight versions", _add_sync_arguments),
+    "dht": _Command(_cmd_dht, "run a bootstrap node and print how others join", _add_dht_arguments, True),
+    "status": _Command(
         _cmd_status,
         "show the run's peers, digests, PULSESync head and rollout workers from the DHT",
         _add_status_arguments,
+        True,
     ),
-    "monitor": (
+    "monitor": _Command(
         _cmd_monitor,
         "log the swarm's progress from the DHT to a tracker (tensorboard, wandb, ...) every few seconds",
         _add_monitor_arguments,
+        True,
     ),
 }
-"""Command name -> (handler, one-line help, argument builder). A new command adds one row here."""
+"""Command name -> what runs it. A new command adds one row here."""
 
 
 def _global_options(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
@@ -432,19 +419,16 @@ def _global_options(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser for every ``pulseloco`` command."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Build the argument parser of the ``pulseloco`` commands: every command's arguments, or only those of
+    ``command`` (the others are listed, as ``pulseloco --help`` shows them)."""
     parser = argparse.ArgumentParser(
         prog="pulseloco",
         description="Decentralized training with precision-gated sparse exchange (PULSELoCo, PULSESync).",
         parents=[_global_options()],
     )
     parser.add_argument("--version", action="version", version=f"pulseloco {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for name, (handler, help_text, add_arguments) in _COMMANDS.items():
-        subparser = subparsers.add_parser(name, help=help_text, description=help_text)
-        subparser.set_defaults(handler=handler)
-        add_arguments(subparser)
+    _add_commands(parser, _COMMANDS, "command", command)
     return parser
 
 
@@ -465,16 +449,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         The command's exit code: 0 on success, 2 on a usage error (unknown command, bad option, no command).
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
     known = ", ".join(sorted(_COMMANDS))
+    # argparse's message for a bad subcommand ("argument COMMAND: invalid choice: ...") hides what went wrong;
+    # find the command word after the global options and name it ourselves (and build only its arguments).
     try:
-        # argparse's message for a bad subcommand ("argument COMMAND: invalid choice: ...") hides what went
-        # wrong; find the command word after the global options and name it ourselves.
-        try:
-            _, rest = _global_options(exit_on_error=False).parse_known_args(args_list)
-        except argparse.ArgumentError:
-            rest = []  # a bad global option: the full parse below reports it with the full usage
-        command = next((arg for arg in rest if not arg.startswith("-")), None)
+        _, rest = _global_options(exit_on_error=False).parse_known_args(args_list)
+    except argparse.ArgumentError:
+        rest = []  # a bad global option: the full parse below reports it with the full usage
+    command = next((arg for arg in rest if not arg.startswith("-")), None)
+    parser = build_parser(command if command in _COMMANDS else "")
+    try:
         if command is not None and command not in _COMMANDS:
             return _usage_error(parser, f"unknown command {command!r} (choose from: {known})")
         args = parser.parse_args(args_list)

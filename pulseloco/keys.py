@@ -7,8 +7,12 @@ announce themselves. Every module that reads or writes a DHT record takes its ke
 
 from __future__ import annotations
 
+from pulseloco.errors import ConfigError
+
 __all__ = [
+    "MAX_RUN_ID_LENGTH",
     "POLICY_SUFFIX",
+    "check_run_id",
     "head_key",
     "loco_round_key",
     "loco_state_key",
@@ -21,6 +25,17 @@ __all__ = [
 
 POLICY_SUFFIX = ".policy"
 """What turns a training run id into the PULSESync run id its weights are published under."""
+
+
+MAX_RUN_ID_LENGTH = 100
+
+
+def check_run_id(run_id: str, option: str = "run_id") -> str:
+    """``run_id`` when it can name a run's DHT records: 1 to :data:`MAX_RUN_ID_LENGTH` characters without
+    whitespace. Raises :class:`ConfigError` naming ``option`` (the flag or argument it came from) otherwise."""
+    if not run_id or any(c.isspace() for c in run_id) or len(run_id) > MAX_RUN_ID_LENGTH:
+        raise ConfigError(f"{option} must be 1-{MAX_RUN_ID_LENGTH} characters without spaces, got {run_id!r}")
+    return run_id
 
 
 def policy_run_id(run_id: str) -> str:

@@ -13,7 +13,7 @@ Agreement rule (the exit code):
   A single peer alone ahead (a fast peer, or a bogus record) therefore cannot hide the others' comparison, and
   old records of crashed peers cannot mask the live ones.
 - A peer at the reference round ``agree``\\ s when its digest is the majority digest of that round
-  (:func:`pulseloco.loco.matchmaking.majority_digest`, the rule the trainers repair by: complete rounds outvote
+  (:func:`pulseloco.loco.consensus.majority_digest`, the rule the trainers repair by: complete rounds outvote
   partial ones, ties go to a digest a server-mode peer holds, then the smallest), else it ``disagree``\\ s.
 - A peer at a newer round is ``ahead`` when it matches the majority of *its* round, else it ``disagree``\\ s.
 - A peer at an older round is ``behind`` and not compared: it downloads the state when it catches up, and a
@@ -51,7 +51,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulseloco.errors import PayloadError, UnauthorizedError
 from pulseloco.keys import loco_state_key, policy_run_id, refused_key, workers_key
-from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
+from pulseloco.loco.consensus import distrusted, majority_digest
+from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord
 from pulseloco.rollouts.protocol import parse_refusals, parse_worker_record
 
 logger = logging.getLogger(__name__)
@@ -203,8 +204,8 @@ class SwarmStatus:
 def classify_peers(states: list[PeerState]) -> tuple[int | None, str | None, list[PeerReport]]:
     """Apply the module's agreement rule: ``(reference round, its majority digest, one report per peer)``,
     peers sorted newest round first, then by peer id. ``(None, None, [])`` for no states."""
-    distrusted = {p for s in states for p in s.disputed}
-    trusted = [s for s in states if s.peer_id not in distrusted] or states
+    distrust = distrusted(states)
+    trusted = [s for s in states if s.peer_id not in distrust] or states
     if not states:
         return None, None, []
     counts: dict[int, int] = {}
@@ -215,7 +216,7 @@ def classify_peers(states: list[PeerState]) -> tuple[int | None, str | None, lis
     reports = []
     for s in sorted(states, key=lambda s: (-s.round, s.peer_id)):
         status: PeerStatus
-        if s.peer_id in distrusted:
+        if s.peer_id in distrust:
             status = "disputed"
         elif s.round < reference:
             status = "behind"

@@ -2,7 +2,7 @@
 
 A peer with a public address listens on ``host_maddrs`` (for example ``/ip4/0.0.0.0/tcp/31337``) and tells
 others ``announce_maddrs``; volunteers behind NAT join with ``initial_peers`` only and run in ``client_mode``
-(they connect out; they serve nothing). A persistent ``identity_path`` keeps the peer id (and so the bootstrap
+(they connect out; they serve nothing). A persistent ``identity`` file keeps the peer id (and so the bootstrap
 multiaddr) stable across restarts.
 
 Reachable through a relay (``use_auto_relay``): a volunteer behind NAT reserves a slot on a circuit relay (by
@@ -21,8 +21,8 @@ knows a relay with a public address** (``relays``, else its initial peers), so a
 only ``client_mode`` and the initial peers. Relays known only by loopback or private addresses are skipped:
 libp2p builds relay addresses only through public relays, so such a reservation could never make the peer
 reachable and would only delay its start (this is what keeps client-mode peers on 127.0.0.1, as in the tests,
-as fast as before). ``use_auto_relay=False`` (``--use_auto_relay false``, ``--no-auto-relay``) or
-``use_relay=False`` (``--no-relay``) opts out; ``True`` forces a reservation.
+as fast as before). ``use_auto_relay=False`` (``--use_auto_relay false``) or
+``use_relay=False`` (``--use_relay false``, ``--no_use_relay``) opts out; ``True`` forces a reservation.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import math
 import os
 import secrets
 import time
@@ -150,43 +151,88 @@ def parse_maddrs(values: Sequence[str], what: str) -> list[str]:
     return out
 
 
+def _help(text: str, **argparse_kwargs: object) -> dict[str, object]:
+    """A field's ``metadata``: its ``--help`` text (and argparse settings) for ``HfArgumentParser``."""
+    return {"help": text, **argparse_kwargs}
+
+
 @dataclass(kw_only=True)
 class SwarmConfig:
-    """How this process joins the swarm."""
+    """How this process joins the swarm: the one definition of the swarm options.
 
-    initial_peers: list[str] = field(default_factory=list)
-    """Multiaddrs of peers already in the swarm (``/ip4/.../tcp/.../p2p/...``); empty to start a new swarm."""
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    """Addresses to listen on; ``/ip4/0.0.0.0/tcp/PORT`` for a publicly reachable peer."""
-    announce_maddrs: list[str] = field(default_factory=list)
-    """Addresses others should dial (the public address of a host behind port forwarding)."""
-    identity_path: str | None = None
-    """Private key file that fixes the peer id across restarts (created if missing)."""
-    client_mode: bool = False
-    """Connect out only (behind NAT): the peer serves no DHT requests, and shards only through a relay slot
-    (reserved by default, see :meth:`reserves_relay`)."""
-    use_relay: bool = True
-    """Allow relayed connections (needed to reach peers behind NAT) and serve as a relay for others."""
-    use_auto_relay: bool | None = None
-    """Reserve a slot on a relay (``relays``, default the initial peers) and be reachable through it (behind
-    NAT). ``None`` (auto): on for a client-mode peer that knows a relay with a public address (see
-    :meth:`reserves_relay`); ``True``: always (needs ``use_relay`` and a relay); ``False``: never."""
-    relays: list[str] = field(default_factory=list)
-    """Relays to reserve a slot on (multiaddrs with ``/p2p/ID``); empty: the initial peers."""
-    relay_wait: float = 15.0
-    """When reserving a relay slot: seconds :func:`make_dht` waits for the relay address (warns if none)."""
-    startup_timeout: float = 30.0
-    """Seconds to wait for the DHT to start and reach the initial peers."""
-    swarm_key_path: str | None = None
-    """Shared swarm key file: only peers holding it can write DHT records the others accept."""
+    Every field is a command-line option of the recipes (``--initial_peers``, through
+    :class:`pulseloco.integrations.args.SwarmArguments`) and of the ``pulseloco`` command (``--initial-peers``;
+    ``HfArgumentParser`` accepts both spellings), with the help text in its ``metadata``. Raises
+    :class:`ConfigError` naming the option when a value is bad or the options contradict each other.
+    """
+
+    initial_peers: list[str] = field(
+        default_factory=list,
+        metadata=_help(
+            "Multiaddrs of peers in the swarm (/ip4/.../tcp/.../p2p/..., printed by `pulseloco dht` or a peer); "
+            "none: start a new swarm."
+        ),
+    )
+    host_maddrs: list[str] = field(
+        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
+        metadata=_help("Addresses to listen on (/ip4/0.0.0.0/tcp/PORT for a publicly reachable peer)."),
+    )
+    announce_maddrs: list[str] = field(
+        default_factory=list,
+        metadata=_help("Addresses others should dial (the public address of a host behind port forwarding)."),
+    )
+    identity: str | None = field(
+        default=None,
+        metadata=_help("Identity file that keeps the peer id and multiaddr across restarts (created if missing)."),
+    )
+    client_mode: bool = field(
+        default=False,
+        metadata=_help(
+            "Behind NAT: connect out only (needs initial_peers); by default reachable through a relay slot on a "
+            "public initial peer (see use_auto_relay), else it serves nothing."
+        ),
+    )
+    use_relay: bool = field(
+        default=True,
+        metadata=_help(
+            "Allow relayed connections (needed to reach peers behind NAT) and serve as a relay for others "
+            "(--use_relay false / --no_use_relay turns both off)."
+        ),
+    )
+    use_auto_relay: bool | None = field(
+        default=None,
+        metadata=_help(
+            "Reserve a slot on a relay (the initial peers, or relays) and be reachable through it, so that a peer "
+            "behind NAT can own shards and relay weights to rollout workers. Default (auto): on for a client-mode "
+            "peer that knows a relay with a public address; false: never; a bare flag or true: always (needs "
+            "use_relay and a relay).",
+            nargs="?",  # a bare --use_auto_relay means true, as for the other bool options
+            const=True,
+        ),
+    )
+    relays: list[str] = field(
+        default_factory=list,
+        metadata=_help("Relays to reserve a slot on (multiaddrs with /p2p/ID); none: the initial peers."),
+    )
+    relay_wait: float = field(
+        default=15.0,
+        metadata=_help("When reserving a relay slot: seconds to wait for the relay address (warns if none)."),
+    )
+    startup_timeout: float = field(
+        default=30.0, metadata=_help("Seconds to start the DHT and reach the initial peers.")
+    )
+    swarm_key: str | None = field(
+        default=None,
+        metadata=_help("Swarm key file: only its holders write DHT records the others accept."),
+    )
 
     def __post_init__(self) -> None:
         self.initial_peers = parse_maddrs(self.initial_peers, "initial_peers")
         self.host_maddrs = parse_maddrs(self.host_maddrs, "host_maddrs")
         self.announce_maddrs = parse_maddrs(self.announce_maddrs, "announce_maddrs")
         self.relays = parse_maddrs(self.relays, "relays")
-        if self.startup_timeout <= 0:
-            raise ConfigError(f"startup_timeout must be positive, got {self.startup_timeout}")
+        if not (self.startup_timeout > 0 and math.isfinite(self.startup_timeout)):
+            raise ConfigError(f"startup_timeout must be a positive number of seconds, got {self.startup_timeout}")
         if not self.relay_wait >= 0:
             raise ConfigError(f"relay_wait must be a non-negative number of seconds, got {self.relay_wait}")
         if self.client_mode and not self.initial_peers:
@@ -194,7 +240,7 @@ class SwarmConfig:
         if self.use_auto_relay and not self.use_relay:
             raise ConfigError(
                 "use_auto_relay needs use_relay: relayed connections are how others reach this peer "
-                "(drop --no-relay / --use_relay false, or drop use_auto_relay)"
+                "(drop --use_relay false, or drop use_auto_relay)"
             )
         if self.use_auto_relay and not self.auto_relays():
             raise ConfigError(
@@ -206,7 +252,7 @@ class SwarmConfig:
                 raise ConfigError(f"relays: {maddr!r} has no /p2p/PEER_ID part; a relay is dialed by its peer id")
         if self.relays and not self.reserves_relay():
             if self.use_auto_relay is False or not self.use_relay:
-                why = "use_auto_relay is false" if self.use_relay else "use_relay is off (--no-relay)"
+                why = "use_auto_relay is false" if self.use_relay else "use_relay is off"
             elif not self.client_mode:
                 why = "this peer is not in client_mode (only client-mode peers reserve a slot by default)"
             else:
@@ -319,9 +365,9 @@ def make_dht(config: SwarmConfig) -> hivemind.DHT:
         kwargs["force_reachability"] = "private"
     if config.announce_maddrs:
         kwargs["announce_maddrs"] = config.announce_maddrs
-    if config.identity_path:
-        kwargs["identity_path"] = config.identity_path
-    validators = [SwarmKeyValidator(load_swarm_key(config.swarm_key_path))] if config.swarm_key_path else []
+    if config.identity:
+        kwargs["identity_path"] = config.identity
+    validators = [SwarmKeyValidator(load_swarm_key(config.swarm_key))] if config.swarm_key else []
     dht = _start_dht(config, validators, kwargs)
     if relay:
         maddrs = _wait_for_relay_address(dht, config)
@@ -394,7 +440,7 @@ def _wait_for_relay_address(dht: hivemind.DHT, config: SwarmConfig) -> list[str]
         if time.monotonic() >= deadline:
             logger.warning(
                 "no relay reservation within %.0f s on %s: this peer is not reachable through a relay, so it serves "
-                "nothing. Check that the relays run with relaying on (not --no-relay) and are reachable from here; "
+                "nothing. Check that the relays run with relaying on (use_relay) and are reachable from here; "
                 "a relay refuses more than 8 reservations per public IP address within an hour (go-libp2p's limit: "
                 "many volunteers or restarts behind one NAT), so name other public peers with --relays; "
                 "--use_auto_relay false skips the reservation",

@@ -51,6 +51,7 @@ def run_peer(
     import hivemind
 
     from pulseloco import PulseLoCo
+    from pulseloco.loco import AveragingConfig, RoundConfig
 
     dht = hivemind.DHT(initial_peers=initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     model = make_model(args).to(args.device)
@@ -60,14 +61,18 @@ def run_peer(
         inner,
         dht=dht,
         run_id=f"bench-{selector}-{lr:g}",
-        inner_steps=args.inner_steps,
-        selector="pulse" if selector == "pulse-bf16" else selector,
-        pulse_values="bfloat16" if selector == "pulse-bf16" else "float32",
-        topk_density=args.topk_density,
-        target_group_size=args.num_peers,
-        matchmaking_time=args.matchmaking_time,
-        averaging_timeout=args.averaging_timeout,
-        request_timeout=30.0,
+        round_config=RoundConfig(
+            inner_steps=args.inner_steps,
+            selector="pulse" if selector == "pulse-bf16" else selector,
+            pulse_values="bfloat16" if selector == "pulse-bf16" else "float32",
+            topk_density=args.topk_density,
+        ),
+        averaging_config=AveragingConfig(
+            target_group_size=args.num_peers,
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=args.averaging_timeout,
+            request_timeout=30.0,
+        ),
         metrics_path=out,
     )
     gen = torch.Generator().manual_seed(index)

@@ -43,7 +43,6 @@ import collections
 import contextlib
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -57,10 +56,9 @@ from typing import Any
 import numpy as np
 import psutil
 import torch
+from harness import models, procs
+from harness.report import kv_lines, read_records
 
-logger = logging.getLogger("soak")
-
-REPO = Path(__file__).resolve().parent.parent
 VOCAB, SEQ_LEN, BATCH = 64, 16, 4
 LEDGER_TOLERANCE = 1e-5
 """Relative tolerance of the ledger check (FP32 sums over a few hundred contributions)."""
@@ -71,11 +69,9 @@ LEDGER_TOLERANCE = 1e-5
 
 def tiny_model() -> torch.nn.Module:
     """A one-layer Llama of about 5k parameters, identical in every process (seed 0)."""
-    from pulseloco.integrations.models import random_causal_lm
-
-    return random_causal_lm(
-        "llama", seed=0, vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=SEQ_LEN, tie_word_embeddings=False,
+    return models.llama(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=SEQ_LEN,
     )  # fmt: skip
 
 
@@ -201,6 +197,7 @@ def peer_main(args: argparse.Namespace) -> None:
     import hivemind
 
     from pulseloco import PulseLoCo
+    from pulseloco.loco import AveragingConfig, RoundConfig
 
     logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
@@ -220,12 +217,13 @@ def peer_main(args: argparse.Namespace) -> None:
         inner,
         dht=dht,
         run_id="soak",
-        inner_steps=args.inner_steps,
-        selector="dense",
-        target_group_size=args.target_group_size,
-        matchmaking_time=args.matchmaking_time,
-        averaging_timeout=args.averaging_timeout,
-        request_timeout=args.request_timeout,
+        round_config=RoundConfig(inner_steps=args.inner_steps, selector="dense"),
+        averaging_config=AveragingConfig(
+            target_group_size=args.target_group_size,
+            matchmaking_time=args.matchmaking_time,
+            averaging_timeout=args.averaging_timeout,
+            request_timeout=args.request_timeout,
+        ),
     )
     audit = Audit(opt, out, args.name)
     seed = zlib.crc32(args.name.encode())
@@ -334,94 +332,91 @@ def schedule(peers: int, rounds: int, averaging_timeout: float) -> list[Event]:
 
 
 @dataclass
-class Proc:
+class Member:
+    """A process of the soak (``peer<i>``, ``pub``, ``sub<i>``) across its incarnations: ``proc`` is the current
+    one (None while it is not running), ``stalled_until`` when a SIGSTOP of it ends."""
+
     name: str
     cmd: list[str]
-    popen: subprocess.Popen[bytes] | None = None
+    proc: procs.Proc | None = None
     incarnation: int = 0
     stalled_until: float | None = None
-    log: Any = None
 
 
 @dataclass
 class Soak:
     args: argparse.Namespace
     out: Path
-    procs: dict[str, Proc] = field(default_factory=dict)
+    members: dict[str, Member] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
     notes: list[str] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)
     """Events of the schedule that could not happen (every peer had finished first)."""
     groups: set[int] = field(default_factory=set)
     status: dict[str, Any] = field(default_factory=dict)
+    runner: procs.Runner | None = None
 
     # -- processes --------------------------------------------------------------------------------------------
-    def start(self, proc: Proc) -> None:
-        proc.incarnation += 1
-        cmd = list(proc.cmd)
-        if proc.name.startswith("peer"):
-            cmd += ["--name", f"{proc.name}.{proc.incarnation}"]
-        log = (self.out / "logs" / f"{proc.name}.{proc.incarnation}.log").open("wb")
-        proc.popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
-        self.groups.add(proc.popen.pid)  # its DHT process and libp2p daemon inherit the process group
-        proc.log = log
-        self.notes.append(f"{time.time() - self.started:7.1f}s start {proc.name}.{proc.incarnation}")
+    def start(self, member: Member) -> None:
+        """Start the next incarnation of ``member``, logging to ``logs/<name>.<incarnation>.log``."""
+        if self.runner is None:
+            self.runner = procs.Runner(self.out / "logs")
+        member.incarnation += 1
+        cmd = list(member.cmd)
+        if member.name.startswith("peer"):
+            cmd += ["--name", f"{member.name}.{member.incarnation}"]
+        member.proc = self.runner.start(f"{member.name}.{member.incarnation}", cmd)
+        self.groups.add(member.proc.pid)  # its DHT process and libp2p daemon inherit the process group
+        self.notes.append(f"{time.time() - self.started:7.1f}s start {member.name}.{member.incarnation}")
 
-    def kill(self, proc: Proc) -> None:
+    def kill(self, member: Member) -> None:
         """SIGKILL the whole process group: the Python process, its DHT process and its libp2p daemon."""
-        if proc.popen is None:
+        if member.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.popen.pid, signal.SIGKILL)
-        proc.popen.wait(timeout=30)
-        proc.popen = None
-        self.notes.append(f"{time.time() - self.started:7.1f}s kill {proc.name}")
+        member.proc.kill()
+        member.proc = None
+        self.notes.append(f"{time.time() - self.started:7.1f}s kill {member.name}")
 
-    def alive(self, proc: Proc) -> bool:
-        return proc.popen is not None and proc.popen.poll() is None
+    def alive(self, member: Member) -> bool:
+        return member.proc is not None and member.proc.running
 
     # -- the run ----------------------------------------------------------------------------------------------
     def peer_records(self) -> list[dict[str, Any]]:
-        records = []
-        for path in self.out.glob("peer*.jsonl"):
-            for line in path.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    records.append(json.loads(line))
-        return records
+        return [record for path in self.out.glob("peer*.jsonl") for record in read_records(path)]
 
     def swarm_round(self) -> int:
         return max((r["end_round"] for r in self.peer_records()), default=0)
 
-    def pushed(self, proc: Proc, round_index: int) -> bool:
-        """Whether the current incarnation of ``proc`` has written its contribution for ``round_index`` (it
+    def pushed(self, member: Member, round_index: int) -> bool:
+        """Whether the current incarnation of ``member`` has written its contribution for ``round_index`` (it
         pushes it right after; the caller then waits a moment so that the push is on its way)."""
-        id_file = self.out / "ids" / f"{proc.name}.{proc.incarnation}"
+        id_file = self.out / "ids" / f"{member.name}.{member.incarnation}"
         if not id_file.exists():
             return False
         return (self.out / "sent" / f"{id_file.read_text()}.{round_index}.npy").exists()
 
     def apply(self, event: Event, now_round: int) -> bool:
         """Do ``event`` if its time has come; returns True once done."""
-        proc = self.procs[event.target]
+        member = self.members[event.target]
         if event.action == "start" or event.action == "restart":
-            if self.alive(proc):  # its kill has not happened yet
+            if self.alive(member):  # its kill has not happened yet
                 return False
-            self.start(proc)
+            self.start(member)
         elif event.action == "kill":
-            self.kill(proc)
+            self.kill(member)
         elif event.action == "kill_after_push":
-            if not self.pushed(proc, now_round):
+            if not self.pushed(member, now_round):
                 return False
             time.sleep(0.3)
-            self.kill(proc)
+            self.kill(member)
         elif event.action.startswith("stall:"):
-            if not self.pushed(proc, now_round) or proc.popen is None:
+            if not self.pushed(member, now_round) or member.proc is None:
                 return False
             time.sleep(0.3)
             seconds = float(event.action.split(":")[1])
-            os.kill(proc.popen.pid, signal.SIGSTOP)  # the Python process only: its DHT and daemon run on
-            proc.stalled_until = time.monotonic() + seconds
-            self.notes.append(f"{time.time() - self.started:7.1f}s stall {proc.name} {seconds:.1f}s")
+            member.proc.send_signal(signal.SIGSTOP)  # the Python process only: its DHT and daemon run on
+            member.stalled_until = time.monotonic() + seconds
+            self.notes.append(f"{time.time() - self.started:7.1f}s stall {member.name} {seconds:.1f}s")
         return True
 
     def run(self) -> dict[str, Any]:
@@ -433,14 +428,14 @@ class Soak:
         bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         try:
             maddrs = [str(m) for m in bootstrap.get_visible_maddrs()]
-            self._make_procs(maddrs)
+            self._make_members(maddrs)
             events = schedule(args.peers, args.rounds, args.averaging_timeout)
             late = {e.target for e in events if e.action == "start"}
             # Everything starts at once: the subscribers wait for the publisher's first version, the peers for
             # each other (startup is the slowest part of a short run on a loaded machine).
-            for name, proc in self.procs.items():
+            for name, member in self.members.items():
                 if name != "pub" and name not in late:
-                    self.start(proc)
+                    self.start(member)
             self._wait_for_first_version()
             self._drive(events)
             self.status = self._swarm_status(bootstrap)
@@ -463,7 +458,7 @@ class Soak:
             return {"exit_code": None}
         return report.to_dict()
 
-    def _make_procs(self, maddrs: list[str]) -> None:
+    def _make_members(self, maddrs: list[str]) -> None:
         args = self.args
         me = [sys.executable, str(Path(__file__).resolve())]
         common = ["--out", str(self.out), "--initial-peers", *maddrs]
@@ -482,18 +477,18 @@ class Soak:
                 "--averaging-timeout", str(args.averaging_timeout),
                 "--request-timeout", str(args.request_timeout),
             ]  # fmt: skip
-            self.procs[f"peer{i}"] = Proc(f"peer{i}", cmd)
+            self.members[f"peer{i}"] = Member(f"peer{i}", cmd)
         key = self.out / "keys" / "publisher"
         subprocess.run(
             [sys.executable, "-m", "pulseloco", "keygen", "--out", str(key)], check=True, capture_output=True
         )
         interval = ["--interval", str(args.publish_interval)]
-        self.procs["pub"] = Proc("pub", [*me, "publisher", *common, "--key", str(key), *interval])
+        self.members["pub"] = Member("pub", [*me, "publisher", *common, "--key", str(key), *interval])
         for i in range(2):
             follow = [sys.executable, "-m", "pulseloco", "sync", "follow", "--run-id", "soak.policy"]
             follow += ["--public-key", f"{key}.pub", "--out", str(self.out / f"sub{i}"), "--interval", "0.5"]
-            self.procs[f"sub{i}"] = Proc(f"sub{i}", [*follow, "--initial-peers", *maddrs])
-        self.start(self.procs["pub"])
+            self.members[f"sub{i}"] = Member(f"sub{i}", [*follow, "--initial-peers", *maddrs])
+        self.start(self.members["pub"])
 
     def _wait_for_first_version(self) -> None:
         deadline = time.monotonic() + 120
@@ -501,35 +496,34 @@ class Soak:
             time.sleep(0.2)
 
     def _published(self, raw: bool = False) -> list[dict[str, Any]]:
-        path = self.out / "publisher.jsonl"
-        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        lines = read_records(self.out / "publisher.jsonl")
         return lines if raw else [line for line in lines if "version" in line]
 
     def _drive(self, events: list[Event]) -> None:
         args = self.args
         deadline = time.monotonic() + args.timeout
-        peers = [p for n, p in self.procs.items() if n.startswith("peer")]
+        peers = [m for n, m in self.members.items() if n.startswith("peer")]
         while time.monotonic() < deadline:
             now_round = self.swarm_round()
             for event in events:
                 if not event.done and event.round <= now_round:
                     event.done = self.apply(event, now_round)
-            for proc in peers:
-                if proc.stalled_until is not None and time.monotonic() >= proc.stalled_until and proc.popen:
-                    os.kill(proc.popen.pid, signal.SIGCONT)
-                    proc.stalled_until = None
+            for peer in peers:
+                if peer.stalled_until is not None and time.monotonic() >= peer.stalled_until and peer.proc:
+                    peer.proc.send_signal(signal.SIGCONT)
+                    peer.stalled_until = None
             finished = {r["name"] for r in self.peer_records() if r["final"]}
-            running = [p for p in peers if p.popen is not None]
+            running = [p for p in peers if p.proc is not None]
             if all(f"{p.name}.{p.incarnation}" in finished for p in running):
                 # An event still waiting cannot happen any more (a stall waits for its peer to push in a round)
                 self.missed = [f"{e.action} {e.target} (round {e.round})" for e in events if not e.done]
                 if self.missed:
                     self.notes.append(f"every peer finished before: {', '.join(self.missed)}")
                 return
-            for proc in running:
-                if proc.popen is not None and proc.popen.poll() is not None:
-                    self.notes.append(f"{proc.name} exited with {proc.popen.returncode} before finishing")
-                    proc.popen = None
+            for peer in running:
+                if peer.proc is not None and peer.proc.poll() is not None:
+                    self.notes.append(f"{peer.name} exited with {peer.proc.poll()} before finishing")
+                    peer.proc = None
             time.sleep(0.2)
         self.notes.append(f"timeout: the run did not finish within {args.timeout:.0f}s")
 
@@ -541,29 +535,25 @@ class Soak:
         while time.monotonic() < deadline and not any(p.get("stopped") for p in self._published(raw=True)):
             time.sleep(0.2)
         for name in ("sub0", "sub1"):
-            proc = self.procs.get(name)
-            if proc is not None and self.alive(proc):
+            member = self.members.get(name)
+            if member is not None and self.alive(member):
                 self._wait_for_subscriber(name)
-                if proc.popen is not None:
-                    proc.popen.send_signal(signal.SIGTERM)
+                if member.proc is not None:
+                    member.proc.send_signal(signal.SIGTERM)
         (self.out / "stop_publisher").touch()
         hung = 0
         deadline = time.monotonic() + 60
-        for proc in self.procs.values():
-            if proc.popen is None:
+        for member in self.members.values():
+            if member.proc is None:
                 continue
-            if proc.stalled_until is not None:
-                os.kill(proc.popen.pid, signal.SIGCONT)
+            if member.stalled_until is not None:
+                member.proc.send_signal(signal.SIGCONT)
             try:
-                proc.popen.wait(timeout=max(1.0, deadline - time.monotonic()))
+                member.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 hung += 1
-                self.notes.append(f"{proc.name} did not exit when asked: killed")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait(timeout=30)
-            if proc.log is not None:
-                proc.log.close()
+                self.notes.append(f"{member.name} did not exit when asked: killed")
+                member.proc.kill()
         return hung
 
     def _wait_for_subscriber(self, name: str, timeout: float = 60.0) -> None:
@@ -777,15 +767,7 @@ class Soak:
         groups of the peers, publisher and subscribers (their DHT processes and ``p2pd`` daemons inherit the
         group), and any child of this process but multiprocessing's helpers. Each is listed, then killed."""
         time.sleep(1.0)
-        leaked = []
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            with contextlib.suppress(psutil.Error, ProcessLookupError):
-                if os.getpgid(proc.info["pid"]) in self.groups:
-                    leaked.append(proc)
-        for proc in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if not any(m in " ".join(proc.cmdline()) for m in ("resource_tracker", "torch_shm_manager")):
-                    leaked.append(proc)
+        leaked = procs.survivors(self.groups)
         for proc in leaked:
             with contextlib.suppress(psutil.Error):
                 self.notes.append(f"leaked: {proc.pid} {' '.join(proc.cmdline())[:120]}")
@@ -820,9 +802,7 @@ def print_table(summary: dict[str, Any]) -> None:
         ),
         ("seconds", summary["seconds"]),
     ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value}")
+    print(kv_lines(rows))
     if summary["ledger_note"]:
         print(f"ledger: {summary['ledger_note']}")
     print("ok" if summary["ok"] else "FAILED")

@@ -249,6 +249,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     import hivemind
 
     from pulseloco import PulseLoCo
+    from pulseloco.loco import AveragingConfig, RoundConfig
 
     dht = hivemind.DHT(
         initial_peers=config.initial_peers,
@@ -262,20 +263,26 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
         _make_malicious()
     if "cut_fetch" in config.faults.values():
         _patch_owner_faults(config.faults)
+    extra = dict(config.extra)
     opt = PulseLoCo(
         model,
         inner_optimizer,
         dht=dht,
         run_id=config.run_id,
-        inner_steps=config.inner_steps,
-        selector=config.selector,
-        target_group_size=config.target_group_size,
-        matchmaking_time=config.matchmaking_time,
-        averaging_timeout=config.averaging_timeout,
-        request_timeout=config.request_timeout,
-        topk_density=0.05,
-        topk_chunk_size=256,
-        **config.extra,
+        round_config=RoundConfig(
+            inner_steps=config.inner_steps,
+            selector=config.selector,
+            topk_density=0.05,
+            topk_chunk_size=256,
+            pulse_values=extra.pop("pulse_values", "float32"),
+        ),
+        averaging_config=AveragingConfig(
+            target_group_size=config.target_group_size,
+            matchmaking_time=config.matchmaking_time,
+            averaging_timeout=config.averaging_timeout,
+            request_timeout=config.request_timeout,
+        ),
+        **extra,
     )
     joined_at_round = opt.round
     if start_barrier is not None:

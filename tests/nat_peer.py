@@ -50,6 +50,7 @@ def tiny_state(seed: int) -> dict[str, torch.Tensor]:
 
 def run_loco(dht: Any, config: dict[str, Any]) -> None:
     from pulseloco import PulseLoCo
+    from pulseloco.loco import AveragingConfig, RoundConfig
     from pulseloco.loco.validation import theta_digest
 
     torch.manual_seed(0)  # every peer starts from the same model
@@ -60,13 +61,14 @@ def run_loco(dht: Any, config: dict[str, Any]) -> None:
         inner,
         dht=dht,
         run_id=config.get("run_id", "nat"),
-        inner_steps=2,
-        selector="dense",
+        round_config=RoundConfig(inner_steps=2, selector="dense"),
+        averaging_config=AveragingConfig(
+            target_group_size=config.get("target_group_size", 2),
+            matchmaking_time=config.get("matchmaking_time", 5.0),
+            averaging_timeout=config.get("averaging_timeout", 10.0),
+            request_timeout=config.get("request_timeout", 5.0),
+        ),
         client_mode=config.get("loco_client_mode"),
-        target_group_size=config.get("target_group_size", 2),
-        matchmaking_time=config.get("matchmaking_time", 5.0),
-        averaging_timeout=config.get("averaging_timeout", 10.0),
-        request_timeout=config.get("request_timeout", 5.0),
     )
     maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
     emit("ready", peer_id=opt.peer_id, maddrs=maddrs, reachable=is_reachable(dht), serves=not opt.averager.client_mode)

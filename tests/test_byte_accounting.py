@@ -23,6 +23,7 @@ from hivemind.proto import runtime_pb2
 
 from pulseloco.codec import peek_header
 from pulseloco.codec.indices import encode_indices
+from pulseloco.loco import RoundConfig
 from pulseloco.loco.averaging import AllReduceResult, SparseAverager, shard_bounds
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.metrics import RoundMetrics, index_entropy_bits, traffic_summary
@@ -130,7 +131,7 @@ def test_a_peer_alone_records_its_payload() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 4)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt = PulseLoCo(model, None, inner_steps=1, selector="dense")
+    opt = PulseLoCo(model, None, round_config=RoundConfig(inner_steps=1, selector="dense"))
     theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
     model(torch.randn(3, 6)).square().sum().backward()
     inner.step()

@@ -24,8 +24,10 @@ from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback
 from pulseloco.integrations.models import random_causal_lm
 from pulseloco.integrations.trainer import STATE_FILE
 from pulseloco.jsonl import read_json_lines
+from pulseloco.loco import AveragingConfig, RoundConfig
+from pulseloco.swarm import SwarmConfig
 
-LONE_PEER = {"target_group_size": 1, "matchmaking_time": 2.0, "request_timeout": 5.0}
+LONE_PEER = {"averaging_config": AveragingConfig(target_group_size=1, matchmaking_time=2.0, request_timeout=5.0)}
 """A peer alone in its swarm: each round's group forms at once."""
 
 
@@ -71,7 +73,9 @@ def train(output_dir: Path, callbacks: list[Any], resume: str | None = None, **o
 
 
 def test_inner_steps_count_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
-    callback = PulseLoCoCallback(run_id="accum", inner_steps=4, metrics_path=tmp_path / "rounds.jsonl", **LONE_PEER)
+    callback = PulseLoCoCallback(
+        run_id="accum", round_config=RoundConfig(inner_steps=4), metrics_path=tmp_path / "rounds.jsonl", **LONE_PEER
+    )
     trainer = train(tmp_path / "out", [callback], max_steps=8, gradient_accumulation_steps=3)
     assert trainer.state.global_step == 8
     assert callback.loco is not None and callback.loco.round == 2 and callback.loco.local_step == 0
@@ -85,12 +89,12 @@ def test_inner_steps_count_optimizer_steps_under_gradient_accumulation(tmp_path:
 
 def test_resume_from_a_mid_round_checkpoint_continues_the_same_trajectory(tmp_path: Path) -> None:
     # Run A: 12 steps, H = 4, checkpoints at 6 (mid-round) and 12.
-    first = PulseLoCoCallback(run_id="resume-a", inner_steps=4, **LONE_PEER)
+    first = PulseLoCoCallback(run_id="resume-a", round_config=RoundConfig(inner_steps=4), **LONE_PEER)
     a = train(tmp_path / "a", [first], max_steps=12, save_strategy="steps", save_steps=6)
     assert (tmp_path / "a" / "checkpoint-6" / STATE_FILE).is_file()
     # Run B resumes A's step-6 checkpoint in a fresh Trainer and callback.
     shutil.copytree(tmp_path / "a" / "checkpoint-6", tmp_path / "b" / "checkpoint-6")
-    second = PulseLoCoCallback(run_id="resume-b", inner_steps=4, **LONE_PEER)
+    second = PulseLoCoCallback(run_id="resume-b", round_config=RoundConfig(inner_steps=4), **LONE_PEER)
     b = train(tmp_path / "b", [second], resume=str(tmp_path / "b" / "checkpoint-6"), max_steps=12)
     assert first.loco is not None and second.loco is not None
     assert second.loco.round == first.loco.round == 3
@@ -102,7 +106,7 @@ def test_resume_from_a_mid_round_checkpoint_continues_the_same_trajectory(tmp_pa
 
 def test_resume_without_pulseloco_state_is_refused(tmp_path: Path) -> None:
     train(tmp_path / "plain", [], max_steps=4, save_strategy="steps", save_steps=4)
-    callback = PulseLoCoCallback(run_id="no-state", inner_steps=4, **LONE_PEER)
+    callback = PulseLoCoCallback(run_id="no-state", round_config=RoundConfig(inner_steps=4), **LONE_PEER)
     with pytest.raises(ConfigError, match=f"{STATE_FILE} does not exist"):
         train(tmp_path / "plain", [callback], resume=str(tmp_path / "plain" / "checkpoint-4"), max_steps=8)
     callback.close()
@@ -110,7 +114,7 @@ def test_resume_without_pulseloco_state_is_refused(tmp_path: Path) -> None:
 
 def test_a_run_that_would_not_end_on_a_round_boundary_is_refused_before_joining(tmp_path: Path) -> None:
     """The two-line callback checks what the recipes check: the last 2 of 6 steps would never be averaged."""
-    callback = PulseLoCoCallback(run_id="ragged", inner_steps=4, **LONE_PEER)
+    callback = PulseLoCoCallback(run_id="ragged", round_config=RoundConfig(inner_steps=4), **LONE_PEER)
     with pytest.raises(ConfigError, match=r"max_steps \(6\) must be a multiple of inner_steps \(4\)"):
         train(tmp_path / "out", [callback], max_steps=6)
     assert callback.loco is None and callback.dht is None  # refused before the swarm was joined
@@ -123,7 +127,7 @@ def test_pulsesync_every_round_publishes_each_consensus_version(tmp_path: Path) 
     from pulseloco.sync.subscriber import Subscriber
 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
-    loco = PulseLoCoCallback(run_id="sync", inner_steps=2, **LONE_PEER)
+    loco = PulseLoCoCallback(run_id="sync", round_config=RoundConfig(inner_steps=2), **LONE_PEER)
     sync = PulseSyncCallback(signing_key=str(tmp_path / "key"), metrics_path=tmp_path / "versions.jsonl")
     # PulseSyncCallback first: it must find the PulseLoCoCallback whatever the order.
     trainer = train(tmp_path / "out", [sync, loco], max_steps=6)
@@ -149,7 +153,7 @@ def test_pulsesync_every_step_with_pulseloco_publishes_local_steps_and_each_cons
     from pulseloco.sync.subscriber import Subscriber
 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
-    loco = PulseLoCoCallback(run_id="sync-steps", inner_steps=3, **LONE_PEER)
+    loco = PulseLoCoCallback(run_id="sync-steps", round_config=RoundConfig(inner_steps=3), **LONE_PEER)
     sync = PulseSyncCallback(every=1, signing_key=str(tmp_path / "key"), metrics_path=tmp_path / "versions.jsonl")
     with caplog.at_level(logging.INFO, logger="pulseloco.integrations"):
         trainer = train(tmp_path / "out", [sync, loco] if sync_first else [loco, sync], max_steps=6)
@@ -178,10 +182,12 @@ def test_pulsesync_every_round_without_pulseloco_says_what_to_do(tmp_path: Path)
 
 
 def test_bad_callback_arguments() -> None:
-    with pytest.raises(ConfigError, match="selector"):
-        PulseLoCoCallback(selector="random")
-    with pytest.raises(ConfigError, match="inner_steps"):
-        PulseLoCoCallback(inner_steps=0)
+    with pytest.raises(ConfigError, match="not both"):
+        PulseLoCoCallback(swarm=SwarmConfig(), initial_peers=[])
+    with pytest.raises(ConfigError, match="linger"):
+        PulseLoCoCallback(linger=-1.0)
+    with pytest.raises(ConfigError, match="run_id"):
+        PulseLoCoCallback(run_id="two words")
     with pytest.raises(ConfigError, match="every"):
         PulseSyncCallback(every="epoch")
 
@@ -190,7 +196,7 @@ def test_pulse_values_option_reaches_the_selector_and_is_validated() -> None:
     from pulseloco.integrations.args import PulseLoCoArguments
 
     callback = PulseLoCoArguments(pulse_values="bfloat16").callbacks()[0]
-    assert callback.pulseloco_kwargs["pulse_values"] == "bfloat16"
+    assert callback.round_config.pulse_values == "bfloat16"
     with pytest.raises(ConfigError, match="pulse_values must be one of float32, bfloat16"):
         PulseLoCoArguments(pulse_values="fp8")
     with pytest.raises(ConfigError, match="needs --strategy pulseloco"):
@@ -211,7 +217,7 @@ def test_callbacks_run_before_the_reporting_integrations_both_ways(
     from pulseloco.integrations.callback_base import LogsContributor
 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
-    loco = PulseLoCoCallback(run_id="order", inner_steps=2, **LONE_PEER)
+    loco = PulseLoCoCallback(run_id="order", round_config=RoundConfig(inner_steps=2), **LONE_PEER)
     sync = PulseSyncCallback(signing_key=str(tmp_path / "key"))
     args = training_args(tmp_path / "out", max_steps=2, report_to=["tensorboard"])
     trainer = Trainer(model=tiny_model(), args=args, train_dataset=token_dataset(), callbacks=[loco])
@@ -255,7 +261,7 @@ def test_two_peers_log_rounds_and_versions_to_tensorboard(tmp_path: Path) -> Non
     from pulseloco.cli import main as pulseloco_main
 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
-    swarm = {"target_group_size": 2, "matchmaking_time": 10.0, "request_timeout": 5.0, "averaging_timeout": 20.0}
+    averaging = AveragingConfig(target_group_size=2, matchmaking_time=10.0, request_timeout=5.0, averaging_timeout=20.0)
     first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     maddrs = [str(a) for a in first.get_visible_maddrs()]
     second = hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
@@ -264,7 +270,13 @@ def test_two_peers_log_rounds_and_versions_to_tensorboard(tmp_path: Path) -> Non
         for index, dht in enumerate((first, second)):
             out = tmp_path / f"peer{index}"
             callbacks: list[Any] = [
-                PulseLoCoCallback(dht=dht, run_id="tb", inner_steps=2, metrics_path=out / "rounds.jsonl", **swarm)
+                PulseLoCoCallback(
+                    dht=dht,
+                    run_id="tb",
+                    round_config=RoundConfig(inner_steps=2),
+                    metrics_path=out / "rounds.jsonl",
+                    averaging_config=averaging,
+                )
             ]
             if index == 0:
                 callbacks.append(

@@ -31,10 +31,18 @@ def _rank_main(rank: int, init_file: str, results: Any) -> None:
 
         dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     from pulseloco import PulseLoCo
+    from pulseloco.loco import AveragingConfig, RoundConfig
 
     model = make_model(seed=rank)
     inner = make_inner_optimizer(model, 1e-3)
-    opt = PulseLoCo(model, inner, dht=dht, run_id="dist", inner_steps=H, target_group_size=1, matchmaking_time=2.0)
+    opt = PulseLoCo(
+        model,
+        inner,
+        dht=dht,
+        run_id="dist",
+        round_config=RoundConfig(inner_steps=H),
+        averaging_config=AveragingConfig(target_group_size=1, matchmaking_time=2.0),
+    )
     report: dict[str, Any] = {"rank": rank, "joined": opt.peer_id is not None, "thetas": [], "models": []}
     report["thetas"].append(opt.theta_N.numpy().tobytes())
     report["models"].append(flat_params(model).numpy().tobytes())

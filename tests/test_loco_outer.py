@@ -13,6 +13,7 @@ from loco_helpers import batch, flat_params, inner_step, load_flat, make_inner_o
 from pulseloco import PulseLoCo
 from pulseloco.errors import ConfigError, TensorMismatchError
 from pulseloco.jsonl import read_json_lines
+from pulseloco.loco import AveragingConfig, RoundConfig
 from pulseloco.loco.outer import NesterovOuterOptimizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -77,7 +78,9 @@ def test_dense_selector_reproduces_diloco_exactly() -> None:
     reference = _diloco_reference(num_rounds=4, inner_lr=1e-3)
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-3)
-    opt = PulseLoCo(model, inner, inner_steps=H, outer_lr=0.7, outer_momentum=0.9, selector="dense")
+    opt = PulseLoCo(
+        model, inner, round_config=RoundConfig(inner_steps=H, outer_lr=0.7, outer_momentum=0.9, selector="dense")
+    )
     _train(opt, model, inner, 4)
     assert _bits_equal(opt.theta_N, reference)
     assert _bits_equal(flat_params(model), reference)
@@ -88,18 +91,20 @@ def test_dense_selector_reproduces_diloco_exactly() -> None:
 def test_resume_from_state_dict_continues_the_same_trajectory(selector: str, tmp_path: Path) -> None:
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-4)
-    opt = PulseLoCo(model, inner, inner_steps=H, selector=selector, metrics_path=tmp_path / "m.jsonl")
+    opt = PulseLoCo(
+        model, inner, round_config=RoundConfig(inner_steps=H, selector=selector), metrics_path=tmp_path / "m.jsonl"
+    )
     straight = _train(opt, model, inner, 4)
 
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-4)
-    opt = PulseLoCo(model, inner, inner_steps=H, selector=selector)
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector=selector))
     first = _train(opt, model, inner, 2)
     torch.save(opt.state_dict(), tmp_path / "state.pt")
 
     model = make_model(seed=123)  # a different init: everything must come from the state
     inner = make_inner_optimizer(model, 1e-4)
-    opt = PulseLoCo(model, inner, inner_steps=H, selector=selector)
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector=selector))
     opt.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
     assert opt.round == 2
     assert opt.residual_N.any()  # error feedback carried over
@@ -111,7 +116,7 @@ def test_metrics_lines(tmp_path: Path) -> None:
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-4)
     path = tmp_path / "metrics" / "loco.jsonl"
-    opt = PulseLoCo(model, inner, inner_steps=H, selector="pulse", metrics_path=path)
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector="pulse"), metrics_path=path)
     _train(opt, model, inner, 2)
     lines = read_json_lines(path)
     assert [line["round"] for line in lines] == [0, 1]
@@ -135,7 +140,7 @@ def test_metrics_lines(tmp_path: Path) -> None:
 
 def test_load_state_dict_rejects_mismatched_state() -> None:
     model = make_model(0)
-    opt = PulseLoCo(model, make_inner_optimizer(model, 1e-4), inner_steps=H)
+    opt = PulseLoCo(model, make_inner_optimizer(model, 1e-4), round_config=RoundConfig(inner_steps=H))
     state = opt.state_dict()
     before = opt.theta_N.clone()
     bad = dict(state, theta_N=torch.zeros(5))
@@ -149,25 +154,30 @@ def test_load_state_dict_rejects_mismatched_state() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"inner_steps": 0}, "inner_steps"),
-        ({"selector": "random"}, "selector"),
-        ({"outer_lr": 0.0}, "outer_lr"),
-        ({"outer_momentum": 1.0}, "outer_momentum"),
-        ({"averaging_timeout": 0}, "averaging_timeout"),
-        ({"topk_density": 2.0, "selector": "topk"}, "topk_density"),
-        ({"run_id": "has space"}, "run_id"),
+        ({"round_config": lambda: RoundConfig(inner_steps=0)}, "inner_steps"),
+        ({"round_config": lambda: RoundConfig(selector="random")}, "selector"),  # type: ignore[arg-type]
+        ({"round_config": lambda: RoundConfig(outer_lr=0.0)}, "outer_lr"),
+        ({"round_config": lambda: RoundConfig(outer_lr=float("inf"))}, "outer_lr"),
+        ({"round_config": lambda: RoundConfig(outer_momentum=1.0)}, "outer_momentum"),
+        ({"round_config": lambda: RoundConfig(topk_density=2.0, selector="topk")}, "topk_density"),
+        ({"round_config": lambda: RoundConfig(pulse_values="bfloat16", selector="dense")}, "pulse_values"),
+        ({"averaging_config": lambda: AveragingConfig(averaging_timeout=0)}, "averaging_timeout"),
+        ({"averaging_config": lambda: AveragingConfig(digest_timeout=float("nan"))}, "digest_timeout"),
+        ({"averaging_config": lambda: AveragingConfig(max_norm_ratio=1.0)}, "max_norm_ratio"),
+        ({"run_id": lambda: "has space"}, "run_id"),
     ],
 )
 def test_bad_configuration_raises_config_error(kwargs: dict, field: str) -> None:
+    """Each setting is checked once, where its group is built (a config), or by PulseLoCo (the run id)."""
     model = make_model(0)
     with pytest.raises(ConfigError, match=field):
-        PulseLoCo(model, make_inner_optimizer(model, 1e-4), **kwargs)
+        PulseLoCo(model, make_inner_optimizer(model, 1e-4), **{name: make() for name, make in kwargs.items()})
 
 
 def test_reset_outer_momentum_between_rounds_only() -> None:
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-3)
-    opt = PulseLoCo(model, inner, inner_steps=H, selector="dense")
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector="dense"))
     _train(opt, model, inner, 2)
     assert opt.outer_optimizer.momentum_N is not None and opt.outer_optimizer.momentum_N.any()
     theta = opt.theta_N.clone()
@@ -182,7 +192,7 @@ def test_reset_outer_momentum_between_rounds_only() -> None:
 def test_a_diverged_round_drops_its_local_progress_and_restarts_from_theta(caplog: pytest.LogCaptureFixture) -> None:
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-3)
-    opt = PulseLoCo(model, inner, inner_steps=H, selector="dense")
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector="dense"))
     _train(opt, model, inner, 1)
     expected, outer = opt.theta_N.clone(), copy.deepcopy(opt.outer_optimizer)
     outer.step(expected, torch.zeros_like(expected))  # the round's average is zero: only the momentum moves theta

@@ -9,6 +9,7 @@ from loco_helpers import flat_params, load_flat, make_model
 
 from pulseloco import PulseLoCo
 from pulseloco.errors import ConfigError
+from pulseloco.loco import PlacementConfig, RoundConfig
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.selection import make_selector, select_in_place
 
@@ -60,9 +61,17 @@ def _reference(selector: str, dtype: torch.dtype, **selector_kwargs: object) -> 
     return {"theta": theta, "residual": residual, "momentum": outer.momentum_N, "model": flat_params(model)}
 
 
-def _pulseloco(selector: str, dtype: torch.dtype, *, device: str = "cpu", **kwargs: object) -> dict[str, torch.Tensor]:
+def _pulseloco(
+    selector: str,
+    dtype: torch.dtype,
+    *,
+    device: str = "cpu",
+    placement: PlacementConfig | None = None,
+    **kwargs: object,
+) -> dict[str, torch.Tensor]:
     model = _model(dtype, device)
-    opt = PulseLoCo(model, None, inner_steps=1, selector=selector, **kwargs)  # type: ignore[arg-type]
+    rounds = RoundConfig(inner_steps=1, selector=selector, **kwargs)  # type: ignore[arg-type]
+    opt = PulseLoCo(model, None, round_config=rounds, placement_config=placement)
     for r in range(ROUNDS):
         _perturb(model, r)
         opt.count_inner_step()
@@ -88,15 +97,14 @@ def test_chunked_round_is_bit_identical_to_the_whole_tensor_round(
     expected = _reference(selector, dtype, **selector_kwargs)
     # 1000-byte chunks split parameters across chunks (and chunks across parameters); 1 GiB is one chunk.
     for chunk_bytes, placement in ((1000, "cpu"), (1000, "model"), (2**30, "auto")):
-        got = _pulseloco(
-            selector, dtype, outer_state_device=placement, outer_chunk_bytes=chunk_bytes, **selector_kwargs
-        )
+        placed = PlacementConfig(outer_state_device=placement, outer_chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
+        got = _pulseloco(selector, dtype, placement=placed, **selector_kwargs)
         for name, tensor in expected.items():
             assert _bits_equal(got[name], tensor), (name, placement, chunk_bytes)
 
 
 def test_outer_state_is_plain_host_memory_for_a_cpu_model() -> None:
-    opt = PulseLoCo(_model(torch.float32), None, outer_state_device="model")
+    opt = PulseLoCo(_model(torch.float32), None, placement_config=PlacementConfig(outer_state_device="model"))
     assert opt.placement.device == torch.device("cpu") and not opt.placement.pin_memory and not opt.theta_N.is_pinned()
     assert _bits_equal(opt.theta_N, flat_params(opt.model))
 
@@ -146,7 +154,9 @@ def test_overflowing_pseudo_gradient_drops_the_round_like_a_non_finite_one() -> 
     first = next(model.parameters())
     with torch.no_grad():
         first.view(-1)[5] = -3e38
-    opt = PulseLoCo(model, None, inner_steps=1, outer_chunk_bytes=4096)
+    opt = PulseLoCo(
+        model, None, round_config=RoundConfig(inner_steps=1), placement_config=PlacementConfig(outer_chunk_bytes=4096)
+    )
     theta_before = opt.theta_N.clone()
     with torch.no_grad():
         first.view(-1)[5] = 2.0**110  # finite, large, and theta - local stays finite
@@ -171,7 +181,7 @@ def test_overflowing_pseudo_gradient_drops_the_round_like_a_non_finite_one() -> 
 )
 def test_bad_placement_options_raise_config_error(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        PulseLoCo(_model(torch.float32), None, **kwargs)  # type: ignore[arg-type]
+        PulseLoCo(_model(torch.float32), None, placement_config=PlacementConfig(**kwargs))  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: pinned host state vs GPU state")
@@ -185,11 +195,8 @@ def test_cuda_model_with_pinned_host_state_matches_gpu_state_and_the_cpu_path(
         opt = PulseLoCo(
             model,
             None,
-            inner_steps=1,
-            selector=selector,
-            outer_state_device=placement,
-            outer_chunk_bytes=4096,
-            **selector_kwargs,  # type: ignore[arg-type]
+            round_config=RoundConfig(inner_steps=1, selector=selector, **selector_kwargs),  # type: ignore[arg-type]
+            placement_config=PlacementConfig(outer_state_device=placement, outer_chunk_bytes=4096),  # type: ignore[arg-type]
         )
         assert opt.theta_N.is_cuda == (placement == "model")
         assert opt.theta_N.is_pinned() == (placement != "model")

@@ -117,10 +117,10 @@ def test_validator_accepts_own_tags_and_refuses_tampering() -> None:
 def test_only_key_holders_can_write_records_others_accept(tmp_path: Path) -> None:
     key_path = new_swarm_key(tmp_path / "swarm.key")
     other_path = new_swarm_key(tmp_path / "other.key")
-    first = make_dht(SwarmConfig(swarm_key_path=str(key_path)))
+    first = make_dht(SwarmConfig(swarm_key=str(key_path)))
     peers = [str(m) for m in first.get_visible_maddrs()]
-    member = make_dht(SwarmConfig(initial_peers=peers, swarm_key_path=str(key_path)))
-    stranger = make_dht(SwarmConfig(initial_peers=peers, swarm_key_path=str(other_path)))
+    member = make_dht(SwarmConfig(initial_peers=peers, swarm_key=str(key_path)))
+    stranger = make_dht(SwarmConfig(initial_peers=peers, swarm_key=str(other_path)))
     try:
         expiration = get_dht_time() + 60
         # store()'s return value is the status of whichever replica answered last, and the stranger refuses
@@ -224,8 +224,8 @@ def test_relay_options_reach_the_swarm_config_from_the_cli_and_the_recipes() -> 
         ["sync", "follow", "--run-id", "r", "--public-key", "k.pub", "--initial-peers", BOOTSTRAP, "--use-auto-relay"]
     )
     assert (args.use_auto_relay, args.use_relay, args.relays) == (True, True, [])
-    assert build_parser().parse_args(["dht", "--no-relay"]).use_relay is False
-    assert build_parser().parse_args(["dht", "--no-auto-relay"]).use_auto_relay is False
+    assert build_parser().parse_args(["dht", "--no-use-relay"]).use_relay is False
+    assert build_parser().parse_args(["dht", "--use-auto-relay", "false"]).use_auto_relay is False
     assert build_parser().parse_args(["dht"]).use_auto_relay is None
     config = PulseLoCoArguments(initial_peers=[BOOTSTRAP], client_mode=True, use_auto_relay=True).swarm_config()
     assert (config.use_auto_relay, config.use_relay, config.auto_relays()) == (True, True, [BOOTSTRAP])
@@ -233,6 +233,31 @@ def test_relay_options_reach_the_swarm_config_from_the_cli_and_the_recipes() -> 
     assert PulseLoCoArguments(initial_peers=[BOOTSTRAP], client_mode=True).swarm_config().reserves_relay()
     off = PulseLoCoArguments(initial_peers=[BOOTSTRAP], client_mode=True, use_auto_relay=False).swarm_config()
     assert not off.reserves_relay()
+
+
+def test_the_swarm_options_are_defined_once_for_the_cli_and_the_recipes() -> None:
+    """SwarmConfig's fields are the options of every swarm command and of the recipes, read by HfArgumentParser
+    with the same names, defaults and checks (both spellings: --initial-peers and --initial_peers)."""
+    import dataclasses
+
+    from transformers import HfArgumentParser
+
+    from pulseloco.cli import build_parser
+    from pulseloco.errors import ConfigError
+    from pulseloco.integrations.args import PulseLoCoArguments
+    from pulseloco.swarm import SwarmConfig
+
+    names = {f.name for f in dataclasses.fields(SwarmConfig)}
+    argv = ["--initial_peers", BOOTSTRAP, "--client-mode", "--relay_wait", "3", "--swarm-key", "k"]
+    (recipe,) = HfArgumentParser([PulseLoCoArguments]).parse_args_into_dataclasses(argv)
+    cli = build_parser().parse_args(["dht", *argv])
+    for name in names:
+        assert getattr(recipe, name) == getattr(cli, name), name
+    assert recipe.swarm_config() == SwarmConfig(
+        initial_peers=[BOOTSTRAP], client_mode=True, relay_wait=3.0, swarm_key="k"
+    )
+    with pytest.raises(ConfigError, match="startup_timeout"):  # checked where the options are built
+        HfArgumentParser([PulseLoCoArguments]).parse_args_into_dataclasses(["--startup_timeout", "nan"])
 
 
 def test_a_client_mode_peer_without_a_relay_address_is_not_reachable() -> None:

@@ -12,17 +12,20 @@ when the parser builds the dataclass.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pulseloco.errors import ConfigError
-from pulseloco.keys import policy_run_id
-from pulseloco.loco.placement import OUTER_STATE_DEVICES
-from pulseloco.loco.selection import VALUE_DTYPES, SelectorName
+from pulseloco.keys import check_run_id, policy_run_id
+from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
+from pulseloco.loco.selection import SelectorName
+from pulseloco.swarm import SwarmConfig
 
 if TYPE_CHECKING:
     from pulseloco.integrations.swarm_rollouts import Fallback
+
+_Part = TypeVar("_Part", SwarmConfig, RoundConfig, AveragingConfig, PlacementConfig)
 
 STRATEGIES: dict[str, SelectorName | None] = {
     "ddp": None,
@@ -37,90 +40,43 @@ def _help(text: str) -> dict[str, Any]:
     return {"help": text}
 
 
+def _part(options: Any, cls: type[_Part], **override: Any) -> _Part:
+    """The ``cls`` (a group of options these arguments inherit) built from ``options``' values of its fields; its
+    checks run (:class:`ConfigError`)."""
+    return cls(**{f.name: getattr(options, f.name) for f in fields(cls)} | override)
+
+
 @dataclass(kw_only=True)
-class SwarmArguments:
-    """How a process joins the swarm (trainers and rollout workers alike)."""
+class SwarmArguments(SwarmConfig):
+    """How a process joins the swarm (trainers and rollout workers alike): the run, and the swarm options of
+    :class:`pulseloco.swarm.SwarmConfig` (defined there once, with their help texts and checks)."""
 
     run_id: str = field(
         default="pulseloco",
         metadata=_help("Peers with the same run_id average together; rollout workers follow `<run_id>.policy`."),
     )
-    initial_peers: list[str] = field(
-        default_factory=list,
-        metadata=_help("Multiaddrs of peers in the swarm (printed by `pulseloco dht` or a peer); none: a new swarm."),
-    )
-    host_maddrs: list[str] = field(
-        default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"],
-        metadata=_help("Addresses to listen on (/ip4/0.0.0.0/tcp/PORT for a publicly reachable peer)."),
-    )
-    announce_maddrs: list[str] = field(
-        default_factory=list, metadata=_help("Addresses others should dial (a public address behind forwarding).")
-    )
-    client_mode: bool = field(
-        default=False,
-        metadata=_help(
-            "Behind NAT: connect out only (needs initial_peers); by default reachable through a relay slot on a "
-            "public initial peer (see --use_auto_relay), else it serves nothing."
-        ),
-    )
-    use_auto_relay: bool | None = field(
-        default=None,
-        metadata=_help(
-            "Reserve a slot on a relay (the initial peers, or --relays) and be reachable through it, so that a "
-            "peer behind NAT can own shards and relay weights to rollout workers. Default: on with --client_mode "
-            "when a relay has a public address; --use_auto_relay false turns it off."
-        )
-        | {"nargs": "?", "const": True},  # a bare --use_auto_relay means true, as for the other bool flags
-    )
-    relays: list[str] = field(
-        default_factory=list,
-        metadata=_help("Relays to reserve a slot on (multiaddrs with /p2p/ID); none: the initial peers."),
-    )
-    use_relay: bool = field(
-        default=True,
-        metadata=_help("Allow relayed connections and serve as a relay (--use_relay false turns both off)."),
-    )
-    identity: str | None = field(
-        default=None, metadata=_help("Identity file that keeps the peer id and multiaddr across restarts.")
-    )
-    swarm_key: str | None = field(
-        default=None, metadata=_help("Swarm key file: only its holders write DHT records the others accept.")
-    )
-    startup_timeout: float = field(default=30.0, metadata=_help("Seconds to start the DHT and reach a peer."))
 
     def __post_init__(self) -> None:
-        if not self.run_id or any(c.isspace() for c in self.run_id) or len(self.run_id) > 100:
-            raise ConfigError(f"run_id must be 1-100 characters without spaces, got {self.run_id!r}")
-        if not (self.startup_timeout > 0 and math.isfinite(self.startup_timeout)):
-            raise ConfigError(f"startup_timeout must be a positive number, got {self.startup_timeout}")
+        super().__post_init__()
+        check_run_id(self.run_id)
 
     @property
     def policy_run_id(self) -> str:
         """The PULSESync run that rollout workers follow."""
         return policy_run_id(self.run_id)
 
-    def swarm_config(self) -> Any:
-        """The :class:`pulseloco.swarm.SwarmConfig` of these options (raises :class:`ConfigError` for a bad
-        multiaddr)."""
-        from pulseloco.swarm import SwarmConfig
-
-        return SwarmConfig(
-            initial_peers=self.initial_peers,
-            host_maddrs=self.host_maddrs,
-            announce_maddrs=self.announce_maddrs,
-            identity_path=self.identity,
-            client_mode=self.client_mode,
-            use_relay=self.use_relay,
-            use_auto_relay=self.use_auto_relay,
-            relays=self.relays,
-            startup_timeout=self.startup_timeout,
-            swarm_key_path=self.swarm_key,
-        )
+    def swarm_config(self) -> SwarmConfig:
+        """The :class:`pulseloco.swarm.SwarmConfig` part of these options (checked when they were parsed)."""
+        return _part(self, SwarmConfig)
 
 
 @dataclass(kw_only=True)
-class PulseLoCoArguments(SwarmArguments):
-    """How this training run averages with its swarm and publishes versions to rollout workers."""
+class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArguments):
+    """How this training run averages with its swarm and publishes versions to rollout workers.
+
+    The options of the swarm (:class:`pulseloco.swarm.SwarmConfig`), of PulseLoCo's round, averaging and
+    placement (:mod:`pulseloco.loco.config`) are those classes' fields, defined and checked there once; the
+    selector is chosen by ``--strategy``. Each group is checked when the arguments are parsed."""
 
     strategy: str = field(
         default="pulseloco",
@@ -130,32 +86,7 @@ class PulseLoCoArguments(SwarmArguments):
             "steps with the dense / pulse / topk selector."
         ),
     )
-    inner_steps: int = field(default=8, metadata=_help("H: optimizer steps per outer round."))
-    outer_lr: float = field(default=0.7, metadata=_help("Nesterov outer learning rate."))
-    outer_momentum: float = field(default=0.9, metadata=_help("Nesterov outer momentum, in [0, 1)."))
-    topk_density: float = field(default=0.01, metadata=_help("sparseloco: fraction of each chunk sent."))
-    topk_chunk_size: int = field(default=4096, metadata=_help("sparseloco: chunk size of the top-k selection."))
-    pulse_values: str = field(
-        default="float32",
-        metadata=_help(
-            "pulseloco: precision of the values sent, float32 (the paper) or bfloat16 (2 bytes a value; the "
-            "rounding remainder stays in the residual and is sent later)."
-        ),
-    )
-    outer_state_device: str = field(
-        default="auto",
-        metadata=_help(
-            "Where PulseLoCo keeps theta, the residual and the outer momentum (12 bytes a parameter): auto / cpu: "
-            "pinned host memory for a model on a GPU; model: on the model's GPU (faster rounds, needs the room)."
-        ),
-    )
-    target_group_size: int | None = field(
-        default=None,
-        metadata=_help("Start a round as soon as this many peers registered (1: train alone without waiting)."),
-    )
-    matchmaking_time: float = field(default=15.0, metadata=_help("Seconds to gather peers for a round."))
-    averaging_timeout: float = field(default=60.0, metadata=_help("Seconds a round's exchange may take."))
-    request_timeout: float = field(default=10.0, metadata=_help("Seconds for one DHT operation or message."))
+    selector: SelectorName | None = field(default=None, init=False)  # type: ignore[assignment]  # from strategy
     linger: float = field(
         default=5.0,
         metadata=_help("Seconds to stay in the swarm after training, so that slower peers and workers finish."),
@@ -176,32 +107,17 @@ class PulseLoCoArguments(SwarmArguments):
     )
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        SwarmArguments.__post_init__(self)
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy: unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})")
-        for name in ("inner_steps", "topk_chunk_size", "anchor_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("outer_lr", "matchmaking_time", "averaging_timeout", "request_timeout"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be a positive number, got {value}")
-        if not (self.linger >= 0 and math.isfinite(self.linger)):
-            raise ConfigError(f"linger must be >= 0 seconds, got {self.linger}")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if not 0 < self.topk_density <= 1:
-            raise ConfigError(f"topk_density must be in (0, 1], got {self.topk_density}")
-        if self.pulse_values not in VALUE_DTYPES:
-            raise ConfigError(f"pulse_values must be one of {', '.join(VALUE_DTYPES)}, got {self.pulse_values!r}")
+        self.selector = STRATEGIES[self.strategy]
         if self.pulse_values != "float32" and self.strategy != "pulseloco":
             raise ConfigError(f"pulse_values={self.pulse_values} needs --strategy pulseloco, got {self.strategy}")
-        if self.outer_state_device not in OUTER_STATE_DEVICES:
-            raise ConfigError(
-                f"outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)}, got {self.outer_state_device!r}"
-            )
-        if self.target_group_size is not None and self.target_group_size < 1:
-            raise ConfigError(f"target_group_size must be at least 1, got {self.target_group_size}")
+        self.round_config(), self.averaging_config(), self.placement_config()  # each checks its options
+        if not (self.linger >= 0 and math.isfinite(self.linger)):
+            raise ConfigError(f"linger must be >= 0 seconds, got {self.linger}")
+        if self.anchor_every < 1:
+            raise ConfigError(f"anchor_every must be at least 1, got {self.anchor_every}")
         if self.publish_every < 0:
             raise ConfigError(f"publish_every must be >= 0, got {self.publish_every}")
         if self.publish and not self.signing_key:
@@ -209,10 +125,18 @@ class PulseLoCoArguments(SwarmArguments):
         if self.publish and self.selector is None and not self.publish_every:
             raise ConfigError("--publish with --strategy ddp has no outer rounds: set --publish_every N (steps)")
 
-    @property
-    def selector(self) -> SelectorName | None:
-        """The PulseLoCo selector of the strategy (``None`` for ``ddp``)."""
-        return STRATEGIES[self.strategy]
+    def round_config(self) -> RoundConfig:
+        """The :class:`RoundConfig` of these options (the selector of ``--strategy``; ``dense``, unused, for
+        ``ddp``). Raises :class:`ConfigError` naming a bad option."""
+        return _part(self, RoundConfig, selector=self.selector or "dense")
+
+    def averaging_config(self) -> AveragingConfig:
+        """The :class:`AveragingConfig` of these options; raises :class:`ConfigError` naming a bad one."""
+        return _part(self, AveragingConfig)
+
+    def placement_config(self) -> PlacementConfig:
+        """The :class:`PlacementConfig` of these options; raises :class:`ConfigError` naming a bad one."""
+        return _part(self, PlacementConfig)
 
     def callbacks(self, *, output_dir: str | Path | None = None, max_steps: int | None = None) -> list[Any]:
         """The Trainer callbacks of these options: a :class:`PulseLoCoCallback` for swarm strategies and a
@@ -237,18 +161,9 @@ class PulseLoCoArguments(SwarmArguments):
             loco = PulseLoCoCallback(
                 swarm=self.swarm_config(),
                 run_id=self.run_id,
-                inner_steps=self.inner_steps,
-                selector=self.selector,
-                outer_lr=self.outer_lr,
-                outer_momentum=self.outer_momentum,
-                topk_density=self.topk_density,
-                topk_chunk_size=self.topk_chunk_size,
-                pulse_values=self.pulse_values,
-                outer_state_device=self.outer_state_device,
-                matchmaking_time=self.matchmaking_time,
-                target_group_size=self.target_group_size,
-                averaging_timeout=self.averaging_timeout,
-                request_timeout=self.request_timeout,
+                round_config=self.round_config(),
+                averaging_config=self.averaging_config(),
+                placement_config=self.placement_config(),
                 linger=self.linger,
                 metrics_path=None if out is None else out / "pulseloco_rounds.jsonl",
             )

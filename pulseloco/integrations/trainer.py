@@ -33,6 +33,7 @@ The swarm itself never fails a step (see :class:`pulseloco.PulseLoCo`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -47,9 +48,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.callback_base import LogsContributor, join_swarm, register_loco_callback
+from pulseloco.keys import check_run_id
+from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.optimizer import PulseLoCo
-from pulseloco.loco.selection import SELECTORS, SelectorName
 from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
@@ -121,9 +123,9 @@ class PulseLoCoCallback(LogsContributor):
         swarm: how to join (:class:`pulseloco.swarm.SwarmConfig`: initial peers, listen addresses, client mode,
             identity, swarm key).
         initial_peers: shorthand for ``swarm=SwarmConfig(initial_peers=...)``; none starts a new swarm.
-        run_id, inner_steps, selector, and the other keyword arguments: as :class:`pulseloco.PulseLoCo`
-            (``outer_lr``, ``outer_momentum``, ``topk_density``, ``topk_chunk_size``, ``matchmaking_time``,
-            ``target_group_size``, ``averaging_timeout``, ``request_timeout``, ``metrics_path``, ...).
+        run_id, round_config, averaging_config, placement_config, metrics_path: as :class:`pulseloco.PulseLoCo`
+            (the settings in :mod:`pulseloco.loco.config`: ``RoundConfig(inner_steps=8, selector="pulse", ...)``,
+            ``AveragingConfig(matchmaking_time=..., ...)``, ``PlacementConfig(...)``).
         linger: seconds to stay in the swarm after training, so that slower peers can still fetch this peer's
             shards and state, and rollout workers its last version.
 
@@ -158,25 +160,25 @@ class PulseLoCoCallback(LogsContributor):
         swarm: SwarmConfig | None = None,
         initial_peers: list[str] | None = None,
         run_id: str = "pulseloco",
-        inner_steps: int = 8,
-        selector: SelectorName = "pulse",
+        round_config: RoundConfig | None = None,
+        averaging_config: AveragingConfig | None = None,
+        placement_config: PlacementConfig | None = None,
+        metrics_path: str | os.PathLike[str] | None = None,
         linger: float = 0.0,
-        **pulseloco_kwargs: Any,
     ) -> None:
-        if inner_steps < 1:
-            raise ConfigError(f"inner_steps must be at least 1, got {inner_steps}")
-        if selector not in SELECTORS:
-            raise ConfigError(f"selector must be one of {SELECTORS}, got {selector!r}")
         if swarm is not None and initial_peers is not None:
             raise ConfigError("give swarm= or initial_peers=, not both")
-        if linger < 0:
+        if not (linger >= 0 and math.isfinite(linger)):
             raise ConfigError(f"linger must be >= 0 seconds, got {linger}")
         self.swarm = swarm if swarm is not None else SwarmConfig(initial_peers=list(initial_peers or []))
-        self.run_id = run_id
-        self.inner_steps = inner_steps
-        self.selector = selector
+        self.run_id = check_run_id(run_id)
+        self.round_config = round_config or RoundConfig()
+        self.averaging_config = averaging_config or AveragingConfig()
+        self.placement_config = placement_config or PlacementConfig()
+        self.metrics_path = metrics_path
+        self.inner_steps = self.round_config.inner_steps
+        self.selector = self.round_config.selector
         self.linger = linger
-        self.pulseloco_kwargs = pulseloco_kwargs
         self.loco: PulseLoCo | None = None
         self.dht: Any | None = dht
         self._owns_dht = dht is None
@@ -206,9 +208,10 @@ class PulseLoCoCallback(LogsContributor):
             None,
             dht=self.dht,
             run_id=self.run_id,
-            inner_steps=self.inner_steps,
-            selector=self.selector,
-            **self.pulseloco_kwargs,
+            round_config=self.round_config,
+            averaging_config=self.averaging_config,
+            placement_config=self.placement_config,
+            metrics_path=self.metrics_path,
         )
         self.loco.add_round_listener(self._count_round)
         register_loco_callback(model, self)

@@ -11,6 +11,7 @@ Modules, one concept each:
 - :mod:`~pulseloco.loco.ledger`: exactly-once bookkeeping of what each round counted;
 - :mod:`~pulseloco.loco.placement`: where the outer state lives and the chunked copies to and from the model;
 - :mod:`~pulseloco.loco.metrics`: per-round metrics (written with :class:`pulseloco.jsonl.JsonLinesWriter`);
+- :mod:`~pulseloco.loco.config`: PulseLoCo's settings in three groups (the round, averaging, placement);
 - :mod:`~pulseloco.loco.optimizer`: :class:`PulseLoCo`, which ties them together.
 
 Tensor names carry their length as a suffix: ``_N`` for a flat FP32 vector over all N parameters (``theta_N``,
@@ -18,6 +19,7 @@ Tensor names carry their length as a suffix: ``_N`` for a flat FP32 vector over 
 flat vector (``theta_C``, one slice of ``theta_N``).
 """
 
+from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.optimizer import PulseLoCo
 from pulseloco.loco.outer import NesterovOuterOptimizer
@@ -33,10 +35,13 @@ from pulseloco.loco.selection import (
 
 __all__ = [
     "SELECTORS",
+    "AveragingConfig",
     "DenseSelector",
     "NesterovOuterOptimizer",
+    "PlacementConfig",
     "PulseLoCo",
     "PulseSelector",
+    "RoundConfig",
     "RoundMetrics",
     "Selection",
     "TopKSelector",

@@ -18,7 +18,7 @@ deadline, then a check that every member computed the same group before any payl
    and compared again under ``view1``, ``view2`` (:data:`VIEW_ATTEMPTS` in all); if they still differ, or the
    merged group is not confirmed by every member, the peer sits the round out;
 4. of the agreed members, those starting from the most common theta digest average (ties: one a server-mode
-   member holds, then the smallest: :func:`preferred_digest`);
+   member holds, then the smallest: :func:`pulseloco.loco.consensus.preferred_digest`);
    a member starting from another theta (it missed a repair) sits the round out, so that every peer completing a
    round ends on the same theta;
 5. a group needs a server-mode member to own shards; a group of client-mode peers only sits the round out and
@@ -54,6 +54,7 @@ import xxhash
 from hivemind.utils import get_dht_time
 
 from pulseloco.keys import loco_round_key, loco_state_key
+from pulseloco.loco.consensus import preferred_digest
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ __all__ = [
     "PeerState",
     "RoundRecord",
     "StateRecords",
-    "majority_digest",
-    "preferred_digest",
 ]
 
 VIEW_ATTEMPTS = 3
@@ -201,25 +200,6 @@ def _parse_state(peer: Any, value: Any) -> tuple[PeerState, bool] | None:
     rounds = _parse_rounds(value.get("rounds"), round_index)
     state = PeerState(peer, round_index, digest, client, complete, tuple(disputed), rounds or ())
     return state, rounds is None
-
-
-def preferred_digest(holders: list[tuple[str, bool]]) -> str | None:
-    """Of ``(digest, client_mode)`` pairs, one per peer: the digest most peers hold; among equals, one a
-    server-mode peer holds (it can be downloaded), then the smallest, so that every peer reading the same
-    records picks the same one. ``None`` for no holders."""
-    counts = collections.Counter(digest for digest, _ in holders)
-    served = {digest for digest, client in holders if not client}
-    return min(counts, key=lambda d: (-counts[d], d not in served, d), default=None)
-
-
-def majority_digest(states: list[PeerState], round_index: int) -> str | None:
-    """The :func:`preferred_digest` of the peers that report ``round_index``, counting only peers whose round
-    was complete when any was (a peer that missed a shard holds a partial round and must not outvote the
-    others). ``None`` if no peer reported that round."""
-    voters = [s for s in states if s.round == round_index]
-    if any(s.complete for s in voters):
-        voters = [s for s in voters if s.complete]
-    return preferred_digest([(s.digest, s.client_mode) for s in voters])
 
 
 def _parse_view(value: Any) -> dict[str, tuple[bool, str]] | None:

@@ -1,7 +1,7 @@
 """PulseLoCo: DiLoCo-style outer optimization with compute-visible sparse pseudo-gradients over a hivemind swarm.
 
-    opt = PulseLoCo(model, inner_optimizer, dht=dht, run_id="run", inner_steps=8,
-                    outer_lr=0.7, outer_momentum=0.9, selector="pulse")   # or "dense", "topk"
+    opt = PulseLoCo(model, inner_optimizer, dht=dht, run_id="run",
+                    round_config=RoundConfig(inner_steps=8, selector="pulse"))   # or "dense", "topk"
     loss.backward(); opt.step(); opt.zero_grad()
 
 A training loop that steps its own optimizer (a ``transformers.Trainer``) passes ``inner_optimizer=None`` and calls
@@ -24,7 +24,6 @@ at construction.
 
 from __future__ import annotations
 
-import collections
 import logging
 import math
 import os
@@ -38,23 +37,23 @@ from hivemind.utils import get_dht_time
 from pulseloco.codec import FrameHeader
 from pulseloco.errors import ConfigError, StateDownloadError, TensorMismatchError
 from pulseloco.jsonl import JsonLinesWriter
+from pulseloco.keys import check_run_id
 from pulseloco.loco.averaging import AllReduceResult, SparseAverager, payload_frame
+from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
+from pulseloco.loco.consensus import distrusted, repair_target
 from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
-from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord, majority_digest
+from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
-from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterPlacement, OuterStateDevice, process_group
-from pulseloco.loco.selection import SELECTORS, SelectorName, make_selector, select_in_place
+from pulseloco.loco.placement import OuterPlacement, process_group
+from pulseloco.loco.selection import select_in_place
 from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
 from pulseloco.swarm import is_reachable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_OUTER_CHUNK_BYTES", "PulseLoCo"]
-
-DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
-"""FP32 bytes of one chunk of the outer round's chunked phases: bounds their temporaries."""
+__all__ = ["PulseLoCo"]
 
 _NO_OVERFLOW_BOUND = 2.0**103
 """Local parameters below this in magnitude cannot make ``theta - local`` overflow for any finite FP32 ``theta``:
@@ -101,49 +100,6 @@ def _byte_split(result: AllReduceResult | None, payload: FrameHeader | None) -> 
     }
 
 
-def _check_settings(
-    *,
-    inner_steps: int,
-    selector: str,
-    run_id: str,
-    matchmaking_time: float,
-    averaging_timeout: float,
-    request_timeout: float,
-    target_group_size: int | None,
-    max_norm_ratio: float,
-    num_download_retries: int,
-    outer_state_device: str,
-    outer_chunk_bytes: int,
-) -> None:
-    """Raise :class:`ConfigError` naming the first of :class:`PulseLoCo`'s settings that is out of range."""
-    if inner_steps < 1:
-        raise ConfigError(f"inner_steps must be at least 1, got {inner_steps}")
-    if selector not in SELECTORS:
-        raise ConfigError(f"selector must be one of {SELECTORS}, got {selector!r}")
-    if not run_id or any(c.isspace() for c in run_id):
-        raise ConfigError(f"run_id must be a non-empty string without spaces, got {run_id!r}")
-    for name, value in (
-        ("matchmaking_time", matchmaking_time),
-        ("averaging_timeout", averaging_timeout),
-        ("request_timeout", request_timeout),
-    ):
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
-    if target_group_size is not None and target_group_size < 1:
-        raise ConfigError(f"target_group_size must be at least 1 or None, got {target_group_size}")
-    if not max_norm_ratio > 1.0:
-        raise ConfigError(f"max_norm_ratio must be above 1, got {max_norm_ratio}")
-    if num_download_retries < 1:
-        raise ConfigError(f"num_download_retries must be at least 1, got {num_download_retries}")
-    if outer_state_device not in OUTER_STATE_DEVICES:
-        raise ConfigError(
-            f"outer_state_device must be one of {', '.join(OUTER_STATE_DEVICES)} (auto/cpu: host memory, "
-            f"pinned for a model on a GPU; model: the model's GPU), got {outer_state_device!r}"
-        )
-    if isinstance(outer_chunk_bytes, bool) or not isinstance(outer_chunk_bytes, int) or outer_chunk_bytes < 4:
-        raise ConfigError(f"outer_chunk_bytes must be an integer of at least 4 bytes, got {outer_chunk_bytes!r}")
-
-
 class PulseLoCo:
     """Wraps a model's trainable parameters and its ``inner_optimizer`` (any ``torch.optim.Optimizer``).
 
@@ -154,34 +110,23 @@ class PulseLoCo:
             the caller steps its own optimizer and reports each step with :meth:`count_inner_step`.
         dht: a running ``hivemind.DHT``, or ``None`` to train alone (each round averages over one peer).
         run_id: peers with the same ``run_id`` average together; a prefix of every DHT key.
-        inner_steps: H, inner steps per outer round.
-        outer_lr, outer_momentum: the Nesterov outer optimizer's settings.
-        selector: ``"pulse"`` (compute-visible gate), ``"dense"`` (DiLoCo) or ``"topk"`` (chunked top-k).
-        topk_density, topk_chunk_size: settings of the ``topk`` selector.
-        pulse_values: ``"float32"`` (the paper) or ``"bfloat16"``: the precision of the values the ``pulse``
-            selector sends; BF16 sends 2 bytes a value and keeps the rounding remainder in the residual
-            (:mod:`pulseloco.loco.selection`).
+        round_config: what a round does (:class:`~pulseloco.loco.config.RoundConfig`: ``inner_steps`` H, the
+            ``selector`` -- ``"pulse"``, ``"dense"`` (DiLoCo) or ``"topk"`` -- and its settings, the Nesterov
+            ``outer_lr`` and ``outer_momentum``); default ``RoundConfig()``.
+        averaging_config: how a round meets the swarm and how long each wait may take
+            (:class:`~pulseloco.loco.config.AveragingConfig`: ``matchmaking_time``, ``target_group_size``,
+            ``averaging_timeout`` -- a peer gone mid-round delays the others by at most this --,
+            ``request_timeout``, ``digest_timeout``, ``max_norm_ratio``, ``num_download_retries``).
+        placement_config: where the outer state (``theta``, the residual and the outer momentum: flat FP32, 12
+            bytes a parameter) lives and the chunk size of the round's chunked phases
+            (:class:`~pulseloco.loco.config.PlacementConfig`). ``outer_state_device="auto"`` (default) and
+            ``"cpu"``: host memory, pinned when the model is on a CUDA GPU (so that the chunked copies to and
+            from the GPU run asynchronously); ``"model"``: the model's CUDA device (host memory for a model on
+            the CPU). Either way the results are bit-identical. The temporaries of the chunked phases are
+            bounded by a few chunks of ``outer_chunk_bytes`` (plus the selected entries), not by the model.
         client_mode: join without serving shards or state (behind NAT); default: whether the DHT is unreachable
             (:func:`pulseloco.swarm.is_reachable`: client mode without a relay address).
-        matchmaking_time: seconds to gather peers for a round's group.
-        target_group_size: stop gathering as soon as this many peers registered (``None``: always wait
-            ``matchmaking_time``).
-        averaging_timeout: seconds a round's exchange may take; a peer gone mid-round delays the others by at
-            most this.
-        request_timeout: seconds for any single DHT operation or message.
-        digest_timeout: seconds to wait for the group's digests after a round (default ``request_timeout``).
-        max_norm_ratio: a contribution whose norm exceeds this many times the median of the others' in the
-            same shard is rejected.
         metrics_path: append one JSON line per outer round (:class:`~pulseloco.loco.metrics.RoundMetrics`).
-        num_download_retries: peers tried when downloading the state.
-        outer_state_device: where the outer state (``theta``, the residual and the outer momentum: flat FP32,
-            12 bytes a parameter) lives. ``"auto"`` (default) and ``"cpu"``: host memory, pinned when the model is
-            on a CUDA GPU (so that the chunked copies to and from the GPU run asynchronously); ``"model"``: the
-            model's CUDA device (host memory for a model on the CPU), faster rounds for a model that leaves room
-            for 12 more bytes a parameter. Either way the results are bit-identical.
-        outer_chunk_bytes: FP32 bytes a chunk of the round's chunked phases (parameter transfers, pseudo-gradient,
-            selection, outer step); their temporaries are bounded by a few chunks (plus the selected entries),
-            not by the model. At least 4.
 
     Memory: beside the model, the outer state (12 bytes a parameter, where ``outer_state_device`` says), two
     staging chunks, and during a round temporaries of a few chunks plus the selected entries (indices and
@@ -201,57 +146,33 @@ class PulseLoCo:
         *,
         dht: Any | None = None,
         run_id: str = "pulseloco",
-        inner_steps: int = 8,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        selector: SelectorName = "pulse",
-        topk_density: float = 0.01,
-        topk_chunk_size: int = 4096,
-        pulse_values: str = "float32",
+        round_config: RoundConfig | None = None,
+        averaging_config: AveragingConfig | None = None,
+        placement_config: PlacementConfig | None = None,
         client_mode: bool | None = None,
-        matchmaking_time: float = 15.0,
-        target_group_size: int | None = None,
-        averaging_timeout: float = 60.0,
-        request_timeout: float = 10.0,
-        digest_timeout: float | None = None,
-        max_norm_ratio: float = 10.0,
         metrics_path: str | os.PathLike[str] | None = None,
-        num_download_retries: int = 3,
-        outer_state_device: OuterStateDevice = "auto",
-        outer_chunk_bytes: int = DEFAULT_OUTER_CHUNK_BYTES,
     ) -> None:
-        _check_settings(
-            inner_steps=inner_steps,
-            selector=selector,
-            run_id=run_id,
-            matchmaking_time=matchmaking_time,
-            averaging_timeout=averaging_timeout,
-            request_timeout=request_timeout,
-            target_group_size=target_group_size,
-            max_norm_ratio=max_norm_ratio,
-            num_download_retries=num_download_retries,
-            outer_state_device=outer_state_device,
-            outer_chunk_bytes=outer_chunk_bytes,
-        )
+        check_run_id(run_id)
+        rounds = self.round_config = round_config or RoundConfig()
+        averaging = self.averaging_config = averaging_config or AveragingConfig()
+        placement = self.placement_config = placement_config or PlacementConfig()
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("model has no trainable parameters")
         self.numel = sum(p.numel() for p in self.params)
-        self.inner_steps = int(inner_steps)
-        self.selector = make_selector(
-            selector, topk_density=topk_density, topk_chunk_size=topk_chunk_size, pulse_values=pulse_values
-        )
-        self.outer_optimizer = NesterovOuterOptimizer(outer_lr, outer_momentum)
-        self.outer_state_device = outer_state_device
-        self.placement = OuterPlacement(self.params, outer_state_device, max(1, int(outer_chunk_bytes) // 4))
+        self.inner_steps = rounds.inner_steps
+        self.selector = rounds.make_selector()
+        self.outer_optimizer = rounds.make_outer_optimizer()
+        self.outer_state_device = placement.outer_state_device
+        self.placement = OuterPlacement(self.params, placement.outer_state_device, placement.outer_chunk_bytes // 4)
         self.theta_N = self.placement.flatten_local("theta")
         self.residual_N = self.placement.empty("residual").zero_()
         self.round = 0
         self.local_step = 0
-        self.digest_timeout = request_timeout if digest_timeout is None else float(digest_timeout)
-        self.num_download_retries = int(num_download_retries)
+        self.digest_timeout = averaging.digest_seconds
+        self.num_download_retries = averaging.num_download_retries
         self.metrics_writer = JsonLinesWriter(metrics_path) if metrics_path is not None else None
         self.last_metrics: RoundMetrics | None = None
         self._losses: list[float] = []
@@ -272,18 +193,18 @@ class PulseLoCo:
                 run_id=run_id,
                 numel=self.numel,
                 client_mode=client_mode,
-                averaging_timeout=averaging_timeout,
-                request_timeout=request_timeout,
-                max_norm_ratio=max_norm_ratio,
+                averaging_timeout=averaging.averaging_timeout,
+                request_timeout=averaging.request_timeout,
+                max_norm_ratio=averaging.max_norm_ratio,
             )
             self.matchmaker = Matchmaker(
                 dht,
                 run_id=run_id,
                 peer_id=self.averager.peer_id,
                 client_mode=client_mode,
-                matchmaking_time=matchmaking_time,
-                target_group_size=target_group_size,
-                request_timeout=request_timeout,
+                matchmaking_time=averaging.matchmaking_time,
+                target_group_size=averaging.target_group_size,
+                request_timeout=averaging.request_timeout,
             )
             self.ledger = Ledger(self.averager.peer_id)
             self._catch_up()
@@ -513,24 +434,11 @@ class PulseLoCo:
         own_digest = theta_digest(self.theta_N)
         disputed = tuple(self.averager.disputed)
         own = PeerState(str(self.peer_id), self.round, own_digest, self.averager.client_mode, self._complete, disputed)
-        # A peer some peer caught sending a poisoned average neither votes nor serves (its state may hold the
-        # poison); a false accusation only removes a source, it never makes anyone adopt a state.
-        distrusted = {p for s in states for p in s.disputed} | set(disputed)
-        distrusted.discard(own.peer_id)
-        states = [s for s in states if s.peer_id not in distrusted]
-        votes = [s for s in states if s.peer_id != own.peer_id] + [own]
-        # Rounds some other server-mode peer can serve, with the digest most peers report for each.
-        servable = {s.round for s in votes if not s.client_mode and s.peer_id != own.peer_id}
-        accept = {r: d for r in servable if (d := majority_digest(votes, r)) is not None}
-        # Jump ahead only to a round at least as many peers report as this peer's own: a peer that averaged alone
-        # and raced ahead (a group of one while the DHT failed it) must not drag the majority along.
-        voters = collections.Counter(s.round for s in votes)
-        newest = max((r for r in accept if r > self.round and voters[r] >= voters[self.round]), default=None)
-        if newest is not None:
-            wanted = {newest: accept[newest]}
-        elif self.round in accept and accept[self.round] != own_digest:
-            wanted = {self.round: accept[self.round]}
-        else:
+        distrust = distrusted(states) | set(disputed)
+        distrust.discard(own.peer_id)
+        states = [s for s in states if s.peer_id not in distrust]
+        wanted = repair_target(states, own)
+        if wanted is None:
             return False
         logger.info("repairing state round=%d digest=%s target=%s", self.round, own_digest, wanted)
         try:

@@ -11,6 +11,7 @@ results from bit-identical inputs; this is what keeps every peer's ``theta`` equ
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -30,8 +31,8 @@ class NesterovOuterOptimizer:
     """
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
-        if not lr > 0.0:
-            raise ConfigError(f"outer_lr must be positive, got {lr}")
+        if not (lr > 0.0 and math.isfinite(lr)):
+            raise ConfigError(f"outer_lr must be a positive number, got {lr}")
         if not 0.0 <= momentum < 1.0:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {momentum}")
         self.lr = float(lr)

@@ -44,6 +44,7 @@ __all__ = [
     "Selection",
     "Selector",
     "TopKSelector",
+    "ValueDType",
     "compute_visible_mask",
     "make_selector",
     "select_in_place",
@@ -53,8 +54,12 @@ SelectorName = Literal["pulse", "dense", "topk"]
 #: Names accepted by :func:`make_selector`.
 SELECTORS: tuple[SelectorName, ...] = get_args(SelectorName)
 
-#: Value precisions of the pulse rule: the dtype in which sent values are exact (and travel on the wire).
-VALUE_DTYPES = tuple(WIRE_FORMATS)
+ValueDType = Literal["float32", "bfloat16"]
+#: Value precisions of the pulse rule: the dtype in which sent values are exact (and travel on the wire); the
+#: wire formats of :mod:`pulseloco.loco.validation` (checked at import).
+VALUE_DTYPES: tuple[ValueDType, ...] = get_args(ValueDType)
+if set(VALUE_DTYPES) != set(WIRE_FORMATS):
+    raise ImportError(f"pulse value dtypes {VALUE_DTYPES} differ from the wire formats {tuple(WIRE_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,7 @@ class PulseSelector:
 
     def __init__(self, values: str = "float32") -> None:
         if values not in VALUE_DTYPES:
-            raise ConfigError(f"pulse_values must be one of {VALUE_DTYPES}, got {values!r}")
+            raise ConfigError(f"pulse_values must be one of {', '.join(VALUE_DTYPES)}, got {values!r}")
         self.values = values
 
     def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:

@@ -39,15 +39,9 @@ PROG = "grpo.py"
 
 
 @dataclass(kw_only=True)
-class TaskArguments:
-    """The verifiable task (``pulseloco/recipes/tasks.py``)."""
+class TaskArguments(tasks.TaskArguments):
+    """The verifiable task (:mod:`pulseloco.recipes.tasks`) and how many of its prompts GRPO uses."""
 
-    task: str | None = field(
-        default=None, metadata={"help": "add (a+b=) or sub (a-b=, a >= b); default: the warm model's, else add."}
-    )
-    max_operand: int | None = field(
-        default=None, metadata={"help": "Operands 0..max_operand; default: what the warm model was taught, else 99."}
-    )
     num_train_prompts: int = field(default=4096, metadata={"help": "Training prompts (drawn with --seed)."})
     num_eval_prompts: int = field(
         default=64,
@@ -55,7 +49,7 @@ class TaskArguments:
     )
 
     def __post_init__(self) -> None:
-        tasks.TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
+        super().__post_init__()
         for name in ("num_train_prompts", "num_eval_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

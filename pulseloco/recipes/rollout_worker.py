@@ -40,8 +40,8 @@ ENGINES = ("transformers", "vllm")
 
 
 @dataclass(kw_only=True)
-class WorkerArguments:
-    """What the worker loads, whom it trusts, and how long it runs."""
+class WorkerArguments(tasks.TaskArguments):
+    """What the worker loads, whom it trusts, and how long it runs; the task it scores versions on."""
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "The policy's starting checkpoint (the trainers' --model_name_or_path)."}
@@ -57,12 +57,6 @@ class WorkerArguments:
         default=None, metadata={"help": "The publisher's public key (the .pub written by `pulseloco keygen`)."}
     )
     output_dir: str = field(default="runs/worker", metadata={"help": "rollouts.jsonl goes here."})
-    task: str | None = field(
-        default=None, metadata={"help": "add or sub (pulseloco/recipes/tasks.py); default: the warm model's, else add."}
-    )
-    max_operand: int | None = field(
-        default=None, metadata={"help": "Operands 0..max_operand; default: what the warm model was taught, else 99."}
-    )
     num_prompts: int = field(default=64, metadata={"help": "Held-out prompts scored greedily per version."})
     max_new_tokens: int = field(default=6, metadata={"help": "Longest completion."})
     interval: float = field(default=1.0, metadata={"help": "Seconds between checks for a new version."})
@@ -94,7 +88,7 @@ class WorkerArguments:
     )
 
     def __post_init__(self) -> None:
-        tasks.TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
+        super().__post_init__()
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.vllm_dtype not in ("bfloat16", "float32"):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 TASKS = ("add", "sub")
@@ -36,6 +36,22 @@ class TaskSpec:
             raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.max_operand < 1:
             raise ValueError(f"max_operand must be at least 1, got {self.max_operand}")
+
+
+@dataclass(kw_only=True)
+class TaskArguments:
+    """The task options of the recipes that use it (GRPO trainers and rollout workers); an unset one follows the
+    warm model (:func:`spec_for_model`). Raises ``ValueError`` naming a bad value."""
+
+    task: str | None = field(
+        default=None, metadata={"help": "add (a+b=) or sub (a-b=, a >= b); default: the warm model's, else add."}
+    )
+    max_operand: int | None = field(
+        default=None, metadata={"help": "Operands 0..max_operand; default: what the warm model was taught, else 99."}
+    )
+
+    def __post_init__(self) -> None:
+        TaskSpec(task=self.task or "add", max_operand=self.max_operand or 99)  # validates what was given
 
 
 def spec_for_model(model_name_or_path: str, task: str | None, max_operand: int | None) -> TaskSpec:
