@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     strategies, lrs, seeds = validate(ap, args, extra)
     runs_dir, temp_runs = prepare_runs_dir(args.runs_dir)
 
-    def remove_temp_runs() -> None:
+    def remove_temp_runs() -> None:  # a temporary runs directory goes unless --keep-runs
         if temp_runs and not args.keep_runs:
             shutil.rmtree(runs_dir, ignore_errors=True)
         elif temp_runs:

@@ -43,6 +43,7 @@ from harness.run_outputs import allreduce_bytes, store_summary
 
 
 def ratio(baseline: float, value: float) -> str:
+    """``baseline`` against ``value`` as ``39x less`` (``3.6x less`` under 10); ``n/a`` for a value of 0 or less."""
     if value <= 0:
         return "n/a"
     r = baseline / value
@@ -393,6 +394,7 @@ def serving_lines(rollouts: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the report (and write ``--json``); exit code 0 when the run was whole, else 1 (module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path, help="the demo's output directory (peer0/, peer1/, worker/)")
     ap.add_argument("--seconds", type=float, default=None, help="wall time of the demo, for the title")

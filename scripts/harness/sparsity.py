@@ -138,6 +138,8 @@ def make_callback(precision: str) -> Any:
     from transformers import TrainerCallback
 
     class SnapshotCallback(TrainerCallback):
+        """The run's BF16 snapshots, per-step records, rebuild errors and step times, filled step by step."""
+
         def __init__(self) -> None:
             self.params: list[torch.Tensor] = []
             self.snapshots: list[torch.Tensor] = []
@@ -149,6 +151,7 @@ def make_callback(precision: str) -> Any:
             self.ever_changed = torch.zeros(0, dtype=torch.bool)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            """The first snapshot: the model's parameters before the first step."""
             self.params = list(model.parameters())  # tied weights once
             self.snapshots = [bf16_view(self.params)]
             self.prev = flat_float(self.params)
@@ -158,6 +161,7 @@ def make_callback(precision: str) -> Any:
         def on_step_end(
             self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any
         ) -> None:  # fmt: skip
+            """A snapshot after the optimizer step, what changed, and the step's update binned by r."""
             self.step_times.append(time.monotonic())
             snap = bf16_view(self.params)
             changed = snap.view(torch.int16) != self.snapshots[-1].view(torch.int16)
