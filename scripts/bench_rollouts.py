@@ -13,7 +13,7 @@ Cases (``--cases``, comma-separated):
   * ``swarm1``, ``swarm2``, ``swarm4``: ``--rollouts swarm`` with 1, 2, 4 rollout workers (``--serve_rollouts``)
     on loopback; same model (the cached tiny warm model, ``scripts/warm_model.py --size tiny``), seed, steps.
   * ``netns-patch``, ``netns-full``: the trainer (and the swarm's bootstrap node) and every worker each in its own
-    network namespace behind ``tc tbf`` at ``--rate`` both ways (scripts/netns.py), on a larger model (below):
+    network namespace behind ``tc tbf`` at ``--rate`` both ways (scripts/harness/netns.py), on a larger model (below):
     PULSESync patches (anchor every 10 versions) against a full BF16 copy per version (the trainer publishes with
     ``--anchor_every 1`` and the workers run with ``--full_checkpoints``).
   * ``nolimit-patch``: the netns-patch run on loopback without any link limit (the "ideal datacenter" reference).
@@ -48,15 +48,10 @@ Ctrl-C included; every wait is bounded (``--case-timeout``).
 from __future__ import annotations
 
 import argparse
-import atexit
-import contextlib
-import hashlib
 import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,12 +60,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from netns import NetNS, rate_label  # scripts/ is on sys.path when run as a script
+from harness import REPO, models, procs
+from harness.logs import progress
+from harness.netns import NetNS, open_netns, rate_label
+from harness.recipe_runs import LAUNCH, SINGLE_PROCESS, recipe_path, start_bootstrap
+from harness.report import cell, mb, md_table, percentile, read_records
 
-REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "results" / "bench-rollouts"
 CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
-ACCELERATE_CONFIG = REPO / "recipes" / "accelerate_configs" / "single_process.yaml"
 TINY_CASES = ("local", "swarm1", "swarm2", "swarm4")
 NET_CASES = ("nolimit-patch", "netns-patch", "netns-full")
 ALL_CASES = TINY_CASES + NET_CASES
@@ -78,8 +75,7 @@ BATCH = 16  # per_device_train_batch_size of grpo-tiny.yaml: completions per ste
 READY_MARK = "rollout: serving leases"
 
 
-def log(msg: str) -> None:
-    print(f"[bench_rollouts {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = progress("bench_rollouts")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -184,244 +180,101 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Models
+# One case
 # --------------------------------------------------------------------------------------------------
 
 
-def tiny_model() -> str:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "warm_model.py"), "--size", "tiny"],
-        capture_output=True, text=True, timeout=1800, check=True, cwd=REPO,
-    )  # fmt: skip
-    return out.stdout.strip().splitlines()[-1].removeprefix("warm model: ").strip()
+def start_workers(
+    case: Case,
+    args: argparse.Namespace,
+    runner: procs.Runner,
+    model: str,
+    run_id: str,
+    public_key: Path,
+    deadline: float,
+) -> list[str]:
+    """Start the swarm's bootstrap node and the case's rollout workers and wait until each serves leases; returns
+    the initial peers. Raises ProcFailed (a RuntimeError) or ProcTimeout (also a TimeoutError) with the log's tail."""
+    host = [runner.netns.host(i) if runner.netns is not None else "127.0.0.1" for i in range(case.workers + 1)]
+    started = time.monotonic()
+    initial = [start_bootstrap(runner, "dht", host=host[0], ns_index=0, timeout=120)]
+    workers = []
+    for w in range(case.workers):
+        wdir = runner.log_dir / f"worker{w}"
+        cmd = [sys.executable, str(recipe_path("rollout_worker"))]
+        if case.full:
+            cmd += ["--full_checkpoints"]
+        cmd += [
+            "--model_name_or_path", model, "--run_id", run_id, "--initial_peers", *initial,
+            "--host_maddrs", f"/ip4/{host[w + 1]}/tcp/0", "--public_key", str(public_key),
+            "--output_dir", str(wdir), "--serve_rollouts", "--max_seconds", str(int(args.case_timeout)),
+            "--update_timeout", "300", "--interval", "0.2",
+        ]  # fmt: skip
+        threads = str(args.worker_threads)
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        wdir.mkdir()
+        workers.append(runner.start(f"worker{w}", cmd, log_path=wdir / "worker.log", ns_index=w + 1, env=env))
+    for worker in workers:
+        worker.wait_for(re.escape(READY_MARK), max(1.0, min(args.startup_timeout, deadline - time.monotonic())))
+    log(f"{case.name}: {case.workers} worker(s) serving after {time.monotonic() - started:.0f} s")
+    return initial
 
 
-def grown_model(base: str, layers: int, intermediate: int, norm_scale: float, seed: int) -> tuple[str, dict]:
-    """The tiny warm model grown to ``layers`` decoder layers and MLP width ``intermediate`` (module docstring);
-    cached by a hash of its settings. Returns its directory and a description (parameters, BF16 bytes, rewards)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    key = json.dumps([base, layers, intermediate, norm_scale, seed, 1])
-    cache = Path(os.environ.get("PULSELOCO_CACHE", Path.home() / ".cache" / "pulseloco")) / "models"
-    out = cache / f"bench-rollouts-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-    marker = out / "bench_rollouts_model.json"
-    if marker.is_file():
-        return str(out), json.loads(marker.read_text())
-    small = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    cfg = LlamaConfig.from_pretrained(base)
-    old_layers, old_inter = cfg.num_hidden_layers, cfg.intermediate_size
-    cfg.num_hidden_layers, cfg.intermediate_size = layers, intermediate
-    torch.manual_seed(seed)
-    big = LlamaForCausalLM(cfg)  # N(0, initializer_range=0.02) everywhere, norms 1
-    big_sd, small_sd = big.state_dict(), small.state_dict()
-    with torch.no_grad():
-        for name, t in small_sd.items():
-            target = big_sd[name]
-            if target.shape == t.shape:
-                target.copy_(t)
-            elif name.endswith(("gate_proj.weight", "up_proj.weight")):
-                target[:old_inter].copy_(t)
-            elif name.endswith("down_proj.weight"):
-                target[:, :old_inter].copy_(t)
-            else:
-                raise RuntimeError(f"cannot grow {name}: {tuple(t.shape)} -> {tuple(target.shape)}")
-        for i in range(old_layers, layers):  # new layers: small norms so they barely move the residual stream
-            big.model.layers[i].input_layernorm.weight.fill_(norm_scale)
-            big.model.layers[i].post_attention_layernorm.weight.fill_(norm_scale)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=cache))
-    big.save_pretrained(tmp)
-    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "pulseloco_warm.json"):
-        if (Path(base) / extra).is_file():
-            shutil.copy2(Path(base) / extra, tmp / extra)
-    from pulseloco.integrations.rollout import TransformersEngine
-    from pulseloco.recipes import tasks
-
-    spec = tasks.spec_for_model(base, None, None)
-    problems = tasks.eval_problems(spec, 64)
-
-    def reward(model_dir: Path) -> float:
-        engine = TransformersEngine.from_pretrained(str(model_dir))
-        return tasks.score(engine.generate([p for p, _ in problems], max_new_tokens=6), problems)
-
-    num_params = sum(p.numel() for p in big.parameters())
-    info = {
-        "base": base,
-        "num_hidden_layers": layers,
-        "intermediate_size": intermediate,
-        "hidden_size": cfg.hidden_size,
-        "new_layer_norm_scale": norm_scale,
-        "num_params": num_params,
-        "bf16_bytes": 2 * num_params,
-        "greedy_reward_base": reward(Path(base)),
-        "greedy_reward_grown": reward(tmp),
-    }
-    (tmp / "bench_rollouts_model.json").write_text(json.dumps(info, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return str(out), info
-
-
-# --------------------------------------------------------------------------------------------------
-# Processes
-# --------------------------------------------------------------------------------------------------
-
-
-class Procs:
-    """Processes started by this script, each leading its own process group (its DHT and p2pd children too)."""
-
-    def __init__(self) -> None:
-        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
-
-    def start(self, name: str, cmd: list[str], log_path: Path, *, ns: str | None = None, env: dict | None = None):
-        if ns is not None:
-            cmd = ["ip", "netns", "exec", ns, *cmd]
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        with open(log_path, "wb") as fh:
-            proc = subprocess.Popen(
-                cmd, cwd=REPO, env=full_env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        self.procs.append((name, proc, log_path))
-        return proc
-
-    def stop_all(self, grace: float = 15.0) -> None:
-        """SIGTERM every group, wait (bounded), then SIGKILL what is left. Idempotent."""
-        procs, self.procs = self.procs, []
-        for _, proc, _ in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for _, proc, _ in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for _, proc, _ in procs:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
-
-
-def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    rx = re.compile(pattern)
-    while time.monotonic() < deadline:
-        text = path.read_text(errors="replace") if path.exists() else ""
-        if m := rx.search(text):
-            return m
-        if proc.poll() is not None:
-            raise RuntimeError(f"{path.name}: exited with {proc.returncode} before {pattern!r}:\n{tail(path)}")
-        time.sleep(0.5)
-    raise TimeoutError(f"{path.name}: no {pattern!r} within {timeout:.0f} s:\n{tail(path)}")
-
-
-def tail(path: Path, lines: int = 25) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
+def trainer_argv(
+    case: Case, args: argparse.Namespace, model: str, out_dir: Path, swarm: list[str], steps: int, lr: float | None
+) -> list[str]:
+    """recipes/grpo.py under accelerate's launcher: one PULSELoCo outer round at the end (a lone trainer), a
+    version published every step; ``swarm``: the flags that join the workers' swarm (none: local rollouts)."""
+    cmd = [
+        *LAUNCH, *SINGLE_PROCESS, str(recipe_path("grpo")), "--config", str(CONFIG), "--model_name_or_path", model,
+        "--output_dir", str(out_dir), "--max_steps", str(steps), "--seed", str(case.seed),
+        "--num_eval_prompts", str(args.eval_prompts),
+        "--strategy", "pulseloco", "--inner_steps", str(steps), "--target_group_size", "1",
+        "--matchmaking_time", "2", "--logging_steps", "4", "--linger", "2",
+    ]  # fmt: skip
+    if lr is not None:
+        cmd += ["--learning_rate", str(lr)]
+    return cmd + (swarm or ["--rollouts", "local"])
 
 
 def run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, keys: tuple[Path, Path],
              net: NetNS | None) -> dict[str, Any]:  # fmt: skip
+    """One case: its workers (if any), the trainer to the end, then the metrics of its files; a case that fails
+    or runs past ``--case-timeout`` gives the metrics so far and ``error``."""
     run_dir = workdir / case.run_name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
-    procs = Procs()
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # `pulseloco dht`
+    runner = procs.Runner(run_dir, netns=net if case.netns else None, env={"PATH": path})
     started = time.monotonic()
     deadline = started + args.case_timeout
-    net_case = case.model == "net"
-    steps = args.net_steps if net_case else args.steps
-    lr = args.net_lr if net_case else args.lr
+    steps = args.net_steps if case.model == "net" else args.steps
+    lr = args.net_lr if case.model == "net" else args.lr
     run_id = f"bench{os.getpid()}{case.name.replace('-', '')}s{case.seed}"
-
-    def host(i: int) -> str:
-        return net.host(i) if case.netns and net is not None else "127.0.0.1"
-
-    def ns(i: int) -> str | None:
-        return net.peer_ns(i) if case.netns and net is not None else None
-
     try:
-        initial: list[str] = []
+        swarm: list[str] = []
         if case.workers:
-            boot_log = run_dir / "dht.log"
-            boot = procs.start(
-                "dht",
-                [sys.executable, "-m", "pulseloco", "dht", "--host-maddrs", f"/ip4/{host(0)}/tcp/0"],
-                boot_log,
-                ns=ns(0),
-            )
-            initial = [wait_for_line(boot_log, r"multiaddr: (\S+)", boot, 120).group(1)]
-            worker_procs = []
-            for w in range(case.workers):
-                wdir = run_dir / f"worker{w}"
-                cmd = [sys.executable, str(REPO / "recipes" / "rollout_worker.py")]
-                if case.full:
-                    cmd += ["--full_checkpoints"]
-                cmd += [
-                    "--model_name_or_path", model, "--run_id", run_id, "--initial_peers", *initial,
-                    "--host_maddrs", f"/ip4/{host(w + 1)}/tcp/0", "--public_key", str(keys[1]),
-                    "--output_dir", str(wdir), "--serve_rollouts", "--max_seconds", str(int(args.case_timeout)),
-                    "--update_timeout", "300", "--interval", "0.2",
-                ]  # fmt: skip
-                threads = str(args.worker_threads)
-                env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-                wdir.mkdir()
-                worker_procs.append((procs.start(f"worker{w}", cmd, wdir / "worker.log", ns=ns(w + 1), env=env), wdir))
-            for proc, wdir in worker_procs:
-                left = min(args.startup_timeout, deadline - time.monotonic())
-                wait_for_line(wdir / "worker.log", re.escape(READY_MARK), proc, max(1.0, left))
-            log(f"{case.name}: {case.workers} worker(s) serving after {time.monotonic() - started:.0f} s")
-        out_dir = run_dir / "trainer"
-        cmd = [
-            str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(ACCELERATE_CONFIG),
-            str(REPO / "recipes" / "grpo.py"), "--config", str(CONFIG), "--model_name_or_path", model,
-            "--output_dir", str(out_dir), "--max_steps", str(steps), "--seed", str(case.seed),
-            "--num_eval_prompts", str(args.eval_prompts),
-            # one PULSELoCo outer round at the end (a lone trainer); versions are published every step
-            "--strategy", "pulseloco", "--inner_steps", str(steps), "--target_group_size", "1",
-            "--matchmaking_time", "2", "--logging_steps", "4", "--linger", "2",
-        ]  # fmt: skip
-        if lr is not None:
-            cmd += ["--learning_rate", str(lr)]
-        if case.workers:
-            cmd += [
+            initial = start_workers(case, args, runner, model, run_id, keys[1], deadline)
+            host = runner.netns.host(0) if runner.netns is not None else "127.0.0.1"
+            swarm = [
                 "--rollouts", "swarm", "--publish", "--signing_key", str(keys[0]), "--publish_every", "1",
                 "--anchor_every", "1" if case.full else "10", "--run_id", run_id, "--initial_peers", *initial,
-                "--host_maddrs", f"/ip4/{host(0)}/tcp/0", "--rollout_fallback", "wait",
-                "--max_lag", str(args.max_lag),
+                "--host_maddrs", f"/ip4/{host}/tcp/0", "--rollout_fallback", "wait", "--max_lag", str(args.max_lag),
             ]  # fmt: skip
-        else:
-            cmd += ["--rollouts", "local"]
-        trainer_log = run_dir / "trainer.log"
-        trainer = procs.start("trainer", cmd, trainer_log, ns=ns(0))
+        cmd = trainer_argv(case, args, model, run_dir / "trainer", swarm, steps, lr)
+        trainer = runner.start("trainer", cmd, ns_index=0)
         log(f"{case.name}: trainer started ({steps} steps)")
-        try:
-            code = trainer.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"{case.name}: trainer not done within --case-timeout:\n{tail(trainer_log)}") from None
-        if code != 0:
-            raise RuntimeError(f"{case.name}: trainer exited with {code}:\n{tail(trainer_log)}")
+        procs.wait_all([trainer], max(1.0, deadline - time.monotonic()), hint="--case-timeout")
         time.sleep(1.0)  # workers write their last version's line
     except (RuntimeError, TimeoutError, OSError) as exc:  # keep what the run wrote so far
-        procs.stop_all()
+        runner.stop_all(grace=15.0)
         result = collect(case, run_dir, steps, lr, partial=True)
-        result["error"] = str(exc)
+        result["error"] = f"{case.name}: {exc}"
         result["wall_seconds"] = round(time.monotonic() - started, 1)
         return result
     finally:
-        procs.stop_all()
+        runner.stop_all(grace=15.0)
     result = collect(case, run_dir, steps, lr)
     result["wall_seconds"] = round(time.monotonic() - started, 1)
     return result
@@ -430,13 +283,6 @@ def run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, ke
 # --------------------------------------------------------------------------------------------------
 # Reading a run's files
 # --------------------------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def summarize_run(
@@ -496,7 +342,7 @@ def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial:
     """The metrics of a run directory; ``partial``: of a run that did not finish (steps and seconds from the
     trainer's rollouts.jsonl: its rounds and the time from the first to the last)."""
     out_dir = run_dir / "trainer"
-    rounds = [r for r in read_jsonl(out_dir / "rollouts.jsonl") if r.get("mode", "train") == "train"]
+    rounds = [r for r in read_records(out_dir / "rollouts.jsonl") if r.get("mode", "train") == "train"]
     if partial or not (out_dir / "grpo_eval.json").is_file():
         seconds = rounds[-1]["time"] - rounds[0]["time"] if len(rounds) > 1 else 0.0
         evaluation = {"seconds": seconds}
@@ -506,7 +352,7 @@ def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial:
     state_path = out_dir / "trainer_state.json"
     state = json.loads(state_path.read_text()) if state_path.is_file() else {}
     rewards = [h["reward"] for h in state.get("log_history", []) if "reward" in h]
-    workers = [read_jsonl(d / "rollouts.jsonl") for d in sorted(run_dir.glob("worker*"))]
+    workers = [read_records(d / "rollouts.jsonl") for d in sorted(run_dir.glob("worker*"))]
     result = {
         **asdict(case),
         "label": case.label,
@@ -518,8 +364,8 @@ def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial:
         **summarize_run(
             steps=steps if partial else int(state.get("global_step", steps)),
             train_seconds=float(evaluation["seconds"]),
-            rollouts=read_jsonl(out_dir / "rollouts.jsonl"),
-            published=read_jsonl(out_dir / "pulsesync_versions.jsonl"),
+            rollouts=read_records(out_dir / "rollouts.jsonl"),
+            published=read_records(out_dir / "pulsesync_versions.jsonl"),
             workers=workers,
         ),
     }
@@ -529,24 +375,6 @@ def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial:
 # --------------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------------
-
-
-def _fmt(v: Any, nd: int = 2) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.{nd}f}"
-    return str(v)
-
-
-def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def _mb(b: float | None) -> str:
-    return "-" if b is None else f"{b / 1e6:.3f} MB"
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -580,8 +408,8 @@ def build_tables(results: list[dict[str, Any]]) -> str:
         for r in net:
             rows.append([
                 r["name"], r["workers"], "full BF16" if r["full"] else "patches", r["steps"], r["train_seconds"],
-                r["samples_per_s"], r["steps_per_min"], r["wait_fraction"], _mb(r["patch_bytes_median"]),
-                _mb(r["bytes_received_per_version_median"]), r["seconds_to_serve_median"], r["reward_after"],
+                r["samples_per_s"], r["steps_per_min"], r["wait_fraction"], mb(r["patch_bytes_median"]),
+                mb(r["bytes_received_per_version_median"]), r["seconds_to_serve_median"], r["reward_after"],
             ])  # fmt: skip
         out.append("\n### (b) Rate-limited links: patches vs full copies\n")
         out.append(md_table(
@@ -592,11 +420,11 @@ def build_tables(results: list[dict[str, Any]]) -> str:
         out.append("")
         out.append(
             "- throughput patches / full copies (same link): "
-            f"{_fmt(ratio(p and p['samples_per_s'], f and f['samples_per_s']), 3)}"
+            f"{cell(ratio(p and p['samples_per_s'], f and f['samples_per_s']), 3)}"
         )
         out.append(
             "- throughput patches over the link / same workers without a link limit: "
-            f"{_fmt(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
+            f"{cell(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
         )
     done = [r for r in results if r.get("steps") and r["workers"]]
     if done:
@@ -662,6 +490,41 @@ def write_outputs(payload: dict[str, Any], out: Path) -> str:
     return text
 
 
+def prepare_models(args: argparse.Namespace, cases: list[Case], payload: dict[str, Any]) -> tuple[str, str | None]:
+    """The tiny warm model (built once by scripts/warm_model.py) and, for net cases, the grown one; both noted in
+    ``payload``. Raises RuntimeError when a model cannot be built."""
+    tiny = str(models.warm_model_dir("tiny", timeout=1800))
+    payload["tiny_model"] = tiny
+    net_model = None
+    if any(c.model == "net" for c in cases):
+        seed = cases[0].seed
+        net_model, payload["net_model"] = models.grow_llama(
+            tiny, args.net_layers, args.net_intermediate, args.net_norm_scale, seed
+        )
+        log(f"netns model {net_model}: {payload['net_model']}")
+    return tiny, net_model
+
+
+def run_cases(
+    args: argparse.Namespace, cases: list[Case], workdir: Path, payload: dict[str, Any], net: NetNS | None
+) -> None:
+    """Every case in turn, each result appended to ``payload["results"]`` and the outputs written again after it."""
+    from pulseloco.sync.signing import generate_key, save_keypair
+
+    keys = save_keypair(generate_key(), workdir / "publisher.key")
+    tiny, net_model = prepare_models(args, cases, payload)
+    for case in cases:
+        log(f"case {case.run_name}: {case.label}")
+        try:
+            result = run_case(case, args, net_model if case.model == "net" and net_model else tiny, workdir, keys, net)
+        except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as exc:
+            log(f"case {case.name} failed: {exc}")
+            result = {**asdict(case), "label": case.label, "error": str(exc)}
+        payload["results"].append(result)
+        write_outputs(payload, Path(args.out))
+        log(f"case {case.run_name}: {json.dumps({k: result.get(k) for k in ('samples_per_s', 'wait_fraction')})}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
@@ -674,12 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         names = validate(args)
     except ValueError as exc:
         ap.error(str(exc))
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    procs.exit_on_signals()
     seeds = [int(x) for x in args.seeds.split(",")]
     cases = [replace(make_case(n, args.net_workers), seed=seed) for seed in seeds for n in names]
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="brollouts"))
@@ -695,42 +553,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: list[dict[str, Any]] = payload["results"]
     try:
-        from pulseloco.sync.signing import generate_key, save_keypair
-
-        keys = save_keypair(generate_key(), workdir / "publisher.key")
-        tiny = tiny_model()
-        payload["tiny_model"] = tiny
-        net_model = None
-        if any(c.model == "net" for c in cases):
-            net_model, payload["net_model"] = grown_model(
-                tiny, args.net_layers, args.net_intermediate, args.net_norm_scale, seeds[0]
-            )
-            log(f"netns model {net_model}: {payload['net_model']}")
         if any(c.netns for c in cases):
-            reason = NetNS.unavailable_reason()
-            if reason is None:
-                net = NetNS(args.net_workers + 1, args.rate, prefix="plbr")
-                atexit.register(net.teardown)
-                try:
-                    net.setup()
-                except Exception as exc:
-                    net.teardown()
-                    net, reason = None, f"namespace setup failed: {exc}"
+            net, reason = open_netns(args.net_workers + 1, args.rate, prefix="plbr")
             if reason is not None:
                 log(f"netns cases skipped: {reason}")
                 for c in [c for c in cases if c.netns]:
                     results.append({**asdict(c), "label": c.label, "error": f"skipped: {reason}"})
                 cases = [c for c in cases if not c.netns]
-        for case in cases:
-            log(f"case {case.run_name}: {case.label}")
-            try:
-                result = run_case(case, args, net_model if case.model == "net" else tiny, workdir, keys, net)
-            except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as exc:
-                log(f"case {case.name} failed: {exc}")
-                result = {**asdict(case), "label": case.label, "error": str(exc)}
-            results.append(result)
-            write_outputs(payload, out)
-            log(f"case {case.run_name}: {json.dumps({k: result.get(k) for k in ('samples_per_s', 'wait_fraction')})}")
+        run_cases(args, cases, workdir, payload, net)
     finally:
         if net is not None:
             net.teardown()
