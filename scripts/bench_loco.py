@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from harness import models, procs
+from harness.run_outputs import allreduce_bytes
 
 
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -214,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with torch.device("meta"):  # count parameters without allocating them
         numel = sum(p.numel() for p in make_model(args).parameters())
-    ring = 2 * (args.num_peers - 1) / args.num_peers
-    ddp_bytes = ring * 4 * numel * args.inner_steps
+    ddp_bytes = allreduce_bytes(numel, args.num_peers) * args.inner_steps
     print(
         f"model: Llama {numel / 1e6:.1f}M parameters; {args.num_peers} peers on loopback; H={args.inner_steps}; "
         f"{args.rounds} rounds; DDP ring all-reduce per peer per round = {ddp_bytes / 1e6:.1f} MB",
