@@ -701,9 +701,22 @@ def tree_depth(parents: dict[int, int | None]) -> int | None:
     return None if not found or any(d is None for d in found) else max(d for d in found if d is not None)
 
 
-BOUND_COLUMNS: list[Column[tuple[CaseResult, dict[str, Any]]]] = [
+Measured = tuple[CaseResult, dict[str, Any]]
+"""A case and its :meth:`CaseResult.summary`: a row of the tables."""
+CASE_COLUMNS: list[Column[Measured]] = [
     ("subs", 4, lambda cs: str(cs[0].subscribers)),
     ("mode", 7, lambda cs: cs[0].mode),
+]
+"""The label columns of both tables: subscribers and mode."""
+
+
+def measured(cases: list[CaseResult]) -> list[Measured]:
+    """The cases that measured at least one counted version, with their summaries."""
+    return [(c, s) for c, s in ((c, c.summary()) for c in cases) if s]
+
+
+BOUND_COLUMNS: list[Column[Measured]] = [
+    *CASE_COLUMNS,
     ("depth_min", 9, lambda cs: str(cs[1]["min_depth"])),
     ("depth_formed", 12, lambda cs: "?" if cs[1]["formed_depth_max"] is None else str(cs[1]["formed_depth_max"])),
     ("transfer_s", 10, lambda cs: f"{cs[1]['mean_transfer_s']:.2f}"),
@@ -719,17 +732,15 @@ BOUND_COLUMNS: list[Column[tuple[CaseResult, dict[str, Any]]]] = [
 
 
 def format_bound_table(cases: list[CaseResult]) -> str:
-    measured = [(c, s) for c, s in ((c, c.summary()) for c in cases) if s and "mean_ratio" in s]
-    return fixed_table(BOUND_COLUMNS, measured)
+    return fixed_table(BOUND_COLUMNS, [(c, s) for c, s in measured(cases) if "mean_ratio" in s])
 
 
 # --------------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------------
 
-COLUMNS: list[Column[tuple[CaseResult, dict[str, Any]]]] = [
-    ("subs", 4, lambda cs: str(cs[0].subscribers)),
-    ("mode", 7, lambda cs: cs[0].mode),
+COLUMNS: list[Column[Measured]] = [
+    *CASE_COLUMNS,
     ("versions", 8, lambda cs: str(cs[1]["versions"])),
     ("MB/version", 10, lambda cs: f"{cs[1]['mean_object_bytes'] / 1e6:.3f}"),
     ("vs_full_bf16", 12, lambda cs: f"{cs[1]['ratio_vs_full_bf16']:.5f}"),
@@ -747,8 +758,7 @@ COLUMNS: list[Column[tuple[CaseResult, dict[str, Any]]]] = [
 
 def format_table(cases: list[CaseResult]) -> str:
     """A line per measured case, a blank line between subscriber counts."""
-    measured = [(c, s) for c, s in ((c, c.summary()) for c in cases) if s]
-    return fixed_table(COLUMNS, measured, group=lambda cs: cs[0].subscribers)
+    return fixed_table(COLUMNS, measured(cases), group=lambda cs: cs[0].subscribers)
 
 
 def summarize(cases: list[CaseResult]) -> list[dict[str, Any]]:

@@ -28,52 +28,20 @@ from typing import Any
 
 from harness import REPO, SCRIPTS
 
+_CONFIG_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "tie_word_embeddings", "max_position_embeddings",
+)  # fmt: skip
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
-    # ~122M parameters.
-    "default": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=2048,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    ),
-    # ~1.1B parameters (a TinyLlama-sized model): the GPU benchmark.
-    "1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        intermediate_size=5632,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-        max_position_embeddings=2048,
-    ),
-    # ~7M parameters: a quick smoke run (tests).
-    "small": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=688,
-        vocab_size=8000,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    ),
-    # ~0.6M parameters: the test suite's smoke runs (the same code paths, a fraction of the CPU time).
-    "tiny": dict(
-        hidden_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=256,
-        vocab_size=2000,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
-    ),
+    name: dict(zip(_CONFIG_FIELDS, values))
+    for name, values in {
+        "default": (768, 12, 12, 2, 2048, 32000, False, 512),  # ~122M parameters
+        "1b": (2048, 22, 32, 4, 5632, 32000, False, 2048),  # ~1.1B (a TinyLlama-sized model): the GPU benchmark
+        "small": (256, 4, 4, 2, 688, 8000, False, 512),  # ~7M: a quick smoke run (tests)
+        "tiny": (96, 2, 4, 2, 256, 2000, False, 256),  # ~0.6M: the test suite's smoke runs (same code, less CPU)
+    }.items()
 }
+"""The Qwen2 configs of :func:`build_model`, by name: sizes, vocabulary, untied embeddings."""
 MIN_DEFAULT_PARAMS = 100_000_000
 WARM_MODEL_TIMEOUT = 3600.0
 """Seconds ``scripts/warm_model.py`` may take to build a warm model (reusing a cached one takes seconds)."""
