@@ -21,6 +21,14 @@ that need them), so a coordinator process stays light.
 - :mod:`harness.report`: tables (markdown, aligned text, fixed-width columns, key/value lines), number formatting,
   tolerant readers of a run's JSON files, comma-list argument parsers, matplotlib without a display.
 - :mod:`harness.logs`: progress lines on stderr, so that stdout holds only what a script reports.
+- :mod:`harness.recipe_runs`: launching the recipes as a benchmark does (accelerate's launcher, a bootstrap node, a
+  signing key, swarm flags); :mod:`harness.run_outputs`: a recipe run's output directory read back.
+
+Pieces of one experiment that stand on their own (each named after its script): :mod:`harness.codec_baselines`
+(bench_codec's naive and authors' codecs), :mod:`harness.warm` (warm_model's sizes, training and cache),
+:mod:`harness.sparsity` and :mod:`harness.sparsity_report` (sparsity_study's measurements and report),
+:mod:`harness.compare_runs`, :mod:`harness.compare_results` and :mod:`harness.compare_report` (compare's plans and
+launches, aggregation, and outputs).
 """
 
 from __future__ import annotations
