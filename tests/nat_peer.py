@@ -23,12 +23,9 @@ import logging
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pulseloco.swarm import SwarmConfig, is_reachable, make_dht
 

@@ -39,7 +39,7 @@ from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dh
 from pulseloco.errors import PayloadError, PayloadSizeError
 from pulseloco.jsonl import read_json_lines
 from pulseloco.keys import workers_key
-from pulseloco.rollouts.client import NoWorkersError, RolloutClient
+from pulseloco.rollouts.client import LeaseConfig, NoWorkersError, RolloutClient
 from pulseloco.rollouts.protocol import (
     LOGPROB_SLACK,
     MAX_LEASE_BYTES,
@@ -457,7 +457,7 @@ class Swarm:
 
     @contextlib.contextmanager
     def client(self, **options: Any) -> Iterator[RolloutClient]:
-        client = RolloutClient(self.dht, POLICY, self.key.public_key(), vocab_size=VOCAB, **options)
+        client = RolloutClient(self.dht, POLICY, self.key.public_key(), vocab_size=VOCAB, config=LeaseConfig(**options))
         try:
             yield client
         finally:
@@ -776,7 +776,7 @@ def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swa
     its own DHT peer, BF16 copies of the newest few): a batch generated at version v and checked after two more
     versions is checked with v's weights (pinned, gaps within BF16 rounding), where the trainer's own newer weights
     would be off by more. A version older than every one held is not waited for."""
-    from pulseloco.integrations.verify import RolloutVerifier, VersionStates
+    from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig, VersionStates
 
     template = {n: t for n, t in swarm.model.state_dict().items() if t.is_floating_point()}
     trainer_dht = start_dht(maddrs(swarm.dht))  # another peer: this process publishes, and cannot fetch from itself
@@ -795,11 +795,13 @@ def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swa
             assert {generated, swarm.version} <= set(states.versions())
             assert bf16_digest(states.get(generated)) == swarm.digests[generated]
             options = {"temperature": 1.0, "max_new_tokens": LEASE_TOKENS, "stop_ids": {EOS}}
-            pinned = RolloutVerifier(margin=0.05, states=states, record_gaps=True)
+            pinned = RolloutVerifier(VerifyConfig(verify_margin=0.05), states=states, record_gaps=True)
             checks = pinned.check(swarm.model, groups, results, [2] * len(results), **options)
             assert all(c.pinned and c.reason is None for c in checks.values()), checks
             assert pinned.stats.pinned_leases == len(checks) and pinned.stats.mismatches == 0
-            newer = RolloutVerifier(margin=0.05, record_gaps=True)  # the trainer's weights, two versions on
+            newer = RolloutVerifier(
+                VerifyConfig(verify_margin=0.05), record_gaps=True
+            )  # the trainer's weights, two versions on
             newer.check(swarm.model, groups, results, [0] * len(results), **options)
             assert max(newer.gaps or [0]) > max(pinned.gaps or [0])
         started = time.monotonic()
@@ -845,7 +847,9 @@ def test_no_workers_fails_the_batch_or_keeps_waiting(dht: Any, caplog: pytest.Lo
     from pulseloco.sync.signing import generate_key
 
     key = generate_key().public_key()
-    with contextlib.closing(RolloutClient(dht, "nobody.policy", key, vocab_size=VOCAB, rollout_timeout=2)) as client:
+    with contextlib.closing(
+        RolloutClient(dht, "nobody.policy", key, vocab_size=VOCAB, config=LeaseConfig(rollout_timeout=2))
+    ) as client:
         started = time.monotonic()
         with pytest.raises(NoWorkersError) as caught:
             client.submit([[1, 2, 3]], num_samples=2, max_new_tokens=4, temperature=1.0).result(timeout=30)
@@ -855,7 +859,9 @@ def test_no_workers_fails_the_batch_or_keeps_waiting(dht: Any, caplog: pytest.Lo
         assert "python recipes/rollout_worker.py --serve_rollouts --run_id nobody --initial_peers" in message
 
     caplog.set_level(logging.WARNING, logger="pulseloco.rollouts.client")
-    with contextlib.closing(RolloutClient(dht, "nobody.policy", key, vocab_size=VOCAB, rollout_timeout=1)) as client:
+    with contextlib.closing(
+        RolloutClient(dht, "nobody.policy", key, vocab_size=VOCAB, config=LeaseConfig(rollout_timeout=1))
+    ) as client:
         future = client.submit([[1, 2, 3]], num_samples=2, max_new_tokens=4, temperature=1.0, wait=True)
 
         def warned() -> list[str]:
@@ -956,7 +962,7 @@ def test_grpo_without_workers_falls_back_to_local_generation(
 
 BAD_FLAGS = [
     (["--rollouts", "bogus"], "rollouts must be one of local, swarm, got 'bogus'"),
-    (["--rollouts", "swarm", "--rollout_fallback", "x"], "rollout_fallback must be one of local, wait, got 'x'"),
+    (["--rollouts", "swarm", "--rollout_fallback", "x"], "invalid choice: 'x' (choose from 'local', 'wait')"),
     (["--rollouts", "swarm", "--max_lag", "-1"], "max_lag must be >= 0, got -1"),
     (["--rollouts", "swarm", "--lease_timeout", "0"], "lease_timeout must be a positive number of seconds, got 0"),
     (["--rollouts", "swarm"], "--rollouts swarm needs --public_key PATH (the publisher's .pub file), or --publish"),

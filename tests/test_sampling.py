@@ -12,8 +12,9 @@ import pytest
 import torch
 from rollout_helpers import byte_tokenizer, save_tiny_model
 
+from pulseloco.errors import ConfigError
 from pulseloco.integrations.rollout import TransformersEngine
-from pulseloco.integrations.verify import LeaseCheck, RolloutVerifier
+from pulseloco.integrations.verify import LeaseCheck, RolloutVerifier, VerifyConfig
 from pulseloco.rollouts import sampling
 from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.sampling import check_completions, choose, gumbel_noise
@@ -129,7 +130,7 @@ def test_the_transformers_engine_samples_what_the_trainer_replays(engine: Transf
     assert [c.token_ids for c in engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)] != [
         c.token_ids for c in got
     ]
-    verifier = RolloutVerifier(margin=0.0, max_logprob_error=0.02, record_gaps=True)
+    verifier = RolloutVerifier(VerifyConfig(verify_margin=0.0, verify_max_logprob_error=0.02), record_gaps=True)
     lease = check_lease(verifier, engine.model, got, 4)
     assert lease.reason is None and lease.mismatches == 0 and lease.checked == sum(len(c.token_ids) for c in got)
     assert verifier.gaps is not None and max(verifier.gaps) == 0.0
@@ -144,7 +145,7 @@ def test_the_check_fails_each_kind_of_dishonest_completion(engine: TransformersE
     other_seed = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)
 
     def check(completions: list, margin: float = 0.5) -> str | None:
-        return check_lease(RolloutVerifier(margin=margin), engine.model, completions, 4).reason
+        return check_lease(RolloutVerifier(VerifyConfig(verify_margin=margin)), engine.model, completions, 4).reason
 
     assert check(honest) is None
     flipped = list(honest)
@@ -208,9 +209,15 @@ def test_shared_prompts_give_the_logits_of_a_whole_forward_pass(engine: Transfor
 
 
 def test_verifier_settings_are_checked() -> None:
-    for bad in ({"margin": -1.0}, {"max_mismatch_rate": 1.0}, {"max_logprob_error": 0.0}, {"fraction": 0.0}):
-        with pytest.raises(ValueError, match="margin must be >= 0"):
-            RolloutVerifier(**bad)
+    for name, bad in (
+        ("verify_margin", -1.0),
+        ("verify_margin", float("nan")),
+        ("verify_max_mismatch_rate", 1.0),
+        ("verify_max_logprob_error", 0.0),
+        ("verify_fraction", 0.0),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            VerifyConfig(**{name: bad})
 
 
 def test_a_random_fraction_of_completions_is_checked(engine: TransformersEngine) -> None:
@@ -218,13 +225,13 @@ def test_a_random_fraction_of_completions_is_checked(engine: TransformersEngine)
     lease whose every completion is another seed's still fails."""
     repeated = [p for p in PROMPTS for _ in range(8)]
     got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
-    verifier = RolloutVerifier(fraction=0.25, seed=3)
+    verifier = RolloutVerifier(VerifyConfig(verify_fraction=0.25), seed=3)
     lease = check_lease(verifier, engine.model, got, 8)
     lengths = sorted(len(c.token_ids) for c in got)
     assert lease.reason is None and lease.completions == 24
     assert sum(lengths[:6]) <= lease.checked <= sum(lengths[-6:])  # six of the 24 completions
     other = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)
-    tiny = RolloutVerifier(fraction=0.01, seed=3)
+    tiny = RolloutVerifier(VerifyConfig(verify_fraction=0.01), seed=3)
     failed = check_lease(tiny, engine.model, other, 8)
     assert failed.checked <= 16 and "not the replayable sampler's choice" in str(failed.reason)
 
@@ -250,9 +257,9 @@ def test_a_lease_is_checked_with_its_versions_weights_even_when_the_trainer_wrap
             param.add_(torch.randn(param.shape, generator=gen) * 0.05)
     repeated = [p for p in PROMPTS for _ in range(4)]
     got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
-    pinned = RolloutVerifier(margin=0.1, states=states, states_wait=0.0)
+    pinned = RolloutVerifier(VerifyConfig(verify_margin=0.1), states=states, states_wait=0.0)
     lease = check_lease(pinned, trainer, got, 4, lag=1)
     assert lease.pinned and lease.reason is None, lease
-    trainers = check_lease(RolloutVerifier(margin=0.1), trainer, got, 4)
+    trainers = check_lease(RolloutVerifier(VerifyConfig(verify_margin=0.1)), trainer, got, 4)
     assert "not the replayable sampler's choice" in str(trainers.reason)
     assert states.wait(7, timeout=0.0) is None and states.versions() == [0]

@@ -358,7 +358,7 @@ def test_vllm_worker_answers_leases_with_the_published_version(
     with the version it follows; every completion's log-probabilities are those of that version's BF16 weights at
     the lease's temperature (a transformers forward pass)."""
     from pulseloco.integrations.rollout import Completion
-    from pulseloco.rollouts.client import RolloutClient
+    from pulseloco.rollouts.client import LeaseConfig, RolloutClient
     from pulseloco.rollouts.worker import RolloutServer
 
     key = generate_key()
@@ -380,7 +380,9 @@ def test_vllm_worker_answers_leases_with_the_published_version(
         assert report is not None and report.version == version
         engine.weights_updated(report.changed, version=report.version)
         server.weights_loaded(report.version, report.digest)
-        client = RolloutClient(dht_pub, RUN_ID, key.public_key(), vocab_size=258, lease_timeout=60, rollout_timeout=60)
+        client = RolloutClient(
+            dht_pub, RUN_ID, key.public_key(), vocab_size=258, config=LeaseConfig(lease_timeout=60, rollout_timeout=60)
+        )
         prompts = [
             engine.tokenizer(p, add_special_tokens=False)["input_ids"]
             for p, _ in tasks.eval_problems(tasks.TaskSpec(task="add", max_operand=9), 4)

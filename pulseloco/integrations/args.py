@@ -14,18 +14,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pulseloco.errors import ConfigError
+from pulseloco.integrations.swarm_rollouts import RolloutConfig
+from pulseloco.integrations.verify import VerifyConfig
 from pulseloco.keys import check_run_id, policy_run_id
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.selection import SelectorName
 from pulseloco.swarm import SwarmConfig
 
 if TYPE_CHECKING:
-    from pulseloco.integrations.swarm_rollouts import Fallback
+    pass
 
-_Part = TypeVar("_Part", SwarmConfig, RoundConfig, AveragingConfig, PlacementConfig)
+_Part = TypeVar("_Part", SwarmConfig, RoundConfig, AveragingConfig, PlacementConfig, RolloutConfig, VerifyConfig)
 
 STRATEGIES: dict[str, SelectorName | None] = {
     "ddp": None,
@@ -189,9 +191,12 @@ ROLLOUT_SOURCES = ("local", "swarm")
 
 
 @dataclass(kw_only=True)
-class RolloutArguments:
+class RolloutArguments(VerifyConfig, RolloutConfig):
     """Where a GRPO trainer's completions come from: its own model (TRL's generation) or the swarm's rollout
-    workers (:class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`, TRL's ``rollout_func``)."""
+    workers (:class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`, TRL's ``rollout_func``). How the
+    workers are used and how their completions are checked are the fields of
+    :class:`~pulseloco.integrations.swarm_rollouts.RolloutConfig` and
+    :class:`~pulseloco.integrations.verify.VerifyConfig`, defined and checked there once."""
 
     rollouts: str = field(
         default="local",
@@ -199,22 +204,6 @@ class RolloutArguments:
             "local: the trainer generates its completions itself. swarm: rollout workers that follow this run's "
             "versions generate them (recipes/rollout_worker.py --serve_rollouts)."
         ),
-    )
-    rollout_fallback: str = field(
-        default="local",
-        metadata=_help("With --rollouts swarm and no usable worker for --rollout_timeout s: local (generate) or wait."),
-    )
-    max_lag: int = field(
-        default=2, metadata=_help("A completion made with version v is trained on only up to version v + max_lag.")
-    )
-    lease_timeout: float = field(
-        default=60.0, metadata=_help("Seconds a worker has for one lease; then it goes to another worker.")
-    )
-    rollout_timeout: float = field(
-        default=60.0, metadata=_help("Seconds without any usable rollout worker before --rollout_fallback.")
-    )
-    rollout_lookahead: bool = field(
-        default=True, metadata=_help("Send the next batch to the workers while the trainer trains on this one.")
     )
     public_key: str | None = field(
         default=None,
@@ -231,57 +220,11 @@ class RolloutArguments:
             "trust the workers)."
         ),
     )
-    verify_margin: float = field(
-        default=2.0,
-        metadata=_help(
-            "Nats (of logits / temperature plus noise, per version of lag plus one) by which a worker's token may "
-            "trail the sampler's choice without counting as a mismatch: covers engine and device differences."
-        ),
-    )
-    verify_max_mismatch_rate: float = field(
-        default=0.0, metadata=_help("Fraction of a completion's positions that may mismatch before its lease fails.")
-    )
-    verify_max_logprob_error: float = field(
-        default=0.25,
-        metadata=_help(
-            "Mean |worker - trainer| log-probability per token (per version of lag plus one) a lease may have."
-        ),
-    )
-    verify_fraction: float = field(
-        default=1.0,
-        metadata=_help(
-            "Fraction of each lease's completions checked, drawn at random (at least one): the check's forward pass "
-            "shrinks with it, and a worker cheating on few completions is caught less surely."
-        ),
-    )
-    max_refusals: int = field(
-        default=3,
-        metadata=_help("Failed leases (bad replies or failed checks) before a worker is refused for the run."),
-    )
 
     def __post_init__(self) -> None:
         if self.rollouts not in ROLLOUT_SOURCES:
             raise ConfigError(f"rollouts must be one of {', '.join(ROLLOUT_SOURCES)}, got {self.rollouts!r}")
-        from pulseloco.integrations.swarm_rollouts import FALLBACKS
-
-        if self.rollout_fallback not in FALLBACKS:
-            raise ConfigError(f"rollout_fallback must be one of {', '.join(FALLBACKS)}, got {self.rollout_fallback!r}")
-        if self.max_lag < 0:
-            raise ConfigError(f"max_lag must be >= 0, got {self.max_lag}")
-        for name in ("lease_timeout", "rollout_timeout"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
-        if not (self.verify_margin >= 0 and math.isfinite(self.verify_margin)):
-            raise ConfigError(f"verify_margin must be a finite number >= 0, got {self.verify_margin}")
-        if not 0 <= self.verify_max_mismatch_rate < 1:
-            raise ConfigError(f"verify_max_mismatch_rate must be in [0, 1), got {self.verify_max_mismatch_rate}")
-        if not (self.verify_max_logprob_error > 0 and math.isfinite(self.verify_max_logprob_error)):
-            raise ConfigError(f"verify_max_logprob_error must be positive, got {self.verify_max_logprob_error}")
-        if not 0 < self.verify_fraction <= 1:
-            raise ConfigError(f"verify_fraction must be in (0, 1], got {self.verify_fraction}")
-        if self.max_refusals < 1:
-            raise ConfigError(f"max_refusals must be at least 1, got {self.max_refusals}")
+        _part(self, RolloutConfig), _part(self, VerifyConfig)  # each checks its options
 
     def rollout_func(self, pulse_args: PulseLoCoArguments, *, output_dir: str | Path | None = None) -> Any:
         """The ``rollout_func`` for TRL's ``GRPOTrainer``: a :class:`SwarmRollouts` with ``--rollouts swarm``, else
@@ -301,18 +244,8 @@ class RolloutArguments:
             swarm=pulse_args.swarm_config(),
             run_id=pulse_args.run_id,
             public_key=self.public_key,
-            max_lag=self.max_lag,
-            lease_timeout=self.lease_timeout,
-            rollout_timeout=self.rollout_timeout,
-            fallback=cast("Fallback", self.rollout_fallback),  # one of FALLBACKS: checked in __post_init__
-            lookahead=self.rollout_lookahead,
+            config=_part(self, RolloutConfig),
             verify=self.verify_rollouts,
-            verifier=RolloutVerifier(
-                margin=self.verify_margin,
-                max_mismatch_rate=self.verify_max_mismatch_rate,
-                max_logprob_error=self.verify_max_logprob_error,
-                fraction=self.verify_fraction,
-            ),
-            max_refusals=self.max_refusals,
+            verifier=RolloutVerifier(_part(self, VerifyConfig)),
             metrics_path=None if output_dir is None else Path(output_dir) / "rollouts.jsonl",
         )

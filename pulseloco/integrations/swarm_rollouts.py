@@ -55,7 +55,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from transformers import TrainerCallback
@@ -66,15 +66,39 @@ from pulseloco.integrations.trainer import PulseLoCoCallback
 from pulseloco.integrations.verify import RolloutVerifier, VersionStates, settle, stop_ids
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id
-from pulseloco.rollouts.client import GroupResult, NoWorkersError, RolloutClient
+from pulseloco.rollouts.client import GroupResult, LeaseConfig, NoWorkersError, RolloutClient
 from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FALLBACKS", "SwarmRollouts", "enable_importance_sampling"]
+__all__ = ["FALLBACKS", "RolloutConfig", "SwarmRollouts", "enable_importance_sampling"]
 
 Fallback = Literal["local", "wait"]
 FALLBACKS: tuple[Fallback, ...] = get_args(Fallback)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig(LeaseConfig):
+    """How a trainer uses the swarm's rollout workers: the leases (:class:`LeaseConfig`), what to do without a
+    worker, and whether to send the next batch early (also the recipes' flags, read by ``HfArgumentParser``).
+    Raises :class:`ConfigError` naming a bad value."""
+
+    rollout_fallback: Fallback = field(
+        default="local",
+        metadata={
+            "help": "With no usable worker for --rollout_timeout s: local (generate with the trainer's model) or wait."
+        },
+    )
+    rollout_lookahead: bool = field(
+        default=True, metadata={"help": "Send the next batch to the workers while the trainer trains on this one."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.rollout_fallback not in FALLBACKS:
+            raise ConfigError(f"rollout_fallback must be one of {', '.join(FALLBACKS)}, got {self.rollout_fallback!r}")
+
+
 #: Times a round's stale or failing groups are generated again by the workers before the trainer generates them.
 MAX_REGENERATIONS = 3
 
@@ -130,17 +154,16 @@ class SwarmRollouts:
         run_id: the swarm run (workers follow ``<run_id>.policy``).
         public_key: the publisher's public key or its path; default: the key of a :class:`PulseSyncCallback` on the
             same trainer.
-        max_lag: versions a completion may be behind the newest published version when it is used.
-        lease_timeout: seconds a worker has for one lease (a worker that dies mid-lease costs at most this).
-        rollout_timeout: seconds without a usable worker before the fallback.
-        fallback: ``local`` (generate with the trainer's model) or ``wait``.
-        lookahead: send the next batch to the workers before TRL asks for it.
-        leases_per_worker: leases of this trainer running on one worker at once.
+        config: how the workers are used (:class:`RolloutConfig`; default its defaults): ``max_lag``, the versions a
+            completion may be behind the newest published version when it is used; ``lease_timeout``, the seconds a
+            worker has for one lease; ``rollout_timeout``, the seconds without a usable worker before the fallback,
+            ``rollout_fallback`` (``local``: generate with the trainer's model; ``wait``); ``rollout_lookahead``
+            (send the next batch to the workers before TRL asks for it); ``leases_per_worker`` (this trainer's
+            leases running on one worker at once); ``max_refusals`` (failed leases before a worker is refused).
         verify: check every worker's completions with the trainer's model before TRL sees them
             (:class:`pulseloco.integrations.verify.RolloutVerifier`); a lease that fails is generated again by
             other workers and counts against its worker, refused after ``max_refusals``.
-        verifier: the checks' settings (default: :class:`RolloutVerifier`'s).
-        max_refusals: failed leases before a worker is refused for the run.
+        verifier: the checks (default: a :class:`RolloutVerifier` with its default thresholds).
         metrics_path: append one JSON line per generation round (lag histogram, dropped, refused, wait seconds).
 
     Attributes: ``client`` (the :class:`RolloutClient`, after the first call), ``seconds_waiting`` (total time
@@ -154,28 +177,12 @@ class SwarmRollouts:
         swarm: SwarmConfig | None = None,
         run_id: str = "pulseloco",
         public_key: Any | None = None,
-        max_lag: int = 2,
-        lease_timeout: float = 60.0,
-        rollout_timeout: float = 60.0,
-        fallback: Fallback = "local",
-        lookahead: bool = True,
-        leases_per_worker: int = 2,
+        config: RolloutConfig | None = None,
         verify: bool = True,
         verifier: RolloutVerifier | None = None,
-        max_refusals: int = 3,
         metrics_path: str | os.PathLike[str] | None = None,
     ) -> None:
-        if fallback not in FALLBACKS:
-            raise ConfigError(f"rollout fallback must be one of {', '.join(FALLBACKS)}, got {fallback!r}")
-        if max_lag < 0:
-            raise ConfigError(f"max_lag must be >= 0, got {max_lag}")
-        for name, value in (("lease_timeout", lease_timeout), ("rollout_timeout", rollout_timeout)):
-            if not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
-        if leases_per_worker < 1:
-            raise ConfigError(f"leases_per_worker must be at least 1, got {leases_per_worker}")
-        if max_refusals < 1:
-            raise ConfigError(f"max_refusals must be at least 1, got {max_refusals}")
+        config = self.config = config or RolloutConfig()
         if isinstance(public_key, str | os.PathLike):
             from pulseloco.sync.signing import load_public_key
 
@@ -184,14 +191,8 @@ class SwarmRollouts:
         self.swarm = swarm
         self.run_id = run_id
         self.public_key = public_key
-        self.max_lag = max_lag
-        self.lease_timeout = lease_timeout
-        self.rollout_timeout = rollout_timeout
-        self.fallback = fallback
-        self.lookahead = lookahead
-        self.leases_per_worker = leases_per_worker
+        self.lookahead = config.rollout_lookahead
         self.verifier = (verifier or RolloutVerifier()) if verify else None
-        self.max_refusals = max_refusals
         self.metrics = JsonLinesWriter(metrics_path, stamp=True) if metrics_path is not None else None
         self.client: RolloutClient | None = None
         self.seconds_waiting = 0.0
@@ -267,11 +268,7 @@ class SwarmRollouts:
             policy_run_id(self.run_id),
             self.public_key,
             vocab_size=max(vocab_size, int(getattr(trainer.model.config, "vocab_size", 0) or 0)),
-            max_lag=self.max_lag,
-            lease_timeout=self.lease_timeout,
-            rollout_timeout=self.rollout_timeout,
-            leases_per_worker=self.leases_per_worker,
-            max_refusals=self.max_refusals,
+            config=self.config,
             seed=args.seed,
         )
         if self.verifier is not None and self.verifier.states is None:
@@ -281,14 +278,16 @@ class SwarmRollouts:
             template = {n: t for n, t in model.state_dict().items() if t.is_floating_point()}
             publishers = [c for c in callbacks if isinstance(c, PulseSyncCallback) and c.signing_key is not None]
             follow = None if publishers else self.dht
-            states = VersionStates(follow, policy_run_id(self.run_id), self.public_key, template, keep=self.max_lag + 2)
+            states = VersionStates(
+                follow, policy_run_id(self.run_id), self.public_key, template, keep=self.config.max_lag + 2
+            )
             for callback in publishers:
                 callback.add_version_listener(states.add)
             self.verifier.states = self._states = states
         trainer.add_callback(_CloseAtEnd(self))
         print(
-            f"rollouts: from the swarm's workers of run_id={policy_run_id(self.run_id)} max_lag={self.max_lag} "
-            f"fallback={self.fallback}",
+            f"rollouts: from the swarm's workers of run_id={policy_run_id(self.run_id)} max_lag={self.config.max_lag} "
+            f"fallback={self.config.rollout_fallback}",
             flush=True,
         )
 
@@ -324,7 +323,7 @@ class SwarmRollouts:
             client=self.client,
             verifier=self.verifier,
             model=model,
-            max_lag=self.max_lag,
+            max_lag=self.config.max_lag,
             temperature=trainer.temperature,
             max_new_tokens=trainer.max_completion_length,
             stop_ids=stop_ids(trainer.processing_class, model),
@@ -355,7 +354,7 @@ class SwarmRollouts:
         """The results of ``future``, or, when no worker took its leases (``fallback="local"``), the same groups
         generated with the trainer's own model; the flag says which."""
         try:
-            return future.result(timeout=None if self.fallback == "wait" else self._wait_bound()), False
+            return future.result(timeout=None if self.config.rollout_fallback == "wait" else self._wait_bound()), False
         except (NoWorkersError, concurrent.futures.TimeoutError) as exc:
             future.cancel()
             logger.warning("rollouts: %s; generating this batch with the trainer's own model", exc)
@@ -371,12 +370,12 @@ class SwarmRollouts:
             num_samples=num_samples,
             max_new_tokens=trainer.max_completion_length,
             temperature=trainer.temperature,
-            wait=self.fallback == "wait",
+            wait=self.config.rollout_fallback == "wait",
         )
 
     def _wait_bound(self) -> float:
         # the client raises NoWorkersError after rollout_timeout idle; this bounds a batch that keeps failing
-        return self.rollout_timeout + 10 * self.lease_timeout
+        return self.config.rollout_timeout + 10 * self.config.lease_timeout
 
     def _take_or_submit(self, rows: list[Any], trainer: Any) -> _Pending:
         key = json.dumps(rows, sort_keys=True, default=str)

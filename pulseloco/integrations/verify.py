@@ -38,23 +38,76 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import random
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pulseloco.errors import ConfigError
 from pulseloco.rollouts.client import GroupResult, RolloutClient
 from pulseloco.rollouts.sampling import CheckResult, check_completions
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LeaseCheck", "RolloutVerifier", "Settled", "VerifyStats", "VersionStates", "settle", "stop_ids"]
+__all__ = [
+    "LeaseCheck",
+    "RolloutVerifier",
+    "Settled",
+    "VerifyConfig",
+    "VerifyStats",
+    "VersionStates",
+    "settle",
+    "stop_ids",
+]
+
 
 #: Logits held at once per chunk of the forward pass (elements; 2**27 float32 values are 512 MiB).
+@dataclass(kw_only=True)
+class VerifyConfig:
+    """The thresholds of :class:`RolloutVerifier` (also the recipes' ``--verify_*`` flags, read by
+    ``HfArgumentParser``, with the help texts in ``metadata``). Raises :class:`ConfigError` naming a bad one."""
+
+    verify_margin: float = field(
+        default=2.0,
+        metadata={
+            "help": "Nats (of logits / temperature plus noise, per version of lag plus one) by which a worker's token "
+            "may trail the sampler's choice without counting as a mismatch: covers engine and device differences."
+        },
+    )
+    verify_max_mismatch_rate: float = field(
+        default=0.0,
+        metadata={"help": "Fraction of a completion's positions that may mismatch before its lease fails."},
+    )
+    verify_max_logprob_error: float = field(
+        default=0.25,
+        metadata={
+            "help": "Mean |worker - trainer| log-probability per token (per version of lag plus one) a lease may have."
+        },
+    )
+    verify_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "Fraction of each lease's completions checked, drawn at random (at least one): the check's "
+            "forward pass shrinks with it, and a worker cheating on few completions is caught less surely."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not (self.verify_margin >= 0 and math.isfinite(self.verify_margin)):
+            raise ConfigError(f"verify_margin must be a finite number >= 0, got {self.verify_margin}")
+        if not 0 <= self.verify_max_mismatch_rate < 1:
+            raise ConfigError(f"verify_max_mismatch_rate must be in [0, 1), got {self.verify_max_mismatch_rate}")
+        if not (self.verify_max_logprob_error > 0 and math.isfinite(self.verify_max_logprob_error)):
+            raise ConfigError(f"verify_max_logprob_error must be positive, got {self.verify_max_logprob_error}")
+        if not 0 < self.verify_fraction <= 1:
+            raise ConfigError(f"verify_fraction must be in (0, 1], got {self.verify_fraction}")
+
+
 MAX_CHUNK_LOGITS = 1 << 27
 
 
@@ -197,11 +250,12 @@ class RolloutVerifier:
     """Checks the completions of rollout workers with the trainer's model (see the module docstring).
 
     Args:
-        margin: perturbed-score gap (nats) within which a token that is not the argmax is not counted.
-        max_mismatch_rate: the fraction of a completion's checked positions that may mismatch before its lease
-            fails (0: none may).
-        max_logprob_error: the largest mean absolute log-probability difference (nats per token) a lease may have.
-        fraction: the fraction of each lease's completions checked (1.0: all; at least one per lease).
+        config: the thresholds (:class:`VerifyConfig`; default its defaults): ``verify_margin``, the perturbed-score
+            gap (nats) within which a token that is not the argmax is not counted; ``verify_max_mismatch_rate``, the
+            fraction of a completion's checked positions that may mismatch before its lease fails (0: none may);
+            ``verify_max_logprob_error``, the largest mean absolute log-probability difference (nats per token) a
+            lease may have; ``verify_fraction``, the fraction of each lease's completions checked (1.0: all; at
+            least one per lease).
         seed: seeds the choice of positions.
         record_gaps: keep every checked position's gap in :attr:`gaps` (to measure the margin).
         states: the published versions' weights (:class:`VersionStates`): a lease is checked with the weights of the
@@ -212,24 +266,18 @@ class RolloutVerifier:
 
     def __init__(
         self,
+        config: VerifyConfig | None = None,
         *,
-        margin: float = 2.0,
-        max_mismatch_rate: float = 0.0,
-        max_logprob_error: float = 0.25,
-        fraction: float = 1.0,
         seed: int = 0,
         record_gaps: bool = False,
         states: VersionStates | None = None,
         states_wait: float = 5.0,
     ) -> None:
-        if not margin >= 0 or not 0 <= max_mismatch_rate < 1 or not max_logprob_error > 0 or not 0 < fraction <= 1:
-            raise ValueError(
-                "margin must be >= 0, max_mismatch_rate in [0, 1), max_logprob_error > 0 and fraction in (0, 1]"
-            )
-        self.margin = margin
-        self.max_mismatch_rate = max_mismatch_rate
-        self.max_logprob_error = max_logprob_error
-        self.fraction = fraction
+        config = config or VerifyConfig()
+        self.margin = config.verify_margin
+        self.max_mismatch_rate = config.verify_max_mismatch_rate
+        self.max_logprob_error = config.verify_max_logprob_error
+        self.fraction = config.verify_fraction
         self.stats = VerifyStats()
         self.gaps: list[float] | None = [] if record_gaps else None
         self.states = states

@@ -6,7 +6,9 @@ Modules, one concept each:
 - :mod:`~pulseloco.loco.outer`: the Nesterov outer optimizer;
 - :mod:`~pulseloco.loco.matchmaking`: DHT records (per-round groups, per-peer state digests);
 - :mod:`~pulseloco.loco.validation`: encoding and validation of untrusted sparse payloads;
-- :mod:`~pulseloco.loco.averaging`: the sparse reduce-scatter / all-gather over libp2p;
+- :mod:`~pulseloco.loco.averaging`: the sparse reduce-scatter / all-gather over libp2p (a group member's side);
+- :mod:`~pulseloco.loco.shard_owner`: a shard owner's side: receiving, checking and summing parts, serving sums;
+- :mod:`~pulseloco.loco.traffic`: the all-reduce's byte accounting;
 - :mod:`~pulseloco.loco.state`: serving and downloading the global state (peers behind or disagreeing);
 - :mod:`~pulseloco.loco.ledger`: exactly-once bookkeeping of what each round counted;
 - :mod:`~pulseloco.loco.placement`: where the outer state lives and the chunked copies to and from the model;

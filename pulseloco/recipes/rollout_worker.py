@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pulseloco.recipes import common, tasks
 
@@ -87,6 +88,13 @@ class WorkerArguments(tasks.TaskArguments):
         default=8, metadata={"help": "With --serve_rollouts: leases waiting at once; more are answered busy."}
     )
 
+    @property
+    def model_path(self) -> str:
+        """``--model_name_or_path``; raises :class:`ConfigError` when it was not given."""
+        if not self.model_name_or_path:
+            raise common.ConfigError("--model_name_or_path is required: the trainers' starting checkpoint")
+        return self.model_name_or_path
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.engine not in ENGINES:
@@ -103,82 +111,77 @@ class WorkerArguments(tasks.TaskArguments):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    from pulseloco.integrations.args import SwarmArguments
+def _load_engine(args: WorkerArguments) -> tuple[Any, Any]:
+    """``(engine, the vLLM engine or None)`` for ``--engine``; raises what loading the checkpoint raises."""
+    from pulseloco.integrations.rollout import TransformersEngine
 
-    args, swarm = common.parse_args((WorkerArguments, SwarmArguments), argv, PROG)
-    if not args.model_name_or_path:
-        raise common.ConfigError("--model_name_or_path is required: the trainers' starting checkpoint")
-    if not args.public_key:
-        raise common.ConfigError("--public_key is required: the publisher's .pub file (from `pulseloco keygen`)")
-    if not swarm.initial_peers:
-        raise common.ConfigError("--initial_peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
-    swarm_config = swarm.swarm_config()
-
-    from pulseloco.cli import stop_on_signals
-    from pulseloco.errors import VersionTimeoutError
-    from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
-    from pulseloco.jsonl import JsonLinesWriter
-    from pulseloco.swarm import make_dht
-    from pulseloco.sync.signing import load_public_key
-    from pulseloco.sync.subscriber import Subscriber, UpdateReport
-
-    public_key = load_public_key(args.public_key)
-    engine: RolloutEngine
-    vllm_engine = None
     if args.engine == "vllm":
         from pulseloco.integrations.vllm import VLLMEngine
 
-        engine = vllm_engine = VLLMEngine.from_pretrained(args.model_name_or_path, dtype=args.vllm_dtype)
-        print(f"rollout: vLLM engine loaded in {vllm_engine.load_seconds:.1f} s", flush=True)
-    else:
-        engine = TransformersEngine.from_pretrained(args.model_name_or_path)
-    dht = make_dht(swarm_config)
-    subscriber = Subscriber(
-        dht, swarm.policy_run_id, public_key, timeout=args.update_timeout, full_checkpoints=args.full_checkpoints
+        engine = VLLMEngine.from_pretrained(args.model_path, dtype=args.vllm_dtype)
+        print(f"rollout: vLLM engine loaded in {engine.load_seconds:.1f} s", flush=True)
+        return engine, engine
+    return TransformersEngine.from_pretrained(args.model_path), None
+
+
+def _serve_leases(args: WorkerArguments, run_id: str, dht: Any, engine: Any, subscriber: Any) -> Any:
+    """A :class:`~pulseloco.rollouts.worker.RolloutServer` answering the trainers' leases (``--serve_rollouts``),
+    else None."""
+    if not args.serve_rollouts:
+        return None
+    from transformers import AutoConfig
+
+    from pulseloco.rollouts.worker import RolloutServer
+
+    vocab_size = max(len(engine.tokenizer), int(AutoConfig.from_pretrained(args.model_path).vocab_size))
+    server = RolloutServer(
+        dht,
+        run_id,
+        engine,
+        subscriber,
+        engine_name=args.engine,
+        vocab_size=vocab_size,
+        max_new_tokens=args.lease_max_new_tokens,
+        max_queue=args.max_queue,
     )
-    server = None
-    if args.serve_rollouts:
-        from transformers import AutoConfig
+    print(f"rollout: serving leases peer_id={server.peer_id}", flush=True)
+    return server
 
-        from pulseloco.rollouts.worker import RolloutServer
 
-        vocab_size = max(len(engine.tokenizer), int(AutoConfig.from_pretrained(args.model_name_or_path).vocab_size))
-        server = RolloutServer(
-            dht,
-            swarm.policy_run_id,
-            engine,
-            subscriber,
-            engine_name=args.engine,
-            vocab_size=vocab_size,
-            max_new_tokens=args.lease_max_new_tokens,
-            max_queue=args.max_queue,
-        )
-        print(f"rollout: serving leases peer_id={server.peer_id}", flush=True)
-    output = Path(args.output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "rollouts.jsonl").unlink(missing_ok=True)  # one run per directory: no records of an earlier run
-    log = JsonLinesWriter(output / "rollouts.jsonl")
-    problems = tasks.eval_problems(
-        tasks.spec_for_model(args.model_name_or_path, args.task, args.max_operand), args.num_prompts
-    )
-    stop = stop_on_signals()
-    started = time.monotonic()
-    warned = False
+class _Follower:
+    """What the worker does with each version the subscriber applied: load it into the engine, serve it (or score
+    it on the held-out problems), and write one record to ``rollouts.jsonl`` and one line to stdout."""
 
-    def on_update(report: UpdateReport) -> None:
+    def __init__(
+        self, args: WorkerArguments, swarm: Any, engine: Any, vllm_engine: Any, subscriber: Any, server: Any
+    ) -> None:
+        from pulseloco.jsonl import JsonLinesWriter
+
+        self.args, self.swarm, self.engine, self.vllm_engine = args, swarm, engine, vllm_engine
+        self.subscriber, self.server = subscriber, server
+        output = Path(args.output_dir)
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "rollouts.jsonl").unlink(missing_ok=True)  # one run per directory: no records of an earlier run
+        self.log = JsonLinesWriter(output / "rollouts.jsonl")
+        spec = tasks.spec_for_model(args.model_path, args.task, args.max_operand)
+        self.problems = tasks.eval_problems(spec, args.num_prompts)
+        self.started = time.monotonic()
+        self.warned = False
+
+    def on_update(self, report: Any) -> None:
+        args, engine, server = self.args, self.engine, self.server
         loaded = time.perf_counter()
         engine.weights_updated(report.changed, version=report.version)
         seconds_load = time.perf_counter() - loaded
         if server is not None:
             server.weights_loaded(report.version, report.digest)
         seconds_to_serve = time.time() - report.published if report.published else None
-        full_reload = vllm_engine.reload_all() if vllm_engine and args.compare_full_reload else None
+        full_reload = self.vllm_engine.reload_all() if self.vllm_engine and args.compare_full_reload else None
         reward = None
         if server is None:  # a serving worker spends its time on the trainers' leases
-            with subscriber.lock:
-                completions = engine.generate([p for p, _ in problems], max_new_tokens=args.max_new_tokens)
-            reward = tasks.score(completions, problems)
+            with self.subscriber.lock:
+                completions = engine.generate([p for p, _ in self.problems], max_new_tokens=args.max_new_tokens)
+            reward = tasks.score(completions, self.problems)
         record = {
             "version": report.version,
             "reward": reward,
@@ -193,13 +196,12 @@ def main(argv: list[str] | None = None) -> None:
             "path": report.path,
             "time": round(time.time(), 3),
         }
-        if server is not None:
-            record.update(leases_served=server.num_served, tokens_per_s=round(server.tokens_per_s, 2))
-        log.write(record)
-        serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
         scored = f" reward={reward:.3f}" if reward is not None else ""
         if server is not None:
+            record.update(leases_served=server.num_served, tokens_per_s=round(server.tokens_per_s, 2))
             scored += f" leases_served={server.num_served}"
+        self.log.write(record)
+        serve = f" to_serve={seconds_to_serve:.3f}s" if seconds_to_serve is not None else ""
         print(
             f"rollout: version={report.version}{scored} digest={report.digest} "
             f"changed={report.num_changed} bytes={report.bytes_received} path={report.path} "
@@ -207,26 +209,57 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
 
-    def on_idle() -> None:
-        nonlocal warned
-        if subscriber.version is None and not warned and time.monotonic() - started > args.wait_warning:
-            warned = True
+    def on_idle(self) -> None:
+        waited = time.monotonic() - self.started
+        if self.subscriber.version is None and not self.warned and waited > self.args.wait_warning:
+            self.warned = True
             print(
-                f"rollout: no version of run_id={swarm.policy_run_id} after {args.wait_warning:.0f} s; a trainer "
-                f"must run with --publish and --run_id {swarm.run_id} in the swarm of --initial_peers",
+                f"rollout: no version of run_id={self.swarm.policy_run_id} after {self.args.wait_warning:.0f} s; a "
+                f"trainer must run with --publish and --run_id {self.swarm.run_id} in the swarm of --initial_peers",
                 flush=True,
             )
 
-    print(f"rollout: following run_id={swarm.policy_run_id} engine={args.engine}", flush=True)
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` and follow the trainers' versions until interrupted, ``--until_version`` or
+    ``--max_seconds``. Raises :class:`ConfigError` for bad or missing options and
+    :class:`~pulseloco.errors.VersionTimeoutError` when ``--until_version`` did not arrive in time; the DHT, the
+    subscriber, the lease server and a vLLM engine are closed on every way out."""
+    from pulseloco.integrations.args import SwarmArguments
+
+    args, swarm = common.parse_args((WorkerArguments, SwarmArguments), argv, PROG)
+    args.model_path  # noqa: B018  # raises ConfigError when missing
+    if not args.public_key:
+        raise common.ConfigError("--public_key is required: the publisher's .pub file (from `pulseloco keygen`)")
+    if not swarm.initial_peers:
+        raise common.ConfigError("--initial_peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
+
+    from pulseloco.cli import stop_on_signals
+    from pulseloco.errors import VersionTimeoutError
+    from pulseloco.swarm import make_dht
+    from pulseloco.sync.signing import load_public_key
+    from pulseloco.sync.subscriber import Subscriber
+
+    public_key = load_public_key(args.public_key)
+    engine, vllm_engine = _load_engine(args)
+    dht = make_dht(swarm.swarm_config())
+    subscriber = Subscriber(
+        dht, swarm.policy_run_id, public_key, timeout=args.update_timeout, full_checkpoints=args.full_checkpoints
+    )
+    server = None
     try:
+        server = _serve_leases(args, swarm.policy_run_id, dht, engine, subscriber)
+        follower = _Follower(args, swarm, engine, vllm_engine, subscriber, server)
+        stop = stop_on_signals()
+        print(f"rollout: following run_id={swarm.policy_run_id} engine={args.engine}", flush=True)
         reached = subscriber.run(
             engine.weights(),
-            on_update,
+            follower.on_update,
             interval=args.interval,
             stop=stop,
             until_version=args.until_version,
             max_seconds=args.max_seconds or None,
-            on_idle=on_idle,
+            on_idle=follower.on_idle,
         )
         if args.until_version is not None and not reached and not stop.is_set():
             raise VersionTimeoutError(

@@ -43,7 +43,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from pulseloco.errors import PayloadError, SwarmError, TruncatedPayloadError
+from pulseloco.errors import ConfigError, PayloadError, SwarmError, TruncatedPayloadError
 from pulseloco.keys import refused_key, training_run_id, workers_key
 from pulseloco.p2p import P2PHost, read_stream
 from pulseloco.rollouts.protocol import (
@@ -62,7 +62,7 @@ from pulseloco.sync.transport import read_head
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupResult", "NoWorkersError", "RolloutClient", "RolloutStats"]
+__all__ = ["GroupResult", "LeaseConfig", "NoWorkersError", "RolloutClient", "RolloutStats"]
 
 #: Seconds a trainer's list of refused workers lives in the DHT (a run's length, about).
 REFUSALS_TTL = 24 * 3600.0
@@ -104,6 +104,45 @@ class RolloutStats:
     lag: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
+@dataclass(kw_only=True)
+class LeaseConfig:
+    """How a trainer leases work to rollout workers (also the recipes' flags, read by ``HfArgumentParser``, with
+    the help texts in ``metadata``). Raises :class:`ConfigError` naming a bad value."""
+
+    max_lag: int = field(
+        default=2, metadata={"help": "A completion made with version v is trained on only up to version v + max_lag."}
+    )
+    lease_timeout: float = field(
+        default=60.0,
+        metadata={
+            "help": "Seconds a worker has for one lease (its deadline); then it goes to another worker: a worker that "
+            "dies mid-lease costs at most this."
+        },
+    )
+    rollout_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Seconds without any usable rollout worker before a batch fails (or warns, with wait)."},
+    )
+    leases_per_worker: int = field(
+        default=2, metadata={"help": "Leases of this trainer running on one worker at once."}
+    )
+    max_refusals: int = field(
+        default=3,
+        metadata={"help": "Failed leases (bad replies or failed checks) before a worker is refused for the run."},
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_lag < 0:
+            raise ConfigError(f"max_lag must be >= 0, got {self.max_lag}")
+        for name in ("lease_timeout", "rollout_timeout"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        for name in ("leases_per_worker", "max_refusals"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
 @dataclass
 class _Batch:
     groups: list[list[int]]
@@ -121,13 +160,13 @@ class RolloutClient:
         run_id: the PULSESync run the workers follow (``<run_id>.policy``).
         public_key: the publisher's key; the head record it signed says which versions exist.
         vocab_size: token ids in replies must be below it.
-        max_lag: a completion made with version v is used only while the newest version is at most v + max_lag.
-        lease_timeout: seconds a worker has for one lease (its deadline); a worker that dies costs at most this.
-        rollout_timeout: seconds without any usable worker before a batch fails (or warns, with ``wait``).
-        leases_per_worker: leases of this trainer running on one worker at once.
-        max_refusals: replies in a row that fail the checks of this client, or leases whose completions fail the
-            trainer's checks (:meth:`report_check_failure`, however far apart), before a worker is refused for the
-            run; refusals are logged and stored in the DHT (:func:`pulseloco.keys.refused_key`).
+        config: the leases' settings (:class:`LeaseConfig`; default its defaults): ``max_lag`` (a completion made
+            with version v is used only while the newest version is at most v + max_lag), ``lease_timeout`` (a
+            worker's deadline for one lease), ``rollout_timeout`` (seconds without any usable worker before a batch
+            fails, or warns with ``wait``), ``leases_per_worker``, and ``max_refusals`` (replies in a row that fail
+            the checks of this client, or leases whose completions fail the trainer's checks,
+            :meth:`report_check_failure`, however far apart, before a worker is refused for the run; refusals are
+            logged and stored in the DHT, :func:`pulseloco.keys.refused_key`).
         seed: seeds the leases' sampling seeds.
     """
 
@@ -138,26 +177,15 @@ class RolloutClient:
         public_key: Ed25519PublicKey,
         *,
         vocab_size: int,
-        max_lag: int = 2,
-        lease_timeout: float = 60.0,
-        rollout_timeout: float = 60.0,
-        leases_per_worker: int = 2,
-        max_refusals: int = 3,
+        config: LeaseConfig | None = None,
         seed: int = 0,
     ) -> None:
-        if max_lag < 0 or leases_per_worker < 1 or max_refusals < 1:
-            raise ValueError("max_lag must be >= 0, leases_per_worker and max_refusals >= 1")
-        if not (lease_timeout > 0 and rollout_timeout > 0):
-            raise ValueError("lease_timeout and rollout_timeout must be positive")
+        config = config or LeaseConfig()
         self.dht = dht
         self.run_id = run_id
         self.public_key = public_key
         self.vocab_size = vocab_size
-        self.max_lag = max_lag
-        self.lease_timeout = lease_timeout
-        self.rollout_timeout = rollout_timeout
-        self.leases_per_worker = leases_per_worker
-        self.max_refusals = max_refusals
+        self.config = config
         self.stats = RolloutStats()
         #: version -> state digest, from the signed head records and envelopes seen; written from the client's
         #: event loop and the caller's thread, so only through _published_version
@@ -260,7 +288,7 @@ class RolloutClient:
             max_new_tokens=batch.max_new_tokens,
             temperature=batch.temperature,
             seed=self._rng.getrandbits(63),
-            deadline_s=self.lease_timeout,
+            deadline_s=self.config.lease_timeout,
         )
 
     def _usable(self, workers: dict[str, WorkerInfo], batch: _Batch) -> tuple[list[str], str]:
@@ -272,13 +300,13 @@ class RolloutClient:
         for peer, info in workers.items():
             if info.version < 0:
                 why["holds no version yet"] += 1
-            elif newest is not None and newest - info.version > self.max_lag:
-                why[f"more than max_lag={self.max_lag} versions behind"] += 1
+            elif newest is not None and newest - info.version > self.config.max_lag:
+                why[f"more than max_lag={self.config.max_lag} versions behind"] += 1
             elif info.max_new_tokens < batch.max_new_tokens:
                 why[f"takes at most {info.max_new_tokens} new tokens, {batch.max_new_tokens} asked"] += 1
             elif self._cooldown.get(peer, 0.0) > now:
                 why["cooling down after a failure"] += 1
-            elif self._inflight[peer] < self.leases_per_worker:
+            elif self._inflight[peer] < self.config.leases_per_worker:
                 free.append(peer)
         # fastest first; a worker without a measurement yet goes last
         free.sort(key=lambda p: (-workers[p].tokens_per_s, self._inflight[p], workers[p].queue))
@@ -290,7 +318,7 @@ class RolloutClient:
         ``rollout_timeout + lease_timeout`` s (workers that answer but cannot serve this batch)."""
         loop = asyncio.get_running_loop()
         workers = await loop.run_in_executor(None, self.workers)
-        size = max(1, math.ceil(len(batch.groups) / max(1, len(workers) * self.leases_per_worker)))
+        size = max(1, math.ceil(len(batch.groups) / max(1, len(workers) * self.config.leases_per_worker)))
         pending = collections.deque(
             list(range(start, min(start + size, len(batch.groups)))) for start in range(0, len(batch.groups), size)
         )
@@ -307,7 +335,7 @@ class RolloutClient:
                     workers = await loop.run_in_executor(None, self.workers)
                     free, unusable = self._usable(workers, batch)
                     for peer in free:
-                        while pending and self._inflight[peer] < self.leases_per_worker:
+                        while pending and self._inflight[peer] < self.config.leases_per_worker:
                             indices = pending.popleft()
                             lease = self._lease(batch, indices)
                             self._inflight[peer] += 1
@@ -315,8 +343,8 @@ class RolloutClient:
                             running[asyncio.create_task(self._call(peer, lease))] = (indices, peer, lease)
                     if running:
                         idle_since = now
-                    failing = now - last_ok > self.rollout_timeout + self.lease_timeout
-                    if now - idle_since > self.rollout_timeout or failing:
+                    failing = now - last_ok > self.config.rollout_timeout + self.config.lease_timeout
+                    if now - idle_since > self.config.rollout_timeout or failing:
                         swarm_run = training_run_id(self.run_id)
                         if failing:
                             message = (
@@ -327,7 +355,7 @@ class RolloutClient:
                             refused = len(self.stats.refusals)
                             message = (
                                 f"no rollout worker of run {self.run_id!r} could take a lease for "
-                                f"{self.rollout_timeout:.0f} s ({len(workers)} announced"
+                                f"{self.config.rollout_timeout:.0f} s ({len(workers)} announced"
                                 f"{': ' + unusable if unusable else ''}"
                                 f"{f'; {refused} refused for failing the checks' if refused else ''}); start one "
                                 f"with `python recipes/rollout_worker.py --serve_rollouts --run_id {swarm_run} "
@@ -406,9 +434,9 @@ class RolloutClient:
         if why is not None:
             return "refused", why
         lag = self.lag(samples.version)
-        if lag > self.max_lag:
+        if lag > self.config.max_lag:
             self.stats.stale_dropped += len(indices) * batch.num_samples
-            return "stale", f"version {samples.version} is {lag} versions behind (max_lag {self.max_lag})"
+            return "stale", f"version {samples.version} is {lag} versions behind (max_lag {self.config.max_lag})"
         self._strikes[peer] = 0
         self.stats.by_worker[peer] += len(indices) * batch.num_samples
         for position, index in enumerate(indices):
@@ -441,7 +469,7 @@ class RolloutClient:
             self.stats.refused += 1
             self._strikes[peer] += 1
             logger.warning("refused reply worker=%s lease=%s reason=%s", peer, lease.lease_id, reason)
-            if self._strikes[peer] >= self.max_refusals:
+            if self._strikes[peer] >= self.config.max_refusals:
                 self.refuse(peer, reason)
             return
         self.stats.failed += 1
@@ -460,9 +488,9 @@ class RolloutClient:
             lease_id,
             reason,
             self.stats.check_failures[peer],
-            self.max_refusals,
+            self.config.max_refusals,
         )
-        if self.stats.check_failures[peer] >= self.max_refusals and peer not in self.stats.refusals:
+        if self.stats.check_failures[peer] >= self.config.max_refusals and peer not in self.stats.refusals:
             self.refuse(peer, reason)
         return peer in self.stats.refusals
 
