@@ -55,7 +55,6 @@ import shutil
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -64,14 +63,14 @@ from harness import REPO, models, procs
 from harness.logs import progress
 from harness.netns import NetNS, open_netns, rate_label
 from harness.recipe_runs import LAUNCH, SINGLE_PROCESS, recipe_path, start_bootstrap
-from harness.report import cell, mb, md_table, percentile, read_records
+from harness.report import read_records
+from harness.rollouts_report import summarize_run, write_outputs
 
 RESULTS = REPO / "results" / "bench-rollouts"
 CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 TINY_CASES = ("local", "swarm1", "swarm2", "swarm4")
 NET_CASES = ("nolimit-patch", "netns-patch", "netns-full")
 ALL_CASES = TINY_CASES + NET_CASES
-BATCH = 16  # per_device_train_batch_size of grpo-tiny.yaml: completions per step
 READY_MARK = "rollout: serving leases"
 
 
@@ -285,59 +284,6 @@ def run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, ke
 # --------------------------------------------------------------------------------------------------
 
 
-def summarize_run(
-    *,
-    steps: int,
-    train_seconds: float,
-    rollouts: list[dict[str, Any]],
-    published: list[dict[str, Any]],
-    workers: list[list[dict[str, Any]]],
-    batch: int = BATCH,
-) -> dict[str, Any]:
-    """The metrics of one run from its records (pure: the tests feed it sample JSON lines)."""
-    train_rounds = [r for r in rollouts if r.get("mode", "train") == "train"]
-    waiting = sum(float(r.get("seconds_waiting", 0.0)) for r in train_rounds)
-    lags: Counter[int] = Counter()
-    for r in train_rounds:
-        lags.update(int(x) for x in r.get("lags", []))
-    last = train_rounds[-1] if train_rounds else {}
-    by_worker: Counter[str] = Counter()
-    for r in train_rounds:
-        by_worker.update({k: int(v) for k, v in r.get("by_worker", {}).items()})
-    versions = [p for p in published if p.get("event", "publish") == "publish"]
-    patch_bytes = [int(p["patch_bytes"]) for p in versions if p.get("patch_bytes") is not None]
-    serve = [float(v["seconds_to_serve"]) for w in workers for v in w if v.get("seconds_to_serve") is not None]
-    received = [int(v["bytes_received"]) for w in workers for v in w if v.get("bytes_received") is not None]
-    paths = Counter(str(v.get("path")) for w in workers for v in w)
-    samples = steps * batch
-    return {
-        "steps": steps,
-        "samples": samples,
-        "train_seconds": round(train_seconds, 2),
-        "samples_per_s": round(samples / train_seconds, 3) if train_seconds > 0 else None,
-        "steps_per_min": round(60 * steps / train_seconds, 2) if train_seconds > 0 else None,
-        "rounds": len(train_rounds),
-        "seconds_waiting": round(waiting, 2),
-        "wait_fraction": round(waiting / train_seconds, 3) if train_seconds > 0 else None,
-        "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
-        "stale_dropped": int(last.get("stale_dropped", 0)),
-        "refused": int(last.get("refused", 0)),
-        "failed": int(last.get("failed", 0)),
-        "local_rounds": sum(1 for r in train_rounds if r.get("local")),
-        "completions_by_worker": dict(sorted(by_worker.items())),
-        "versions_published": len(versions),
-        "patch_bytes": patch_bytes,
-        "patch_bytes_median": percentile([float(b) for b in patch_bytes[1:]], 0.5),  # version 1 is the anchor
-        "worker_versions": [len(w) for w in workers],
-        "worker_paths": dict(sorted(paths.items())),
-        "bytes_received_per_version_median": percentile([float(b) for b in received], 0.5),
-        "seconds_to_serve": [round(s, 3) for s in serve],
-        "seconds_to_serve_median": round(percentile(serve, 0.5), 3) if serve else None,
-        "seconds_to_serve_p90": round(percentile(serve, 0.9), 3) if serve else None,
-        "seconds_to_serve_max": round(max(serve), 3) if serve else None,
-    }
-
-
 def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial: bool = False) -> dict[str, Any]:
     """The metrics of a run directory; ``partial``: of a run that did not finish (steps and seconds from the
     trainer's rollouts.jsonl: its rounds and the time from the first to the last)."""
@@ -373,121 +319,8 @@ def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial:
 
 
 # --------------------------------------------------------------------------------------------------
-# Tables
-# --------------------------------------------------------------------------------------------------
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
-def build_tables(results: list[dict[str, Any]]) -> str:
-    """Markdown tables of the results (pure)."""
-    by = {r["name"]: r for r in results if r.get("samples_per_s")}
-    out: list[str] = []
-    tiny = [r for r in results if r.get("model") == "tiny" and r.get("steps")]
-    if tiny:
-        local = by.get("local")
-        rows = []
-        for r in tiny:
-            rows.append([
-                r["name"], r.get("seed"), r["workers"], r["steps"], r["train_seconds"], r["samples_per_s"],
-                r["steps_per_min"],
-                ratio(r["samples_per_s"], local["samples_per_s"]) if local else None,
-                r["seconds_waiting"], r["wait_fraction"], r["reward_before"], r["reward_after"],
-                r["train_reward_last"],
-            ])  # fmt: skip
-        out.append("### (a) Throughput vs rollout workers (tiny warm model, loopback)\n")
-        out.append("(x local: against the local run of the last seed)\n")
-        out.append(md_table(
-            ["case", "seed", "workers", "steps", "train s", "samples/s", "steps/min", "x local", "wait s", "wait frac",
-             "greedy reward before", "after", "last train reward"], rows))  # fmt: skip
-    net = [r for r in results if r.get("model") == "net" and r.get("steps")]
-    if net:
-        rows = []
-        for r in net:
-            rows.append([
-                r["name"], r["workers"], "full BF16" if r["full"] else "patches", r["steps"], r["train_seconds"],
-                r["samples_per_s"], r["steps_per_min"], r["wait_fraction"], mb(r["patch_bytes_median"]),
-                mb(r["bytes_received_per_version_median"]), r["seconds_to_serve_median"], r["reward_after"],
-            ])  # fmt: skip
-        out.append("\n### (b) Rate-limited links: patches vs full copies\n")
-        out.append(md_table(
-            ["case", "workers", "sync", "steps", "train s", "samples/s", "steps/min", "wait frac",
-             "published/version (median)", "received/version (median)", "to serve median s", "reward after"],
-            rows))  # fmt: skip
-        p, f, n = by.get("netns-patch"), by.get("netns-full"), by.get("nolimit-patch")
-        out.append("")
-        out.append(
-            "- throughput patches / full copies (same link): "
-            f"{cell(ratio(p and p['samples_per_s'], f and f['samples_per_s']), 3)}"
-        )
-        out.append(
-            "- throughput patches over the link / same workers without a link limit: "
-            f"{cell(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
-        )
-    done = [r for r in results if r.get("steps") and r["workers"]]
-    if done:
-        rows = []
-        for r in done:
-            hist = " ".join(f"{k}:{v}" for k, v in r["lag_histogram"].items()) or "-"
-            rows.append([
-                r["name"], hist, r["stale_dropped"], r["refused"], r["failed"], r["local_rounds"],
-                r["versions_published"], "/".join(str(v) for v in r["worker_versions"]),
-                " ".join(f"{k}:{v}" for k, v in r["worker_paths"].items()),
-                r["seconds_to_serve_median"], r["seconds_to_serve_p90"], r["seconds_to_serve_max"],
-            ])  # fmt: skip
-        out.append("\n### (c) Lag, drops, publish-to-serving latency\n")
-        out.append(md_table(
-            ["case", "lag histogram (lag:completion groups)", "stale dropped", "refused", "failed", "local rounds",
-             "versions published", "versions served per worker", "update paths", "to serve median s", "p90 s",
-             "max s"], rows))  # fmt: skip
-    by_case: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        if r.get("reward_after") is not None:
-            by_case.setdefault(r["name"], []).append(r)
-    if any(len(runs) > 1 for runs in by_case.values()):
-        rows = []
-        for name, runs in by_case.items():
-            after = [r["reward_after"] for r in runs]
-            train = [r["train_reward_last"] for r in runs if r.get("train_reward_last") is not None]
-            rows.append([
-                name, " ".join(str(r.get("seed")) for r in runs), runs[0]["reward_before"],
-                " ".join(f"{x:.3f}" for x in after), sum(after) / len(after), min(after), max(after),
-                " ".join(f"{x:.3f}" for x in train), sum(train) / len(train) if train else None,
-            ])  # fmt: skip
-        out.append("\n### Quality over seeds: held-out greedy reward after training\n")
-        out.append(md_table(
-            ["case", "seeds", "greedy before", "greedy after (per seed)", "mean", "min", "max",
-             "last train reward (per seed)", "mean"], rows))  # fmt: skip
-    failed = [r for r in results if "error" in r]
-    if failed:
-        out.append("\n### Failed cases\n")
-        out += [f"- {r['name']} (rows above: partial, up to the stall): {r['error'].splitlines()[0]}" for r in failed]
-    return "\n".join(out) + "\n"
-
-
-# --------------------------------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------------------------------
-
-
-def write_outputs(payload: dict[str, Any], out: Path) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_rollouts.json").write_text(json.dumps(payload, indent=1) + "\n")
-    head = [f"# bench_rollouts ({payload.get('date', '')})", "", f"command: `{payload.get('command', '')}`", ""]
-    if payload.get("net_model"):
-        m = payload["net_model"]
-        head.append(
-            f"netns model: tiny warm model grown to {m['num_hidden_layers']} layers x hidden {m['hidden_size']} "
-            f"x MLP {m['intermediate_size']}: {m['num_params'] / 1e6:.1f}M parameters, "
-            f"{m['bf16_bytes'] / 1e6:.1f} MB in BF16; greedy reward {m['greedy_reward_base']:.3f} (tiny) -> "
-            f"{m['greedy_reward_grown']:.3f} (grown); link {payload.get('rate_label', '')}"
-        )
-        head.append("")
-    text = "\n".join(head) + build_tables(payload["results"])
-    (out / "bench_rollouts.md").write_text(text)
-    return text
 
 
 def prepare_models(args: argparse.Namespace, cases: list[Case], payload: dict[str, Any]) -> tuple[str, str | None]:

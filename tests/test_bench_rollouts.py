@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bench_rollouts as br
 import pytest
+from harness import rollouts_report as rr
 
 
 def _args(*argv: str):
@@ -63,8 +64,8 @@ WORKERS = [
 
 
 def test_summarize_run():
-    s = br.summarize_run(steps=4, train_seconds=8.0, rollouts=ROLLOUTS, published=PUBLISHED, workers=WORKERS)
-    assert s["samples"] == 4 * br.BATCH
+    s = rr.summarize_run(steps=4, train_seconds=8.0, rollouts=ROLLOUTS, published=PUBLISHED, workers=WORKERS)
+    assert s["samples"] == 4 * rr.BATCH
     assert s["samples_per_s"] == pytest.approx(64 / 8)
     assert s["steps_per_min"] == pytest.approx(30.0)
     assert s["seconds_waiting"] == pytest.approx(2.0)  # the eval round is not training time
@@ -80,13 +81,13 @@ def test_summarize_run():
 
 
 def test_summarize_empty_run():
-    s = br.summarize_run(steps=0, train_seconds=0.0, rollouts=[], published=[], workers=[])
+    s = rr.summarize_run(steps=0, train_seconds=0.0, rollouts=[], published=[], workers=[])
     assert s["samples_per_s"] is None and s["wait_fraction"] is None and s["seconds_to_serve_median"] is None
 
 
 def _result(name: str, workers: int, model: str, sps: float, **kw):
     case = br.make_case(name, workers) if name != "local" else br.Case("local", 0, "tiny")
-    summary = br.summarize_run(
+    summary = rr.summarize_run(
         steps=8, train_seconds=64 * 2 / sps, rollouts=ROLLOUTS, published=PUBLISHED, workers=WORKERS
     )
     summary["samples_per_s"] = sps
@@ -103,7 +104,7 @@ def test_build_tables():
         _result("netns-full", 2, "net", 0.5),
         {**br.asdict(br.make_case("swarm4", 2)), "label": "x", "error": "skipped: no root"},
     ]
-    text = br.build_tables(results)
+    text = rr.build_tables(results)
     assert "(a) Throughput" in text and "(b) Rate-limited" in text and "(c) Lag" in text
     assert "patches / full copies (same link): 4.000" in text
     assert "without a link limit: 0.500" in text
@@ -113,5 +114,5 @@ def test_build_tables():
 
 
 def test_ratio():
-    assert br.ratio(2.0, 4.0) == 0.5
-    assert br.ratio(None, 4.0) is None and br.ratio(1.0, 0.0) is None
+    assert rr.ratio(2.0, 4.0) == 0.5
+    assert rr.ratio(None, 4.0) is None and rr.ratio(1.0, 0.0) is None

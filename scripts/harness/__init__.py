@@ -28,7 +28,8 @@ Pieces of one experiment that stand on their own (each named after its script): 
 (bench_codec's naive and authors' codecs), :mod:`harness.warm` (warm_model's sizes, training and cache),
 :mod:`harness.sparsity` and :mod:`harness.sparsity_report` (sparsity_study's measurements and report),
 :mod:`harness.compare_runs`, :mod:`harness.compare_results` and :mod:`harness.compare_report` (compare's plans and
-launches, aggregation, and outputs).
+launches, aggregation, and outputs), :mod:`harness.rollouts_report` (bench_rollouts' run metrics, tables and output
+files).
 """
 
 from __future__ import annotations

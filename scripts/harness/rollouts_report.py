@@ -1,0 +1,210 @@
+"""What ``scripts/bench_rollouts.py`` makes of its runs: one run's metrics from its records (:func:`summarize_run`),
+the markdown tables over every case (:func:`build_tables`) and the two output files (:func:`write_outputs`:
+``bench_rollouts.json`` and ``bench_rollouts.md``, also what ``--report-only`` rebuilds).
+
+``summarize_run`` and ``build_tables`` are pure (the tests feed them sample JSON lines); a metric that cannot be
+computed (no train seconds, no samples) is None, and a case without measurements is left out of a table.
+``write_outputs`` raises OSError when the output directory cannot be written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from harness.report import cell, mb, md_table, percentile
+
+BATCH = 16  # per_device_train_batch_size of grpo-tiny.yaml: completions per step
+
+
+def summarize_run(
+    *,
+    steps: int,
+    train_seconds: float,
+    rollouts: list[dict[str, Any]],
+    published: list[dict[str, Any]],
+    workers: list[list[dict[str, Any]]],
+    batch: int = BATCH,
+) -> dict[str, Any]:
+    """The metrics of one run from its records (pure: the tests feed it sample JSON lines)."""
+    train_rounds = [r for r in rollouts if r.get("mode", "train") == "train"]
+    waiting = sum(float(r.get("seconds_waiting", 0.0)) for r in train_rounds)
+    lags: Counter[int] = Counter()
+    for r in train_rounds:
+        lags.update(int(x) for x in r.get("lags", []))
+    last = train_rounds[-1] if train_rounds else {}
+    by_worker: Counter[str] = Counter()
+    for r in train_rounds:
+        by_worker.update({k: int(v) for k, v in r.get("by_worker", {}).items()})
+    versions = [p for p in published if p.get("event", "publish") == "publish"]
+    patch_bytes = [int(p["patch_bytes"]) for p in versions if p.get("patch_bytes") is not None]
+    serve = [float(v["seconds_to_serve"]) for w in workers for v in w if v.get("seconds_to_serve") is not None]
+    received = [int(v["bytes_received"]) for w in workers for v in w if v.get("bytes_received") is not None]
+    paths = Counter(str(v.get("path")) for w in workers for v in w)
+    samples = steps * batch
+    return {
+        "steps": steps,
+        "samples": samples,
+        "train_seconds": round(train_seconds, 2),
+        "samples_per_s": round(samples / train_seconds, 3) if train_seconds > 0 else None,
+        "steps_per_min": round(60 * steps / train_seconds, 2) if train_seconds > 0 else None,
+        "rounds": len(train_rounds),
+        "seconds_waiting": round(waiting, 2),
+        "wait_fraction": round(waiting / train_seconds, 3) if train_seconds > 0 else None,
+        "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
+        "stale_dropped": int(last.get("stale_dropped", 0)),
+        "refused": int(last.get("refused", 0)),
+        "failed": int(last.get("failed", 0)),
+        "local_rounds": sum(1 for r in train_rounds if r.get("local")),
+        "completions_by_worker": dict(sorted(by_worker.items())),
+        "versions_published": len(versions),
+        "patch_bytes": patch_bytes,
+        "patch_bytes_median": percentile([float(b) for b in patch_bytes[1:]], 0.5),  # version 1 is the anchor
+        "worker_versions": [len(w) for w in workers],
+        "worker_paths": dict(sorted(paths.items())),
+        "bytes_received_per_version_median": percentile([float(b) for b in received], 0.5),
+        "seconds_to_serve": [round(s, 3) for s in serve],
+        "seconds_to_serve_median": round(percentile(serve, 0.5), 3) if serve else None,
+        "seconds_to_serve_p90": round(percentile(serve, 0.9), 3) if serve else None,
+        "seconds_to_serve_max": round(max(serve), 3) if serve else None,
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` rounded to 3 places; None when either is None or zero."""
+    return round(a / b, 3) if a and b else None
+
+
+def _throughput_table(results: list[dict[str, Any]], by: dict[str, dict[str, Any]]) -> list[str]:
+    """(a): the tiny model's cases against the local run (``by``: the cases with a throughput, by name)."""
+    out: list[str] = []
+    tiny = [r for r in results if r.get("model") == "tiny" and r.get("steps")]
+    if tiny:
+        local = by.get("local")
+        rows = []
+        for r in tiny:
+            rows.append([
+                r["name"], r.get("seed"), r["workers"], r["steps"], r["train_seconds"], r["samples_per_s"],
+                r["steps_per_min"],
+                ratio(r["samples_per_s"], local["samples_per_s"]) if local else None,
+                r["seconds_waiting"], r["wait_fraction"], r["reward_before"], r["reward_after"],
+                r["train_reward_last"],
+            ])  # fmt: skip
+        out.append("### (a) Throughput vs rollout workers (tiny warm model, loopback)\n")
+        out.append("(x local: against the local run of the last seed)\n")
+        out.append(md_table(
+            ["case", "seed", "workers", "steps", "train s", "samples/s", "steps/min", "x local", "wait s", "wait frac",
+             "greedy reward before", "after", "last train reward"], rows))  # fmt: skip
+    return out
+
+
+def _rate_limited_table(results: list[dict[str, Any]], by: dict[str, dict[str, Any]]) -> list[str]:
+    """(b): the net model's cases, patches against full copies, and the two throughput ratios."""
+    out: list[str] = []
+    net = [r for r in results if r.get("model") == "net" and r.get("steps")]
+    if net:
+        rows = []
+        for r in net:
+            rows.append([
+                r["name"], r["workers"], "full BF16" if r["full"] else "patches", r["steps"], r["train_seconds"],
+                r["samples_per_s"], r["steps_per_min"], r["wait_fraction"], mb(r["patch_bytes_median"]),
+                mb(r["bytes_received_per_version_median"]), r["seconds_to_serve_median"], r["reward_after"],
+            ])  # fmt: skip
+        out.append("\n### (b) Rate-limited links: patches vs full copies\n")
+        out.append(md_table(
+            ["case", "workers", "sync", "steps", "train s", "samples/s", "steps/min", "wait frac",
+             "published/version (median)", "received/version (median)", "to serve median s", "reward after"],
+            rows))  # fmt: skip
+        p, f, n = by.get("netns-patch"), by.get("netns-full"), by.get("nolimit-patch")
+        out.append("")
+        out.append(
+            "- throughput patches / full copies (same link): "
+            f"{cell(ratio(p and p['samples_per_s'], f and f['samples_per_s']), 3)}"
+        )
+        out.append(
+            "- throughput patches over the link / same workers without a link limit: "
+            f"{cell(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
+        )
+    return out
+
+
+def _lag_table(results: list[dict[str, Any]]) -> list[str]:
+    """(c): every swarm case's lag histogram, drops, versions and publish-to-serving latency."""
+    out: list[str] = []
+    done = [r for r in results if r.get("steps") and r["workers"]]
+    if done:
+        rows = []
+        for r in done:
+            hist = " ".join(f"{k}:{v}" for k, v in r["lag_histogram"].items()) or "-"
+            rows.append([
+                r["name"], hist, r["stale_dropped"], r["refused"], r["failed"], r["local_rounds"],
+                r["versions_published"], "/".join(str(v) for v in r["worker_versions"]),
+                " ".join(f"{k}:{v}" for k, v in r["worker_paths"].items()),
+                r["seconds_to_serve_median"], r["seconds_to_serve_p90"], r["seconds_to_serve_max"],
+            ])  # fmt: skip
+        out.append("\n### (c) Lag, drops, publish-to-serving latency\n")
+        out.append(md_table(
+            ["case", "lag histogram (lag:completion groups)", "stale dropped", "refused", "failed", "local rounds",
+             "versions published", "versions served per worker", "update paths", "to serve median s", "p90 s",
+             "max s"], rows))  # fmt: skip
+    return out
+
+
+def _quality_table(results: list[dict[str, Any]]) -> list[str]:
+    """The held-out greedy reward over seeds, when some case ran more than once."""
+    out: list[str] = []
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        if r.get("reward_after") is not None:
+            by_case.setdefault(r["name"], []).append(r)
+    if any(len(runs) > 1 for runs in by_case.values()):
+        rows = []
+        for name, runs in by_case.items():
+            after = [r["reward_after"] for r in runs]
+            train = [r["train_reward_last"] for r in runs if r.get("train_reward_last") is not None]
+            rows.append([
+                name, " ".join(str(r.get("seed")) for r in runs), runs[0]["reward_before"],
+                " ".join(f"{x:.3f}" for x in after), sum(after) / len(after), min(after), max(after),
+                " ".join(f"{x:.3f}" for x in train), sum(train) / len(train) if train else None,
+            ])  # fmt: skip
+        out.append("\n### Quality over seeds: held-out greedy reward after training\n")
+        out.append(md_table(
+            ["case", "seeds", "greedy before", "greedy after (per seed)", "mean", "min", "max",
+             "last train reward (per seed)", "mean"], rows))  # fmt: skip
+    return out
+
+
+def build_tables(results: list[dict[str, Any]]) -> str:
+    """Markdown tables of the results (pure): (a), (b), (c), quality over seeds and the failed cases, each only
+    when some result belongs in it."""
+    by = {r["name"]: r for r in results if r.get("samples_per_s")}
+    out = _throughput_table(results, by) + _rate_limited_table(results, by) + _lag_table(results)
+    out += _quality_table(results)
+    failed = [r for r in results if "error" in r]
+    if failed:
+        out.append("\n### Failed cases\n")
+        out += [f"- {r['name']} (rows above: partial, up to the stall): {r['error'].splitlines()[0]}" for r in failed]
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(payload: dict[str, Any], out: Path) -> str:
+    """Write ``payload`` (the script's JSON) to ``out``/bench_rollouts.json and its header and tables to
+    ``out``/bench_rollouts.md (``out`` made if missing); returns the markdown. Raises OSError when they cannot be
+    written."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_rollouts.json").write_text(json.dumps(payload, indent=1) + "\n")
+    head = [f"# bench_rollouts ({payload.get('date', '')})", "", f"command: `{payload.get('command', '')}`", ""]
+    if payload.get("net_model"):
+        m = payload["net_model"]
+        head.append(
+            f"netns model: tiny warm model grown to {m['num_hidden_layers']} layers x hidden {m['hidden_size']} "
+            f"x MLP {m['intermediate_size']}: {m['num_params'] / 1e6:.1f}M parameters, "
+            f"{m['bf16_bytes'] / 1e6:.1f} MB in BF16; greedy reward {m['greedy_reward_base']:.3f} (tiny) -> "
+            f"{m['greedy_reward_grown']:.3f} (grown); link {payload.get('rate_label', '')}"
+        )
+        head.append("")
+    text = "\n".join(head) + build_tables(payload["results"])
+    (out / "bench_rollouts.md").write_text(text)
+    return text
