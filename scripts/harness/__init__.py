@@ -29,7 +29,9 @@ Pieces of one experiment that stand on their own (each named after its script): 
 :mod:`harness.sparsity` and :mod:`harness.sparsity_report` (sparsity_study's measurements and report),
 :mod:`harness.compare_runs`, :mod:`harness.compare_results` and :mod:`harness.compare_report` (compare's plans and
 launches, aggregation, and outputs), :mod:`harness.rollouts_report` (bench_rollouts' run metrics, tables and output
-files).
+files), :mod:`harness.sync_workers`, :mod:`harness.sync_coordinator` and :mod:`harness.sync_report` (bench_sync's
+publisher and subscriber processes, the coordinator that drives and measures them, and the results, relay-tree
+bound and tables).
 """
 
 from __future__ import annotations
