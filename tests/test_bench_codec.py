@@ -15,6 +15,7 @@ from pathlib import Path
 import bench_codec as bench
 import pytest
 import torch
+from harness import codec_timing
 from harness.codec_baselines import BASELINES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,9 +103,9 @@ def test_baselines_round_trip_edge_shapes(codec: str) -> None:
     base, new = _edge_states()
     baseline = BASELINES[codec]
     payload = baseline.encode(base, new)
-    state = bench.clone_state(base)
+    state = codec_timing.clone_state(base)
     num_changed = baseline.apply(state, payload)
-    assert bench.states_equal(state, new)
+    assert codec_timing.states_equal(state, new)
     expected = sum(int((base[k].view(torch.int16) != new[k].view(torch.int16)).sum()) for k in base)
     assert num_changed == expected
     assert 0 < baseline.index_bytes(base, new) < len(payload)
@@ -113,6 +114,6 @@ def test_baselines_round_trip_edge_shapes(codec: str) -> None:
 def test_binary_entropy_bound() -> None:
     # About 1.01 bytes per changed element at p = 1% (docs/design.md section 6.2).
     p = 0.01
-    assert bench.binary_entropy(p) / p / 8 == pytest.approx(1.01, abs=0.005)
-    assert bench.binary_entropy(0.0) == 0.0
-    assert bench.binary_entropy(0.5) == pytest.approx(1.0)
+    assert codec_timing.binary_entropy(p) / p / 8 == pytest.approx(1.01, abs=0.005)
+    assert codec_timing.binary_entropy(0.0) == 0.0
+    assert codec_timing.binary_entropy(0.5) == pytest.approx(1.0)

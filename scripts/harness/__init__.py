@@ -25,8 +25,9 @@ that need them), so a coordinator process stays light.
   signing key, swarm flags); :mod:`harness.run_outputs`: a recipe run's output directory read back.
 
 Pieces of one experiment that stand on their own (each named after its script): :mod:`harness.codec_baselines`
-(bench_codec's naive and authors' codecs), :mod:`harness.warm` (warm_model's sizes, training and cache),
-:mod:`harness.sparsity` and :mod:`harness.sparsity_report` (sparsity_study's measurements and report),
+(bench_codec's naive and authors' codecs) and :mod:`harness.codec_timing` (how it times and checks each codec),
+:mod:`harness.warm` (warm_model's sizes, training and cache), :mod:`harness.sparsity` and
+:mod:`harness.sparsity_report` (sparsity_study's measurements and report),
 :mod:`harness.compare_runs`, :mod:`harness.compare_results` and :mod:`harness.compare_report` (compare's plans and
 launches, aggregation, and outputs), :mod:`harness.rollouts_report` (bench_rollouts' run metrics, tables and output
 files), :mod:`harness.sync_workers`, :mod:`harness.sync_coordinator` and :mod:`harness.sync_report` (bench_sync's
