@@ -39,7 +39,6 @@ passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import logging
@@ -53,15 +52,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 import torch
 from harness import models, procs
-from harness.report import kv_lines, read_records
+from harness.report import read_records
+from harness.soak_audit import Audit, check_ledger
+from harness.soak_report import followed, print_table, summarize, sync_check
+from harness.soak_schedule import Event, Member, schedule
 
 VOCAB, SEQ_LEN, BATCH = 64, 16, 4
-LEDGER_TOLERANCE = 1e-5
-"""Relative tolerance of the ledger check (FP32 sums over a few hundred contributions)."""
 
 
 # ---- the peer process ------------------------------------------------------------------------------------------
@@ -73,106 +72,6 @@ def tiny_model() -> torch.nn.Module:
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=SEQ_LEN,
     )  # fmt: skip
-
-
-class Audit:
-    """The outside ledger of one peer process, written as it goes (a SIGKILL loses nothing already written).
-
-    - ``prod/<peer>.<round>.npy``: the pseudo-gradient produced before the round (written before anything is sent;
-      keyed by the round the peer was at, which is below the round it is sent in when the peer catches up first);
-    - ``sent/<peer>.<round>.npy``: the dense contribution pushed in the round (written before it is pushed);
-    - ``<name>.jsonl``: one record per finished round: group, accepted lists and shard bounds, the theta digests
-      before and after the outer step (a transition) and at the end, metrics, downloads;
-    - ``resid/<name>.npy``: the residual after the last round (rewritten every round).
-    """
-
-    def __init__(self, opt: Any, out: Path, name: str) -> None:
-        from pulseloco.loco.outer import NesterovOuterOptimizer
-        from pulseloco.loco.validation import theta_digest
-
-        self.opt, self.out, self.name = opt, out, name
-        self.peer_id = str(opt.peer_id)
-        self.downloads = 0
-        self.current: dict[str, Any] = {}
-        for sub in ("prod", "sent", "resid", "ids"):
-            (out / sub).mkdir(exist_ok=True)
-        (out / "ids" / name).write_text(self.peer_id)
-        add_pseudo_gradient, all_reduce = opt._add_pseudo_gradient, opt.averager.all_reduce
-        download = opt.averager.download_state
-        form_group = opt.matchmaker.form_group
-        outer_step = NesterovOuterOptimizer.step_sparse
-
-        is_finite = opt._pseudo_gradient_is_finite
-        round_started: list[int] = []
-
-        def is_finite_and_record() -> bool:
-            round_started[:] = [opt.round]  # before the catch-up, which may move the round
-            return is_finite()
-
-        def add_and_record(theta_start_N: torch.Tensor, finite: bool) -> None:
-            local = opt.placement.flatten_local()
-            name = f"{self.peer_id}.{round_started[0]}.npy"
-            np.save(self.out / "prod" / name, (theta_start_N - local).numpy())
-            add_pseudo_gradient(theta_start_N, finite)
-
-        def form_group_and_record(*args: Any) -> Any:
-            self.current["start"] = theta_digest(opt.theta_N)  # after the repair at the round's start
-            return form_group(*args)
-
-        def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
-            sent = torch.zeros(opt.numel)
-            sent[indices_K] = values_K
-            np.save(self.out / "sent" / f"{self.peer_id}.{group.round}.npy", sent.numpy())
-            result = all_reduce(group, indices_K, values_K, *args)
-            self.current.update(
-                group=group.group_id,
-                members=list(group.members),
-                accepted=[sorted(names) if names is not None else None for names in result.accepted],
-                bounds=[list(b) for b in result.bounds],
-            )
-            return result
-
-        def download_and_count(*args: Any, **kwargs: Any) -> Any:
-            snapshot = download(*args, **kwargs)
-            self.downloads += 1
-            return snapshot
-
-        def step_and_record(outer: Any, theta_N: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-            before = theta_digest(theta_N)
-            outer_step(outer, theta_N, *args, **kwargs)
-            self.current["transition"] = [before, theta_digest(theta_N)]
-
-        opt._pseudo_gradient_is_finite = is_finite_and_record
-        opt._add_pseudo_gradient = add_and_record
-        opt.matchmaker.form_group = form_group_and_record
-        opt.averager.all_reduce = all_reduce_and_record
-        opt.averager.download_state = download_and_count
-        NesterovOuterOptimizer.step_sparse = step_and_record  # this process has one optimizer
-
-    def end_round(self, final: bool = False) -> None:
-        m = self.opt.last_metrics
-        np.save(self.out / "resid" / f"{self.name}.npy", self.opt.residual_N.numpy())
-        record = {
-            "name": self.name,
-            "peer_id": self.peer_id,
-            "round": m.round,
-            "end_round": self.opt.round,
-            "digest": m.theta_digest,
-            "finite": bool(torch.isfinite(self.opt.theta_N).all()),
-            "repaired": m.repaired,
-            "complete": m.complete,
-            "num_peers": m.num_peers,
-            "num_contributors": m.num_contributors,
-            "num_rejected": m.num_rejected,
-            "num_reconciled": m.num_reconciled,
-            "downloads": self.downloads,
-            "final": final,
-            "t": time.time(),
-            **self.current,
-        }
-        with (self.out / f"{self.name}.jsonl").open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        self.current = {}
 
 
 def _poison() -> None:
@@ -282,65 +181,6 @@ def publisher_main(args: argparse.Namespace) -> None:
 
 
 # ---- the supervisor ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Event:
-    """At swarm round ``round`` (the newest round any peer finished), do ``action`` to process ``target``."""
-
-    round: int
-    action: str  # start | kill | kill_after_push | stall:S | restart
-    target: str  # "peer<i>" or "sub<i>"
-    done: bool = False
-
-
-def schedule(peers: int, rounds: int, averaging_timeout: float) -> list[Event]:
-    """The churn of a run, as fractions of ``rounds``: a late join, kills (one right after a push) and restarts,
-    a short and a long stall (SIGSTOP while fetching, past the averaging timeout the second time), a client's
-    crash, and a subscriber killed and restarted."""
-
-    def at(fraction: float) -> int:
-        return max(1, round(rounds * fraction))
-
-    late = peers - 3 if peers >= 5 else None
-    long_target = "peer2" if peers >= 5 else "peer0"  # with 4 peers, peer2 is the client and peer3 the poisoner
-    # A short run restarts the killed peer at once: a restart a round later, on a loaded machine, can come up after
-    # the last round, and then neither it nor an event aimed at it happens (a fresh-clone CI run timed out so, with
-    # 10 rounds). Its stalls come early, the long one for 1.5 averaging timeouts: a stalled peer that resumes after
-    # the others finished spends the run's last 25 s alone (and a stall aimed at it then never happens).
-    short = rounds < 30
-    restart, short_at, long_at, long_factor = (0.16, 0.2, 0.4, 1.5) if short else (0.26, 0.32, 0.56, 2.5)
-    events = [
-        Event(at(0.16), "kill_after_push", "peer1"),
-        Event(at(restart), "restart", "peer1"),
-        Event(at(short_at), f"stall:{averaging_timeout * 0.6:.1f}", "peer0"),
-        Event(at(0.3), "kill", "sub1"),
-        Event(at(0.5), "restart", "sub1"),
-        Event(at(long_at), f"stall:{averaging_timeout * long_factor:.1f}", long_target),
-    ]
-    if late is not None:
-        events.append(Event(at(0.1), "start", f"peer{late}"))
-    if not short:
-        events += [
-            Event(at(0.4), "kill", "peer0"),
-            Event(at(0.46), "restart", "peer0"),
-            Event(at(0.66), "kill", f"peer{peers - 2}"),
-            Event(at(0.72), "restart", f"peer{peers - 2}"),
-            Event(at(0.8), f"stall:{averaging_timeout:.1f}", "peer1"),
-        ]
-    return sorted(events, key=lambda e: e.round)
-
-
-@dataclass
-class Member:
-    """A process of the soak (``peer<i>``, ``pub``, ``sub<i>``) across its incarnations: ``proc`` is the current
-    one (None while it is not running), ``stalled_until`` when a SIGSTOP of it ends."""
-
-    name: str
-    cmd: list[str]
-    proc: procs.Proc | None = None
-    incarnation: int = 0
-    stalled_until: float | None = None
 
 
 @dataclass
@@ -563,204 +403,31 @@ class Soak:
         last = published[-1]["version"]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(v >= last for v, _ in self._followed(name)):
+            if any(v >= last for v, _ in followed(self.out / "logs", name)):
                 return
             time.sleep(0.3)
 
-    def _followed(self, name: str) -> list[tuple[int, str]]:
-        lines = []
-        for path in sorted((self.out / "logs").glob(f"{name}.*.log")):
-            for line in path.read_text(errors="replace").splitlines():
-                parts = line.split()
-                if len(parts) == 7 and parts[0].isdigit():
-                    lines.append((int(parts[0]), parts[4]))
-                elif line.startswith("restored version="):
-                    fields = dict(p.split("=", 1) for p in line.split()[1:3])
-                    lines.append((int(fields["version"]), fields["digest"]))
-        return lines
-
     # -- the checks ---------------------------------------------------------------------------------------------
     def _summary(self, leaked_processes: int) -> dict[str, Any]:
+        """The checks over what the run left (:func:`harness.soak_report.summarize`)."""
         records = self.peer_records()
-        by_round: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
-        for r in records:
-            by_round[r["round"]].append(r)
-        splits = sum(1 for rs in by_round.values() if len({r["group"] for r in rs if "group" in r}) > 1)
-        diverged = sum(1 for rs in by_round.values() if self._diverged(rs))
-        left_out = sum(1 for r in records if "group" not in r)
-        alone = sum(1 for r in records if "group" in r and r["num_peers"] <= 1)
-        by_end: dict[int, set[str]] = collections.defaultdict(set)
-        for r in records:
-            # Completed: it averaged in a group with others and applied every shard's sum. A peer left out, alone or
-            # with a partial round holds a stale or partial state until it repairs (counted above).
-            if "group" in r and r["complete"] and r["num_peers"] > 1:
-                by_end[r["end_round"]].add(r["digest"])
-        disagreements = sorted(rnd for rnd, digests in by_end.items() if len(digests) > 1)
-        last_downloads: dict[str, int] = {}
-        for r in records:
-            last_downloads[r["name"]] = max(last_downloads.get(r["name"], 0), r["downloads"])
-        ledger = self._ledger(records)
-        sync = self._sync_check()
-        leaked = leaked_processes
-        finished = {r["name"] for r in records if r["final"]}
-        summary = {
-            "rounds": max((r["end_round"] for r in records), default=0),
-            "peers": self.args.peers,
-            "processes_finished": len(finished),
-            "group_splits": splits,
-            "diverged_rounds": diverged,
-            "left_out": left_out,
-            "rounds_alone": alone,
-            "repairs": sum(1 for r in records if r["repaired"]),
-            "downloads": sum(last_downloads.values()),
-            "incomplete_rounds": sum(1 for r in records if not r["complete"]),
-            "rejected_contributions": sum(r["num_rejected"] for r in records),
-            "reconciled": sum(r["num_reconciled"] for r in records),
-            "poisoned_applied": ledger["poisoned"],
-            "non_finite_peers": len({r["name"] for r in records if r["final"] and not r.get("finite", True)}),
-            "empty_rounds": sum(
-                1
-                for rs in by_round.values()
-                if any("group" in r and r["num_peers"] > 1 for r in rs)
-                and all(r["num_contributors"] == 0 for r in rs if "group" in r)
-            ),
-            "double_counts": ledger["violations"],
-            "ledger_max_error": ledger["max_error"],
-            "ledger_checked": ledger["checked"],
-            "ledger_note": ledger["note"],
-            "digest_disagreements": len(disagreements),
-            "disagreeing_rounds": disagreements,
-            "leaked_processes": leaked,
-            "sync_versions": sync["versions"],
-            "sync_mismatches": sync["mismatches"],
-            "sync_behind": sync["behind"],
-            "status_exit_code": self.status.get("exit_code"),
-            "status_agreeing_peers": sum(1 for p in self.status.get("peers", []) if p["status"] == "agree"),
-            "status_head_verified": (self.status.get("head") or {}).get("verified"),
-            "seconds": round(time.time() - self.started, 1),
-            "events": self.notes,
-            "missed_events": self.missed,
-        }
-        summary["ok"] = bool(
-            summary["rounds"] >= self.args.rounds
-            and ledger["violations"] == 0
-            and ledger["note"] == ""
-            and summary["poisoned_applied"] == 0
-            and summary["non_finite_peers"] == 0
-            and not disagreements
-            and leaked == 0
-            and sync["mismatches"] == 0
-            and sync["behind"] == 0
-            and self.status.get("exit_code") in (0, 1)
-            and summary["status_head_verified"] is True
-            and not self.missed
-        )
-        return summary
-
-    @staticmethod
-    def _diverged(records: list[dict[str, Any]]) -> bool:
-        """Whether peers that started a round from the swarm's common state ended it in different states (two
-        groups, some left out while others averaged, or an incomplete round)."""
-        starts = collections.Counter(r["start"] for r in records if "start" in r)
-        if not starts:
-            return False
-        common = starts.most_common(1)[0][0]
-        ends = {r["transition"][1] if "transition" in r else r["start"] for r in records if r.get("start") == common}
-        return len(ends) > 1
-
-    def _ledger(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """The exactly-once check (see the module docstring). Transitions are keyed by the digest they lead to; a
-        finished peer is checked against the lineage of the theta it holds, a killed one against the lineage of
-        the theta most finished peers hold. Poisoned contributions are counted in the latter."""
-        out = self.out
-        transitions: dict[str, dict[str, Any]] = {}
-        for r in records:
-            if "transition" in r and r["transition"][0] != r["transition"][1]:
-                transitions.setdefault(r["transition"][1], r)
-        result: dict[str, Any] = {"violations": 0, "max_error": 0.0, "checked": 0, "note": "", "poisoned": 0}
-        finals = collections.Counter(r["digest"] for r in records if r["final"])
-        if not finals:
-            result["note"] = "no peer finished"
-            return result
-        initial = self._initial_digest()
-
-        def lineage_counts(digest: str) -> dict[tuple[str, int], np.ndarray]:
-            """What the lineage of ``digest`` counted of each contributor, per round (raises ValueError)."""
-            lineage = []
-            while digest != initial:
-                step = transitions.get(digest)
-                if step is None or len(lineage) > 10 * self.args.rounds:
-                    raise ValueError(f"lineage broken at digest {digest}")
-                lineage.append(step)
-                digest = step["transition"][0]
-            counted: dict[tuple[str, int], np.ndarray] = {}
-            for step in lineage:
-                for names, (start, stop) in zip(step["accepted"], step["bounds"]):
-                    for name in names or []:
-                        sent_path = out / "sent" / f"{name}.{step['round']}.npy"
-                        if not sent_path.exists():
-                            raise ValueError(f"an accepted contribution has no record: {sent_path.name}")
-                        sent = np.load(sent_path)
-                        counted.setdefault((name, step["round"]), np.zeros_like(sent))[start:stop] = sent[start:stop]
-            return counted
-
-        lineages: dict[str, dict[tuple[str, int], np.ndarray]] = {}
-        try:
-            for digest in finals:
-                lineages[digest] = lineage_counts(digest)
-        except ValueError as exc:
-            result["note"] = str(exc)
-            return result
-        majority = lineages[finals.most_common(1)[0][0]]
-        malicious = f"peer{self.args.peers - 1}."
-        peer_ids = {r["name"]: r["peer_id"] for r in records}
-        poisoners = {peer_id for name, peer_id in peer_ids.items() if name.startswith(malicious)}
-        result["poisoned"] = sum(1 for (name, _) in majority if name in poisoners)
-        final_digest = {r["name"]: r["digest"] for r in records if r["final"]}
-        total = sum(float(np.abs(np.load(p)).sum()) for p in (out / "prod").glob("*.npy")) or 1.0
-        for name, peer_id in peer_ids.items():
-            if name.startswith(malicious):
-                continue
-            sent_rounds = sorted(int(p.name.split(".")[1]) for p in (out / "sent").glob(f"{peer_id}.*.npy"))
-            prod = {int(p.name.split(".")[1]): np.load(p) for p in (out / "prod").glob(f"{peer_id}.*.npy")}
-            if name in final_digest:  # all it produced, all its own theta's lineage counted of it
-                held = np.load(out / "resid" / f"{name}.npy")
-                counted, upto, skip = lineages[final_digest[name]], sys.maxsize, None
-            elif sent_rounds:  # killed: its last contribution is what it held
-                upto = sent_rounds[-1]
-                held = np.load(out / "sent" / f"{peer_id}.{upto}.npy")
-                counted, skip = majority, upto
-            else:
-                continue
-            produced = sum((v for r, v in prod.items() if r <= upto), np.zeros_like(held))
-            applied = sum(
-                (v for (n, r), v in counted.items() if n == peer_id and r != skip and r <= upto), np.zeros_like(held)
-            )
-            error = float(np.abs(produced - applied - held).sum()) / total
-            result["checked"] += 1
-            result["max_error"] = max(result["max_error"], error)
-            if error > LEDGER_TOLERANCE:
-                result["violations"] += 1
-                self.notes.append(f"ledger: {name} off by {error:.3g} of the total")
-        return result
+        ledger = check_ledger(
+            self.out, records, initial_digest=self._initial_digest, rounds=self.args.rounds, peers=self.args.peers,
+            notes=self.notes,
+        )  # fmt: skip
+        published = {p["version"]: p["digest"] for p in self._published()}
+        sync = sync_check(published, self.out / "logs", self.notes)
+        return summarize(
+            records, ledger=ledger, sync=sync, status=self.status, leaked=leaked_processes, peers=self.args.peers,
+            rounds=self.args.rounds, seconds=round(time.time() - self.started, 1), events=self.notes,
+            missed=self.missed,
+        )  # fmt: skip
 
     def _initial_digest(self) -> str:
         from pulseloco.loco.validation import theta_digest
 
         model = tiny_model()
         return theta_digest(torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]))
-
-    def _sync_check(self) -> dict[str, int]:
-        published = {p["version"]: p["digest"] for p in self._published()}
-        last = max(published, default=None)
-        mismatches = behind = 0
-        for name in ("sub0", "sub1"):
-            seen = self._followed(name)
-            mismatches += sum(1 for v, d in seen if published.get(v) != d)
-            if last is not None and not any(v == last for v, _ in seen):
-                behind += 1
-                self.notes.append(f"{name} did not reach version {last}")
-        return {"versions": len(published), "mismatches": mismatches, "behind": behind}
 
     def _leaked_processes(self) -> int:
         """Processes of the soak still running after everything exited or was killed: anything in the process
@@ -773,39 +440,6 @@ class Soak:
                 self.notes.append(f"leaked: {proc.pid} {' '.join(proc.cmdline())[:120]}")
                 proc.kill()
         return len(leaked)
-
-
-def print_table(summary: dict[str, Any]) -> None:
-    rows = [
-        ("rounds", summary["rounds"]),
-        ("peer processes finished", summary["processes_finished"]),
-        ("group splits (two groups in a round)", summary["group_splits"]),
-        ("rounds that diverged (split, left out, partial)", summary["diverged_rounds"]),
-        ("peers left out of a round", summary["left_out"]),
-        ("rounds a peer averaged alone (not compared)", summary["rounds_alone"]),
-        ("repairs", summary["repairs"]),
-        ("state downloads", summary["downloads"]),
-        ("incomplete rounds", summary["incomplete_rounds"]),
-        ("poisoned contributions rejected", summary["rejected_contributions"]),
-        ("poisoned contributions applied (final lineage)", summary["poisoned_applied"]),
-        ("peers ending with non-finite parameters", summary["non_finite_peers"]),
-        ("rounds in which no group counted anything", summary["empty_rounds"]),
-        ("residual reconciliations", summary["reconciled"]),
-        ("double counts (ledger)", f"{summary['double_counts']} (max error {summary['ledger_max_error']:.2g})"),
-        ("digest disagreements", summary["digest_disagreements"]),
-        ("leaked processes", summary["leaked_processes"]),
-        ("sync versions / mismatches", f"{summary['sync_versions']} / {summary['sync_mismatches']}"),
-        (
-            "pulseloco status at the end",
-            f"exit {summary['status_exit_code']}, {summary['status_agreeing_peers']} peers agree, "
-            f"head verified: {summary['status_head_verified']}",
-        ),
-        ("seconds", summary["seconds"]),
-    ]
-    print(kv_lines(rows))
-    if summary["ledger_note"]:
-        print(f"ledger: {summary['ledger_note']}")
-    print("ok" if summary["ok"] else "FAILED")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,8 @@ Pieces of one experiment that stand on their own (each named after its script): 
 launches, aggregation, and outputs), :mod:`harness.rollouts_report` (bench_rollouts' run metrics, tables and output
 files), :mod:`harness.sync_workers`, :mod:`harness.sync_coordinator` and :mod:`harness.sync_report` (bench_sync's
 publisher and subscriber processes, the coordinator that drives and measures them, and the results, relay-tree
-bound and tables).
+bound and tables), :mod:`harness.soak_audit`, :mod:`harness.soak_schedule` and :mod:`harness.soak_report` (soak's
+outside ledger, written by every peer and checked at the end; its churn schedule; its other checks and table).
 """
 
 from __future__ import annotations
