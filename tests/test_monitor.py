@@ -238,7 +238,7 @@ def test_watch_view(observed: Observed) -> None:
         (["monitor"], "--initial-peers is required"),
         (["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--interval", "0"], "must be positive"),
         (["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--duration", "-5"], "must be positive"),
-        (["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run-id", "a b"], "--run-id must be non-empty"),
+        (["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run-id", "a b"], "--run-id must be 1-100"),
         (
             ["monitor", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--report-to", "tensorbored"],
             "--report-to 'tensorbored' is not a tracker accelerate knows (choose from: none, aim,",

@@ -1,20 +1,22 @@
-"""The pulseloco options of a training script, as one dataclass for ``TrlParser`` / ``HfArgumentParser``.
+"""The pulseloco options of a training script, as dataclasses for ``TrlParser`` / ``HfArgumentParser``.
 
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig, PulseLoCoArguments))
     script_args, training_args, model_args, pulse_args = parser.parse_args_and_config()
     trainer = GRPOTrainer(..., callbacks=pulse_args.callbacks(output_dir=training_args.output_dir))
 
 Every field is a command-line flag (``--strategy pulseloco``, ``--initial_peers MADDR``, ``--inner_steps 8``) and a
-key of the YAML ``--config`` file. Invalid values raise :class:`pulseloco.errors.ConfigError` naming the field,
-when the parser builds the dataclass.
+key of the YAML ``--config`` file. The fields are those of the library's option dataclasses, which these inherit
+(:class:`~pulseloco.swarm.SwarmConfig`, :mod:`pulseloco.loco.config`,
+:class:`~pulseloco.integrations.swarm_rollouts.RolloutConfig`, :class:`~pulseloco.integrations.verify.VerifyConfig`),
+so each option is defined, documented and checked once. Invalid values raise :class:`pulseloco.errors.ConfigError`
+naming the field, when the parser builds the dataclass.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.swarm_rollouts import RolloutConfig
@@ -23,9 +25,6 @@ from pulseloco.keys import check_run_id, policy_run_id
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.selection import SelectorName
 from pulseloco.swarm import SwarmConfig
-
-if TYPE_CHECKING:
-    pass
 
 _Part = TypeVar("_Part", SwarmConfig, RoundConfig, AveragingConfig, PlacementConfig, RolloutConfig, VerifyConfig)
 
@@ -116,10 +115,6 @@ class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArg
         if self.pulse_values != "float32" and self.strategy != "pulseloco":
             raise ConfigError(f"pulse_values={self.pulse_values} needs --strategy pulseloco, got {self.strategy}")
         self.round_config(), self.averaging_config(), self.placement_config()  # each checks its options
-        if not (self.linger >= 0 and math.isfinite(self.linger)):
-            raise ConfigError(f"linger must be >= 0 seconds, got {self.linger}")
-        if self.anchor_every < 1:
-            raise ConfigError(f"anchor_every must be at least 1, got {self.anchor_every}")
         if self.publish_every < 0:
             raise ConfigError(f"publish_every must be >= 0, got {self.publish_every}")
         if self.publish and not self.signing_key:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import weakref
 from typing import Any
 
@@ -31,15 +32,23 @@ from accelerate.utils import broadcast_object_list
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import CallbackHandler
 
-from pulseloco.errors import PulseLocoError
+from pulseloco.errors import ConfigError, PulseLocoError
 from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LogsContributor", "join_swarm", "loco_callback_of", "register_loco_callback"]
+__all__ = ["LogsContributor", "check_linger", "join_swarm", "loco_callback_of", "register_loco_callback"]
 
 _CALLBACK_OF_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 """The PulseLoCoCallback driving a model, so that a PulseSyncCallback on the same Trainer can find its rounds."""
+
+
+def check_linger(linger: float) -> float:
+    """``linger`` (seconds a callback stays in the swarm after training) when it is a finite number >= 0; raises
+    :class:`ConfigError` otherwise."""
+    if not (linger >= 0 and math.isfinite(linger)):
+        raise ConfigError(f"linger must be >= 0 seconds, got {linger}")
+    return linger
 
 
 def register_loco_callback(model: torch.nn.Module, callback: Any) -> None:

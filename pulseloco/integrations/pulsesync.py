@@ -28,7 +28,7 @@ from accelerate import PartialState
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.callback_base import LogsContributor, join_swarm, loco_callback_of
+from pulseloco.integrations.callback_base import LogsContributor, check_linger, join_swarm, loco_callback_of
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id
 from pulseloco.swarm import SwarmConfig
@@ -127,6 +127,7 @@ class PulseSyncCallback(LogsContributor):
             raise ConfigError("give publisher= or signing_key=, not both")
         if anchor_every < 1:
             raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
+        check_linger(linger)
         if isinstance(signing_key, str | os.PathLike):
             from pulseloco.sync.signing import load_private_key
 

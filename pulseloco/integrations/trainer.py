@@ -33,7 +33,6 @@ The swarm itself never fails a step (see :class:`pulseloco.PulseLoCo`).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -47,7 +46,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.callback_base import LogsContributor, join_swarm, register_loco_callback
+from pulseloco.integrations.callback_base import LogsContributor, check_linger, join_swarm, register_loco_callback
 from pulseloco.keys import check_run_id
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.metrics import RoundMetrics
@@ -168,8 +167,6 @@ class PulseLoCoCallback(LogsContributor):
     ) -> None:
         if swarm is not None and initial_peers is not None:
             raise ConfigError("give swarm= or initial_peers=, not both")
-        if not (linger >= 0 and math.isfinite(linger)):
-            raise ConfigError(f"linger must be >= 0 seconds, got {linger}")
         self.swarm = swarm if swarm is not None else SwarmConfig(initial_peers=list(initial_peers or []))
         self.run_id = check_run_id(run_id)
         self.round_config = round_config or RoundConfig()
@@ -178,7 +175,7 @@ class PulseLoCoCallback(LogsContributor):
         self.metrics_path = metrics_path
         self.inner_steps = self.round_config.inner_steps
         self.selector = self.round_config.selector
-        self.linger = linger
+        self.linger = check_linger(linger)
         self.loco: PulseLoCo | None = None
         self.dht: Any | None = dht
         self._owns_dht = dht is None
