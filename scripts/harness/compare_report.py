@@ -114,54 +114,54 @@ def byte_tables(at: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """Write ``compare.md`` to ``path`` and return its text: per learning rate the main table, the byte tables and
-    the pulseloco targets, then failed runs, the loopback comparison of a ``--bandwidth`` run, and the notes."""
-    metric = meta["metric_label"]
-    lrs = list(dict.fromkeys(r["lr"] for r in rows))
-    lines = [f"# {meta['recipe']}: {', '.join(meta['strategies'])}", ""]
-    lines += [f"Command: `{meta['command']}` ({meta['seconds'] / 60:.0f} min)", ""]
-    lines += [f"{meta['date']}, commit {meta['commit']}, {meta['machine']}.", ""]
-    for lr in lrs:
-        at = [r for r in rows if r["lr"] == lr]
-        diloco = next((r for r in at if r["strategy"] == "diloco"), None)
-        before = next((r["reward_before"] for r in at if r["reward_before"] is not None), None)
-        seeds = sorted({r["seeds"] for r in at})
-        head = f"## {lr_label(lr)}, {'/'.join(map(str, seeds))} seed{'s' if seeds != [1] else ''}"
-        lines += [head + (f", {metric} before training {before:.3f}" if before is not None else ""), ""]
-        lines += [
-            f"| strategy | final {metric}: mean ± sd [min, max] | learned | bytes sent per worker | "
-            "vs DiLoCo | vs DDP | density: round 1 → last | PULSESync patch / BF16 copy | train s | wall s |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+def _lr_section(lr: float, rows: list[dict[str, Any]], metric: str) -> list[str]:
+    """compare.md's section of one learning rate: the main table, the byte tables, the pulseloco targets."""
+    lines: list[str] = []
+    at = [r for r in rows if r["lr"] == lr]
+    diloco = next((r for r in at if r["strategy"] == "diloco"), None)
+    before = next((r["reward_before"] for r in at if r["reward_before"] is not None), None)
+    seeds = sorted({r["seeds"] for r in at})
+    head = f"## {lr_label(lr)}, {'/'.join(map(str, seeds))} seed{'s' if seeds != [1] else ''}"
+    lines += [head + (f", {metric} before training {before:.3f}" if before is not None else ""), ""]
+    lines += [
+        f"| strategy | final {metric}: mean ± sd [min, max] | learned | bytes sent per worker | "
+        "vs DiLoCo | vs DDP | density: round 1 → last | PULSESync patch / BF16 copy | train s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in at:
+        b = r["bytes_per_worker"]
+        density = r["density"]
+        cells = [
+            r["strategy"],
+            reward_cell(r),
+            ("yes" if r["improved"] else "no") if r["reward_before"] is not None else "-",
+            "-" if b is None else f"{human(b)}{'' if r['bytes_measured'] else ' (est.)'}",
+            fraction(r["vs_diloco"]),
+            fraction(r["vs_ddp"]),
+            f"{density[0]:.2%} → {density[-1]:.2%}" if density else "-",
+            fraction(r["patch_vs_bf16"]),
+            "-" if r["train_seconds"] is None else f"{r['train_seconds']:.0f}",
+            "-" if r["wall_seconds"] is None else f"{r['wall_seconds']:.0f}",
         ]
-        for r in at:
-            b = r["bytes_per_worker"]
-            density = r["density"]
-            cells = [
-                r["strategy"],
-                reward_cell(r),
-                ("yes" if r["improved"] else "no") if r["reward_before"] is not None else "-",
-                "-" if b is None else f"{human(b)}{'' if r['bytes_measured'] else ' (est.)'}",
-                fraction(r["vs_diloco"]),
-                fraction(r["vs_ddp"]),
-                f"{density[0]:.2%} → {density[-1]:.2%}" if density else "-",
-                fraction(r["patch_vs_bf16"]),
-                "-" if r["train_seconds"] is None else f"{r['train_seconds']:.0f}",
-                "-" if r["wall_seconds"] is None else f"{r['wall_seconds']:.0f}",
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-        lines += byte_tables(at)
-        for r in at:
-            if r["strategy"].startswith("pulseloco"):
-                lines.append(
-                    f"- {r['strategy']} targets: bytes vs DiLoCo {verdict(r['vs_diloco'], TARGETS['diloco'])}, "
-                    f"vs DDP {verdict(r['vs_ddp'], TARGETS['ddp'])}; payload vs DiLoCo "
-                    f"{verdict(r.get('payload_vs_diloco'), TARGETS['diloco'])}, vs DDP "
-                    f"{verdict(r.get('payload_vs_ddp'), TARGETS['ddp'])}; PULSESync patch vs BF16 copy "
-                    f"{verdict(r['patch_vs_bf16'], TARGETS['pulsesync'])}; quality: {quality_verdict(r, diloco)}."
-                )
-        lines.append("")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += byte_tables(at)
+    for r in at:
+        if r["strategy"].startswith("pulseloco"):
+            lines.append(
+                f"- {r['strategy']} targets: bytes vs DiLoCo {verdict(r['vs_diloco'], TARGETS['diloco'])}, "
+                f"vs DDP {verdict(r['vs_ddp'], TARGETS['ddp'])}; payload vs DiLoCo "
+                f"{verdict(r.get('payload_vs_diloco'), TARGETS['diloco'])}, vs DDP "
+                f"{verdict(r.get('payload_vs_ddp'), TARGETS['ddp'])}; PULSESync patch vs BF16 copy "
+                f"{verdict(r['patch_vs_bf16'], TARGETS['pulsesync'])}; quality: {quality_verdict(r, diloco)}."
+            )
+    lines.append("")
+    return lines
+
+
+def _failed_section(results: list[dict[str, Any]]) -> list[str]:
+    """compare.md's list of failed runs (none: no section)."""
+    lines: list[str] = []
     failed = [r for r in results if r["error"]]
     if failed:
         lines += ["## Failed runs", ""]
@@ -169,6 +169,12 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
             f"- {r['strategy']} {lr_label(r['lr'])} seed {r['seed']}: {r['error'].splitlines()[0]}" for r in failed
         ]
         lines.append("")
+    return lines
+
+
+def _loopback_section(results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """compare.md's training times of a ``--bandwidth`` run against loopback (none: no section)."""
+    lines: list[str] = []
     reference = [r for r in results if not r["limited"] and not r["error"]]
     if reference:
         lines += [f"## Training time at {meta['bandwidth']} against loopback", ""]
@@ -184,6 +190,12 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
             cells.append(f"{slow / fast:.2f}x" if slow and fast else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    return lines
+
+
+def _notes_section(results: list[dict[str, Any]], meta: dict[str, Any], metric: str) -> list[str]:
+    """compare.md's "How these numbers were made"."""
+    lines: list[str] = []
     params = next((r["num_params"] for r in results if r.get("num_params")), None)
     lines += [
         "## How these numbers were made",
@@ -239,6 +251,22 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[st
         f"{SMOOTH} points, against bytes sent by then and training time), `compare_final.png` (final metric, mean "
         "and range, against bytes sent), `compare_density.png` (density per round). Every run is in `compare.json`.",
     ]
+    return lines
+
+
+def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """Write ``compare.md`` to ``path`` and return its text: per learning rate the main table, the byte tables and
+    the pulseloco targets, then failed runs, the loopback comparison of a ``--bandwidth`` run, and the notes."""
+    metric = meta["metric_label"]
+    lrs = list(dict.fromkeys(r["lr"] for r in rows))
+    lines = [f"# {meta['recipe']}: {', '.join(meta['strategies'])}", ""]
+    lines += [f"Command: `{meta['command']}` ({meta['seconds'] / 60:.0f} min)", ""]
+    lines += [f"{meta['date']}, commit {meta['commit']}, {meta['machine']}.", ""]
+    for lr in lrs:
+        lines += _lr_section(lr, rows, metric)
+    lines += _failed_section(results)
+    lines += _loopback_section(results, meta)
+    lines += _notes_section(results, meta, metric)
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
