@@ -182,7 +182,14 @@ def _add_sync_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", required=True, help="run id announced in the DHT")
     parser.add_argument("--key", required=True, help="the publisher's private key (from `pulseloco keygen`)")
     parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks for new versions")
-    parser.add_argument("--max-uploads-per-version", type=int, default=2, help="newest patch uploads before relays")
+    from pulseloco.sync.publisher import DEFAULT_MAX_UPLOADS_PER_VERSION
+
+    parser.add_argument(
+        "--max-uploads-per-version",
+        type=int,
+        default=DEFAULT_MAX_UPLOADS_PER_VERSION,
+        help="newest patch uploads before relays",
+    )
 
 
 def _cmd_sync_follow(args: argparse.Namespace) -> int:

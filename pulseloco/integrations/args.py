@@ -25,6 +25,7 @@ from pulseloco.keys import check_run_id, policy_run_id
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.selection import SelectorName
 from pulseloco.swarm import SwarmConfig
+from pulseloco.sync.publisher import DEFAULT_ANCHOR_EVERY
 
 _Part = TypeVar("_Part", SwarmConfig, RoundConfig, AveragingConfig, PlacementConfig, RolloutConfig, VerifyConfig)
 
@@ -101,7 +102,9 @@ class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArg
     store_dir: str | None = field(
         default=None, metadata=_help("Version store of the publisher; default: <output_dir>/versions.")
     )
-    anchor_every: int = field(default=10, metadata=_help("A full BF16 anchor every this many versions."))
+    anchor_every: int = field(
+        default=DEFAULT_ANCHOR_EVERY, metadata=_help("A full BF16 anchor every this many versions.")
+    )
     publish_every: int = field(
         default=0,
         metadata=_help("Publish every N optimizer steps instead of every outer round (needed with --strategy ddp)."),

@@ -32,6 +32,7 @@ from pulseloco.integrations.callback_base import LogsContributor, check_linger, 
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id
 from pulseloco.swarm import SwarmConfig
+from pulseloco.sync.publisher import DEFAULT_ANCHOR_EVERY, check_anchor_every
 
 if TYPE_CHECKING:
     from pulseloco.integrations.trainer import PulseLoCoCallback
@@ -114,7 +115,7 @@ class PulseSyncCallback(LogsContributor):
         signing_key: Any | None = None,
         run_id: str | None = None,
         store_dir: str | os.PathLike[str] | None = None,
-        anchor_every: int = 10,
+        anchor_every: int = DEFAULT_ANCHOR_EVERY,
         dht: Any | None = None,
         swarm: SwarmConfig | None = None,
         linger: float = 0.0,
@@ -125,8 +126,7 @@ class PulseSyncCallback(LogsContributor):
             raise ConfigError(f"every must be 'round' or a positive number of optimizer steps, got {every!r}")
         if publisher is not None and signing_key is not None:
             raise ConfigError("give publisher= or signing_key=, not both")
-        if anchor_every < 1:
-            raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
+        check_anchor_every(anchor_every)  # here, not when training starts
         check_linger(linger)
         if isinstance(signing_key, str | os.PathLike):
             from pulseloco.sync.signing import load_private_key

@@ -35,7 +35,26 @@ from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PublishedVersion", "Publisher", "bf16_snapshot"]
+__all__ = [
+    "DEFAULT_ANCHOR_EVERY",
+    "DEFAULT_MAX_UPLOADS_PER_VERSION",
+    "PublishedVersion",
+    "Publisher",
+    "bf16_snapshot",
+    "check_anchor_every",
+]
+
+DEFAULT_ANCHOR_EVERY = 10
+"""A full BF16 anchor every this many versions (the default of every publisher: the library, callback, recipes)."""
+DEFAULT_MAX_UPLOADS_PER_VERSION = 2
+"""Uploads of a version's newest patch by the publisher itself before it leaves the rest to relays."""
+
+
+def check_anchor_every(anchor_every: int) -> int:
+    """``anchor_every`` when it is at least 1; raises :class:`ConfigError` otherwise."""
+    if anchor_every < 1:
+        raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
+    return anchor_every
 
 
 @dataclass(frozen=True)
@@ -128,17 +147,16 @@ class Publisher:
         signing_key: Ed25519PrivateKey,
         store_dir: str | os.PathLike[str],
         *,
-        anchor_every: int = 10,
+        anchor_every: int = DEFAULT_ANCHOR_EVERY,
         keep_anchors: int = 3,
         values: str = "absolute",
-        max_uploads_per_version: int = 2,
+        max_uploads_per_version: int = DEFAULT_MAX_UPLOADS_PER_VERSION,
         head_ttl: float = 600.0,
         provider_ttl: float = 30.0,
         on_published: Callable[[int, str, int], None] | None = None,
         on_announced: Callable[[PublishedVersion], None] | None = None,
     ) -> None:
-        if anchor_every < 1:
-            raise ConfigError(f"anchor_every must be >= 1, got {anchor_every}")
+        check_anchor_every(anchor_every)
         if keep_anchors < 1:
             raise ConfigError(f"keep_anchors must be >= 1, got {keep_anchors}")
         if values not in ("absolute", "delta"):
