@@ -189,7 +189,20 @@ ROLLOUT_SOURCES = ("local", "swarm")
 
 
 @dataclass(kw_only=True)
-class RolloutArguments(VerifyConfig, RolloutConfig):
+class PublicKeyArguments:
+    """Whose versions to trust: the publisher's public key (trainers that do not publish, rollout workers)."""
+
+    public_key: str | None = field(
+        default=None,
+        metadata=_help(
+            "The publisher's public key (the .pub written by `pulseloco keygen`): only versions it signed are used. "
+            "Needed by a rollout worker, and with --rollouts swarm by a trainer that does not --publish itself."
+        ),
+    )
+
+
+@dataclass(kw_only=True)
+class RolloutArguments(PublicKeyArguments, VerifyConfig, RolloutConfig):
     """Where a GRPO trainer's completions come from: its own model (TRL's generation) or the swarm's rollout
     workers (:class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`, TRL's ``rollout_func``). How the
     workers are used and how their completions are checked are the fields of
@@ -201,13 +214,6 @@ class RolloutArguments(VerifyConfig, RolloutConfig):
         metadata=_help(
             "local: the trainer generates its completions itself. swarm: rollout workers that follow this run's "
             "versions generate them (recipes/rollout_worker.py --serve_rollouts)."
-        ),
-    )
-    public_key: str | None = field(
-        default=None,
-        metadata=_help(
-            "The publisher's public key (.pub of `pulseloco keygen`); with --rollouts swarm on a trainer that does "
-            "not --publish itself."
         ),
     )
     verify_rollouts: bool = field(

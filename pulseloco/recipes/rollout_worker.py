@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pulseloco.integrations.args import PublicKeyArguments
 from pulseloco.recipes import common, tasks
 
 PROG = "rollout_worker.py"
@@ -41,7 +42,7 @@ ENGINES = ("transformers", "vllm")
 
 
 @dataclass(kw_only=True)
-class WorkerArguments(tasks.TaskArguments):
+class WorkerArguments(PublicKeyArguments, tasks.TaskArguments):
     """What the worker loads, whom it trusts, and how long it runs; the task it scores versions on."""
 
     model_name_or_path: str | None = field(
@@ -53,9 +54,6 @@ class WorkerArguments(tasks.TaskArguments):
     )
     compare_full_reload: bool = field(
         default=False, metadata={"help": "vLLM: also time a reload of every tensor per version (the baseline)."}
-    )
-    public_key: str | None = field(
-        default=None, metadata={"help": "The publisher's public key (the .pub written by `pulseloco keygen`)."}
     )
     output_dir: str = field(default="runs/worker", metadata={"help": "rollouts.jsonl goes here."})
     num_prompts: int = field(default=64, metadata={"help": "Held-out prompts scored greedily per version."})
