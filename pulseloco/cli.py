@@ -369,24 +369,24 @@ _SYNC_COMMANDS: dict[str, _Command] = {
 }
 
 
-def _add_commands(parser: argparse.ArgumentParser, commands: dict[str, _Command], dest: str, only: str | None) -> None:
+def _add_commands(
+    parser: argparse.ArgumentParser, commands: dict[str, _Command], dest: str, only: str | None, *, required: bool
+) -> None:
     """One subparser per command; the arguments only for the command ``only`` (all when ``None``): a command's
     arguments can import large libraries (:func:`_swarm_options`), and `pulseloco version` should not wait for them."""
-    subparsers = parser.add_subparsers(dest=dest, metavar=dest.upper(), title="commands", required=dest != "command")
-    swarm = None
+    subparsers = parser.add_subparsers(dest=dest, metavar=dest.upper(), title="commands", required=required)
+    built = {name for name in commands if only is None or only == name}
+    swarm = [_swarm_options()] if any(commands[name].joins_swarm for name in built) else []
     for name, command in commands.items():
-        build = only is None or only == name
-        if build and command.joins_swarm and swarm is None:
-            swarm = _swarm_options()
-        parents = [swarm] if build and command.joins_swarm and swarm is not None else []
+        parents = swarm if name in built and command.joins_swarm else []
         subparser = subparsers.add_parser(name, help=command.help, description=command.help, parents=parents)
         subparser.set_defaults(handler=command.handler)
-        if build:
+        if name in built:
             command.add_arguments(subparser)
 
 
 def _add_sync_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_commands(parser, _SYNC_COMMANDS, "sync_command", None)
+    _add_commands(parser, _SYNC_COMMANDS, "sync_command", None, required=True)
 
 
 def _no_arguments(parser: argparse.ArgumentParser) -> None:
@@ -435,7 +435,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         parents=[_global_options()],
     )
     parser.add_argument("--version", action="version", version=f"pulseloco {__version__}")
-    _add_commands(parser, _COMMANDS, "command", command)
+    _add_commands(parser, _COMMANDS, "command", command, required=False)
     return parser
 
 

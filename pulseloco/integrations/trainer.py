@@ -173,8 +173,6 @@ class PulseLoCoCallback(LogsContributor):
         self.averaging_config = averaging_config or AveragingConfig()
         self.placement_config = placement_config or PlacementConfig()
         self.metrics_path = metrics_path
-        self.inner_steps = self.round_config.inner_steps
-        self.selector = self.round_config.selector
         self.linger = check_linger(linger)
         self.loco: PulseLoCo | None = None
         self.dht: Any | None = dht
@@ -195,7 +193,7 @@ class PulseLoCoCallback(LogsContributor):
             raise ConfigError("PulseLoCoCallback needs the Trainer's model (transformers passes it to callbacks)")
         if self.loco is not None:
             raise ConfigError("PulseLoCoCallback drives one training run; give each Trainer.train() a new callback")
-        check_round_boundary(state.max_steps, self.inner_steps)
+        check_round_boundary(state.max_steps, self.round_config.inner_steps)
         if self._owns_dht:
             self.dht = join_swarm(self.swarm)
         elif not PartialState().is_main_process:
@@ -216,8 +214,8 @@ class PulseLoCoCallback(LogsContributor):
             self._resume(args, state)
         if self.loco.peer_id is not None:
             print(
-                f"pulseloco: peer_id={self.loco.peer_id} run_id={self.run_id} selector={self.selector} "
-                f"inner_steps={self.inner_steps} round={self.loco.round}",
+                f"pulseloco: peer_id={self.loco.peer_id} run_id={self.run_id} selector={self.round_config.selector} "
+                f"inner_steps={self.round_config.inner_steps} round={self.loco.round}",
                 flush=True,
             )
 

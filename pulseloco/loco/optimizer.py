@@ -153,9 +153,9 @@ class PulseLoCo:
         metrics_path: str | os.PathLike[str] | None = None,
     ) -> None:
         check_run_id(run_id)
-        rounds = self.round_config = round_config or RoundConfig()
-        averaging = self.averaging_config = averaging_config or AveragingConfig()
-        placement = self.placement_config = placement_config or PlacementConfig()
+        rounds = round_config or RoundConfig()
+        averaging = averaging_config or AveragingConfig()
+        placement = placement_config or PlacementConfig()
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -165,7 +165,6 @@ class PulseLoCo:
         self.inner_steps = rounds.inner_steps
         self.selector = rounds.make_selector()
         self.outer_optimizer = rounds.make_outer_optimizer()
-        self.outer_state_device = placement.outer_state_device
         self.placement = OuterPlacement(self.params, placement.outer_state_device, placement.outer_chunk_bytes // 4)
         self.theta_N = self.placement.flatten_local("theta")
         self.residual_N = self.placement.empty("residual").zero_()
