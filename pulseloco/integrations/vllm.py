@@ -39,6 +39,7 @@ quantized engine repacks its weights after loading, which elementwise updates do
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -139,6 +140,7 @@ class VLLMEngine:
         seed: int = 0,
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = True,
+        in_process: bool | None = None,
         **llm_kwargs: Any,
     ) -> VLLMEngine:
         """Start vLLM on a Hugging Face checkpoint and build the BF16 state in checkpoint coordinates from the
@@ -147,8 +149,16 @@ class VLLMEngine:
         ``dtype``: vLLM's compute dtype, ``bfloat16`` (the published precision) or ``float32`` (the same BF16
         values, computed in FP32). ``kv_cache_memory_bytes``: vLLM's default on GPUs (a fraction of free memory),
         :data:`CPU_KV_CACHE_BYTES` on the CPU build. vLLM reports :data:`LOGPROBS_MODE` log-probabilities (after
-        the temperature; :meth:`generate_ids` needs them). Other keyword arguments go to ``vllm.LLM``. vLLM starts its
-        engine in child processes: a script that calls this needs the ``if __name__ == "__main__":`` guard.
+        the temperature; :meth:`generate_ids` needs them). Other keyword arguments go to ``vllm.LLM``.
+
+        ``in_process``: run vLLM's engine core and its one worker in this process (vLLM's
+        ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` with the ``uni`` executor, as TRL's colocated vLLM does), or in vLLM's
+        own child processes. Default (None): in this process on the CPU build, where the two child processes cost
+        about 20 s and 25 CPU-seconds to start (each imports torch and vLLM) and there is no device for a separate
+        engine loop to keep busy; child processes on GPUs; ``VLLM_ENABLE_V1_MULTIPROCESSING``, where set, decides
+        instead. In this process vLLM's CPU worker replaces
+        ``torch.set_num_threads`` with a no-op; it is put back once vLLM has started. With child processes, a script
+        that calls this needs the ``if __name__ == "__main__":`` guard.
 
         Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
         :func:`pulseloco.integrations.models.load_causal_lm`), vLLM refuses the model (for example a head size its
@@ -171,6 +181,15 @@ class VLLMEngine:
         if kv_cache_memory_bytes is None and current_platform.is_cpu():
             # the CPU build otherwise reserves --gpu-memory-utilization (0.92) of the machine's memory
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+        if in_process is None:
+            given = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+            in_process = given == "0" if given is not None else current_platform.is_cpu()
+        # vLLM reads the variable when the LLM is built; an in-process engine core caches vLLM's variables, so a
+        # second engine in this process rereads them
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        vllm.envs.disable_envs_cache()
+        if in_process:
+            llm_kwargs.setdefault("distributed_executor_backend", "uni")  # its one worker in this process too
         # The BF16 state in the trainer's names: the same tensors the transformers engine patches.
         model = load_causal_lm(model_name_or_path, dtype=torch.bfloat16, bytes_per_parameter=2)
         weights = {
@@ -181,6 +200,7 @@ class VLLMEngine:
         del model
         tokenizer = load_tokenizer(model_name_or_path)
         started = time.perf_counter()
+        set_num_threads = torch.set_num_threads
         try:
             llm = vllm.LLM(
                 model=model_name_or_path,
@@ -199,9 +219,17 @@ class VLLMEngine:
                 f"vLLM did not start on {model_name_or_path!r}: {reason} (vLLM's log above names the cause: a head "
                 "size or architecture it does not support, or too little memory for its KV cache)"
             ) from exc
+        finally:
+            torch.set_num_threads = set_num_threads  # vLLM's CPU worker, when in this process, made it a no-op
         engine = cls(llm, tokenizer, weights, layerwise=needs_layerwise(llm.llm_engine.model_config))
         engine.load_seconds = time.perf_counter() - started
-        logger.info("vLLM engine up model=%s dtype=%s seconds=%.1f", model_name_or_path, dtype, engine.load_seconds)
+        logger.info(
+            "vLLM engine up model=%s dtype=%s in_process=%s seconds=%.1f",
+            model_name_or_path,
+            dtype,
+            in_process,
+            engine.load_seconds,
+        )
         # vLLM rounded the checkpoint itself; load the BF16 state so that both start from the same bits.
         engine.reload_all()
         return engine
@@ -391,7 +419,7 @@ class VLLMEngine:
         return completions
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop vLLM's engine processes (waits up to ``timeout`` s, then vLLM kills them)."""
+        """Stop vLLM's engine (its processes: waits up to ``timeout`` s, then vLLM kills them)."""
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown(timeout=timeout)
