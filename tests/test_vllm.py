@@ -13,6 +13,7 @@ vLLM's CPU attention supports head sizes of 32 and up, so the model here is a sm
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import shutil
@@ -107,6 +108,27 @@ def engine(vllm_model_dir: Path) -> Iterator[Any]:
         yield eng
     finally:
         eng.close()
+
+
+def test_cpu_engine_runs_in_this_process(engine: Any) -> None:
+    """On the CPU build vLLM's engine core and worker run in this process (no child process imports torch and vLLM
+    again), and ``torch.set_num_threads``, which vLLM's CPU worker makes a no-op, works again afterwards."""
+    import psutil
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM runs its engine in child processes; this checks the CPU build's default")
+    assert type(engine.llm.llm_engine.engine_core).__name__ == "InprocClient"
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # a zombie (the warm model's finished build) has no command line
+            children.append(" ".join(child.cmdline()))
+    assert not any("vllm" in c.lower() or "multiprocessing.spawn" in c for c in children), children
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 @torch.no_grad()
