@@ -6,14 +6,19 @@ the digest of the trainer's weights cast to BF16 at that version, computed indep
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import typing
+from collections import Counter
 from pathlib import Path
 
 import hivemind
 import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
+from hivemind.p2p import P2PContext
+from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 from sync_helpers import (
     Trainer,
@@ -31,7 +36,9 @@ from sync_helpers import (
 from pulseloco.errors import PatchError
 from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import Envelope, generate_key, sign_envelope
+from pulseloco.sync.sources import PUBLISHER_ATTEMPTS
 from pulseloco.sync.subscriber import Subscriber
+from pulseloco.sync.transport import SyncServicer
 
 RUN = "swarm-test"
 
@@ -261,6 +268,58 @@ def test_a_provider_that_stalls_times_out_and_the_next_one_serves(
         assert rogues["stall"].call("served") >= 1
     finally:
         rogues["stall"].close()
+        if peer is not None:
+            peer.close()
+        pub.close()
+        pub_dht.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_a_publisher_stream_that_ends_early_is_asked_again(
+    bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publisher's first answer ends after its header (as a libp2p stream can under load): the subscriber
+    asks it again instead of failing the update, and stops asking after PUBLISHER_ATTEMPTS broken answers."""
+    original = SyncServicer.rpc_fetch
+    broken_left = [1]
+
+    async def ends_early(
+        self: SyncServicer, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:
+        async with contextlib.aclosing(original(self, request, context)) as messages:
+            async for message in messages:
+                yield message
+                if broken_left[0] > 0:  # the header went out; end the stream there
+                    broken_left[0] -= 1
+                    return
+
+    monkeypatch.setattr(SyncServicer, "rpc_fetch", ends_early)
+    peers = maddrs(bootstrap)
+    run = RUN + "-early"
+    pub_dht = start_dht(peers)
+    # broken answers count as uploads: a budget above them, so that no answer is "busy" (that waits for relays)
+    pub = Publisher(pub_dht, run, key, tmp_path / "store", max_uploads_per_version=100)
+    peer = None
+    try:
+        trainer, expected = Trainer(), {}
+        publish_versions(pub, trainer, 1, expected)
+        peer = InProcessPeer(peers, run, key, timeout=30)
+        publisher_id = pub_dht.peer_id.to_base58()
+        with caplog.at_level(logging.WARNING, logger="pulseloco"):
+            assert peer.sub.update(peer.model) == 1
+        assert bf16_digest(peer.model) == expected[1]
+        assert len(fetch_failures(caplog, publisher_id, "TruncatedPayloadError")) == 1, caplog.text
+
+        broken_left[0] = 1000  # every answer breaks: the update fails, the model keeps version 1
+        publish_versions(pub, trainer, 1, expected)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pulseloco"), pytest.raises(PatchError):
+            peer.sub.update(peer.model)
+        assert bf16_digest(peer.model) == expected[1]
+        failures = fetch_failures(caplog, publisher_id, "TruncatedPayloadError")
+        per_request = Counter(message.split("request=")[1].split(" error=")[0] for message in failures)
+        assert per_request and set(per_request.values()) == {PUBLISHER_ATTEMPTS}, per_request  # each asked 3 times
+    finally:
         if peer is not None:
             peer.close()
         pub.close()

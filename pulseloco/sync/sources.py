@@ -30,6 +30,10 @@ __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "DirectorySource", "Fetched", "Head", "S
 #: Default bound on one payload (anchor or patch) a subscriber accepts: 64 GiB, above a 30B BF16 model.
 DEFAULT_MAX_PAYLOAD_BYTES = 64 << 30
 
+#: Times a subscriber asks the publisher for one object whose transfer fails (a stream that ends early, a
+#: timeout) before it gives up on that request; relays, which other providers can replace, are asked once.
+PUBLISHER_ATTEMPTS = 3
+
 
 @dataclass(frozen=True)
 class Head:
@@ -91,7 +95,9 @@ class SwarmSource:
     receiving it (they forward it as it arrives), each group in random order, and the publisher last.
 
     Every request has a timeout; a provider that stalls, answers garbage or fails authentication is logged
-    and the next one is tried (a relay that failed once is not asked again for that object). When providers
+    and the next one is tried (a relay that failed once is not asked again for that object; the publisher, the
+    one provider that always has it, is asked up to :data:`PUBLISHER_ATTEMPTS` times, every ``poll_interval``
+    seconds, so that one broken stream does not fail the update). When providers
     answer ``busy`` (the publisher past its upload budget, relays serving as many downloads as they will), the
     source asks again every ``poll_interval`` seconds, reading the provider records anew, so it picks up relays
     as soon as they announce (they do when an object starts arriving); after ``relay_wait`` seconds of busy
@@ -134,7 +140,8 @@ class SwarmSource:
         deadline = time.monotonic() + self.timeout
         me = self.endpoint.peer_id.to_base58()
         first_busy: float | None = None
-        failed: set[str] = set()  # relays that failed this request: not asked again
+        failed: set[str] = set()  # relays that failed this request, publishers that failed it every attempt
+        failures: dict[str, int] = {}  # failed transfers per provider
         while time.monotonic() < deadline:
             providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
             complete, partial, publishers = [], [], []
@@ -151,7 +158,7 @@ class SwarmSource:
             random.shuffle(complete)
             random.shuffle(partial)
             force = first_busy is not None and time.monotonic() - first_busy >= self.relay_wait
-            busy = False
+            busy = retry = False
             for peer in complete + partial + publishers:
                 req = FetchRequest(request.kind, request.version, request.base_version, force and peer in publishers)
                 remaining = deadline - time.monotonic()
@@ -169,16 +176,19 @@ class SwarmSource:
                     )
                 except Exception as exc:  # any failure of a stranger's provider: log it and try the next one
                     logger.warning("fetch failed peer=%s request=%s error=%r", peer, request, exc)
-                    if peer not in publishers:
+                    failures[peer] = failures.get(peer, 0) + 1
+                    if peer in publishers and failures[peer] < PUBLISHER_ATTEMPTS:
+                        retry = True
+                    else:
                         failed.add(peer)
                     continue
                 if isinstance(result, tuple):
                     self.served_by.append((request.kind, request.version, peer))
                     return Fetched(result[0], result[1], result[2], request.kind)
                 busy |= result == "busy"
-            if not busy:
+            if not busy and not retry:
                 return None
-            if first_busy is None:
+            if busy and first_busy is None:
                 first_busy = time.monotonic()
             time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
         logger.warning("no provider served request=%s within %.1f s", request, self.timeout)
