@@ -56,6 +56,23 @@ def key():
     return generate_key()
 
 
+@pytest.fixture
+def start_publisher(bootstrap, key, tmp_path: Path) -> typing.Iterator[typing.Callable[..., Publisher]]:
+    """``start_publisher(run, **options)``: a Publisher of ``run`` on a DHT peer of its own, storing under
+    ``tmp_path / "store"``; each one and its DHT are closed after the test (after the test's own cleanup)."""
+    started: list[tuple[Publisher, hivemind.DHT]] = []
+
+    def start(run: str, **options: typing.Any) -> Publisher:
+        dht = start_dht(maddrs(bootstrap))
+        started.append((Publisher(dht, run, key, tmp_path / "store", **options), dht))
+        return started[-1][0]
+
+    yield start
+    for publisher, dht in reversed(started):
+        publisher.close()
+        dht.shutdown()
+
+
 def public_pem(key) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
@@ -197,15 +214,14 @@ def fetch_failures(caplog: pytest.LogCaptureFixture, peer_id: str, error: str) -
 
 @pytest.mark.timeout(120)
 def test_corrupted_and_forged_objects_from_relays_are_rejected_and_recovered(
-    bootstrap, rogues, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    start_publisher, bootstrap, rogues, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two strangers announce themselves as relays (tried before the publisher): one serves the genuine
     envelope with one flipped bit in the payload, the other a well-formed object with other weights signed by
     another key. The subscriber rejects both (UnauthorizedError) and reaches the publisher's digests."""
     peers = maddrs(bootstrap)
     store = tmp_path / "store"
-    pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, RUN + "-rogue", key, store, anchor_every=10)
+    pub = start_publisher(RUN + "-rogue", anchor_every=10)
     peer = None
     try:
         rogues["corrupt"].send("start", peers, RUN + "-rogue", str(store))
@@ -237,19 +253,16 @@ def test_corrupted_and_forged_objects_from_relays_are_rejected_and_recovered(
         close_all([rogues["corrupt"], rogues["forged"]])
         if peer is not None:
             peer.close()
-        pub.close()
-        pub_dht.shutdown()
 
 
 @pytest.mark.timeout(90)
 def test_a_provider_that_stalls_times_out_and_the_next_one_serves(
-    bootstrap, rogues, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    start_publisher, bootstrap, rogues, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     peers = maddrs(bootstrap)
     run = RUN + "-stall"
     store = tmp_path / "store"
-    pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, run, key, store)
+    pub = start_publisher(run)
     peer = None
     try:
         trainer, expected = Trainer(), {}
@@ -270,13 +283,11 @@ def test_a_provider_that_stalls_times_out_and_the_next_one_serves(
         rogues["stall"].close()
         if peer is not None:
             peer.close()
-        pub.close()
-        pub_dht.shutdown()
 
 
 @pytest.mark.timeout(90)
 def test_a_publisher_stream_that_ends_early_is_asked_again(
-    bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    start_publisher, bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The publisher's first answer ends after its header (as a libp2p stream can under load): the subscriber
     asks it again instead of failing the update, and stops asking after PUBLISHER_ATTEMPTS broken answers."""
@@ -296,15 +307,15 @@ def test_a_publisher_stream_that_ends_early_is_asked_again(
     monkeypatch.setattr(SyncServicer, "rpc_fetch", ends_early)
     peers = maddrs(bootstrap)
     run = RUN + "-early"
-    pub_dht = start_dht(peers)
     # broken answers count as uploads: a budget above them, so that no answer is "busy" (that waits for relays)
-    pub = Publisher(pub_dht, run, key, tmp_path / "store", max_uploads_per_version=100)
+    pub = start_publisher(run, max_uploads_per_version=100)
     peer = None
     try:
         trainer, expected = Trainer(), {}
         publish_versions(pub, trainer, 1, expected)
         peer = InProcessPeer(peers, run, key, timeout=30)
-        publisher_id = pub_dht.peer_id.to_base58()
+        assert pub.endpoint is not None
+        publisher_id = pub.endpoint.peer_id.to_base58()
         with caplog.at_level(logging.WARNING, logger="pulseloco"):
             assert peer.sub.update(peer.model) == 1
         assert bf16_digest(peer.model) == expected[1]
@@ -322,22 +333,19 @@ def test_a_publisher_stream_that_ends_early_is_asked_again(
     finally:
         if peer is not None:
             peer.close()
-        pub.close()
-        pub_dht.shutdown()
 
 
 @pytest.mark.timeout(90)
 def test_forged_head_record_unknown_run_and_oversized_payloads_are_refused(
-    bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    start_publisher, bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A stranger overwrites the run's head record in the DHT with a newer version signed by another key: it is
     ignored (nothing applied) and the genuine head wins again at the publisher's next announcement. A run
     nobody publishes has no head. A payload over ``max_payload_bytes`` is refused before it is downloaded."""
     peers = maddrs(bootstrap)
     run = RUN + "-head"
-    pub_dht = start_dht(peers)
     # records announced every 200 s: no re-announcement overwrites the stranger's record before the test reads it
-    pub = Publisher(pub_dht, run, key, tmp_path / "store", head_ttl=600, provider_ttl=600)
+    pub = start_publisher(run, head_ttl=600, provider_ttl=600)
     peer = None
     try:
         trainer, expected = Trainer(), {}
@@ -386,16 +394,13 @@ def test_forged_head_record_unknown_run_and_oversized_payloads_are_refused(
     finally:
         if peer is not None:
             peer.close()
-        pub.close()
-        pub_dht.shutdown()
 
 
 @pytest.mark.timeout(90)
-def test_follow_keeps_a_model_current_in_the_background(bootstrap, key, tmp_path: Path) -> None:
+def test_follow_keeps_a_model_current_in_the_background(start_publisher, bootstrap, key, tmp_path: Path) -> None:
     peers = maddrs(bootstrap)
     run = RUN + "-follow"
-    pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, run, key, tmp_path / "store", anchor_every=3)
+    pub = start_publisher(run, anchor_every=3)
     peer = None
     try:
         trainer, expected = Trainer(), {}
@@ -420,20 +425,17 @@ def test_follow_keeps_a_model_current_in_the_background(bootstrap, key, tmp_path
     finally:
         if peer is not None:
             peer.close()
-        pub.close()
-        pub_dht.shutdown()
 
 
 @pytest.mark.timeout(90)
 def test_a_relay_serves_only_the_squash_that_was_asked_for(
-    bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    start_publisher, bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """R caught up from version 1 to 5 with a squashed patch (1 -> 5) and relays it; S, at version 2, asks for
     the squash 2 -> 5 and must get that one (from the publisher), not R's, which is for another base."""
     peers = maddrs(bootstrap)
     run = RUN + "-squash"
-    pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, run, key, tmp_path / "store", anchor_every=10)
+    pub = start_publisher(run, anchor_every=10)
     r = s = None
     try:
         trainer, expected = Trainer(), {}
@@ -455,18 +457,17 @@ def test_a_relay_serves_only_the_squash_that_was_asked_for(
         for p in (r, s):
             if p is not None:
                 p.close()
-        pub.close()
-        pub_dht.shutdown()
 
 
 @pytest.mark.timeout(90)
-def test_publisher_over_its_upload_budget_serves_when_no_relay_appears(bootstrap, key, tmp_path: Path) -> None:
+def test_publisher_over_its_upload_budget_serves_when_no_relay_appears(
+    start_publisher, bootstrap, key, tmp_path: Path
+) -> None:
     """With ``max_uploads_per_version=1`` and subscribers that do not relay, the second one is told ``busy``,
     waits for a relay that never comes, and is then served with ``force``."""
     peers = maddrs(bootstrap)
     run = RUN + "-budget"
-    pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, run, key, tmp_path / "store", max_uploads_per_version=1)
+    pub = start_publisher(run, max_uploads_per_version=1)
     sub_dht = start_dht(peers)
     subs = [Subscriber(sub_dht, run, key.public_key(), relay=False, timeout=20) for _ in range(2)]
     for sub in subs:
@@ -484,18 +485,17 @@ def test_publisher_over_its_upload_budget_serves_when_no_relay_appears(bootstrap
         for sub in subs:
             sub.close()
         sub_dht.shutdown()
-        pub.close()
-        pub_dht.shutdown()
 
 
 @pytest.mark.timeout(90)
-def test_client_mode_subscriber_without_a_relay_address_does_not_announce(bootstrap, key, tmp_path: Path) -> None:
+def test_client_mode_subscriber_without_a_relay_address_does_not_announce(
+    start_publisher, bootstrap, key, tmp_path: Path
+) -> None:
     """A worker in client mode (behind NAT, no relay address) follows, but never appears in the provider record:
     others would try it first for every version and fail. A server-mode worker next to it announces."""
     peers = maddrs(bootstrap)
     run = RUN + "-client-relay"
-    pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, run, key, tmp_path / "store")
+    pub = start_publisher(run)
     client_dht = hivemind.DHT(start=True, initial_peers=peers, client_mode=True, startup_timeout=30)
     client = Subscriber(client_dht, run, key.public_key(), timeout=20)
     server = InProcessPeer(peers, run, key, timeout=20)
@@ -513,5 +513,3 @@ def test_client_mode_subscriber_without_a_relay_address_does_not_announce(bootst
         server.close()
         client.close()
         client_dht.shutdown()
-        pub.close()
-        pub_dht.shutdown()

@@ -156,9 +156,9 @@ class VLLMEngine:
         own child processes. Default (None): in this process on the CPU build, where the two child processes cost
         about 20 s and 25 CPU-seconds to start (each imports torch and vLLM) and there is no device for a separate
         engine loop to keep busy; child processes on GPUs; ``VLLM_ENABLE_V1_MULTIPROCESSING``, where set, decides
-        instead. In this process vLLM's CPU worker replaces
-        ``torch.set_num_threads`` with a no-op; it is put back once vLLM has started. With child processes, a script
-        that calls this needs the ``if __name__ == "__main__":`` guard.
+        instead. In this process vLLM's CPU worker replaces ``torch.set_num_threads`` with a no-op; it is put back
+        once vLLM has started. With child processes, a script that calls this needs the ``if __name__ ==
+        "__main__":`` guard.
 
         Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
         :func:`pulseloco.integrations.models.load_causal_lm`), vLLM refuses the model (for example a head size its
