@@ -795,12 +795,15 @@ def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swa
             assert {generated, swarm.version} <= set(states.versions())
             assert bf16_digest(states.get(generated)) == swarm.digests[generated]
             options = {"temperature": 1.0, "max_new_tokens": LEASE_TOKENS, "stop_ids": {EOS}}
-            pinned = RolloutVerifier(VerifyConfig(verify_margin=0.05), states=states, record_gaps=True)
+            # a margin far below the default (2.0) that still covers BF16 rounding between the worker's incremental
+            # forward and the trainer's full one (gaps up to 0.07 nats seen on an AMD EPYC; 0.05 failed there)
+            pinned = RolloutVerifier(VerifyConfig(verify_margin=0.25), states=states, record_gaps=True)
             checks = pinned.check(swarm.model, groups, results, [2] * len(results), **options)
-            assert all(c.pinned and c.reason is None for c in checks.values()), checks
+            failed = [c for c in checks.values() if not c.pinned or c.reason is not None]
+            assert not failed, f"{len(failed)} of {len(checks)} leases failed: {failed}"
             assert pinned.stats.pinned_leases == len(checks) and pinned.stats.mismatches == 0
             newer = RolloutVerifier(
-                VerifyConfig(verify_margin=0.05), record_gaps=True
+                VerifyConfig(verify_margin=0.25), record_gaps=True
             )  # the trainer's weights, two versions on
             newer.check(swarm.model, groups, results, [0] * len(results), **options)
             assert max(newer.gaps or [0]) > max(pinned.gaps or [0])
