@@ -61,6 +61,12 @@ from harness.soak_report import followed, print_table, summarize, sync_check
 from harness.soak_schedule import Event, Member, schedule
 
 VOCAB, SEQ_LEN, BATCH = 64, 16, 4
+PRELOAD = (
+    "torch", "hivemind", "transformers.models.llama.modeling_llama", "pulseloco.loco", "pulseloco.sync.publisher",
+    "pulseloco.sync.subscriber", "pulseloco.swarm", "pulseloco.cli", "harness.soak_audit",
+)  # fmt: skip
+"""What the peers, the publisher and the subscribers import: their processes are forks of a fork server that
+imported these once (:class:`harness.procs.Runner`), not interpreters that import them again (5 CPU-s each)."""
 
 
 # ---- the peer process ------------------------------------------------------------------------------------------
@@ -200,7 +206,7 @@ class Soak:
     def start(self, member: Member) -> None:
         """Start the next incarnation of ``member``, logging to ``logs/<name>.<incarnation>.log``."""
         if self.runner is None:
-            self.runner = procs.Runner(self.out / "logs")
+            self.runner = procs.Runner(self.out / "logs", preload=PRELOAD)
         member.incarnation += 1
         cmd = list(member.cmd)
         if member.name.startswith("peer"):

@@ -1,8 +1,10 @@
 """Helpers for the PULSESync tests: a tiny transformers trainer, and processes for subscribers and rogue peers.
 
 Everything here is real: models are transformers models built from a config (no downloads), DHTs are hivemind
-DHTs on 127.0.0.1 with their own libp2p daemons, and the worker functions run in processes started with the
-``spawn`` context (so they share nothing with the test process but their arguments).
+DHTs on 127.0.0.1 with their own libp2p daemons, and the worker functions run in processes forked from a
+``multiprocessing`` fork server (:data:`WORKER_PRELOAD`): they share nothing with the test process but their
+arguments and its environment, and do not import torch, hivemind and transformers again (5-8 CPU-s each with
+``spawn``).
 
 Worker processes talk to the test over a ``multiprocessing`` pipe, one request and one answer at a time; every
 wait in the test process has a timeout (:class:`WorkerProcess`).
@@ -41,6 +43,13 @@ LR = 3e-6
 
 TIMEOUT = 60.0
 """Upper bound for any single wait on another process (the suite's waits normally take well under a second)."""
+
+WORKER_PRELOAD = (
+    "torch", "hivemind", "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+    "pulseloco.sync.publisher", "pulseloco.sync.subscriber", "pulseloco.rollouts", "sync_helpers", "rollout_helpers",
+)  # fmt: skip
+"""What :class:`WorkerProcess` targets import: the fork server that starts them imports these once per test process
+(a clean interpreter, not a fork of the test process with its threads and DHTs)."""
 
 
 # ---- models --------------------------------------------------------------------------------------------------
@@ -135,18 +144,29 @@ def close_all(workers: Sequence[WorkerProcess], timeout: float = 30.0) -> None:
         worker.close(timeout)
 
 
+def _with_environment(target: Callable[..., None], environ: dict[str, str], *args: Any) -> None:
+    """Run ``target(*args)`` with the environment the test process had when it started the worker (the fork
+    server's is that of its own start)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
 class WorkerProcess:
-    """A ``spawn`` process running ``target(conn, *args)``; :meth:`call` sends a request and waits for the answer.
+    """A process forked from the fork server (:data:`WORKER_PRELOAD`) running ``target(conn, *args)`` with the test
+    process's environment; :meth:`call` sends a request and waits for the answer.
 
     Answers are ``("ok", value)`` or ``("error", text)``; an error answer raises AssertionError in the test.
     """
 
     def __init__(self, target: Callable[..., None], *args: Any, name: str) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(WORKER_PRELOAD))  # read when the server starts, with the first worker
         self.conn, child_conn = ctx.Pipe()
         self.name = name
         self._closing = False
-        self.process = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=False)
+        args = (target, dict(os.environ), child_conn, *args)
+        self.process = ctx.Process(target=_with_environment, args=args, name=name, daemon=False)
         self.process.start()
         child_conn.close()
 

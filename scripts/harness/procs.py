@@ -8,6 +8,11 @@ daemon) and reaps it.
     wait_all([runner.start("trainer", argv)], timeout=600)     # exit code 0, else ProcFailed with the log's tail
     runner.stop_all()                                          # SIGTERM every group, then SIGKILL; idempotent
 
+A runner made with ``preload=("torch", "hivemind", ...)`` starts Python command lines (``python script.py ...``,
+``python -m module ...``) as forks of a ``multiprocessing`` fork server that imported those modules once, instead
+of as new interpreters that each import them again (about 5 CPU-s for torch and hivemind): the same command line,
+run by ``runpy`` in a real process of its own session, with the same log, environment and working directory.
+
 Errors: :class:`ProcFailed` (a RuntimeError) when a process exits with an error or before what was waited for,
 :class:`ProcTimeout` (both a ProcFailed and a TimeoutError) when a wait runs out of time; both carry the tail of
 the log. Stopping never raises. Also: :func:`run_spawned` and :func:`join_all` for ``multiprocessing`` workers,
@@ -21,8 +26,10 @@ import multiprocessing as mp
 import os
 import queue
 import re
+import runpy
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -35,8 +42,8 @@ if TYPE_CHECKING:
 
     from harness.netns import NetNS
 
-HELPERS = ("resource_tracker", "torch_shm_manager")
-"""Children of a benchmark that are not its workers (multiprocessing's and torch's helpers)."""
+HELPERS = ("resource_tracker", "torch_shm_manager", "multiprocessing.forkserver")
+"""Children of a benchmark that are not its workers (multiprocessing's and torch's helpers, the fork server)."""
 
 
 class ProcFailed(RuntimeError):
@@ -47,12 +54,93 @@ class ProcTimeout(ProcFailed, TimeoutError):
     """A wait for a started process ran out of time."""
 
 
+def _runpy_args(argv: list[str]) -> list[str] | None:
+    """``argv`` without the interpreter when it runs a script or a module with this interpreter and no options
+    (what :func:`_run_forked` can run), else None."""
+    if len(argv) < 2 or os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
+        return None
+    args = argv[1:]
+    if args[0] == "-m":
+        return args if len(args) >= 2 else None
+    return None if args[0].startswith("-") else args
+
+
+def _run_forked(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
+    """The body of a forked :class:`Proc`: become the leader of a new session, send stdin from ``/dev/null`` and
+    stdout and stderr to ``log_path``, take ``env`` and ``cwd``, then run ``argv``'s script or module as
+    ``__main__`` (its ``SystemExit`` code is the process's exit code, an exception's is 1)."""
+    os.setsid()
+    null, log = os.open(os.devnull, os.O_RDONLY), os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115  # the process's own stdout, to its end
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    args = _runpy_args(argv)
+    if args is None:
+        raise ValueError(f"not a Python script or module command line: {argv}")
+    if args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+class ForkedPopen:
+    """The part of ``subprocess.Popen``'s interface that :class:`Proc` uses, for a process forked from a
+    ``multiprocessing`` fork server (a child of the server, not of this process: waited for through its
+    sentinel). ``returncode`` is negative for a signal, as Popen's."""
+
+    def __init__(self, forkserver: Any, argv: list[str], log_path: Path, *, env: dict[str, str], cwd: Path) -> None:
+        self.args = argv
+        self._process = forkserver.Process(target=_run_forked, args=(argv, str(log_path), env, str(cwd)))
+        self._process.start()
+        self.pid: int = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode  # type: ignore[no-any-return]
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds."""
+        self._process.join(timeout)
+        code = self.returncode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return code
+
+
+def fork_server(preload: Iterable[str]) -> Any:
+    """A ``multiprocessing`` context whose fork server imports ``preload`` (module names) once; it starts with the
+    first process and ends with this one."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
+
+
 class Proc:
     """One started process, leading its own process group: ``argv`` run in ``cwd`` with ``env``, stdin closed,
     stdout and stderr to ``log_path``. Raises OSError when it cannot be started."""
 
     def __init__(
-        self, name: str, argv: list[str], log_path: Path, *, env: dict[str, str] | None = None, cwd: Path = REPO
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path = REPO,
+        forkserver: Any = None,
     ) -> None:
         self.name = name
         self.argv = argv
@@ -60,6 +148,11 @@ class Proc:
         self.started = time.monotonic()
         self.ended: float | None = None
         """When :meth:`poll` or :meth:`wait` first saw it exit (monotonic clock)."""
+        self.popen: subprocess.Popen[bytes] | ForkedPopen
+        if forkserver is not None and _runpy_args(argv) is not None:
+            log_path.write_bytes(b"")
+            self.popen = ForkedPopen(forkserver, argv, log_path, env=dict(env or os.environ), cwd=cwd)
+            return
         with log_path.open("wb") as fh:
             self.popen = subprocess.Popen(
                 argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
@@ -190,14 +283,25 @@ class Runner:
     """Starts processes, optionally inside a :class:`~harness.netns.NetNS` peer namespace, and stops all of them.
 
     Every process gets ``os.environ`` with ``PYTHONUNBUFFERED=1`` (its log is current), then ``env``, then the
-    ``env`` of its :meth:`start`. Usable as a context manager that stops everything on exit.
+    ``env`` of its :meth:`start`. With ``preload`` (module names), Python command lines outside a namespace are
+    forked from a fork server that imported those modules (:class:`ForkedPopen`). Usable as a context manager that
+    stops everything on exit.
     """
 
-    def __init__(self, log_dir: Path, *, netns: NetNS | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        netns: NetNS | None = None,
+        env: dict[str, str] | None = None,
+        preload: Iterable[str] = (),
+    ) -> None:
         self.log_dir = log_dir
         self.netns = netns
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: list[Proc] = []
+        preload = list(preload)
+        self.forkserver = fork_server(preload) if preload else None
 
     def start(
         self,
@@ -210,9 +314,12 @@ class Runner:
     ) -> Proc:
         """Start ``argv`` logging to ``log_path`` (default ``log_dir/<name>.log``), in peer ``ns_index``'s namespace
         when the runner has a network and it is given. Raises OSError when it cannot be started."""
+        forkserver = self.forkserver
         if self.netns is not None and ns_index is not None:
             argv = self.netns.exec_argv(ns_index, argv)
-        proc = Proc(name, argv, log_path or self.log_dir / f"{name}.log", env={**self.env, **(env or {})})
+            forkserver = None
+        log_path = log_path or self.log_dir / f"{name}.log"
+        proc = Proc(name, argv, log_path, env={**self.env, **(env or {})}, forkserver=forkserver)
         self.procs.append(proc)
         return proc
 

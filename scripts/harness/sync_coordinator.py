@@ -32,6 +32,12 @@ from harness.sync_workers import WorkerSpec
 
 STARTUP_TIMEOUT = 300.0  # importing torch/transformers/hivemind in 9 processes on 2 shared cores is slow
 STOP_TIMEOUT = 30.0
+WORKER_PRELOAD = (
+    "torch", "hivemind", "transformers.models.qwen2.modeling_qwen2", "pulseloco.swarm", "pulseloco.sync.publisher",
+    "pulseloco.sync.subscriber", "harness.sync_workers",
+)  # fmt: skip
+"""What a publisher or subscriber worker imports: on loopback the workers are forks of a fork server that imported
+these once (:class:`harness.procs.Runner`); in a network namespace each is a new interpreter."""
 
 log = progress("bench_sync")
 
@@ -162,7 +168,7 @@ class Coordinator:
         self.case_counter += 1
         store_dir = self.workdir / f"store{self.case_counter}"
         started = time.perf_counter()
-        runner = procs.Runner(self.workdir, netns=netns)
+        runner = procs.Runner(self.workdir, netns=netns, preload=WORKER_PRELOAD)
         try:
             case = self._start_case(runner, condition, n_subs, mode, store_dir)
             uploaded = self.request(("stats",), "stats", 60, case)
