@@ -42,6 +42,20 @@ RUN_ID = "vllm-test.policy"
 MAX_NEW_TOKENS = 6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def eager_torch() -> Iterator[None]:
+    """torch.compile off while these tests run. vLLM compiles one kernel of its own with it on the CPU build (the
+    rank count of its log-probabilities, ``batched_count_greater_than``): inductor's C++ build of it took 25 s of a
+    fresh machine's CPU, whose compile cache is empty as every CI run's is. These tests check pulseloco's engine
+    around vLLM, which calls the same kernel eagerly then."""
+    import torch._dynamo
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch._dynamo.config, "disable", True)
+        patch.setenv("TORCH_COMPILE_DISABLE", "1")
+        yield
+
+
 @pytest.fixture(scope="module")
 def vllm_model_dir(tiny_warm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small Llama (head_dim 32) in Hugging Face format, with the tiny warm model's tokenizer."""
