@@ -1,6 +1,7 @@
 """scripts/harness/procs.py: processes forked from a preloaded fork server behave as the command lines they stand
 for (arguments, environment, working directory, log, exit code, a session of their own), and fall back to a new
-interpreter where a fork cannot stand for the command."""
+interpreter where a fork cannot stand for the command. scripts/harness/channel.py: a finished case's connections
+say nothing to the next case."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import procs
+from harness import channel, procs
 
 SCRIPT = """
 import os, sys, time
@@ -84,3 +85,27 @@ def test_command_lines_a_fork_cannot_stand_for_start_a_new_interpreter(tmp_path:
     finally:
         runner.stop_all()
     assert os.environ.get("PROCS_TEST") is None
+
+
+def test_a_forgotten_workers_late_end_of_connection_is_not_reported(tmp_path: Path) -> None:
+    """bench_sync once failed a case with "subscriber 2 closed its connection": the end of the connection of the
+    previous case's subscriber 2, which its last process closed after the coordinator had forgotten that case."""
+    hub = channel.Hub(tmp_path / "hub.sock")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(channel.AUTHKEY_ENV, hub.worker_env()[channel.AUTHKEY_ENV])
+            old, _ = channel.connect(hub.path, "subscriber", 2)
+            got = hub.get(timeout=10)
+            assert got is not None and got[:2] == ("subscriber", 2) and got[2][0] == "hello"
+            hub.forget()
+            old.close()
+            assert hub.get(timeout=1.0) is None  # its eof is dropped
+            new, send = channel.connect(hub.path, "subscriber", 2)
+            send(("joined", {}))
+            messages = [hub.get(timeout=10) for _ in range(2)]
+            assert [m[2][0] for m in messages if m is not None] == ["hello", "joined"]
+            new.close()
+            got = hub.get(timeout=10)
+            assert got is not None and got[2] == ("eof",)
+    finally:
+        hub.close()

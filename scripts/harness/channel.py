@@ -47,6 +47,8 @@ class Hub:
         self.messages: queue.Queue[Message] = queue.Queue()
         self.conns: dict[tuple[str, int], Connection] = {}
         self._lock = threading.Lock()
+        self._generation = 0
+        """Incremented by :meth:`forget`: what a connection of an earlier generation still says is dropped."""
         self.closed = False
         threading.Thread(target=self._accept, name="hub-accept", daemon=True).start()
 
@@ -71,15 +73,23 @@ class Hub:
             return
         who = (hello[1], int(hello[2]))
         with self._lock:
+            generation = self._generation
             self.conns[who] = conn
-        self.messages.put((who[0], who[1], hello))
+        self._put(generation, who, hello)
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                self.messages.put((who[0], who[1], ("eof",)))
+                self._put(generation, who, ("eof",))
                 return
-            self.messages.put((who[0], who[1], msg))
+            self._put(generation, who, msg)
+
+    def _put(self, generation: int, who: tuple[str, int], msg: tuple) -> None:
+        """Queue ``msg`` unless :meth:`forget` was called since its connection said hello (a finished case's worker
+        whose end of the connection closes late, with its last process: its ``eof`` is not the next case's)."""
+        with self._lock:
+            if generation == self._generation:
+                self.messages.put((who[0], who[1], msg))
 
     def get(self, timeout: float) -> Message | None:
         """The next message from any worker, None after ``timeout`` seconds without one."""
@@ -96,8 +106,10 @@ class Hub:
         conn.send(msg)
 
     def forget(self) -> None:
-        """Drop the workers' connections and every message not read yet (their processes ended)."""
+        """Drop the workers' connections, every message not read yet and every later one from them (their
+        processes ended)."""
         with self._lock:
+            self._generation += 1
             self.conns.clear()
         while True:
             try:
