@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import multiprocessing as mp
 import os
 import re
 import subprocess
@@ -26,6 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from harness import procs
 
 TINY_CONFIG = dict(
     hidden_size=64,
@@ -160,8 +160,7 @@ class WorkerProcess:
     """
 
     def __init__(self, target: Callable[..., None], *args: Any, name: str) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(WORKER_PRELOAD))  # read when the server starts, with the first worker
+        ctx = procs.fork_server(WORKER_PRELOAD)  # the preload is read when the server starts, with the first worker
         self.conn, child_conn = ctx.Pipe()
         self.name = name
         self._closing = False

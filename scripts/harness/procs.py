@@ -65,10 +65,11 @@ def _runpy_args(argv: list[str]) -> list[str] | None:
     return None if args[0].startswith("-") else args
 
 
-def _run_forked(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
+def _run_forked(args: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
     """The body of a forked :class:`Proc`: become the leader of a new session, send stdin from ``/dev/null`` and
-    stdout and stderr to ``log_path``, take ``env`` and ``cwd``, then run ``argv``'s script or module as
-    ``__main__`` (its ``SystemExit`` code is the process's exit code, an exception's is 1)."""
+    stdout and stderr to ``log_path``, take ``env`` and ``cwd``, then run ``args`` (:func:`_runpy_args`: a script
+    or ``-m`` and a module, then their arguments) as ``__main__`` (its ``SystemExit`` code is the process's exit
+    code, an exception's is 1)."""
     os.setsid()
     null, log = os.open(os.devnull, os.O_RDONLY), os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(null, 0)
@@ -81,9 +82,6 @@ def _run_forked(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    args = _runpy_args(argv)
-    if args is None:
-        raise ValueError(f"not a Python script or module command line: {argv}")
     if args[0] == "-m":
         sys.argv = [args[1], *args[2:]]
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
@@ -98,9 +96,11 @@ class ForkedPopen:
     ``multiprocessing`` fork server (a child of the server, not of this process: waited for through its
     sentinel). ``returncode`` is negative for a signal, as Popen's."""
 
-    def __init__(self, forkserver: Any, argv: list[str], log_path: Path, *, env: dict[str, str], cwd: Path) -> None:
+    def __init__(
+        self, forkserver: Any, argv: list[str], runpy_args: list[str], log_path: Path, *, env: dict[str, str], cwd: Path
+    ) -> None:
         self.args = argv
-        self._process = forkserver.Process(target=_run_forked, args=(argv, str(log_path), env, str(cwd)))
+        self._process = forkserver.Process(target=_run_forked, args=(runpy_args, str(log_path), env, str(cwd)))
         self._process.start()
         self.pid: int = self._process.pid
 
@@ -149,9 +149,10 @@ class Proc:
         self.ended: float | None = None
         """When :meth:`poll` or :meth:`wait` first saw it exit (monotonic clock)."""
         self.popen: subprocess.Popen[bytes] | ForkedPopen
-        if forkserver is not None and _runpy_args(argv) is not None:
+        runpy_args = _runpy_args(argv) if forkserver is not None else None
+        if runpy_args is not None:
             log_path.write_bytes(b"")
-            self.popen = ForkedPopen(forkserver, argv, log_path, env=dict(env or os.environ), cwd=cwd)
+            self.popen = ForkedPopen(forkserver, argv, runpy_args, log_path, env=dict(env or os.environ), cwd=cwd)
             return
         with log_path.open("wb") as fh:
             self.popen = subprocess.Popen(
