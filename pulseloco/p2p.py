@@ -11,14 +11,20 @@
 - :func:`stream_messages` / :func:`read_stream`: the one stream protocol of both paths (docs/design.md
   section 3.4): a first message whose ``metadata`` is a JSON object header carrying the payload's ``size``,
   then the payload in chunks of at most :data:`CHUNK_BYTES`, one per message ``metadata``. The reader bounds
-  the declared and the received size, times out every message and checks that the stream holds exactly the
-  declared bytes.
+  the declared and the received size, times out every message, reads exactly the declared bytes and then
+  closes the stream;
+- :func:`asker_closes`: the asker, not the server, ends every stream. A server that closes its end first can
+  make its daemon reset the stream and discard the reply's last bytes before the asker's daemon delivered them
+  (:data:`STREAM_LINGER_S`); so a stream handler keeps its stream open after its last message until the asker
+  closes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import inspect
 import json
 import logging
 import threading
@@ -26,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequen
 from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar
 
-from hivemind.p2p import P2P, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 
 from pulseloco.errors import PayloadError, PayloadSizeError, SwarmError, TruncatedPayloadError
 
@@ -35,13 +41,17 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHUNK_BYTES",
     "LISTEN_BACKLOG",
+    "STREAM_LINGER_S",
     "BackgroundLoop",
     "P2PHost",
     "SwarmTimeoutError",
+    "asker_closes",
+    "close_stream",
     "daemon_listen_maddr",
     "header_message",
     "listen_with_backlog",
     "parse_header",
+    "read_reply",
     "read_stream",
     "replicate_p2p",
     "stream_messages",
@@ -58,6 +68,16 @@ CHUNK_BYTES = 1 << 20
 #: (go-libp2p-daemon ``stream.go:50-55``, logged at debug level only) and the caller's iterator ends with no
 #: message (``p2p_daemon.py:502``). A deeper backlog makes such a burst wait for the loop instead.
 LISTEN_BACKLOG = 4096
+#: How long a stream handler keeps its stream open after its last message for the asker to close it
+#: (:func:`asker_closes`). hivemind 1.1.12 closes the serving replica's socket when the handler ends; its daemon
+#: (go-libp2p-daemon ``stream.go``, ``doStreamPipe``) then calls ``Close`` on the libp2p stream, whose read half
+#: closing wakes the daemon's other pipe goroutine with ``ErrStreamReset``, which resets the stream. When that
+#: reset wins the race with the write half's FIN (go-yamux v4 ``Stream.Close`` = ``CloseRead`` then ``CloseWrite``,
+#: the lock released in between; lost when the thread is descheduled there, as under CPU load), the asker's yamux
+#: marks the stream reset and drops whatever it had buffered but not yet handed to the asker: the reply ends
+#: early ("after 0 of N bytes", or before its header). When the asker closes first, the same race on its side
+#: can only drop bytes it no longer reads.
+STREAM_LINGER_S = 60.0
 
 
 class SwarmTimeoutError(SwarmError, TimeoutError):
@@ -225,6 +245,60 @@ class Message(Protocol):
 
 
 M = TypeVar("M", bound=Message)
+S = TypeVar("S")
+R = TypeVar("R")
+
+
+def asker_closes(
+    handler: Callable[[S, R, P2PContext], AsyncIterator[M]],
+) -> Callable[[S, R, P2PContext], AsyncIterator[M]]:
+    """Decorate a servicer's stream-output ``rpc_*`` method: after its last message the stream stays open until
+    the asker closes it, or for at most :data:`STREAM_LINGER_S` seconds (an asker that never closes).
+
+    hivemind cancels the handler when the asker's end closes, which ends the wait. The asker must close the
+    stream once it has read the reply (:func:`read_stream` does; a one-message reply is read with
+    :func:`read_reply`); it then never waits for the server to end it. Why: see :data:`STREAM_LINGER_S`. The
+    handler's own exceptions propagate unchanged (hivemind sends them to the asker as an error)."""
+
+    @functools.wraps(handler)  # keeps the annotations hivemind reads to tell stream handlers from unary ones
+    async def held_open(self: S, request: R, context: P2PContext) -> AsyncIterator[M]:
+        messages = handler(self, request, context)
+        try:
+            async for message in messages:
+                yield message
+        finally:  # cancelled mid-reply (the asker hung up): the handler's own cleanup runs now, not at collection
+            await close_stream(messages)
+        await asyncio.sleep(STREAM_LINGER_S)
+
+    # hivemind reads the request parameter's name from the signature and its type from the annotations
+    held_open.__signature__ = inspect.signature(handler)  # type: ignore[attr-defined]
+    return held_open
+
+
+async def close_stream(messages: AsyncIterator[Any]) -> None:
+    """Close an async iterator with its ``aclose`` (a hivemind stream's iterator then closes its connection to the
+    daemon, which ends the stream; a handler's generator runs its cleanup); iterators without one are left
+    alone. Never raises: a stream that cannot be closed cleanly is already broken (logged at debug level)."""
+    aclose = getattr(messages, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception as exc:  # a broken connection: nothing left to close
+        logger.debug("error closing a stream error=%r", exc)
+
+
+async def read_reply(messages: AsyncIterator[M], *, timeout: float) -> M:
+    """The first message of ``messages`` (a one-message reply), waited for at most ``timeout`` seconds; then the
+    stream is closed (:func:`close_stream`), also when this raises :class:`TimeoutError`, or
+    :class:`TruncatedPayloadError` for a stream that ends without a message."""
+    iterator = messages.__aiter__()
+    try:
+        return await asyncio.wait_for(iterator.__anext__(), timeout)
+    except StopAsyncIteration:
+        raise TruncatedPayloadError("the stream ended without a reply") from None
+    finally:
+        await close_stream(iterator)
 
 
 def parse_header(raw: bytes) -> dict[str, Any]:
@@ -269,41 +343,44 @@ async def read_stream(
     first_timeout: float | None = None,
     on_message: Callable[[dict[str, Any], M], None] | None = None,
 ) -> tuple[dict[str, Any], bytes]:
-    """Read one :func:`stream_messages` stream to its end: ``(header, payload)``.
+    """Read one :func:`stream_messages` stream: ``(header, payload)``, then close it (:func:`close_stream`).
 
     Waits at most ``first_timeout`` (default ``timeout``) seconds for the header and ``timeout`` seconds for
-    every later message, end of stream included; ``on_message(header, message)`` sees every message once the
-    header is known (for traffic counters). Raises :class:`TimeoutError` when a wait runs out,
+    every later message; reads exactly the ``size`` bytes the header declares and does not wait for the server
+    to end the stream (it waits for the asker: :func:`asker_closes`). ``on_message(header, message)`` sees every
+    message once the header is known (for traffic counters). Raises :class:`TimeoutError` when a wait runs out,
     :class:`TruncatedPayloadError` when the stream is empty or ends early, :class:`PayloadError` when its header
     is not a JSON object with an integer ``size``, :class:`PayloadSizeError` when ``size`` exceeds ``max_bytes``
-    (before any chunk is read) or more bytes arrive than declared.
+    (before any chunk is read) or a message carries bytes past the declared size. The stream is closed in every
+    case.
     """
     iterator = messages.__aiter__()
     try:
-        first = await asyncio.wait_for(iterator.__anext__(), timeout if first_timeout is None else first_timeout)
-    except StopAsyncIteration:  # the sender died or hung up before answering
-        raise TruncatedPayloadError("the stream ended without a header") from None
-    header = parse_header(first.metadata)
-    if on_message is not None:
-        on_message(header, first)
-    size = header.get("size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise PayloadError(f"stream header has no valid size: {size!r}")
-    if size > max_bytes:
-        raise PayloadSizeError(f"stream declares {size} bytes, above the limit of {max_bytes}")
-    parts: list[bytes] = []
-    received = 0
-    while True:
         try:
-            message = await asyncio.wait_for(iterator.__anext__(), timeout)
-        except StopAsyncIteration:
-            break
+            first = await asyncio.wait_for(iterator.__anext__(), timeout if first_timeout is None else first_timeout)
+        except StopAsyncIteration:  # the sender died or hung up before answering
+            raise TruncatedPayloadError("the stream ended without a header") from None
+        header = parse_header(first.metadata)
         if on_message is not None:
-            on_message(header, message)
-        received += len(message.metadata)
-        if received > size:
-            raise PayloadSizeError(f"stream carries more than the {size} bytes its header declares")
-        parts.append(message.metadata)
-    if received < size:
-        raise TruncatedPayloadError(f"stream ended after {received} of {size} bytes")
-    return header, b"".join(parts)
+            on_message(header, first)
+        size = header.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise PayloadError(f"stream header has no valid size: {size!r}")
+        if size > max_bytes:
+            raise PayloadSizeError(f"stream declares {size} bytes, above the limit of {max_bytes}")
+        parts: list[bytes] = []
+        received = 0
+        while received < size:
+            try:
+                message = await asyncio.wait_for(iterator.__anext__(), timeout)
+            except StopAsyncIteration:
+                raise TruncatedPayloadError(f"stream ended after {received} of {size} bytes") from None
+            if on_message is not None:
+                on_message(header, message)
+            received += len(message.metadata)
+            if received > size:
+                raise PayloadSizeError(f"stream carries more than the {size} bytes its header declares")
+            parts.append(message.metadata)
+        return header, b"".join(parts)
+    finally:
+        await close_stream(iterator)

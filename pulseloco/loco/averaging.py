@@ -71,7 +71,15 @@ from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedS
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
 from pulseloco.loco.validation import decode_sparse, encode_sparse
-from pulseloco.p2p import CHUNK_BYTES, P2PHost, header_message, parse_header, read_stream, stream_messages
+from pulseloco.p2p import (
+    CHUNK_BYTES,
+    P2PHost,
+    header_message,
+    parse_header,
+    read_reply,
+    read_stream,
+    stream_messages,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +245,10 @@ class SparseAverager(ShardOwner, StateTransfer):
 
         try:
             stub = self.get_stub(self.p2p, PeerID.from_base58(owner), namespace=self.namespace)
-            response = await asyncio.wait_for(stub.rpc_push(_requests()), timeout=max(0.1, deadline - time.monotonic()))
+            # the owner answers once the whole part arrived: one message, then this side closes the stream
+            timeout = max(0.1, deadline - time.monotonic())
+            stream = await asyncio.wait_for(stub.rpc_push(_requests()), timeout=timeout)
+            response = await read_reply(stream, timeout=max(0.1, deadline - time.monotonic()))
             self._count(round_index, received=response.ByteSize())
             reply = parse_header(response.metadata)
         except Exception as exc:  # a vanished peer surfaces as daemon, handler or timeout errors

@@ -35,7 +35,7 @@ from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.traffic import FrameLayout, TrafficCounter
 from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
-from pulseloco.p2p import header_message, parse_header, read_stream, stream_messages
+from pulseloco.p2p import asker_closes, header_message, parse_header, read_stream, stream_messages
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +131,12 @@ class ShardOwner(TrafficCounter):
             shard.all_arrived.set()
         return None
 
+    @asker_closes
     async def rpc_push(
         self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """Receive one member's part of this owner's shard (header first, then chunks)."""
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Receive one member's part of this owner's shard (header first, then chunks); answer with one message
+        (a stream, so that the member closes it once read: :func:`pulseloco.p2p.asker_closes`)."""
         sender = context.remote_id.to_base58()
         round_key = -1  # the round the stream's header names, once read (-1: none, not counted in any round)
 
@@ -149,15 +151,18 @@ class ShardOwner(TrafficCounter):
             )
         except (TimeoutError, PayloadError) as exc:
             logger.warning("push refused sender=%s error=%r", sender, exc)
-            return self._reply(round_key, {"ok": False, "reason": repr(exc)})
+            yield self._reply(round_key, {"ok": False, "reason": repr(exc)})
+            return
         if not isinstance(header.get("round"), int) or not isinstance(header.get("group"), str):
-            return self._reply(round_key, {"ok": False, "reason": "missing round or group"})
+            yield self._reply(round_key, {"ok": False, "reason": "missing round or group"})
+            return
         shard = self._owned_shard(header["round"], header["group"])
         reason = "round out of range" if shard is None else self._add_contribution(shard, sender, payload)
         if reason is not None:
             logger.info("push refused sender=%s round=%s reason=%s", sender, header["round"], reason)
-        return self._reply(header["round"], {"ok": reason is None, "reason": reason})
+        yield self._reply(header["round"], {"ok": reason is None, "reason": reason})
 
+    @asker_closes
     async def rpc_fetch(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:

@@ -30,7 +30,7 @@ from pulseloco.errors import PayloadError, StateDownloadError, SwarmError
 from pulseloco.loco.ledger import Ledger, LedgerEntry
 from pulseloco.loco.matchmaking import PeerState
 from pulseloco.loco.validation import theta_digest
-from pulseloco.p2p import P2PHost, read_stream, stream_messages
+from pulseloco.p2p import P2PHost, asker_closes, read_stream, stream_messages
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class StateTransfer(ServicerBase):
         with self._snapshot_lock:
             self._snapshot = snapshot
 
+    @asker_closes
     async def rpc_download_state(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:

@@ -34,7 +34,7 @@ from hivemind.utils import get_dht_time
 
 from pulseloco.errors import PayloadError
 from pulseloco.keys import workers_key
-from pulseloco.p2p import CHUNK_BYTES, P2PHost, stream_messages
+from pulseloco.p2p import CHUNK_BYTES, P2PHost, asker_closes, stream_messages
 from pulseloco.rollouts.protocol import (
     Lease,
     ReplyHeader,
@@ -76,6 +76,7 @@ class RolloutServicer(ServicerBase):
     def __init__(self, server: RolloutServer) -> None:
         self.server = server
 
+    @asker_closes
     async def rpc_generate(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:  # hivemind needs typing's alias for streams

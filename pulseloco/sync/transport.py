@@ -35,7 +35,7 @@ from hivemind.utils import get_dht_time
 
 from pulseloco.errors import PayloadError, PayloadSizeError, TruncatedPayloadError, UnauthorizedError
 from pulseloco.keys import head_key, providers_key
-from pulseloco.p2p import P2PHost, header_message, parse_header, stream_messages
+from pulseloco.p2p import P2PHost, asker_closes, close_stream, header_message, parse_header, stream_messages
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES, Envelope, verify_envelope
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ class SyncServicer(ServicerBase):
         self.bytes_uploaded = 0
         self.num_uploads = 0
 
+    @asker_closes
     async def rpc_fetch(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:  # hivemind needs typing's alias for streams
@@ -351,6 +352,23 @@ class SwarmEndpoint:
         )
         iterator = stream.__aiter__()
         try:
+            return await self._read_provided(peer, request, iterator, max_bytes, chunk_timeout, key, on_start)
+        finally:  # the asker ends the stream (pulseloco.p2p.asker_closes), once it has what it asked for
+            await close_stream(iterator)
+
+    async def _read_provided(
+        self,
+        peer: PeerID,
+        request: FetchRequest,
+        iterator: typing.AsyncIterator[runtime_pb2.ExpertResponse],
+        max_bytes: int,
+        chunk_timeout: float,
+        key: Ed25519PublicKey | None,
+        on_start: OnStart | None,
+    ) -> Provided:
+        """The answer on ``iterator``, read as :meth:`_fetch` says (it raises the errors listed there): the header,
+        then exactly the declared bytes."""
+        try:
             first = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
         except StopAsyncIteration:
             raise PayloadError(f"provider {peer}: the stream ended without a header") from None
@@ -382,11 +400,13 @@ class SwarmEndpoint:
         parts: list[bytes] = []
         received = 0
         try:
-            while True:
+            while received < size:
                 try:
                     message = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
                 except StopAsyncIteration:
-                    break
+                    raise TruncatedPayloadError(
+                        f"provider {peer}: stream ended after {received} of {size} bytes"
+                    ) from None
                 data = message.metadata
                 received += len(data)
                 if received > size:
@@ -394,8 +414,6 @@ class SwarmEndpoint:
                 parts.append(data)
                 if sink is not None:
                     sink.chunk(data)
-            if received < size:
-                raise TruncatedPayloadError(f"provider {peer}: stream ended after {received} of {size} bytes")
             payload = b"".join(parts)
             del parts
             if env is not None and hashlib.sha256(payload).hexdigest() != env.sha256:
