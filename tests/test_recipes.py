@@ -274,7 +274,7 @@ def test_bad_configurations_end_with_one_line(runs: list[Run], tmp_path: Path, t
     argv += ["--model_name_or_path", str(tiny_warm_model)]
     started = [(start(runs, tmp_path, "bad", argv), "unknown strategy 'allreduce' (choose from ddp, diloco, pulseloco")]
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEJcUXx5K5pDjNoaNVZk4W8oFYp9ZdxPPB6ZAWWv1xZKw"
-    argv = grpo(tiny_warm_model, tmp_path / "unreachable", "--initial_peers", unreachable, "--startup_timeout", "10")
+    argv = grpo(tiny_warm_model, tmp_path / "unreachable", "--initial_peers", unreachable, "--startup_timeout", "4")
     argv[: len(ACCELERATE)] = [*ACCELERATE_CLI, "-q"]
     started.append((start(runs, tmp_path, "unreachable", argv), "could not join the swarm"))
     for run, expected in started:
