@@ -51,6 +51,7 @@ __all__ = [
     "header_message",
     "listen_with_backlog",
     "parse_header",
+    "read_payload",
     "read_reply",
     "read_stream",
     "replicate_p2p",
@@ -368,19 +369,31 @@ async def read_stream(
             raise PayloadError(f"stream header has no valid size: {size!r}")
         if size > max_bytes:
             raise PayloadSizeError(f"stream declares {size} bytes, above the limit of {max_bytes}")
-        parts: list[bytes] = []
-        received = 0
-        while received < size:
-            try:
-                message = await asyncio.wait_for(iterator.__anext__(), timeout)
-            except StopAsyncIteration:
-                raise TruncatedPayloadError(f"stream ended after {received} of {size} bytes") from None
-            if on_message is not None:
-                on_message(header, message)
-            received += len(message.metadata)
-            if received > size:
-                raise PayloadSizeError(f"stream carries more than the {size} bytes its header declares")
-            parts.append(message.metadata)
-        return header, b"".join(parts)
+        on_chunk = None if on_message is None else functools.partial(on_message, header)
+        return header, await read_payload(iterator, size, timeout=timeout, on_chunk=on_chunk)
     finally:
         await close_stream(iterator)
+
+
+async def read_payload(
+    messages: AsyncIterator[M], size: int, *, timeout: float, on_chunk: Callable[[M], None] | None = None
+) -> bytes:
+    """The ``size`` payload bytes that follow a stream's header: the next messages' ``metadata``, each waited for
+    at most ``timeout`` seconds and passed to ``on_chunk`` as it arrives. Reads no message past them (the asker
+    closes the stream: :func:`asker_closes`). Raises :class:`TimeoutError` when a wait runs out,
+    :class:`TruncatedPayloadError` when the stream ends early, :class:`PayloadSizeError` when a message carries
+    bytes past ``size``."""
+    parts: list[bytes] = []
+    received = 0
+    while received < size:
+        try:
+            message = await asyncio.wait_for(messages.__anext__(), timeout)
+        except StopAsyncIteration:
+            raise TruncatedPayloadError(f"stream ended after {received} of {size} bytes") from None
+        if on_chunk is not None:
+            on_chunk(message)
+        received += len(message.metadata)
+        if received > size:
+            raise PayloadSizeError(f"stream carries more than the {size} bytes its header declares")
+        parts.append(message.metadata)
+    return b"".join(parts)

@@ -246,8 +246,7 @@ class SparseAverager(ShardOwner, StateTransfer):
         try:
             stub = self.get_stub(self.p2p, PeerID.from_base58(owner), namespace=self.namespace)
             # the owner answers once the whole part arrived: one message, then this side closes the stream
-            timeout = max(0.1, deadline - time.monotonic())
-            stream = await asyncio.wait_for(stub.rpc_push(_requests()), timeout=timeout)
+            stream = await asyncio.wait_for(stub.rpc_push(_requests()), timeout=max(0.1, deadline - time.monotonic()))
             response = await read_reply(stream, timeout=max(0.1, deadline - time.monotonic()))
             self._count(round_index, received=response.ByteSize())
             reply = parse_header(response.metadata)

@@ -33,9 +33,17 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from pulseloco.errors import PayloadError, PayloadSizeError, TruncatedPayloadError, UnauthorizedError
+from pulseloco.errors import PayloadError, PayloadSizeError, UnauthorizedError
 from pulseloco.keys import head_key, providers_key
-from pulseloco.p2p import P2PHost, asker_closes, close_stream, header_message, parse_header, stream_messages
+from pulseloco.p2p import (
+    P2PHost,
+    asker_closes,
+    close_stream,
+    header_message,
+    parse_header,
+    read_payload,
+    stream_messages,
+)
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES, Envelope, verify_envelope
 
 logger = logging.getLogger(__name__)
@@ -397,25 +405,9 @@ class SwarmEndpoint:
                 raise UnauthorizedError(f"provider {peer} declares {size} bytes for a payload signed as {env.size}")
             if on_start is not None:
                 sink = on_start(env, envelope)
-        parts: list[bytes] = []
-        received = 0
+        on_chunk = None if sink is None else lambda message: sink.chunk(message.metadata)
         try:
-            while received < size:
-                try:
-                    message = await asyncio.wait_for(iterator.__anext__(), chunk_timeout)
-                except StopAsyncIteration:
-                    raise TruncatedPayloadError(
-                        f"provider {peer}: stream ended after {received} of {size} bytes"
-                    ) from None
-                data = message.metadata
-                received += len(data)
-                if received > size:
-                    raise PayloadSizeError(f"provider {peer}: stream carries more than the {size} bytes it declares")
-                parts.append(data)
-                if sink is not None:
-                    sink.chunk(data)
-            payload = b"".join(parts)
-            del parts
+            payload = await read_payload(iterator, size, timeout=chunk_timeout, on_chunk=on_chunk)
             if env is not None and hashlib.sha256(payload).hexdigest() != env.sha256:
                 raise UnauthorizedError(
                     f"payload from {peer} does not match its signed SHA-256: corrupted in transit or forged"
