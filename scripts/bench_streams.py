@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -138,7 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             host.close()
         if dht is not None:
             dht.shutdown()
-        server.kill()
+        with contextlib.suppress(ProcessLookupError):  # its group: the server, its DHT's process and their daemon
+            os.killpg(server.pid, signal.SIGKILL)
         server.wait(10)
         for proc in burners:
             proc.wait(10)

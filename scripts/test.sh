@@ -19,6 +19,13 @@ echo "[test] mypy" >&2
 "$VENV/bin/mypy"  # pinned in the test extra; settings (packages = pulseloco) in pyproject.toml
 
 echo "[test] pytest" >&2
+# Bytecode: the suite starts well over a hundred Python processes that import pulseloco, scripts/harness and the
+# tests' helpers. With PYTHONDONTWRITEBYTECODE set (as on some CI images) none of them would cache what it compiled,
+# so each would compile those sources again (about 0.5 CPU-s per process), and each xdist worker would rewrite
+# every test module's asserts again. Compile once here and let the processes cache the rest (__pycache__ is
+# ignored by git).
+unset PYTHONDONTWRITEBYTECODE
+"$PYTHON" -m compileall -q -j 0 pulseloco scripts tests recipes >/dev/null
 rc=0
 workers="${PULSELOCO_TEST_WORKERS:-auto}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -62,6 +62,21 @@ def _kill_and_reap(procs: list[psutil.Process], reason: str) -> None:
     psutil.wait_procs(alive, timeout=_TERMINATE_GRACE_S)
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+"""``prctl`` option (linux/prctl.h): orphaned descendants are re-parented to this process instead of to init."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Make this process (each xdist worker) a child subreaper on Linux, so that a process orphaned by a test (a
+    DHT's process and its daemon whose parent was SIGKILLed, say) stays a descendant that
+    :func:`reap_children_after_test` finds, instead of running on under init for the rest of the session."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
 @pytest.fixture(autouse=True)
 def reap_children_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """After each test, kill and reap the processes it started and left running.

@@ -242,10 +242,17 @@ def test_rollout_workers_behind_nat_follow_pulsesync_with_flat_publisher_upload(
             total = publisher.expect("stats")["uploaded"]
             uploads.append((total - uploaded, published["patch_bytes"]))
             uploaded = total
-            unreachable.send(cmd="providers")
-            providers = unreachable.expect("providers")["providers"]
-            assert ready_u["peer_id"] not in providers, "a worker nobody can reach announced itself as a relay"
-            assert ready_r["peer_id"] in providers
+            # R's record reaches the DHT node U reads from eventually (a store under load can take seconds): read
+            # until it shows, and U must be absent from every read
+            deadline = time.monotonic() + 30
+            while True:
+                unreachable.send(cmd="providers")
+                providers = unreachable.expect("providers")["providers"]
+                assert ready_u["peer_id"] not in providers, "a worker nobody can reach announced itself as a relay"
+                if ready_r["peer_id"] in providers or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert ready_r["peer_id"] in providers, (v, providers)
         finish(lab, [unreachable, relayed, publisher])
     print("publisher upload per version (bytes, patch bytes):", uploads)
     assert got_r["relayed"] > 0, "the relayed worker served nothing"
