@@ -338,19 +338,21 @@ class Runner:
 
 def survivors(groups: Iterable[int], *, ignore: tuple[str, ...] = HELPERS) -> list[psutil.Process]:
     """Processes still running in the process groups ``groups`` and children of this process whose command line
-    names none of ``ignore``: what a clean shutdown should have left nothing of. Never raises for processes that
-    vanish meanwhile."""
+    names none of ``ignore``: what a clean shutdown should have left nothing of. Zombies are not counted: they
+    have exited, and wait for a parent to reap them (under a child subreaper, such as the test suite's pytest
+    workers, that parent is the subreaper, which reaps when its test ends). Never raises for processes that vanish
+    meanwhile."""
     import psutil
 
     groups = set(groups)
     found: dict[int, psutil.Process] = {}
-    for proc in psutil.process_iter(["pid"]):
+    for proc in psutil.process_iter(["pid", "status"]):
         with contextlib.suppress(psutil.Error, ProcessLookupError):
-            if os.getpgid(proc.info["pid"]) in groups:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.info["pid"]) in groups:
                 found[proc.pid] = proc
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if not any(name in " ".join(proc.cmdline()) for name in ignore):
+            if proc.status() != psutil.STATUS_ZOMBIE and not any(name in " ".join(proc.cmdline()) for name in ignore):
                 found.setdefault(proc.pid, proc)
     return list(found.values())
 
