@@ -27,6 +27,7 @@ as fast as before). ``use_auto_relay=False`` (``--use_auto_relay false``) or
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import hmac
@@ -39,6 +40,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hivemind
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
@@ -53,6 +55,7 @@ __all__ = [
     "SwarmConfig",
     "SwarmKeyValidator",
     "is_reachable",
+    "latest_maddrs",
     "load_swarm_key",
     "make_dht",
     "new_swarm_key",
@@ -321,18 +324,45 @@ def _install_static_relays() -> None:
     _STATIC_RELAYS_INSTALLED = True
 
 
+ADDRESS_TIMEOUT_S = 10.0
+"""Seconds to wait for the DHT process to say which addresses its daemon holds now (:func:`latest_maddrs`)."""
+
+
+async def _daemon_maddrs(_dht: hivemind.DHT, node: Any) -> list[Any]:
+    """Runs in the DHT process: the addresses its daemon holds now."""
+    return list(await node.get_visible_maddrs(latest=True))
+
+
+def latest_maddrs(dht: hivemind.DHT, timeout: float = ADDRESS_TIMEOUT_S) -> list[str]:
+    """The addresses ``dht``'s daemon holds now (asked of the daemon, not hivemind's list cached at start).
+
+    ``hivemind.DHT.get_visible_maddrs`` waits for its answer without a limit; on a loaded machine the DHT process
+    has been seen to drop such a request (its task destroyed while pending: "Task was destroyed but it is
+    pending!"), and the caller then waited forever (a relaying subscriber's announcer thread, which never
+    announced again). This asks the same thing with a limit: raises ``TimeoutError`` after ``timeout`` s (the
+    request is cancelled), and whatever the DHT process raises.
+    """
+    future = dht.run_coroutine(_daemon_maddrs, return_future=True)
+    try:
+        return [str(m) for m in future.result(timeout)]
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"the DHT process did not report its addresses within {timeout:.0f} s") from None
+
+
 def is_reachable(dht: hivemind.DHT) -> bool:
     """Whether other peers can open streams to ``dht``'s peer: it runs in server mode (it was told to listen
     where others can dial), or it holds a relay address now (``/p2p-circuit``, from a relay reservation; the
     daemon is asked, not hivemind's list cached at start).
 
     A client-mode peer without a relay address is behind NAT as far as anyone can tell: it must not offer to
-    serve anything. Errors asking the DHT process for its addresses count as not reachable (logged).
+    serve anything. Errors asking the DHT process for its addresses, and no answer within
+    :data:`ADDRESS_TIMEOUT_S`, count as not reachable (logged).
     """
     if not dht.client_mode:
         return True
     try:
-        maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
+        maddrs = latest_maddrs(dht)
     except Exception as exc:  # the DHT process is gone or stuck: we cannot vouch for reachability
         logger.warning("cannot read this peer's addresses (%r); treating it as unreachable", exc)
         return False
@@ -434,7 +464,11 @@ def _wait_for_relay_address(dht: hivemind.DHT, config: SwarmConfig) -> list[str]
     for its whole life although others could dial it through the relay)."""
     deadline = time.monotonic() + config.relay_wait
     while True:
-        maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
+        try:
+            maddrs = latest_maddrs(dht)
+        except TimeoutError as exc:  # asked again below, until the deadline
+            logger.warning("%s; asking again", exc)
+            maddrs = []
         if any("/p2p-circuit" in m for m in maddrs):
             return maddrs
         if time.monotonic() >= deadline:

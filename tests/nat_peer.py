@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from pulseloco.swarm import SwarmConfig, is_reachable, make_dht
+from pulseloco.swarm import SwarmConfig, is_reachable, latest_maddrs, make_dht
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -67,7 +67,7 @@ def run_loco(dht: Any, config: dict[str, Any]) -> None:
         ),
         client_mode=config.get("loco_client_mode"),
     )
-    maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
+    maddrs = latest_maddrs(dht)
     emit("ready", peer_id=opt.peer_id, maddrs=maddrs, reachable=is_reachable(dht), serves=not opt.averager.client_mode)
     cmds = commands()
     next(cmds)  # go

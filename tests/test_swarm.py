@@ -261,7 +261,7 @@ def test_the_swarm_options_are_defined_once_for_the_cli_and_the_recipes() -> Non
 
 
 def test_a_client_mode_peer_without_a_relay_address_is_not_reachable() -> None:
-    from pulseloco.swarm import is_reachable
+    from pulseloco.swarm import is_reachable, latest_maddrs
 
     first = make_dht(SwarmConfig())
     started = time.monotonic()
@@ -271,6 +271,12 @@ def test_a_client_mode_peer_without_a_relay_address_is_not_reachable() -> None:
     try:
         assert is_reachable(first)
         assert not is_reachable(client)
+        # the daemon's addresses, asked with a limit: the DHT process once dropped such a request under load and
+        # the caller (a relay's announcer thread) waited forever; a wait that cannot be met raises TimeoutError
+        assert latest_maddrs(client) and all("/p2p/" in m or "/tcp/" in m for m in latest_maddrs(client))
+        with pytest.raises(TimeoutError, match="did not report its addresses"):
+            latest_maddrs(client, timeout=1e-9)
+        assert latest_maddrs(client)  # the cancelled request left the DHT process serving
     finally:
         client.shutdown()
         first.shutdown()

@@ -274,11 +274,14 @@ class SwarmEndpoint:
         ttl: float,
         timeout: float | None = None,
         partial: list[int] | None = None,
-    ) -> None:
+    ) -> bool | None:
         """Say in the DHT that this peer serves ``versions`` (hint only); wait up to ``timeout`` s if given.
 
         ``partial``: those of ``versions`` still arriving (a relay serves them as they arrive); askers prefer
         holders of the whole object. Readers that predate the field see partial versions as held, which is safe.
+
+        Returns None without ``timeout``; else whether the DHT stored the record on at least one node in time (a
+        False is logged: nobody will find this peer through the record until a later announcement lands).
         """
         # every version a publisher keeps (retention bounds them) so that late joiners find old anchors; deduplicated
         listed = sorted(set(versions))[-_MAX_ANNOUNCED_VERSIONS:]
@@ -292,11 +295,16 @@ class SwarmEndpoint:
             subkey=self.peer_id.to_base58(),
             return_future=True,
         )
-        if timeout is not None:
-            try:
-                future.result(timeout)
-            except concurrent.futures.TimeoutError:
-                logger.warning("DHT did not store the provider record within %.1f s", timeout)
+        if timeout is None:
+            return None
+        try:
+            stored = bool(future.result(timeout))
+        except concurrent.futures.TimeoutError:
+            logger.warning("DHT did not store the provider record within %.1f s", timeout)
+            return False
+        if not stored:
+            logger.warning("DHT stored the provider record on no node key=%s", self.providers_key)
+        return stored
 
     def get_providers(self, *, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
         """Peers announcing objects for this run: ``{peer_id_base58: {"versions": [...], "publisher": bool,
