@@ -16,20 +16,17 @@ processes spin on the CPU meanwhile (the race is lost when a daemon thread is de
 Reported per handler: replies complete, replies cut short (after how many bytes), other errors.
 
 Output: a table on stdout and ``results/bench-streams/bench_streams.json`` / ``.md`` (``--out``). Bad flags exit 2
-with argparse's one line; a server that does not start within 60 s raises RuntimeError.
+with argparse's one line; a server that does not start within 60 s raises ``harness.procs.ProcFailed`` (a
+RuntimeError) with its log.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 import typing
 from collections import Counter
@@ -37,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-from harness import REPO
+from harness import REPO, procs
 from harness.machine import machine_note
 from harness.report import md_table
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
@@ -104,64 +101,35 @@ async def ask_loop(host: P2PHost, peer: PeerID, handler: str, args: argparse.Nam
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the server and the burners, ask each handler in turn, stop everything; the results."""
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--size", str(args.size)],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    burners: list[subprocess.Popen] = []
+    """Start the server and the burners, ask each handler in turn, stop everything (each started process's whole
+    group: the server's DHT process and daemon too); the results."""
     host = dht = None
-    try:
-        line = _read_line(server, timeout=60)
-        maddrs = json.loads(line)
-        peer = PeerID.from_base58(maddrs[0].rsplit("/p2p/", 1)[1])
-        dht = hivemind.DHT(start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-        host = P2PHost(dht, name="bench-streams-asker")
-        burners = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
-            for _ in range(args.burners)
-        ]
-        results: dict[str, dict[str, int]] = {}
-        for handler in HANDLERS:
-            outcome: Counter = Counter()
+    with tempfile.TemporaryDirectory(prefix="bench-streams-") as logs, procs.Runner(Path(logs)) as runner:
+        try:
+            server = runner.start("server", [sys.executable, __file__, "--serve", "--size", str(args.size)])
+            maddrs = json.loads(server.wait_for(r"(?m)^(\[.*\])$", timeout=60).group(1))
+            peer = PeerID.from_base58(maddrs[0].rsplit("/p2p/", 1)[1])
+            dht = hivemind.DHT(start=True, initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+            host = P2PHost(dht, name="bench-streams-asker")
+            for i in range(args.burners):
+                runner.start(f"burner{i}", [sys.executable, "-c", "while True: pass"])
+            results: dict[str, dict[str, int]] = {}
+            for handler in HANDLERS:
+                outcome: Counter = Counter()
 
-            async def ask_all(handler: str = handler, outcome: Counter = outcome) -> None:
-                await asyncio.gather(*(ask_loop(host, peer, handler, args, outcome) for _ in range(args.askers)))
+                async def ask_all(handler: str = handler, outcome: Counter = outcome) -> None:
+                    await asyncio.gather(*(ask_loop(host, peer, handler, args, outcome) for _ in range(args.askers)))
 
-            host.run(ask_all(), timeout=args.seconds + 120)
-            results[handler] = dict(outcome)
-            print(f"{handler}: {dict(outcome)}", flush=True)
-        return {"args": vars(args), "machine": machine_note(), "results": results}
-    finally:
-        for proc in burners:
-            proc.kill()
-        if host is not None:
-            host.close()
-        if dht is not None:
-            dht.shutdown()
-        with contextlib.suppress(ProcessLookupError):  # its group: the server, its DHT's process and their daemon
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait(10)
-        for proc in burners:
-            proc.wait(10)
-
-
-def _read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """The first line ``proc`` prints, waited for at most ``timeout`` s; RuntimeError when it exits or is late."""
-    result: list[str] = []
-
-    def read() -> None:
-        if proc.stdout is not None:
-            result.append(proc.stdout.readline())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not result or not result[0].strip():
-        raise RuntimeError(f"the server did not start within {timeout:.0f} s (exit code {proc.poll()})")
-    return result[0]
+                host.run(ask_all(), timeout=args.seconds + 120)
+                results[handler] = dict(outcome)
+                print(f"{handler}: {dict(outcome)}", flush=True)
+            return {"args": vars(args), "machine": machine_note(), "results": results}
+        finally:
+            runner.stop_all(grace=0)  # the burners first of all: they hold the cores the shutdown needs
+            if host is not None:
+                host.close()
+            if dht is not None:
+                dht.shutdown()
 
 
 def report(data: dict[str, Any]) -> str:

@@ -273,7 +273,8 @@ def test_a_client_mode_peer_without_a_relay_address_is_not_reachable() -> None:
         assert not is_reachable(client)
         # the daemon's addresses, asked with a limit: the DHT process once dropped such a request under load and
         # the caller (a relay's announcer thread) waited forever; a wait that cannot be met raises TimeoutError
-        assert latest_maddrs(client) and all("/p2p/" in m or "/tcp/" in m for m in latest_maddrs(client))
+        maddrs = latest_maddrs(client)
+        assert maddrs and all("/tcp/" in m for m in maddrs)
         with pytest.raises(TimeoutError, match="did not report its addresses"):
             latest_maddrs(client, timeout=1e-9)
         assert latest_maddrs(client)  # the cancelled request left the DHT process serving
