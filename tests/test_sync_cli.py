@@ -72,6 +72,14 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_refuses_to_overwri
     assert out.read_bytes() == before
 
 
+def test_keygen_does_not_import_torch(tmp_path: Path) -> None:
+    """``pulseloco keygen`` needs only the signing code: ``pulseloco.sync`` loads torch on first use of a name that
+    needs it (3 CPU-s per command otherwise; benchmarks and the suite start it before every swarm)."""
+    code = "import sys; from pulseloco.cli import main; code = main(sys.argv[1:]); print('torch' in sys.modules, code)"
+    result = run([sys.executable, "-c", code, "keygen", "--out", str(tmp_path / "k")])
+    assert result.stdout.splitlines()[-1] == "False 0", result.stdout + result.stderr
+
+
 def test_keygen_creates_missing_directories_and_keys_dir_is_ignored_by_git(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

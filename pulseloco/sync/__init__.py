@@ -3,9 +3,30 @@
 Public API::
 
     from pulseloco.sync import make_patch, apply_patch, state_digest, squash
+
+Importing this package is cheap: the public names load torch on first use, so that a submodule that does not need
+torch (``pulseloco.sync.signing``, behind ``pulseloco keygen``) is imported without it.
 """
 
-from pulseloco.digest import state_digest
-from pulseloco.sync.patch import PATCH_VALUE_MODES, PatchInfo, apply_patch, make_patch, squash
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pulseloco.digest import state_digest
+    from pulseloco.sync.patch import PATCH_VALUE_MODES, PatchInfo, apply_patch, make_patch, squash
 
 __all__ = ["PATCH_VALUE_MODES", "PatchInfo", "apply_patch", "make_patch", "squash", "state_digest"]
+
+_LAZY = {name: "pulseloco.sync.patch" for name in __all__} | {"state_digest": "pulseloco.digest"}
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name on first use; raises AttributeError for any other name."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pulseloco.sync' has no attribute {name!r}")
