@@ -11,7 +11,9 @@ Importing this package is cheap and has no side effects: submodules (which impor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pulseloco._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from pulseloco.loco.optimizer import PulseLoCo
@@ -21,14 +23,7 @@ __version__ = "0.1.0"
 __all__ = ["PulseLoCo", "__version__"]
 
 _LAZY = {"PulseLoCo": "pulseloco.loco.optimizer"}
+"""Public classes imported on first use, so that ``import pulseloco`` does not import torch or hivemind."""
 
 
-def __getattr__(name: str) -> Any:
-    """Import public classes on first use, so that ``import pulseloco`` does not import torch or hivemind."""
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'pulseloco' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

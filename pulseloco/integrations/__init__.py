@@ -13,9 +13,10 @@ Importing this package is cheap: the submodules (transformers, torch, hivemind) 
 
 from __future__ import annotations
 
-import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pulseloco._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from pulseloco.integrations.args import PulseLoCoArguments
@@ -44,12 +45,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'pulseloco.integrations' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def skip_vllm_import() -> None:

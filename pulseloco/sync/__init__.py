@@ -10,7 +10,9 @@ torch (``pulseloco.sync.signing``, behind ``pulseloco keygen``) is imported with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pulseloco._lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from pulseloco.digest import state_digest
@@ -21,12 +23,4 @@ __all__ = ["PATCH_VALUE_MODES", "PatchInfo", "apply_patch", "make_patch", "squas
 _LAZY = {name: "pulseloco.sync.patch" for name in __all__} | {"state_digest": "pulseloco.digest"}
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name on first use; raises AttributeError for any other name."""
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'pulseloco.sync' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
