@@ -274,14 +274,14 @@ class SwarmEndpoint:
         ttl: float,
         timeout: float | None = None,
         partial: list[int] | None = None,
-    ) -> bool | None:
+    ) -> None:
         """Say in the DHT that this peer serves ``versions`` (hint only); wait up to ``timeout`` s if given.
 
         ``partial``: those of ``versions`` still arriving (a relay serves them as they arrive); askers prefer
         holders of the whole object. Readers that predate the field see partial versions as held, which is safe.
 
-        Returns None without ``timeout``; else whether the DHT stored the record on at least one node in time (a
-        False is logged: nobody will find this peer through the record until a later announcement lands).
+        With ``timeout``, a record the DHT did not store on any node in time is logged (nobody finds this peer
+        through it until a later announcement lands); never raises for that.
         """
         # every version a publisher keeps (retention bounds them) so that late joiners find old anchors; deduplicated
         listed = sorted(set(versions))[-_MAX_ANNOUNCED_VERSIONS:]
@@ -296,15 +296,12 @@ class SwarmEndpoint:
             return_future=True,
         )
         if timeout is None:
-            return None
+            return
         try:
-            stored = bool(future.result(timeout))
+            if not future.result(timeout):
+                logger.warning("DHT stored the provider record on no node key=%s", self.providers_key)
         except concurrent.futures.TimeoutError:
             logger.warning("DHT did not store the provider record within %.1f s", timeout)
-            return False
-        if not stored:
-            logger.warning("DHT stored the provider record on no node key=%s", self.providers_key)
-        return stored
 
     def get_providers(self, *, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
         """Peers announcing objects for this run: ``{peer_id_base58: {"versions": [...], "publisher": bool,
