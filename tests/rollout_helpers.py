@@ -125,17 +125,24 @@ class _Behaviour:
         self.before: list[Any] | None = None
         self.other: Any = None
 
-    def generate_ids(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None = None) -> Any:
+    def generate_ids(
+        self,
+        prompt_ids: Any,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        sequences: Any = None,
+    ) -> Any:
         from pulseloco.integrations.rollout import Completion
 
         self.started += 1
         if self.mode == "slow":
             time.sleep(self.delay)
+        options = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sequences=sequences)
         if self.mode in ("other_weights", "cherry_pick", "inject"):
-            return self._dishonest(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        completions = self.engine.generate_ids(
-            prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
-        )
+            return self._dishonest(prompt_ids, **options)
+        completions = self.engine.generate_ids(prompt_ids, **options)
         if self.mode != "replay" or self.before is None:
             self.before = completions
         if self.mode == "replay":  # what it made for its last lease before, cycled to this lease's size
@@ -157,7 +164,9 @@ class _Behaviour:
             return [Completion([1] * length, [-1.0] * length) for _ in completions]
         return completions
 
-    def _dishonest(self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None) -> Any:
+    def _dishonest(
+        self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None, sequences: Any
+    ) -> Any:
         from pulseloco.integrations.rollout import Completion, TransformersEngine
 
         engine = self.engine
@@ -172,11 +181,17 @@ class _Behaviour:
                         param.add_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.05)
                 self.other = TransformersEngine(model, engine.tokenizer, shadow=False)
             return self.other.generate_ids(
-                prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+                prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sequences=sequences
             )
         if self.mode == "cherry_pick":
             candidates = [
-                engine.generate_ids(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, seed=1000 + k)
+                engine.generate_ids(
+                    prompt_ids,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    seed=1000 + k,
+                    sequences=sequences,
+                )
                 for k in range(4)
             ]
             return [max(options, key=lambda c: sum(c.logprobs)) for options in zip(*candidates)]
@@ -198,6 +213,8 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
     - ``update(version)``: follow the publisher until the engine serves ``version`` (``weights_updated`` and then
       ``server.weights_loaded``, as recipes/rollout_worker.py does) -> the served version and digest;
     - ``mode(name, delay)``: how to answer leases from now on (:data:`MODES`);
+    - ``boast()``: announce a throughput of 10**9 tokens/s from now on (records are unsigned hints: a rogue claims
+      to be fast to draw leases, since trainers lease to the fastest workers first);
     - ``stats`` -> the server's counters and the leases the engine started;
     - ``close``.
 
@@ -278,6 +295,12 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
             raise ValueError(f"unknown mode {name!r}")
         behaviour.mode, behaviour.delay = name, delay
 
+    def boast() -> None:
+        server = state["server"]
+        server._note_throughput = lambda tokens_per_s, samples_per_s: None
+        server.tokens_per_s, server.samples_per_s = 1e9, 1e9
+        server.announce()
+
     def stats() -> dict:
         server = state["server"]
         return {
@@ -295,4 +318,6 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
             state["sub"].close()
             state["dht"].shutdown()
 
-    _serve_requests(conn, {"start": start, "update": update, "mode": mode, "stats": stats, "close": close})
+    _serve_requests(
+        conn, {"start": start, "update": update, "mode": mode, "boast": boast, "stats": stats, "close": close}
+    )

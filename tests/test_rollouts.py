@@ -80,6 +80,7 @@ def lease_blob(**changes: Any) -> bytes:
         temperature=1.0,
         seed=7,
         deadline_s=30.0,
+        sequences=[0, 2],
     )
     for key, value in changes.items():
         if value is ...:
@@ -91,11 +92,12 @@ def lease_blob(**changes: Any) -> bytes:
 
 def test_a_good_lease_round_trips() -> None:
     lease = decode_lease(lease_blob(), **LIMITS)
-    assert lease == Lease(PROTO_RUN, "lease-0a", [[1, 2, 3], [4, 5]], 2, 4, 1.0, 7, 30.0)
+    assert lease == Lease(PROTO_RUN, "lease-0a", [[1, 2, 3], [4, 5]], 2, 4, 1.0, 7, 30.0, [0, 2])
     assert decode_lease(lease.encode(), **LIMITS) == lease
     assert lease.num_completions == 4
     # the limits themselves are allowed
     edge = dict(prompts=[[0] * 16, [VOCAB - 1]], max_new_tokens=8, temperature=10, num_samples=256, seed=2**63 - 1)
+    edge["sequences"] = [0, 2**32 - 256]  # the last sample of the last prompt is sequence 2**32 - 1
     assert decode_lease(lease_blob(**edge), **LIMITS).prompts == [[0] * 16, [VOCAB - 1]]
 
 
@@ -134,6 +136,13 @@ def test_a_good_lease_round_trips() -> None:
         ({"temperature": True}, "temperature must be a finite number"),
         ({"seed": -1}, "seed must be an integer"),
         ({"seed": 2**63}, "seed must be an integer"),
+        ({"sequences": ...}, "sequences must be one integer in [0, 4294967294] per prompt (2)"),
+        ({"sequences": [0]}, "sequences must be one integer"),
+        ({"sequences": [0, -1]}, "sequences must be one integer"),
+        ({"sequences": [0, 2**32 - 1]}, "sequences must be one integer"),  # its second sample would be 2**32
+        ({"sequences": [0, 1.0]}, "sequences must be one integer"),
+        ({"sequences": [0, True]}, "sequences must be one integer"),
+        ({"sequences": "0 2"}, "sequences must be one integer"),
         ({"deadline_s": 0}, "deadline_s must be in"),
         ({"deadline_s": 1e6}, "deadline_s must be in"),
     ],
@@ -174,7 +183,7 @@ def test_decode_lease_refuses_oversized_requests_before_parsing() -> None:
 
 # ---- replies ---------------------------------------------------------------------------------------------------
 
-REPLY_LEASE = Lease(PROTO_RUN, "lease-0b", [[10, 11, 12], [13, 14]], 2, 4, 1.0, 3, 30.0)
+REPLY_LEASE = Lease(PROTO_RUN, "lease-0b", [[10, 11, 12], [13, 14]], 2, 4, 1.0, 3, 30.0, [0, 2])
 COMPLETIONS = [
     ([1, 2, 3, 4], [-0.5, -1.25, -2.0, -0.125]),
     ([256], [-3.0]),
@@ -1000,34 +1009,72 @@ def test_grpo_refuses_bad_rollout_flags_with_one_line(runs: list[Run], tmp_path:
         assert not out.exists(), args  # refused before anything was written
 
 
-@pytest.mark.timeout(300)
-def test_grpo_trains_on_a_rollout_workers_completions(
-    runs: list[Run], tmp_path: Path, model_dir: Path, keypair: Path, dht: Any
-) -> None:
-    """One trainer (``--rollouts swarm --publish``) and one ``rollout_worker.py --serve_rollouts``: every round's
-    completions come from the worker at a published version, and TRL computed its importance-sampling ratio
-    between its own log-probabilities and the worker's."""
-    bootstrap = maddrs(dht)[0]
-    out = tmp_path / "trainer"
-    worker_argv = [sys.executable, str(RECIPES / "rollout_worker.py"), "--serve_rollouts"]
-    worker_argv += ["--model_name_or_path", str(model_dir), "--run_id", "fed", "--initial_peers", bootstrap]
-    worker_argv += ["--public_key", f"{keypair}.pub", "--output_dir", str(tmp_path / "worker")]
-    worker_argv += ["--interval", "0.2", "--max_seconds", str(RUN_TIMEOUT_S), "--lease_max_new_tokens", "16"]
-    worker = Run(worker_argv, tmp_path / "worker.log")
-    runs.append(worker)
-    swarm_args = ["--run_id", "fed", "--initial_peers", bootstrap, "--max_steps", "8", "--inner_steps", "8"]
+def worker_run(model_dir: Path, run_id: str, bootstrap: str, keypair: Path, out: Path) -> Run:
+    """``recipes/rollout_worker.py --serve_rollouts`` following ``run_id``'s policy, logging to ``out``.log."""
+    argv = [sys.executable, str(RECIPES / "rollout_worker.py"), "--serve_rollouts"]
+    argv += ["--model_name_or_path", str(model_dir), "--run_id", run_id, "--initial_peers", bootstrap]
+    argv += ["--public_key", f"{keypair}.pub", "--output_dir", str(out)]
+    argv += ["--interval", "0.2", "--max_seconds", str(RUN_TIMEOUT_S), "--lease_max_new_tokens", "16"]
+    return Run(argv, out.parent / f"{out.name}.log")
+
+
+def trainer_run(model_dir: Path, run_id: str, bootstrap: str, keypair: Path, out: Path, *more: str) -> Run:
+    """``recipes/grpo.py`` for 8 steps in one PULSELoCo round of its own, publishing, on swarm rollouts."""
+    swarm_args = ["--run_id", run_id, "--initial_peers", bootstrap, "--max_steps", "8", "--inner_steps", "8"]
     swarm_args += ["--target_group_size", "1", "--matchmaking_time", "2"]
     rollout_args = ["--publish", "--signing_key", str(keypair), "--rollouts", "swarm", "--rollout_timeout", "90"]
-    trainer = Run(grpo(model_dir, out, *swarm_args, *rollout_args), tmp_path / "trainer.log")
-    runs.append(trainer)
-    log = trainer.wait()
-    worker.stop()
-    worker_log = worker.text()
+    return Run(grpo(model_dir, out, *swarm_args, *rollout_args, *more), out.parent / f"{out.name}.log")
+
+
+def load_weights(out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.timeout(300)
+def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_changes_nothing(
+    runs: list[Run], tmp_path: Path, tiny_warm_model: Path, keypair: Path, dht: Any
+) -> None:
+    """Two runs at once from the tiny warm model (it earns rewards that differ within a group, so its weights move),
+    each a trainer (``--rollouts swarm --publish``) with an honest ``rollout_worker.py
+    --serve_rollouts``:
+
+    - alone: every round's completions come from the worker at a published version, checked, and TRL computed its
+      importance-sampling ratio between its own log-probabilities and the worker's;
+    - beside a dishonest worker (a real worker process that samples from other weights while claiming the published
+      digest, and announces a huge throughput so that the trainer leases to it first): it is refused after
+      ``max_refusals`` failed leases with the reason, none of its completions is in any round, and, since a group
+      generated again is sampled with the same noise and the only version trained on is the first, the trainer
+      ends with weights bit for bit those of the run without it."""
+    bootstrap = maddrs(dht)[0]
+    alone, rogue_run = tmp_path / "alone", tmp_path / "rogue"
+    runs.append(worker_run(tiny_warm_model, "fed", bootstrap, keypair, tmp_path / "worker"))
+    runs.append(worker_run(tiny_warm_model, "fed-rogue", bootstrap, keypair, tmp_path / "worker-rogue"))
+    rogue = WorkerProcess(
+        rollout_worker, "fed-rogue.policy", Path(f"{keypair}.pub").read_bytes(), str(tiny_warm_model), {}, name="rogue"
+    )
+    try:
+        rogue_peer = rogue.call("start", [bootstrap], timeout=120)
+        rogue.call("mode", "other_weights")
+        trainer = trainer_run(tiny_warm_model, "fed", bootstrap, keypair, alone)
+        runs.append(trainer)
+        beside = trainer_run(tiny_warm_model, "fed-rogue", bootstrap, keypair, rogue_run, "--max_refusals", "2")
+        runs.append(beside)
+        assert rogue.call("update", 1, 120.0, timeout=150)["version"] == 1  # the trainer's first version
+        rogue.call("boast")
+        log = trainer.wait()
+        beside_log = beside.wait()
+    finally:
+        close_all([rogue])
+    for run in runs[:2]:
+        run.stop()
+    worker_log = runs[0].text()
 
     assert "generating this round locally" not in log, log[-3000:]
-    published = {p["version"]: p["digest"] for p in read_json_lines(out / "pulsesync_versions.jsonl")}
+    published = {p["version"]: p["digest"] for p in read_json_lines(alone / "pulsesync_versions.jsonl")}
     assert sorted(published) == [1, 2]  # the starting weights, then the one outer round
-    rounds = read_json_lines(out / "rollouts.jsonl")
+    rounds = read_json_lines(alone / "rollouts.jsonl")
     assert [r["round"] for r in rounds] == list(range(1, 9)), rounds
     peer = worker_log.split("rollout: serving leases peer_id=")[1].split()[0]
     for record in rounds:
@@ -1041,7 +1088,7 @@ def test_grpo_trains_on_a_rollout_workers_completions(
     worker_versions = read_json_lines(tmp_path / "worker" / "rollouts.jsonl")
     assert worker_versions[0]["version"] == 1 and worker_versions[0]["digest"] == published[1]
 
-    state = json.loads((out / "trainer_state.json").read_text())
+    state = json.loads((alone / "trainer_state.json").read_text())
     assert state["global_step"] == 8
     logged = [e for e in state["log_history"] if "sampling/importance_sampling_ratio/mean" in e]
     assert len(logged) == 8, state["log_history"]
@@ -1053,8 +1100,26 @@ def test_grpo_trains_on_a_rollout_workers_completions(
     # The same logs reach report_to (the config's tensorboard): the rollout loop's, the round's and the versions'
     from tensorboard_helpers import scalars
 
-    series = scalars(out / "tensorboard")
+    series = scalars(alone / "tensorboard")
     assert [step for step, _ in series["train/rollouts/lag_mean"]] == list(range(1, 9))
     assert [value for _, value in series["train/rollouts/local"]] == [0.0] * 8
     assert series["train/pulseloco/round"] == [(8, 0.0)]
     assert [value for _, value in series["train/pulsesync/version"]] == [1, 2]
+
+    # the run beside the dishonest worker
+    assert "generating this round locally" not in beside_log, beside_log[-3000:]
+    honest = runs[1].text().split("rollout: serving leases peer_id=")[1].split()[0]
+    beside_rounds = read_json_lines(rogue_run / "rollouts.jsonl")
+    assert len(beside_rounds) == 8
+    for record in beside_rounds:
+        assert record["by_worker"] == {honest: 16} and record["versions"] == [1], record
+    last = beside_rounds[-1]
+    assert list(last["refused_workers"]) == [rogue_peer], last
+    assert "tokens are not the replayable sampler's choice" in last["refused_workers"][rogue_peer]
+    assert last["check_failed"] == 2 and last["verify"]["failed_leases"] == 2, last
+    mine, theirs = load_weights(alone), load_weights(rogue_run)
+    assert mine.keys() == theirs.keys()
+    initial = load_weights(tiny_warm_model)
+    assert any(not torch.equal(mine[name], initial[name]) for name in mine), "training changed nothing"
+    different = [name for name in mine if not torch.equal(mine[name], theirs[name])]
+    assert not different, f"weights differ from the run without the dishonest worker: {different}"

@@ -136,6 +136,22 @@ def test_the_transformers_engine_samples_what_the_trainer_replays(engine: Transf
     assert verifier.gaps is not None and max(verifier.gaps) == 0.0
 
 
+def test_a_group_keyed_by_its_sequence_indices_samples_the_same_in_any_batch(engine: TransformersEngine) -> None:
+    """``sequences`` key each row's noise: the last two groups of a batch, generated again as their own batch in the
+    other order with their sequence indices, come out token for token the same (so a group re-leased to another
+    worker is the same sample); the default (row ``i`` is sequence ``i``) does not give them back."""
+    repeated = [p for p in PROMPTS for _ in range(4)]
+    whole = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
+    rows = list(range(8, 12)) + list(range(4, 8))  # the longest prompt first: the same padded width as the batch
+    again = engine.generate_ids([repeated[r] for r in rows], max_new_tokens=16, temperature=1.0, seed=5, sequences=rows)
+    assert [c.token_ids for c in again] == [whole[r].token_ids for r in rows]
+    default = engine.generate_ids([repeated[r] for r in rows], max_new_tokens=16, temperature=1.0, seed=5)
+    assert [c.token_ids for c in default] != [whole[r].token_ids for r in rows]
+    for bad in ([0] * 7, [0, 1, 2, 3, 4, 5, 6, -1], [2**32] * 8):
+        with pytest.raises(ValueError, match="sequences must be one integer in"):
+            engine.generate_ids([repeated[r] for r in rows], max_new_tokens=4, temperature=1.0, seed=5, sequences=bad)
+
+
 def test_the_check_fails_each_kind_of_dishonest_completion(engine: TransformersEngine) -> None:
     """Hand-made lies, one lease each: a token that is not the sampler's choice, another seed's samples (a
     cherry-picker's), log-probabilities lowered by 1 nat, a completion cut short without EOS; the honest lease

@@ -328,7 +328,8 @@ def _replay(got: list[Any], logits: list[torch.Tensor], *, seed: int, margin: fl
 def test_vllm_generate_ids_sampling_logprobs(engine: Any, vllm_model_dir: Path) -> None:
     """``generate_ids``: completions end on EOS (kept) or at the length limit, their logprobs are those of the
     temperature-scaled distribution (a transformers forward pass over the same BF16 weights), a seed repeats them,
-    and a prompt repeated in one call gets different samples.
+    rows generated apart with their sequence indices repeat them too, and a prompt repeated in one call gets
+    different samples.
 
     The engine first goes back to the checkpoint's own (random) weights, whatever another test loaded: they give
     every token, EOS included, a fair chance (the arithmetic trainer's versions never end on EOS)."""
@@ -382,6 +383,11 @@ def test_vllm_generate_ids_sampling_logprobs(engine: Any, vllm_model_dir: Path) 
     again = engine.generate_ids(prompts, max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=11)
     assert [c.token_ids for c in again] == completions
     assert [c.logprobs for c in again] == [c.logprobs for c in got]
+    rows = [7, 3, 40]  # a few of the batch, alone and in another order, keyed by their sequence indices
+    alone = engine.generate_ids(
+        [prompts[r] for r in rows], max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=11, sequences=rows
+    )
+    assert [c.token_ids for c in alone] == [completions[r] for r in rows]
     other = engine.generate_ids(prompts, max_new_tokens=IDS_MAX_NEW_TOKENS, temperature=TEMPERATURE, seed=12)
     assert [c.token_ids for c in other] != completions
 

@@ -27,13 +27,21 @@ logger = logging.getLogger(__name__)
 __all__ = ["Completion", "GumbelLogitsProcessor", "RolloutEngine", "TransformersEngine", "check_generate_ids"]
 
 
-def check_generate_ids(prompt_ids: Sequence[Sequence[int]], temperature: float) -> None:
-    """What both engines' :meth:`RolloutEngine.generate_ids` refuse: raises ``ValueError`` for a temperature that
-    is not positive or an empty prompt."""
+def check_generate_ids(
+    prompt_ids: Sequence[Sequence[int]], temperature: float, sequences: Sequence[int] | None = None
+) -> list[int]:
+    """What both engines' :meth:`RolloutEngine.generate_ids` refuse, and the sequence index of each prompt
+    (``sequences``, default ``0, 1, ...``): raises ``ValueError`` for a temperature that is not positive, an empty
+    prompt, or ``sequences`` that are not one integer in ``[0, 2**32)`` per prompt."""
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
+    if sequences is None:
+        return list(range(len(prompt_ids)))
+    if len(sequences) != len(prompt_ids) or not all(0 <= int(i) < 2**32 for i in sequences):
+        raise ValueError(f"sequences must be one integer in [0, 2**32) per prompt ({len(prompt_ids)})")
+    return [int(i) for i in sequences]
 
 
 @dataclass(frozen=True)
@@ -68,26 +76,38 @@ class RolloutEngine(Protocol):
         ...
 
     def generate_ids(
-        self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        sequences: Sequence[int] | None = None,
     ) -> list[Completion]:
         """One completion per prompt (token ids, repeated by the caller for several samples), sampled with plain
         ``temperature`` (no top-k or top-p) by the replayable rule of :mod:`pulseloco.rollouts.sampling` keyed by
-        ``seed`` (prompt ``i`` is sequence ``i``), and their sampling log-probabilities."""
+        ``seed`` (prompt ``i`` is sequence ``sequences[i]``, default ``i``), and their sampling log-probabilities."""
         ...
 
 
 class GumbelLogitsProcessor(LogitsProcessor):
     """The replayable sampling rule (:func:`pulseloco.rollouts.sampling.choose`) as a ``transformers`` logits
-    processor: row ``i`` of the batch is sequence ``i``, the position is the number of tokens generated so far
-    (the input's length minus ``prompt_width``, the left-padded prompts' width)."""
+    processor: row ``i`` of the batch is sequence ``sequences[i]`` (default ``i``), the position is the number of
+    tokens generated so far (the input's length minus ``prompt_width``, the left-padded prompts' width)."""
 
-    def __init__(self, *, seed: int, temperature: float, prompt_width: int) -> None:
+    def __init__(
+        self, *, seed: int, temperature: float, prompt_width: int, sequences: Sequence[int] | None = None
+    ) -> None:
         self.seed = seed
         self.temperature = temperature
         self.prompt_width = prompt_width
+        self.sequences = None if sequences is None else torch.tensor(list(sequences), dtype=torch.int64)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        rows = torch.arange(scores.shape[0], device=scores.device)
+        if self.sequences is None:
+            rows = torch.arange(scores.shape[0], device=scores.device)
+        else:
+            rows = self.sequences.to(scores.device)
         position = torch.full_like(rows, input_ids.shape[1] - self.prompt_width)
         chosen = choose(scores, self.temperature, torch.full_like(rows, self.seed), rows, position)
         return cast(torch.FloatTensor, chosen)
@@ -178,16 +198,22 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generate_ids(
-        self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        sequences: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt with the replayable rule of :mod:`pulseloco.rollouts.sampling` (plain
-        ``temperature``, prompt ``i`` of the call is sequence ``i``) and return each token's log-probability under
-        the distribution it was drawn from (``softmax(logits / temperature)``). Prompts are left-padded into one
-        batch. ``seed``: the key of the noise (None: a random one). Raises ``ValueError`` for an empty prompt or a
-        temperature that is not positive."""
+        ``temperature``, prompt ``i`` of the call is sequence ``sequences[i]``, default ``i``) and return each
+        token's log-probability under the distribution it was drawn from (``softmax(logits / temperature)``).
+        Prompts are left-padded into one batch. ``seed``: the key of the noise (None: a random one). Raises
+        ``ValueError`` for an empty prompt, a temperature that is not positive, or bad ``sequences``."""
         if not prompt_ids:
             return []
-        check_generate_ids(prompt_ids, temperature)
+        sequences = check_generate_ids(prompt_ids, temperature, sequences)
         if seed is None:
             seed = random.getrandbits(63)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -197,7 +223,7 @@ class TransformersEngine:
         for row, ids in enumerate(prompt_ids):
             input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
-        sampler = GumbelLogitsProcessor(seed=seed, temperature=temperature, prompt_width=width)
+        sampler = GumbelLogitsProcessor(seed=seed, temperature=temperature, prompt_width=width, sequences=sequences)
         was_training = self.model.training
         self.model.eval()
         try:

@@ -34,6 +34,9 @@ TRL then decodes the completions and computes the rewards itself: a worker's own
   may end early only on an end-of-sequence token. The groups of a lease that fails are generated again by other
   workers; a worker whose leases fail ``max_refusals`` times is refused for the run (logged, in the metrics, and in
   the DHT for ``pulseloco status``), so a dishonest worker's completions never reach the loss.
+- **Replayable batches**: a batch's sampling noise is keyed by one seed (from the trainer's ``seed``) and each
+  group by its place in the batch, so a group generated again, by another worker in another lease, gets the same
+  noise: at a given version, which workers answered (or failed) does not change the batch TRL trains on.
 - **No workers**: after ``rollout_timeout`` seconds without a usable worker, ``fallback="local"`` generates the
   batch with the trainer's own model (saying so), and ``fallback="wait"`` keeps waiting with a warning every
   ``rollout_timeout`` seconds.
@@ -130,6 +133,7 @@ class _Pending:
     prompt_ids: list[list[int]]
     groups: list[list[int]]
     num_samples: int
+    seed: int
     future: concurrent.futures.Future[list[GroupResult]]
     prefetched: bool = False
 
@@ -311,7 +315,8 @@ class SwarmRollouts:
                 )
                 fallback = True
                 return self._generate_locally(trainer, groups, pending.num_samples)
-            future = self._submit_groups(groups, pending.num_samples, trainer)
+            # the batch's seed and the groups' own ids: a group is sampled with the same noise whoever makes it
+            future = self._submit_groups(groups, pending.num_samples, trainer, pending.seed, indices)
             again, here = self._collect(trainer, future, groups, pending.num_samples)
             fallback = fallback or here
             return again
@@ -362,7 +367,7 @@ class SwarmRollouts:
             return self._generate_locally(trainer, groups, num_samples), True
 
     def _submit_groups(
-        self, groups: list[list[int]], num_samples: int, trainer: Any
+        self, groups: list[list[int]], num_samples: int, trainer: Any, seed: int, group_ids: list[int] | None = None
     ) -> concurrent.futures.Future[list[GroupResult]]:
         assert self.client is not None  # noqa: S101
         return self.client.submit(
@@ -371,6 +376,8 @@ class SwarmRollouts:
             max_new_tokens=trainer.max_completion_length,
             temperature=trainer.temperature,
             wait=self.config.rollout_fallback == "wait",
+            seed=seed,
+            group_ids=group_ids,
         )
 
     def _wait_bound(self) -> float:
@@ -399,7 +406,8 @@ class SwarmRollouts:
             raise ConfigError("swarm rollouts generate from text prompts only (this batch has images)")
         prompt_ids = [list(map(int, ids)) for ids in prompt_ids]
         groups = [prompt_ids[start] for start in range(0, len(rows), per_group)]
-        return _Pending(key, prompt_ids, groups, per_group, self._submit_groups(groups, per_group, trainer))
+        seed = self.client.next_seed()
+        return _Pending(key, prompt_ids, groups, per_group, seed, self._submit_groups(groups, per_group, trainer, seed))
 
     def _submit_prediction(self, trainer: Any) -> None:
         if self._predictions is None:

@@ -360,16 +360,23 @@ class VLLMEngine:
         return Generation(texts, token_ids, versions)
 
     def generate_ids(
-        self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float, seed: int | None = None
+        self,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        sequences: Sequence[int] | None = None,
     ) -> list[Completion]:
         """Sample one completion per prompt (token ids) with plain ``temperature`` by the replayable rule of
-        :mod:`pulseloco.rollouts.sampling` (:class:`GumbelSampler`; prompt ``i`` of the call is sequence ``i``, the
-        noise keyed by ``seed``, None: a random one) and return each token's log-probability under the
-        distribution it was drawn from (``softmax(logits / temperature)``). A completion that stopped on the
-        end-of-sequence token (the tokenizer's, or another the checkpoint's ``generation_config`` names) ends with
-        it; one that did not has ``max_new_tokens`` tokens.
+        :mod:`pulseloco.rollouts.sampling` (:class:`GumbelSampler`; prompt ``i`` of the call is sequence
+        ``sequences[i]``, default ``i``, the noise keyed by ``seed``, None: a random one) and return each token's
+        log-probability under the distribution it was drawn from (``softmax(logits / temperature)``). A completion
+        that stopped on the end-of-sequence token (the tokenizer's, or another the checkpoint's
+        ``generation_config`` names) ends with it; one that did not has ``max_new_tokens`` tokens.
 
-        Raises ``ValueError`` for an empty prompt or a temperature that is not positive, :class:`ConfigError` when
+        Raises ``ValueError`` for an empty prompt, a temperature that is not positive or bad ``sequences``,
+        :class:`ConfigError` when
         vLLM was not started with :class:`GumbelSampler` and :data:`LOGPROBS_MODE` (an ``llm`` not made by
         :meth:`from_pretrained`), and :class:`EngineStateError` while vLLM's weights are not a complete version.
         """
@@ -378,7 +385,7 @@ class VLLMEngine:
 
         if not prompt_ids:
             return []
-        check_generate_ids(prompt_ids, temperature)
+        sequences = check_generate_ids(prompt_ids, temperature, sequences)
         model_config = getattr(getattr(self.llm, "llm_engine", None), "model_config", None)
         mode = getattr(model_config, "logprobs_mode", None)
         if mode != LOGPROBS_MODE or GumbelSampler not in (getattr(model_config, "logits_processors", None) or []):
@@ -398,7 +405,7 @@ class VLLMEngine:
                 detokenize=False,  # token ids only: no text, so skip_special_tokens does not apply
                 extra_args={SAMPLER_ARGS: {"seed": seed, "sequence": i, "temperature": float(temperature)}},
             )
-            for i in range(len(prompt_ids))
+            for i in sequences
         ]
         token_prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompt_ids]
         with self._lock:

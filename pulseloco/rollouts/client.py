@@ -49,6 +49,7 @@ from pulseloco.p2p import P2PHost, read_stream
 from pulseloco.rollouts.protocol import (
     MAX_REASON_CHARS,
     MAX_REFUSALS_LISTED,
+    MAX_SEQUENCE,
     Lease,
     Samples,
     WorkerInfo,
@@ -75,7 +76,7 @@ class NoWorkersError(SwarmError):
 @dataclass(frozen=True)
 class GroupResult:
     """The ``num_samples`` completions of one prompt, as one worker generated them with ``version``: in lease
-    ``lease_id``, whose sampling noise is keyed by ``seed``, as its sequences ``sequence``, ``sequence + 1``, ...
+    ``lease_id``, with the sampling noise keyed by ``seed``, as the sequences ``sequence``, ``sequence + 1``, ...
     (:mod:`pulseloco.rollouts.sampling`)."""
 
     version: int
@@ -149,6 +150,9 @@ class _Batch:
     num_samples: int
     max_new_tokens: int
     temperature: float
+    seed: int
+    #: each group's first sequence index of the sampling noise
+    sequences: list[int]
     results: dict[int, GroupResult] = field(default_factory=dict)
 
 
@@ -167,7 +171,7 @@ class RolloutClient:
             the checks of this client, or leases whose completions fail the trainer's checks,
             :meth:`report_check_failure`, however far apart, before a worker is refused for the run; refusals are
             logged and stored in the DHT, :func:`pulseloco.keys.refused_key`).
-        seed: seeds the leases' sampling seeds.
+        seed: seeds the batches' sampling seeds (:meth:`next_seed`).
     """
 
     def __init__(
@@ -270,14 +274,38 @@ class RolloutClient:
         max_new_tokens: int,
         temperature: float,
         wait: bool = False,
+        seed: int | None = None,
+        group_ids: Sequence[int] | None = None,
     ) -> concurrent.futures.Future[list[GroupResult]]:
         """Start generating ``num_samples`` completions of each prompt in ``groups`` (token ids); returns at once.
 
+        Sampling noise: the batch is keyed by ``seed`` (None: the next of the client's generator, see
+        :meth:`next_seed`) and group ``g`` by its id ``group_ids[g]`` (default ``g``): its samples are the sequences
+        ``group_ids[g] * num_samples + j``, whichever worker and lease generate them. To have some groups of a batch
+        generated again exactly as they would have been, submit them with the batch's seed and their ids.
+
         The future's result lists one :class:`GroupResult` per group, in order. It fails with
-        :class:`NoWorkersError` as the module docstring says.
+        :class:`NoWorkersError` as the module docstring says. Raises ``ValueError`` for ``group_ids`` that are not
+        one distinct integer >= 0 per group whose sequences fit in 32 bits.
         """
-        batch = _Batch([list(g) for g in groups], num_samples, max_new_tokens, temperature)
+        ids = list(range(len(groups))) if group_ids is None else [int(i) for i in group_ids]
+        if len(ids) != len(groups) or len(set(ids)) != len(ids) or (ids and min(ids) < 0):
+            raise ValueError(f"group_ids must be {len(groups)} distinct integers >= 0, got {list(group_ids or [])}")
+        if ids and (max(ids) + 1) * num_samples > MAX_SEQUENCE:
+            raise ValueError(f"group ids up to {max(ids)} with {num_samples} samples overflow 32-bit sequence indices")
+        batch = _Batch(
+            [list(g) for g in groups],
+            num_samples,
+            max_new_tokens,
+            temperature,
+            seed=self.next_seed() if seed is None else seed,
+            sequences=[i * num_samples for i in ids],
+        )
         return asyncio.run_coroutine_threadsafe(self._run(batch, wait), self.host.loop.loop)
+
+    def next_seed(self) -> int:
+        """The next batch seed of this client's generator (seeded by the constructor's ``seed``)."""
+        return self._rng.getrandbits(63)
 
     def _lease(self, batch: _Batch, indices: list[int]) -> Lease:
         return Lease(
@@ -287,8 +315,9 @@ class RolloutClient:
             num_samples=batch.num_samples,
             max_new_tokens=batch.max_new_tokens,
             temperature=batch.temperature,
-            seed=self._rng.getrandbits(63),
+            seed=batch.seed,
             deadline_s=self.config.lease_timeout,
+            sequences=[batch.sequences[i] for i in indices],
         )
 
     def _usable(self, workers: dict[str, WorkerInfo], batch: _Batch) -> tuple[list[str], str]:
@@ -449,7 +478,7 @@ class RolloutClient:
                     peer,
                     lease_id=samples.lease_id,
                     seed=samples.seed,
-                    sequence=position * batch.num_samples,
+                    sequence=samples.sequences[position],
                 )
         return "ok", None
 

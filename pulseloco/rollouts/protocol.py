@@ -1,9 +1,10 @@
 """The rollout protocol between trainers and rollout workers: leases, replies, worker records, and their checks.
 
 A trainer sends a worker a *lease* (one unary libp2p request, :class:`Lease`, a JSON object): some prompts in token
-ids, how many samples of each, the sampling settings, a seed and a deadline. The worker answers in the stream
-protocol of :mod:`pulseloco.p2p`: a JSON header (:class:`ReplyHeader`: status, lease id, the version and state
-digest it generated with, the prompt and completion lengths) and a binary payload, little-endian::
+ids, how many samples of each, the sampling settings, a seed, each prompt's first sequence index and a deadline.
+The worker answers in the stream protocol of :mod:`pulseloco.p2p`: a JSON header (:class:`ReplyHeader`: status,
+lease id, the version and state digest it generated with, the prompt and completion lengths) and a binary payload,
+little-endian::
 
     prompt tokens      int32[sum(prompt_lengths)]        the prompts echoed, in lease order
     completion tokens  int32[sum(completion_lengths)]    num_samples completions per prompt, prompt-major
@@ -50,6 +51,8 @@ MAX_LEASE_BYTES = 2 << 20
 #: Bounds a worker enforces on any lease, whatever its own settings: samples per prompt, prompts per lease.
 MAX_SAMPLES_PER_PROMPT = 256
 MAX_PROMPTS_PER_LEASE = 4096
+#: Sequence indices of the sampling noise are 32-bit (:mod:`pulseloco.rollouts.sampling` hashes 32-bit lanes).
+MAX_SEQUENCE = 2**32
 _DIGEST = re.compile(r"^[0-9a-f]{1,128}$")
 _LEASE_ID = re.compile(r"^[0-9A-Za-z_.:-]{1,80}$")
 #: A sampling log-probability is <= 0; this slack covers rounding in BF16/FP32 log-softmax.
@@ -79,9 +82,11 @@ class Lease:
 
     ``prompts``: token ids of each distinct prompt (chat template applied by the trainer); ``num_samples``
     completions of each, sampled with plain ``temperature`` (no top-k or top-p, so the returned log-probabilities
-    are those of the distribution sampled from) up to ``max_new_tokens`` tokens. ``seed`` makes the sampling
-    repeatable. ``deadline_s``: seconds the trainer waits for the reply; the worker drops a lease still queued
-    past it.
+    are those of the distribution sampled from) up to ``max_new_tokens`` tokens, by the replayable rule of
+    :mod:`pulseloco.rollouts.sampling`: sample ``j`` of prompt ``p`` is sequence ``sequences[p] + j`` of the noise
+    keyed by ``seed``. A trainer keys a batch by one seed and a prompt by its place in the batch, so a group
+    generated again (by whichever worker, in whichever lease) is sampled with the same noise. ``deadline_s``:
+    seconds the trainer waits for the reply; the worker drops a lease still queued past it.
     """
 
     run_id: str
@@ -92,6 +97,7 @@ class Lease:
     temperature: float
     seed: int
     deadline_s: float
+    sequences: list[int]
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -152,15 +158,25 @@ def decode_lease(blob: bytes, *, run_id: str, vocab_size: int, max_new_tokens: i
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
             raise PayloadError(f"prompt token ids must be integers in [0, {vocab_size})")
         checked.append(prompt)
+    num_samples = _int(raw, "num_samples", 1, MAX_SAMPLES_PER_PROMPT)
+    sequences = raw.get("sequences")
+    last = MAX_SEQUENCE - num_samples
+    if (
+        not isinstance(sequences, list)
+        or len(sequences) != len(checked)
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= last for s in sequences)
+    ):
+        raise PayloadError(f"sequences must be one integer in [0, {last}] per prompt ({len(checked)})")
     return Lease(
         run_id=run_id,
         lease_id=lease_id,
         prompts=checked,
-        num_samples=_int(raw, "num_samples", 1, MAX_SAMPLES_PER_PROMPT),
+        num_samples=num_samples,
         max_new_tokens=_int(raw, "max_new_tokens", 1, max_new_tokens),
         temperature=_float(raw, "temperature", 0.0, 10.0),
         seed=_int(raw, "seed", 0, 2**63 - 1),
         deadline_s=_float(raw, "deadline_s", 0.0, 86400.0),
+        sequences=list(sequences),
     )
 
 
@@ -195,7 +211,8 @@ class ReplyHeader:
 @dataclass(frozen=True)
 class Samples:
     """The completions of one lease, checked: per prompt of the lease, ``num_samples`` token lists and their
-    log-probabilities, generated with ``version`` (state digest ``digest``)."""
+    log-probabilities, generated with ``version`` (state digest ``digest``); the lease's ``seed`` and ``sequences``
+    key their sampling noise."""
 
     version: int
     digest: str
@@ -205,6 +222,7 @@ class Samples:
     envelope: bytes = b""
     lease_id: str = ""
     seed: int = 0
+    sequences: tuple[int, ...] = ()
 
 
 def encode_reply(
@@ -315,6 +333,7 @@ def decode_reply(lease: Lease, header: dict[str, Any], payload: bytes, *, vocab_
         envelope=envelope,
         lease_id=lease.lease_id,
         seed=lease.seed,
+        sequences=tuple(lease.sequences),
     )
 
 

@@ -252,9 +252,14 @@ class RolloutServer:
             version, digest = self._loaded
             envelope = self.subscriber.envelope  # its signature vouches for (version, digest)
             prompts = [prompt for prompt in lease.prompts for _ in range(lease.num_samples)]
+            sequences = [first + j for first in lease.sequences for j in range(lease.num_samples)]
             started = time.perf_counter()
             completions = self.engine.generate_ids(
-                prompts, max_new_tokens=lease.max_new_tokens, temperature=lease.temperature, seed=lease.seed
+                prompts,
+                max_new_tokens=lease.max_new_tokens,
+                temperature=lease.temperature,
+                seed=lease.seed,
+                sequences=sequences,
             )
             seconds = time.perf_counter() - started
         num_tokens = sum(len(c.token_ids) for c in completions)
