@@ -4,9 +4,10 @@
 #
 #   scripts/demo.sh                   the swarm demo (first run: about 3 minutes more to make the warm model)
 #   scripts/demo.sh --out DIR         put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
-#   scripts/demo.sh --steps N         GRPO optimizer steps per peer (default 160; a multiple of 8, the inner steps)
+#   scripts/demo.sh --steps N         GRPO optimizer steps per peer (default 96; a multiple of 8, the inner steps)
 #   scripts/demo.sh --timeout S       stop everything after S seconds (default 900)
 #   scripts/demo.sh --seed N          the trainers' seeds are N and N + 1 (default 0): their prompts and samples
+#   scripts/demo.sh --engine E        the rollout worker's engine: transformers (default) or vllm
 #   scripts/demo.sh --codec [ARGS]    the codec benchmark instead: scripts/bench_codec.py ARGS
 #                                     (for example --codec --small for a quick run)
 #
@@ -22,9 +23,9 @@
 #      rollouts are at most a step or two behind the trainers), signed with a key made by `pulseloco keygen` in a
 #      temporary directory (removed on exit, never written to the repo)
 #   3. one rollout worker: `recipes/rollout_worker.py --serve_rollouts`, following the published versions until
-#      the last one and generating the trainers' completions with them; it generates with vLLM (--engine vllm)
-#      when vLLM is installed (scripts/_setup.sh installs the CPU build by default; PULSELOCO_VLLM=none skips it),
-#      else with transformers
+#      the last one and generating the trainers' completions with them, with transformers computing in FP32 on
+#      the published BF16 weights (on 2 CPU cores 96 steps train in about 2 minutes this way; vLLM's CPU build in
+#      BF16, --engine vllm, which scripts/_setup.sh installs unless PULSELOCO_VLLM=none, took twice as long)
 # Then scripts/demo_report.py prints what RL gained (greedy reward before and after on the task's 100 problems, with
 # standard errors, and the sampled reward), bytes sent against DiLoCo and DDP (and whether the run was in PULSE's
 # sparse regime: at the demo's learning rate it is not), patch bytes
@@ -40,15 +41,17 @@ if [[ "${1:-}" == "--codec" ]]; then
 fi
 
 OUT="runs/demo-$(date +%Y%m%d)"
-STEPS=160
+STEPS=96
 TIMEOUT=900
 SEED=0
+ENGINE=transformers
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --out) OUT="$2"; shift 2 ;;
         --steps) STEPS="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
         --seed) SEED="$2"; shift 2 ;;
+        --engine) ENGINE="$2"; shift 2 ;;
         -h|--help) sed -n '2,/^[^#]/{/^#/p;}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "demo.sh: error: unknown option $1 (see scripts/demo.sh --help)" >&2; exit 2 ;;
     esac
@@ -59,6 +62,14 @@ RUN_ID="demo-$$"
 INNER_STEPS=8
 if ! [[ "$STEPS" =~ ^[0-9]+$ ]] || (( STEPS == 0 || STEPS % INNER_STEPS )); then
     echo "demo.sh: error: --steps must be a positive multiple of $INNER_STEPS, got $STEPS" >&2
+    exit 2
+fi
+if [[ "$ENGINE" != transformers && "$ENGINE" != vllm ]]; then
+    echo "demo.sh: error: --engine must be transformers or vllm, got $ENGINE" >&2
+    exit 2
+fi
+if [[ "$ENGINE" == vllm ]] && ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
+    echo "demo.sh: error: --engine vllm, but vLLM is not installed in $VENV (scripts/_setup.sh installs it unless PULSELOCO_VLLM=none)" >&2
     exit 2
 fi
 if ! [[ "$SEED" =~ ^[0-9]+$ ]]; then
@@ -156,10 +167,7 @@ start bootstrap pulseloco dht --host-maddrs /ip4/127.0.0.1/tcp/0
 BOOTSTRAP="$(wait_for_line bootstrap '/ip4/127\.0\.0\.1/tcp/[0-9]+/p2p/[A-Za-z0-9]+' 120)"
 say "bootstrap node: $BOOTSTRAP"
 
-ENGINE_ARGS=(--engine transformers)
-if "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("vllm") is None)'; then
-    ENGINE_ARGS=(--engine vllm)
-fi
+ENGINE_ARGS=(--engine "$ENGINE")
 start worker "$PYTHON" recipes/rollout_worker.py --model_name_or_path "$MODEL" --run_id "$RUN_ID" \
     --initial_peers "$BOOTSTRAP" --public_key "$KEYS/publisher.pub" --until_version "$LAST_VERSION" \
     --max_seconds "$TIMEOUT" --output_dir "$OUT/worker" --serve_rollouts "${ENGINE_ARGS[@]}"

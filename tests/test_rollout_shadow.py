@@ -72,6 +72,24 @@ def test_cpu_model_has_no_shadow_by_default() -> None:
     assert all(engine.weights()[k].data_ptr() == state[k].data_ptr() for k in engine.weights())
 
 
+def test_an_fp32_model_computes_on_exactly_the_published_bf16_values() -> None:
+    """A model that computes in FP32 (the CPU worker's default: BF16 matrix products are slow on most CPUs) gets a
+    BF16 shadow by default: the subscriber patches and digests BF16 tensors, the model's values from the start and
+    after every patch are exactly those BF16 values, widened, and the patch reaches only the changed elements."""
+    engine = TransformersEngine(_model(False).float(), _Tokenizer())
+    weights = engine.weights()
+    assert engine.shadow and all(t.dtype == torch.bfloat16 for t in weights.values())
+    assert all(t.dtype == torch.float32 for t in _params(engine).values())
+    assert_state_bits_equal(_params(engine), {k: v.float() for k, v in weights.items()})
+
+    gen = torch.Generator().manual_seed(2)
+    target = {k: changed_copy(v, random_mask(v.shape, 0.1, gen), gen) for k, v in weights.items()}
+    info = apply_patch(weights, make_patch(weights, target, version=1, base_version=0))
+    assert info.digest == state_digest(target)
+    engine.weights_updated(info.changed, version=1)
+    assert_state_bits_equal(_params(engine), {k: v.float() for k, v in target.items()})
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the shadow path runs on CPU above")
 def test_gpu_model_gets_a_host_shadow() -> None:
     engine = TransformersEngine(_model(False).cuda(), _Tokenizer())

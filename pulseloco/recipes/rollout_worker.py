@@ -49,8 +49,13 @@ class WorkerArguments(PublicKeyArguments, tasks.TaskArguments):
         default=None, metadata={"help": "The policy's starting checkpoint (the trainers' --model_name_or_path)."}
     )
     engine: str = field(default="transformers", metadata={"help": f"Generation engine: {', '.join(ENGINES)}."})
-    vllm_dtype: str = field(
-        default="bfloat16", metadata={"help": "vLLM's compute dtype: bfloat16, or float32 (the same BF16 weights)."}
+    compute_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "The engine's compute dtype on the same published BF16 weights: bfloat16, float32, or auto "
+            "(float32 for the transformers engine on a CPU, 4.7x faster there than BF16 for the demo model; "
+            "else bfloat16)."
+        },
     )
     compare_full_reload: bool = field(
         default=False, metadata={"help": "vLLM: also time a reload of every tensor per version (the baseline)."}
@@ -97,8 +102,8 @@ class WorkerArguments(PublicKeyArguments, tasks.TaskArguments):
         super().__post_init__()
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.vllm_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"vllm_dtype must be bfloat16 or float32, got {self.vllm_dtype!r}")
+        if self.compute_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"compute_dtype must be auto, bfloat16 or float32, got {self.compute_dtype!r}")
         if self.compare_full_reload and self.engine != "vllm":
             raise ValueError("--compare_full_reload needs --engine vllm")
         for name in ("num_prompts", "max_new_tokens", "lease_max_new_tokens", "max_queue"):
@@ -116,10 +121,14 @@ def _load_engine(args: WorkerArguments) -> tuple[Any, Any]:
     if args.engine == "vllm":
         from pulseloco.integrations.vllm import VLLMEngine
 
-        engine = VLLMEngine.from_pretrained(args.model_path, dtype=args.vllm_dtype)
+        dtype = "bfloat16" if args.compute_dtype == "auto" else args.compute_dtype
+        engine = VLLMEngine.from_pretrained(args.model_path, dtype=dtype)
         print(f"rollout: vLLM engine loaded in {engine.load_seconds:.1f} s", flush=True)
         return engine, engine
-    return TransformersEngine.from_pretrained(args.model_path), None
+    import torch
+
+    dtype = "float32" if args.compute_dtype == "auto" else args.compute_dtype  # this engine runs on the CPU
+    return TransformersEngine.from_pretrained(args.model_path, dtype=getattr(torch, dtype)), None
 
 
 def _serve_leases(args: WorkerArguments, run_id: str, dht: Any, engine: Any, subscriber: Any) -> Any:
