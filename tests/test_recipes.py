@@ -311,6 +311,31 @@ def test_every_grpo_config_parses(path: Path) -> None:
     assert task.num_eval_prompts >= 1
 
 
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--engine", "onnx"], "engine must be one of transformers, vllm, got 'onnx'"),
+        (["--compute_dtype", "float16"], "compute_dtype must be auto, bfloat16 or float32, got 'float16'"),
+        (["--compare_full_reload"], "--compare_full_reload needs --engine vllm"),
+        (["--interval", "0"], "interval must be positive, got 0.0"),
+        (["--max_queue", "0"], "max_queue must be at least 1, got 0"),
+        ([], "--public_key is required"),
+    ],
+)
+def test_rollout_worker_refuses_bad_options_with_one_line(args: list[str], expected: str) -> None:
+    """The worker's option checks raise the recipe's one-line ConfigError before anything loads."""
+    from pulseloco.errors import ConfigError
+    from pulseloco.recipes import rollout_worker
+
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEJcUXx5K5pDjNoaNVZk4W8oFYp9ZdxPPB6ZAWWv1xZKw"  # never dialled
+    argv = ["--model_name_or_path", "unused", "--initial_peers", peer, *args]
+    if args:
+        argv += ["--public_key", "unused.pub"]
+    with pytest.raises(ConfigError) as caught:
+        rollout_worker.main(argv)
+    assert expected in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+
+
 def test_rollout_worker_says_what_it_waits_for(runs: list[Run], tmp_path: Path, tiny_warm_model: Path) -> None:
     """A worker whose run never publishes names the run id and what must run, then gives up at max_seconds."""
     from pulseloco.cli import main as pulseloco_main
