@@ -855,13 +855,25 @@ def test_a_worker_killed_mid_lease_costs_at_most_its_lease_timeout(swarm: Swarm)
 @pytest.mark.timeout(60)
 def test_no_workers_fails_the_batch_or_keeps_waiting(dht: Any, caplog: pytest.LogCaptureFixture) -> None:
     """No worker follows the run: after rollout_timeout the batch fails with a message saying how to start one, or,
-    with ``wait``, a warning says so every rollout_timeout and the batch waits until cancelled."""
+    with ``wait``, a warning says so every rollout_timeout and the batch waits until cancelled. (First: a bad batch
+    seed or group ids are refused at once.)"""
     from pulseloco.sync.signing import generate_key
 
     key = generate_key().public_key()
     with contextlib.closing(
         RolloutClient(dht, "nobody.policy", key, vocab_size=VOCAB, config=LeaseConfig(rollout_timeout=2))
     ) as client:
+        for bad, reason in (  # refused before anything is leased
+            ({"seed": -1}, "seed must be in"),
+            ({"seed": 2**63}, "seed must be in"),
+            ({"group_ids": [0, 0]}, "group_ids must be 2 distinct integers >= 0"),
+            ({"group_ids": [3]}, "group_ids must be 2 distinct"),
+            ({"group_ids": [0, -1]}, "group_ids must be 2 distinct"),
+            ({"group_ids": [0, 2**31]}, "overflow 32-bit sequence indices"),
+        ):
+            with pytest.raises(ValueError, match=reason):
+                client.submit([[1, 2], [3]], num_samples=2, max_new_tokens=4, temperature=1.0, **bad)
+        assert client.stats.leases == 0
         started = time.monotonic()
         with pytest.raises(NoWorkersError) as caught:
             client.submit([[1, 2, 3]], num_samples=2, max_new_tokens=4, temperature=1.0).result(timeout=30)

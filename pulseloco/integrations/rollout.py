@@ -115,7 +115,7 @@ class GumbelLogitsProcessor(LogitsProcessor):
 
 class TransformersEngine:
     """Generation with a ``transformers`` causal LM (the baseline rollout engine; also what the recipes score
-    with). A rollout worker holds the model in BF16, exactly as published.
+    with). A rollout worker holds the published BF16 values exactly, and computes in BF16 or, widened, in FP32.
 
     On a BF16 model on the CPU, :meth:`weights` are the model's own floating-point state-dict tensors. Otherwise
     they are a BF16 *shadow* in host memory (``shadow``): the subscriber patches and digests the shadow on the CPU,

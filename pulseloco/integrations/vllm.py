@@ -376,9 +376,9 @@ class VLLMEngine:
         ``generation_config`` names) ends with it; one that did not has ``max_new_tokens`` tokens.
 
         Raises ``ValueError`` for an empty prompt, a temperature that is not positive or bad ``sequences``,
-        :class:`ConfigError` when
-        vLLM was not started with :class:`GumbelSampler` and :data:`LOGPROBS_MODE` (an ``llm`` not made by
-        :meth:`from_pretrained`), and :class:`EngineStateError` while vLLM's weights are not a complete version.
+        :class:`ConfigError` when vLLM was not started with :class:`GumbelSampler` and :data:`LOGPROBS_MODE` (an
+        ``llm`` not made by :meth:`from_pretrained`), and :class:`EngineStateError` while vLLM's weights are not a
+        complete version.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

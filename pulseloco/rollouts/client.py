@@ -285,9 +285,12 @@ class RolloutClient:
         generated again exactly as they would have been, submit them with the batch's seed and their ids.
 
         The future's result lists one :class:`GroupResult` per group, in order. It fails with
-        :class:`NoWorkersError` as the module docstring says. Raises ``ValueError`` for ``group_ids`` that are not
-        one distinct integer >= 0 per group whose sequences fit in 32 bits.
+        :class:`NoWorkersError` as the module docstring says. Raises ``ValueError`` for a ``seed`` outside
+        ``[0, 2**63)`` or ``group_ids`` that are not one distinct integer >= 0 per group whose sequences fit in 32
+        bits.
         """
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
         ids = list(range(len(groups))) if group_ids is None else [int(i) for i in group_ids]
         if len(ids) != len(groups) or len(set(ids)) != len(ids) or (ids and min(ids) < 0):
             raise ValueError(f"group_ids must be {len(groups)} distinct integers >= 0, got {list(group_ids or [])}")
