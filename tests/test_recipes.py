@@ -362,17 +362,17 @@ def test_a_trainer_process_that_does_not_use_vllm_never_imports_it() -> None:
     """TRL imports vLLM whenever it is installed (about 6 s of CPU per process: ``trl.import_utils``'s
     ``is_vllm_available`` guards its imports); ``pulseloco.integrations.skip_vllm_import`` makes TRL see it as
     missing, so a recipe process whose TRL ``use_vllm`` is off never loads it, and TRL's trainer (with the swarm's
-    importance-sampling path, ``swarm_rollouts``) still imports."""
+    importance-sampling path, ``swarm_rollouts``) still imports. One process, in the recipe's order: TRL first
+    (before the call it sees vLLM, when installed), then the call, then the trainer."""
     import importlib.util
 
-    skip = "from pulseloco.integrations import skip_vllm_import; skip_vllm_import(); "
-    check = "from trl.import_utils import is_vllm_available; print('available', is_vllm_available()); "
-    trainer = "import trl.trainer.grpo_trainer, pulseloco.integrations.swarm_rollouts; "
-    loaded = "print('vllm loaded' if sys.modules.get('vllm') is not None else 'vllm not loaded')"
-    cases = {"import sys; " + skip + check + trainer + loaded: ["available False", "vllm not loaded"]}
-    if importlib.util.find_spec("vllm") is not None:  # without the call TRL sees it (and would import it)
-        cases["import sys; " + check] = ["available True"]
-    for probe, expected in cases.items():
-        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert result.stdout.strip().splitlines()[-len(expected) :] == expected, (probe, result.stdout[-2000:])
+    check = "print('available', is_vllm_available()); "
+    probe = "import sys; from trl.import_utils import is_vllm_available; " + check
+    probe += "from pulseloco.integrations import skip_vllm_import; skip_vllm_import(); " + check
+    probe += "import trl.trainer.grpo_trainer, pulseloco.integrations.swarm_rollouts; "
+    probe += "print('vllm loaded' if sys.modules.get('vllm') is not None else 'vllm not loaded')"
+    installed = importlib.util.find_spec("vllm") is not None  # without the call TRL sees it (and would import it)
+    expected = [f"available {installed}", "available False", "vllm not loaded"]
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-3:] == expected, result.stdout[-2000:]
