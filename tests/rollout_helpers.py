@@ -218,7 +218,8 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
     - ``stats`` -> the server's counters and the leases the engine started;
     - ``close``.
 
-    ``options`` go to :class:`RolloutServer`.
+    ``options`` go to :class:`RolloutServer`, but for ``dtype`` (default ``bfloat16``): what the engine computes in
+    (``float32``: on the same BF16 values, as ``rollout_worker.py``'s default).
     """
     _worker_logging()
     torch.set_num_threads(1)
@@ -228,7 +229,8 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
     from pulseloco.sync.signing import Envelope, generate_key, load_public_key, sign_envelope
     from pulseloco.sync.subscriber import Subscriber
 
-    engine = TransformersEngine.from_pretrained(model_dir)
+    options = dict(options)
+    engine = TransformersEngine.from_pretrained(model_dir, dtype=getattr(torch, options.pop("dtype", "bfloat16")))
     vocab_size = max(len(engine.tokenizer), int(engine.model.config.vocab_size))
     behaviour = _Behaviour(engine, vocab_size)
     state: dict[str, Any] = {}

@@ -1055,32 +1055,37 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
     - alone: every round's completions come from the worker at a published version, checked, and TRL computed its
       importance-sampling ratio between its own log-probabilities and the worker's;
     - beside a dishonest worker (a real worker process that samples from other weights while claiming the published
-      digest, and announces a huge throughput so that the trainer leases to it first): it is refused after
+      digest, and announces a huge throughput so that the trainer leases to it first) and an honest one (the same
+      engine, dtype and sampler as ``rollout_worker.py``, in a worker process of the tests): it is refused after
       ``max_refusals`` failed leases with the reason, none of its completions is in any round, and, since a group
       generated again is sampled with the same noise and the only version trained on is the first, the trainer
       ends with weights bit for bit those of the run without it."""
     bootstrap = maddrs(dht)[0]
     alone, rogue_run = tmp_path / "alone", tmp_path / "rogue"
     runs.append(worker_run(tiny_warm_model, "fed", bootstrap, keypair, tmp_path / "worker"))
-    runs.append(worker_run(tiny_warm_model, "fed-rogue", bootstrap, keypair, tmp_path / "worker-rogue"))
-    rogue = WorkerProcess(
-        rollout_worker, "fed-rogue.policy", Path(f"{keypair}.pub").read_bytes(), str(tiny_warm_model), {}, name="rogue"
+    pem = Path(f"{keypair}.pub").read_bytes()
+    # beside the rogue, an honest worker that computes as rollout_worker.py does (FP32 on the BF16 values), forked
+    # from the tests' preloaded server like the rogue
+    honest = WorkerProcess(
+        rollout_worker, "fed-rogue.policy", pem, str(tiny_warm_model), {"dtype": "float32"}, name="honest"
     )
+    rogue = WorkerProcess(rollout_worker, "fed-rogue.policy", pem, str(tiny_warm_model), {}, name="rogue")
     try:
+        honest_peer = honest.call("start", [bootstrap], timeout=120)
         rogue_peer = rogue.call("start", [bootstrap], timeout=120)
         rogue.call("mode", "other_weights")
         trainer = trainer_run(tiny_warm_model, "fed", bootstrap, keypair, alone)
         runs.append(trainer)
         beside = trainer_run(tiny_warm_model, "fed-rogue", bootstrap, keypair, rogue_run, "--max_refusals", "2")
         runs.append(beside)
-        assert rogue.call("update", 1, 120.0, timeout=150)["version"] == 1  # the trainer's first version
+        for worker in (honest, rogue):  # the trainer's first version, the only one before its last step
+            assert worker.call("update", 1, 120.0, timeout=150)["version"] == 1
         rogue.call("boast")
         log = trainer.wait()
         beside_log = beside.wait()
     finally:
-        close_all([rogue])
-    for run in runs[:2]:
-        run.stop()
+        close_all([honest, rogue])
+    runs[0].stop()
     worker_log = runs[0].text()
 
     assert "generating this round locally" not in log, log[-3000:]
@@ -1120,11 +1125,10 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
 
     # the run beside the dishonest worker
     assert "generating this round locally" not in beside_log, beside_log[-3000:]
-    honest = runs[1].text().split("rollout: serving leases peer_id=")[1].split()[0]
     beside_rounds = read_json_lines(rogue_run / "rollouts.jsonl")
     assert len(beside_rounds) == 8
     for record in beside_rounds:
-        assert record["by_worker"] == {honest: 16} and record["versions"] == [1], record
+        assert record["by_worker"] == {honest_peer: 16} and record["versions"] == [1], record
     last = beside_rounds[-1]
     assert list(last["refused_workers"]) == [rogue_peer], last
     assert "tokens are not the replayable sampler's choice" in last["refused_workers"][rogue_peer]
