@@ -152,7 +152,8 @@ class TransformersEngine:
                     pin = t.device.type == "cuda"  # pinned: the copies to the GPU run asynchronously
                     copies[key] = torch.empty(t.shape, dtype=torch.bfloat16, pin_memory=pin).copy_(t.detach())
                 self._weights[name] = copies[key]
-            self.weights_updated(None)  # the model computes with exactly the shadow's values
+            if any(t.dtype != torch.bfloat16 for t in self._params.values()):
+                self.weights_updated(None)  # a wider model computes with exactly the shadow's rounded values
 
     @classmethod
     def from_pretrained(
