@@ -221,15 +221,23 @@ SLOWEST_FIRST = (
     "test_bench_memory.py",
     "test_monitor.py",
     "test_sparsity_study.py",
+    "test_warm_model.py",
     "test_integrations.py",
     "test_status.py",
+    "test_swarm.py",
     "test_bench_codec.py",
+    "test_p2p_stream.py",
+    "test_bench_streams.py",
+    "test_sync_relay.py",
+    "test_codec_parallel.py",
     "test_bench_verify.py",
 )
 """Test files that take longest (``--durations``, 2 cores), about longest first. Under pytest-xdist with ``--dist
 loadfile --no-loadscope-reorder`` (scripts/test.sh) files go to the workers in this order (a worker takes the next
 file when at most two tests of its current one are left), so running these first keeps one long file from starting
-last and running alone (longest-processing-time-first scheduling). The warm model (:func:`tiny_warm_model`) builds
+last and running alone (longest-processing-time-first scheduling); the files left after them take a few seconds
+each, so that both workers finish within seconds of each other (with test_warm_model.py unranked, one worker ran
+it alone for its last 24 s). The warm model (:func:`tiny_warm_model`) builds
 in the background meanwhile: the first three files do not need it, so no worker waits for the build (with
 test_recipes.py right after the soak, its first test waited 28 s for it in a fresh clone)."""
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from recipe_helpers import run_in_process
 
 from pulseloco.jsonl import read_json_lines
 
@@ -51,29 +52,11 @@ def launch(accelerate_config: Path, *args: str, output_dir: Path | None = None) 
 
 
 def in_process(capfd: pytest.CaptureFixture[str], *args: str, output_dir: Path) -> subprocess.CompletedProcess[str]:
-    """The recipe's entry point in this process: what the script runs after the launcher
-    (``common.run_recipe(pretrain.main)``), without a process that spends its seconds importing torch and
-    transformers. The libraries' logging, warning filters and progress bars are restored afterwards."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    common, pretrain = _recipe_modules()
+    """The recipe's entry point in this process (tests/recipe_helpers.py): what the script runs after the launcher,
+    without a process that spends its seconds importing torch and transformers."""
+    _, pretrain = _recipe_modules()
     argv = ["--config", str(TINY), *args, "--output_dir", str(output_dir)]
-    bars_were_on, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    capfd.readouterr()
-    code: int | str | None = 0
-    try:
-        with warnings.catch_warnings():
-            common.run_recipe("pretrain.py", lambda: pretrain.main(argv))
-    except SystemExit as exc:
-        code = exc.code
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
-    captured = capfd.readouterr()
-    return subprocess.CompletedProcess(argv, code, captured.out, captured.err)
+    return run_in_process(capfd, "pretrain.py", lambda: pretrain.main(argv))
 
 
 def _recipe_modules() -> tuple[Any, Any]:
@@ -208,6 +191,7 @@ def test_bad_configurations_are_one_line(tmp_path: Path, capfd: pytest.CaptureFi
     outs = {case: tmp_path / f"out-{case}" for case in BAD_CONFIGURATIONS}
     launched = launch(SINGLE, *args["unknown_flag"], output_dir=outs["unknown_flag"])
     assert launched.returncode != 0
+    assert "were not passed to `accelerate launch`" not in launched.stderr  # the config file names every value
     stderr = {"unknown_flag": launched.stderr}
     common, _ = _recipe_modules()
     for case in BAD_CONFIGURATIONS:

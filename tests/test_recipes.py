@@ -233,7 +233,7 @@ def _grpo_module() -> Any:
 
 def test_bad_configurations_are_refused_with_one_line(tmp_path: Path, tiny_warm_model: Path) -> None:
     """Each bad input raises the recipe's ConfigError (printed as one line by ``common.run_recipe``) before any
-    training or swarm traffic; checked in this process, the subprocess test below checks the printing."""
+    training or swarm traffic; test_bad_configurations_end_with_one_line below checks the printing."""
     from pulseloco.errors import ConfigError
 
     grpo_module = _grpo_module()
@@ -266,30 +266,37 @@ def test_bad_configurations_are_refused_with_one_line(tmp_path: Path, tiny_warm_
         assert not out.exists(), args  # refused before anything was written
 
 
-def test_bad_configurations_end_with_one_line(runs: list[Run], tmp_path: Path, tiny_warm_model: Path) -> None:
-    """As a user sees it: the script alone, and through `accelerate launch -q`, print the recipe's line and no
-    traceback (the launcher's included)."""
-    argv = [sys.executable, str(RECIPES / "grpo.py"), "--output_dir", str(tmp_path / "bad")]
-    argv += ["--config", str(CONFIGS / "grpo-tiny.yaml"), "--strategy", "allreduce"]
-    argv += ["--model_name_or_path", str(tiny_warm_model)]
-    started = [(start(runs, tmp_path, "bad", argv), "unknown strategy 'allreduce' (choose from ddp, diloco, pulseloco")]
+def test_bad_configurations_end_with_one_line(
+    runs: list[Run], tmp_path: Path, tiny_warm_model: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """As a user sees it: through `accelerate launch -q` (a real launch of the console script) and from the
+    recipe's command line (``run``'s ``common.run_recipe``, in this process: tests/recipe_helpers.py), the
+    recipe's one line and no traceback (the launcher's included)."""
+    from recipe_helpers import run_in_process
+
     unreachable = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEJcUXx5K5pDjNoaNVZk4W8oFYp9ZdxPPB6ZAWWv1xZKw"
     argv = grpo(tiny_warm_model, tmp_path / "unreachable", "--initial_peers", unreachable, "--startup_timeout", "4")
     argv[: len(ACCELERATE)] = [*ACCELERATE_CLI, "-q"]
-    started.append((start(runs, tmp_path, "unreachable", argv), "could not join the swarm"))
-    for run, expected in started:
-        try:
-            run.proc.wait(timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{run.log.name} did not exit:\n{run.text()[-2000:]}") from None
-        text = run.text()
+    launched = start(runs, tmp_path, "unreachable", argv)  # runs while the case below runs here
+    bad = ["--output_dir", str(tmp_path / "bad"), "--config", str(CONFIGS / "grpo-tiny.yaml")]
+    bad += ["--strategy", "allreduce", "--model_name_or_path", str(tiny_warm_model)]
+    result = run_in_process(capfd, "grpo.py", lambda: _grpo_module().main(bad))
+    assert result.returncode == 2, result.stderr  # a bad configuration
+    outputs = [(result.stdout + result.stderr, "unknown strategy 'allreduce' (choose from ddp, diloco, pulseloco")]
+    try:
+        launched.proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the launch did not exit:\n{launched.text()[-2000:]}") from None
+    assert launched.proc.returncode == 1, launched.text()  # accelerate exits 1
+    outputs.append((launched.text(), "could not join the swarm"))
+    for text, expected in outputs:
         lines = [line for line in text.splitlines() if line.strip()]
-        assert run.proc.returncode == (2 if run.log.name == "bad.log" else 1), text  # accelerate exits 1
         assert "Traceback" not in text, text
         errors = [line for line in lines if ": error: " in line]
         assert len(errors) == 1 and expected in errors[0], text
         assert errors[0].startswith("grpo.py: error: "), text
-    assert "--initial-peers" in started[-1][0].text()  # says what to check
+    assert "--initial-peers" in launched.text()  # says what to check
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("grpo*.yaml")), ids=lambda p: p.stem)

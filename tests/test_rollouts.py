@@ -993,17 +993,13 @@ BAD_FLAGS = [
 ]
 
 
-@pytest.mark.timeout(300)
-def test_grpo_refuses_bad_rollout_flags_with_one_line(runs: list[Run], tmp_path: Path, model_dir: Path) -> None:
-    """Every case raises the recipe's one-line ConfigError before anything is written (checked in this process);
-    the last, refused after the arguments were parsed and the callbacks made, also as a user sees it: exit code 2
-    and that one line, nothing else."""
-    processes = []
-    for i in (len(BAD_FLAGS) - 1,):
-        args, expected = BAD_FLAGS[i]
-        run = Run(grpo(model_dir, tmp_path / f"process{i}", *args), tmp_path / f"process{i}.log")
-        runs.append(run)
-        processes.append((run, args, expected, tmp_path / f"process{i}"))
+def test_grpo_refuses_bad_rollout_flags_with_one_line(
+    tmp_path: Path, model_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every case raises the recipe's one-line ConfigError before anything is written; the last, refused after the
+    arguments were parsed and the callbacks made, also as a user sees it from the recipe's command line
+    (``common.run_recipe``, in this process: tests/recipe_helpers.py): exit code 2 and that one line, nothing else."""
+    from recipe_helpers import run_in_process
 
     from pulseloco.errors import ConfigError
     from pulseloco.recipes import grpo as recipe
@@ -1014,11 +1010,14 @@ def test_grpo_refuses_bad_rollout_flags_with_one_line(runs: list[Run], tmp_path:
             recipe.main(grpo(model_dir, out, *args)[2:])
         assert expected in str(caught.value) and "\n" not in str(caught.value), (args, str(caught.value))
         assert not out.exists(), args
-    for run, args, expected, out in processes:
-        text = run.wait(code=2)
-        lines = [line for line in text.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("grpo.py: error: ") and expected in lines[0], (args, text)
-        assert not out.exists(), args  # refused before anything was written
+    args, expected = BAD_FLAGS[-1]
+    out = tmp_path / "printed"
+    result = run_in_process(capfd, "grpo.py", lambda: recipe.main(grpo(model_dir, out, *args)[2:]))
+    text = result.stdout + result.stderr
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert result.returncode == 2, text
+    assert len(lines) == 1 and lines[0].startswith("grpo.py: error: ") and expected in lines[0], (args, text)
+    assert not out.exists(), args  # refused before anything was written
 
 
 def worker_run(model_dir: Path, run_id: str, bootstrap: str, keypair: Path, out: Path) -> Run:
