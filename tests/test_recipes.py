@@ -269,8 +269,8 @@ def test_bad_configurations_are_refused_with_one_line(tmp_path: Path, tiny_warm_
 def test_bad_configurations_end_with_one_line(
     runs: list[Run], tmp_path: Path, tiny_warm_model: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """As a user sees it: through `accelerate launch -q` (a real launch of the console script) and from the
-    recipe's command line (``run``'s ``common.run_recipe``, in this process: tests/recipe_helpers.py), the
+    """As a user sees it: through `accelerate launch -q` (a real launch of the console script), and through
+    ``common.run_recipe`` as the script's ``run`` calls it (in this process: tests/recipe_helpers.py), the
     recipe's one line and no traceback (the launcher's included)."""
     from recipe_helpers import run_in_process
 
