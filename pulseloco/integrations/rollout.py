@@ -166,8 +166,7 @@ class TransformersEngine:
         Raises :class:`pulseloco.errors.ConfigError` when the checkpoint cannot be loaded (see
         :func:`pulseloco.integrations.models.load_causal_lm`).
         """
-        size = torch.empty((), dtype=dtype).element_size()
-        model = load_causal_lm(model_name_or_path, dtype=dtype, bytes_per_parameter=size, device=device)
+        model = load_causal_lm(model_name_or_path, dtype=dtype, bytes_per_parameter=dtype.itemsize, device=device)
         tokenizer = load_tokenizer(model_name_or_path)
         return cls(model.eval(), tokenizer)
 

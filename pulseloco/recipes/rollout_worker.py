@@ -118,16 +118,17 @@ def _load_engine(args: WorkerArguments) -> tuple[Any, Any]:
     """``(engine, the vLLM engine or None)`` for ``--engine``; raises what loading the checkpoint raises."""
     from pulseloco.integrations.rollout import TransformersEngine
 
+    dtype = args.compute_dtype
+    if dtype == "auto":  # the transformers engine runs on the CPU, where FP32 is the faster
+        dtype = "bfloat16" if args.engine == "vllm" else "float32"
     if args.engine == "vllm":
         from pulseloco.integrations.vllm import VLLMEngine
 
-        dtype = "bfloat16" if args.compute_dtype == "auto" else args.compute_dtype
         engine = VLLMEngine.from_pretrained(args.model_path, dtype=dtype)
         print(f"rollout: vLLM engine loaded in {engine.load_seconds:.1f} s", flush=True)
         return engine, engine
     import torch
 
-    dtype = "float32" if args.compute_dtype == "auto" else args.compute_dtype  # this engine runs on the CPU
     return TransformersEngine.from_pretrained(args.model_path, dtype=getattr(torch, dtype)), None
 
 
