@@ -134,8 +134,8 @@ def test_terminated_build_leaves_nothing_that_looks_complete(tmp_path: Path) -> 
     )
     try:
         assert proc.stdout is not None
-        for line in proc.stdout:  # terminate it in the middle of pretraining
-            if "pretrain step" in line:
+        for line in proc.stdout:  # terminate it as pretraining starts (the model and data made, nothing saved)
+            if "pretraining a " in line:
                 break
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
