@@ -114,7 +114,9 @@ def test_grpo_peers_publish_to_rollout_worker(
     worker_argv += ["--num_prompts", "16", "--interval", "0.3"]
     worker = start(runs, tmp_path, "worker", worker_argv)
     worker_log = worker.wait()
-    peer0_log, _ = peer0.wait(), peer1.wait()
+    peer0_log, peer1_log = peer0.wait(), peer1.wait()
+    for log in (peer0_log, peer1_log):  # recipes/accelerate_configs/single_process.yaml names every value
+        assert "were not passed to `accelerate launch`" not in log, log[-3000:]
 
     rounds = [read_json_lines(tmp_path / name / "pulseloco_rounds.jsonl") for name in ("peer0", "peer1")]
     for peer_rounds in rounds:
