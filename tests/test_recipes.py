@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -345,23 +346,36 @@ def test_rollout_worker_refuses_bad_options_with_one_line(args: list[str], expec
     assert expected in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
 
 
-def test_rollout_worker_says_what_it_waits_for(runs: list[Run], tmp_path: Path, tiny_warm_model: Path) -> None:
-    """A worker whose run never publishes names the run id and what must run, then gives up at max_seconds."""
+def test_rollout_worker_says_what_it_waits_for(
+    tmp_path: Path, tiny_warm_model: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A worker whose run never publishes names the run id and what must run, then gives up at max_seconds. The
+    worker's command line runs in this process (tests/recipe_helpers.py; its SIGINT and SIGTERM handlers are put
+    back after it), where a process would spend its first seconds importing torch, transformers and hivemind;
+    test_grpo_peers_publish_to_rollout_worker above runs a worker process."""
+    from recipe_helpers import run_in_process
+
     from pulseloco.cli import main as pulseloco_main
+    from pulseloco.recipes import rollout_worker
 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "k")]) == 0
     import hivemind
 
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
-        argv = [sys.executable, str(RECIPES / "rollout_worker.py"), "--model_name_or_path", str(tiny_warm_model)]
+        argv = ["--model_name_or_path", str(tiny_warm_model)]
         argv += ["--run_id", "nobody", "--initial_peers", str(dht.get_visible_maddrs()[0])]
         argv += ["--public_key", str(tmp_path / "k.pub"), "--wait_warning", "2", "--max_seconds", "6"]
         argv += ["--until_version", "1", "--output_dir", str(tmp_path / "w")]
         started = time.monotonic()
-        text = start(runs, tmp_path, "worker", argv).wait(code=1)  # a run-time failure (VersionTimeoutError)
+        result = run_in_process(capfd, "rollout_worker.py", lambda: rollout_worker.main(argv))
     finally:
         dht.shutdown()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    text = result.stdout + result.stderr
+    assert result.returncode == 1, text[-3000:]  # a run-time failure (VersionTimeoutError)
     assert time.monotonic() - started < 120
     assert re.search(r"no version of run_id=nobody\.policy after 2 s; a trainer must run with --publish", text)
     assert "rollout_worker.py: error: version 1 did not arrive" in text
