@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import subprocess
 import sys
 import warnings
@@ -20,8 +21,10 @@ def run_in_process(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``main`` as ``common.run_recipe(prog, main)`` does in a recipe's process and return its exit code
     (0, or the ``SystemExit`` code) with what it wrote to stdout and stderr (file descriptors, as a process's
-    output would be). The libraries' logging, warning filters and progress bars are restored afterwards."""
+    output would be). The libraries' logging, warning filters, progress bars and the SIGINT and SIGTERM handlers
+    (which a long-running command replaces: ``pulseloco.cli.stop_on_signals``) are restored afterwards."""
     _point_library_handlers_at_stderr()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     from transformers.utils import logging as hf_logging
 
     from pulseloco.recipes import common
@@ -38,6 +41,8 @@ def run_in_process(
         hf_logging.set_verbosity(verbosity)
         if bars_were_on:
             hf_logging.enable_progress_bar()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     _point_library_handlers_at_stderr()
     captured = capfd.readouterr()
     return subprocess.CompletedProcess([prog], code, captured.out, captured.err)

@@ -350,8 +350,8 @@ def test_rollout_worker_says_what_it_waits_for(
     tmp_path: Path, tiny_warm_model: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """A worker whose run never publishes names the run id and what must run, then gives up at max_seconds. The
-    worker's command line runs in this process (tests/recipe_helpers.py; its SIGINT and SIGTERM handlers are put
-    back after it), where a process would spend its first seconds importing torch, transformers and hivemind;
+    worker's command line runs in this process (tests/recipe_helpers.py, which puts back the SIGINT and SIGTERM
+    handlers it replaces), where a process would spend its first seconds importing torch, transformers and hivemind;
     test_grpo_peers_publish_to_rollout_worker above runs a worker process."""
     from recipe_helpers import run_in_process
 
@@ -361,7 +361,7 @@ def test_rollout_worker_says_what_it_waits_for(
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "k")]) == 0
     import hivemind
 
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sigterm = signal.getsignal(signal.SIGTERM)
     dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
     try:
         argv = ["--model_name_or_path", str(tiny_warm_model)]
@@ -372,9 +372,8 @@ def test_rollout_worker_says_what_it_waits_for(
         result = run_in_process(capfd, "rollout_worker.py", lambda: rollout_worker.main(argv))
     finally:
         dht.shutdown()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     text = result.stdout + result.stderr
+    assert signal.getsignal(signal.SIGTERM) is sigterm  # the worker's handler did not outlive its run
     assert result.returncode == 1, text[-3000:]  # a run-time failure (VersionTimeoutError)
     assert time.monotonic() - started < 120
     assert re.search(r"no version of run_id=nobody\.policy after 2 s; a trainer must run with --publish", text)
