@@ -88,6 +88,23 @@ def test_adam_update_rebuilds_the_step_torch_takes() -> None:
     assert sparsity.adam_update(torch.optim.SGD(params, lr=0.1), params, before) is None
 
 
+def test_report_quarters_and_late_windows_by_hand() -> None:
+    from harness import sparsity_report
+
+    assert sparsity_report.mean_and_se([]) is None
+    assert sparsity_report.mean_and_se([0.5]) == (0.5, 0.0)
+    mean, se = sparsity_report.mean_and_se([1.0, 2.0, 3.0, 6.0])  # sample sd sqrt(14/3)
+    assert mean == 3.0 and se == pytest.approx(math.sqrt(14 / 3) / 2)
+    # 8 steps: the first quarter is steps 1-2, the last 7-8; step 0 and unlogged steps count nowhere
+    run = {"rewards": [(1, 0.1), (2, 0.3), (5, 0.9), (7, 0.5), (8, 0.7)], "S": {"4": {"per_window": [0.9] * 4 + [0.5]}}}
+    first, last = sparsity_report.reward_quarters(run, 8)
+    assert first == pytest.approx((0.2, 0.1)) and last == pytest.approx((0.6, 0.1))
+    assert sparsity_report.reward_quarters({"rewards": [(5, 1.0)]}, 8) == (None, None)
+    assert sparsity_report.late_window_density(run, 4) == pytest.approx(0.5)  # 5 windows: the last one
+    run["S"]["4"]["per_window"] = [1.0] * 4 + [0.8, 0.6, 0.8, 0.6]  # 8 windows: the last 2
+    assert sparsity_report.late_window_density(run, 4) == pytest.approx(0.3)
+
+
 def test_flags_are_validated(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, message in (
         (["--steps", "8", "--ks", "1,8"], "must be larger than the largest k"),
@@ -120,6 +137,7 @@ def test_smoke_run_on_tiny_warm_model(tiny_warm_model: Path, tmp_path: Path) -> 
     md = (out / "sparsity.md").read_text()
     assert "| precision | lr | S_1 mean | S_1 min | S_2 mean (min) | S_4 mean (min) |" in md
     assert "## What the data say" in md and "Command:" in md
+    assert "| 1-S_4, last quarter (%) |" in md and "± the standard error of the difference" in md
     for png in ("sparsity_ratio.png", "sparsity_k.png"):
         assert (out / png).read_bytes()[:8] == PNG
     report = json.loads((out / "sparsity.json").read_text())
