@@ -128,9 +128,9 @@ def explanation(report: dict[str, Any]) -> list[str]:
         )
     gains = []
     for r in runs:
-        first, last = reward_quarters(r, report["settings"]["steps"])
-        if first is not None and last is not None:
-            gain, se = last[0] - first[0], math.hypot(first[1], last[1])
+        early, late = reward_quarters(r, report["settings"]["steps"])
+        if early is not None and late is not None:
+            gain, se = late[0] - early[0], math.hypot(early[1], late[1])
             verdict = "learned" if gain > 2 * se else "not beyond 2 standard errors"
             gains.append(f"{r['precision']} lr {r['lr']:g}: {gain:+.3f} ± {se:.3f} ({verdict})")
     if gains:
