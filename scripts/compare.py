@@ -359,7 +359,12 @@ def metric_labels(recipe: str, sources: list[str]) -> dict[str, str]:
     """What the final metric and the curves are (``metric_label``, ``curve_label``, ``metric_note`` of the meta),
     from the recipe and where the runs' final metrics came from (``eval``, ``train``)."""
     if recipe == "grpo":
-        note = "greedy exact-match reward on the fixed evaluation prompts (`reward_after` in grpo_eval.json)"
+        note = (
+            "greedy exact-match reward on the fixed evaluation prompts (`reward_after` in grpo_eval.json); beside it "
+            "the sampled reward on the same prompts (`--num_eval_samples` draws each at the training temperature: "
+            "`sampled_reward_before/after` in grpo_eval.json), ± its sampling standard error for one seed, else the "
+            "mean and range over the seeds, which resolves gains the greedy reward on 100 problems cannot"
+        )
         return {"metric_label": "greedy reward", "curve_label": "sampled reward", "metric_note": note}
     if sources == ["train"]:
         note = "pretrain.py logged no eval loss (no held-out blocks?), so the last logged training loss"

@@ -107,8 +107,9 @@ def regime(p: dict[str, Any]) -> str:
 
 
 def gain_lines(peers: list[dict[str, Any]]) -> list[str]:
-    """What RL gained: the consensus model's greedy reward before and after, with standard errors, and the sampled
-    reward of TRL's logs over the first and last quarter of the run."""
+    """What RL gained: the consensus model's greedy reward before and after, with standard errors, its held-out
+    sampled reward before and after (where grpo_eval.json has it), and the sampled reward of TRL's logs over the
+    first and last quarter of the run."""
     p = next((p for p in peers if p["greedy_reward_after"] is not None and p["num_eval_prompts"]), None)
     if p is None or p["greedy_reward_before"] is None:
         return ["what RL gained: unknown (no peer wrote grpo_eval.json)"]
@@ -117,6 +118,13 @@ def gain_lines(peers: list[dict[str, Any]]) -> list[str]:
         f"what RL gained: greedy reward {before:.3f} +- {binomial_se(before, n):.3f} -> {after:.3f} +- "
         f"{binomial_se(after, n):.3f} ({after - before:+.3f}) on {n} problems (+- one standard error)"
     ]
+    if p.get("heldout_sampled_after") is not None and p.get("heldout_sampled_before") is not None:
+        sb, sa = float(p["heldout_sampled_before"]), float(p["heldout_sampled_after"])
+        lines.append(
+            f"                held-out sampled reward ({p['num_eval_samples']} draws per problem): {sb:.3f} +- "
+            f"{float(p['heldout_sampled_se_before']):.3f} -> {sa:.3f} +- {float(p['heldout_sampled_se_after']):.3f} "
+            f"({sa - sb:+.3f})"
+        )
     first = mean([q["sampled_reward_first_quarter"] for q in peers])
     last = mean([q["sampled_reward_last_quarter"] for q in peers])
     if first is not None and last is not None:
@@ -151,6 +159,11 @@ def peer_summary(peer_dir: Path, num_workers: int) -> dict[str, Any]:
         "greedy_reward_before": evaluation.get("reward_before"),
         "greedy_reward_after": evaluation.get("reward_after"),
         "num_eval_prompts": evaluation.get("num_eval_prompts"),
+        "num_eval_samples": evaluation.get("num_eval_samples"),
+        "heldout_sampled_before": evaluation.get("sampled_reward_before"),
+        "heldout_sampled_se_before": evaluation.get("sampled_se_before"),
+        "heldout_sampled_after": evaluation.get("sampled_reward_after"),
+        "heldout_sampled_se_after": evaluation.get("sampled_se_after"),
         "sampled_reward_first_quarter": mean(sampled[: max(1, len(sampled) // 4)]),
         "sampled_reward_last_quarter": mean(sampled[-max(1, len(sampled) // 4) :]),
         "learning_rate": max(rates, default=None),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -61,6 +62,8 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
     assert "| diloco |" in md and "| pulseloco |" in md
     assert "ran concurrently" in md and "loopback" in md
     assert "pulseloco targets: bytes vs DiLoCo" in md and "not judged" in md  # one seed: no quality claim
+    assert "| held-out sampled reward: before -> after |" in md
+    assert re.search(r"\| diloco \| [0-9.]+ \| (yes|no) \| [0-9.]+ -> [0-9.]+ ± [0-9.]+ \|", md), md
     for png in ("compare_reward_bytes.png", "compare_reward_time.png", "compare_final.png", "compare_density.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -72,6 +75,8 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
         assert r["group_sizes"] == [2], name  # the round was averaged by both peers
         assert r["steps"] == 8 and r["rounds"] == 1 and len(r["density"]) == 1
         assert r["final_source"] == "greedy" and 0 <= r["final"] <= 1 and 0 <= r["reward_before"] <= 1
+        # the held-out sampled reward of both peers' grpo_eval.json (the recipe's default 8 draws per prompt)
+        assert 0 <= r["sampled_before"] <= 1 and 0 <= r["sampled_after"] <= 1 and 0 <= r["sampled_se_after"] < 0.2
         assert r["bytes_per_worker"] > 0
         assert len(r["curve"]) == 1  # the sampled reward at step 8 (logging_steps 8)
         sync = r["pulsesync"]  # peer 0 published the starting model (an anchor) and the round's version (a patch)
@@ -139,6 +144,12 @@ def test_aggregate_judges_quality_by_diloco_range_over_seeds() -> None:
     assert "did not learn" in compare_report.quality_verdict(sparse, diloco)
     assert "within DiLoCo's range [0.300, 0.400] over 3 seeds" in compare_report.quality_verdict(pulse, diloco)
     assert compare_report.verdict(pulse["vs_diloco"], compare_report.TARGETS["diloco"]) == "1/17 (met)"
+    assert compare_report.sampled_cell(pulse) == "-"  # these runs wrote no sampled reward (as older results)
+    seeded = [{**fake_run("diloco", j, 0.4, 1.0), "sampled_before": 0.3, "sampled_after": a, "sampled_se_after": 0.01}
+              for j, a in enumerate((0.36, 0.34))]  # fmt: skip
+    row = compare_results.aggregate(seeded)[0]
+    assert row["sampled_after"] == [0.36, 0.34] and compare_report.sampled_cell(row) == "0.300 -> 0.350 [0.340, 0.360]"
+    assert compare_report.sampled_cell(compare_results.aggregate(seeded[:1])[0]) == "0.300 -> 0.360 ± 0.010"
     assert compare_report.verdict(0.1, compare_report.TARGETS["diloco"]) == "1/10 (missed by 1.7x)"
     one_seed = {r["strategy"]: r for r in compare_results.aggregate(runs[:1] + runs[3:4])}
     assert "at least 2 seeds" in compare_report.quality_verdict(one_seed["pulseloco"], one_seed["diloco"])

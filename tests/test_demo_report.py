@@ -37,8 +37,10 @@ def _peer(run: Path, name: str, *, density: float, learning_rate: float, rewards
     peer = run / name
     peer.mkdir(parents=True)
     (peer / "grpo_eval.json").write_text(
-        json.dumps({"reward_before": 0.5, "reward_after": 0.7, "seconds": 100.0, "num_eval_prompts": 100})
-    )
+        json.dumps({"reward_before": 0.5, "reward_after": 0.7, "seconds": 100.0, "num_eval_prompts": 100,
+                    "sampled_reward_before": 0.41, "sampled_se_before": 0.012, "sampled_reward_after": 0.58,
+                    "sampled_se_after": 0.011, "num_eval_samples": 8, "eval_temperature": 1.0})
+    )  # fmt: skip
     history: list[dict[str, Any]] = [{"step": 8 * (i + 1), "reward": r, "learning_rate": learning_rate}
                                      for i, r in enumerate(rewards)]  # fmt: skip
     (peer / "trainer_state.json").write_text(json.dumps({"global_step": 8 * len(rewards), "log_history": history}))
@@ -61,6 +63,7 @@ def test_report_says_what_rl_gained_and_the_regime(tmp_path: Path, density: floa
         in text
     )
     assert "first quarter 0.200 -> last quarter 0.600 (+0.400)" in text  # 4 logs: a quarter is one log
+    assert "held-out sampled reward (8 draws per problem): 0.410 +- 0.012 -> 0.580 +- 0.011 (+0.170)" in text
     rows = [line.rstrip() for line in text.splitlines() if line.startswith("peer0 ")]
     assert rows[0].endswith("0.500 -> 0.700")  # the reward table
     assert rows[1].endswith(f"{where} (lr 3e-05, {density:.1%}/round)")  # the bytes table

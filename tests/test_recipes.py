@@ -148,7 +148,10 @@ def test_grpo_peers_publish_to_rollout_worker(
     assert [value for _, value in series["train/pulsesync/version"]][-1] == 4
     evaluation = json.loads((tmp_path / "peer0" / "grpo_eval.json").read_text())
     assert 0.0 <= evaluation["reward_before"] <= 1.0 and 0.0 <= evaluation["reward_after"] <= 1.0
-    assert "greedy_reward" in peer0_log
+    assert evaluation["num_eval_samples"] == 8 and evaluation["eval_temperature"] == 1.0  # the defaults
+    for when in ("before", "after"):
+        assert 0.0 <= evaluation[f"sampled_reward_{when}"] <= 1.0 and 0.0 <= evaluation[f"sampled_se_{when}"] < 0.1
+    assert "greedy_reward" in peer0_log and "sampled_reward" in peer0_log
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "peer0")
@@ -398,3 +401,39 @@ def test_a_trainer_process_that_does_not_use_vllm_never_imports_it() -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-3:] == expected, result.stdout[-2000:]
+
+
+def test_sampled_reward_by_hand_on_the_tiny_warm_model(tiny_warm_model: Path) -> None:
+    """The held-out sampled reward of grpo_eval.json: its mean and standard error recomputed from the same draws,
+    the draws keyed by the seed alone, and the global torch random state left as it was."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.recipes import grpo, tasks
+
+    engine = TransformersEngine(
+        AutoModelForCausalLM.from_pretrained(tiny_warm_model), AutoTokenizer.from_pretrained(tiny_warm_model)
+    )
+    spec = tasks.spec_for_model(str(tiny_warm_model), None, None)
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    mean, se = grpo.sampled_reward(engine, spec, 16, 4, temperature=1.0, samples=4, seed=7)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert grpo.sampled_reward(engine, spec, 16, 4, temperature=1.0, samples=4, seed=7) == (mean, se)
+
+    problems = tasks.eval_problems(spec, 16)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        texts = engine.generate([p for p, _ in problems for _ in range(4)], max_new_tokens=4, temperature=1.0)
+    rewards = [float(text == answer) for text, (_, answer) in zip(texts, [p for p in problems for _ in range(4)])]
+    per_problem = [sum(rewards[4 * i : 4 * i + 4]) / 4 for i in range(16)]
+    assert mean == sum(rewards) / 64
+    assert se == math.sqrt(sum(p * (1 - p) for p in per_problem) / 3) / 16
+    assert 0 < mean < 1 and se > 0  # the tiny warm model answers some problems, not all, when sampling
+    one, one_se = grpo.sampled_reward(engine, spec, 16, 4, temperature=1.0, samples=1, seed=7)
+    assert one_se == math.sqrt(one * (1 - one) / 16)
+    with pytest.raises(ValueError, match="samples >= 1 and temperature > 0"):
+        grpo.sampled_reward(engine, spec, 16, 4, temperature=0.0, samples=4, seed=7)

@@ -15,8 +15,9 @@ their versions to rollout workers with PULSESync.
 The task (:mod:`pulseloco.recipes.tasks`): arithmetic prompts such as ``37+45=`` with an exact-match reward. Everything
 about GRPO (the loss, ``beta``, clipping, ``num_iterations``, ``num_generations``, sampling) is TRL's ``GRPOConfig``;
 ``--strategy`` and the swarm options are :class:`pulseloco.integrations.args.PulseLoCoArguments`. ``--strategy
-ddp`` is the Trainer's own data parallelism across the processes of one ``accelerate launch``. The held-out greedy
-reward before and after training is printed and written to ``<output_dir>/grpo_eval.json``; TRL's logs (loss,
+ddp`` is the Trainer's own data parallelism across the processes of one ``accelerate launch``. The held-out rewards
+before and after training (greedy, and sampled at ``--temperature`` with ``--num_eval_samples`` draws per prompt,
+with its standard error) are printed and written to ``<output_dir>/grpo_eval.json``; TRL's logs (loss,
 reward, ...) to ``<output_dir>/trainer_state.json``; PulseLoCo's rounds to ``pulseloco_rounds.jsonl``. The configs
 report to TensorBoard (``report_to: tensorboard``; ``--report_to wandb`` etc. for another tracker, ``none`` for
 none): event files in ``<output_dir>/tensorboard`` (:func:`common.tensorboard_logging_dir`) with TRL's loss and
@@ -27,6 +28,7 @@ per published version; ``tensorboard --logdir <output_dir>`` shows them.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,11 +50,21 @@ class TaskArguments(tasks.TaskArguments):
         metadata={"help": "Held-out prompts scored greedily before and after (all of them where the task has fewer)."},
     )
 
+    num_eval_samples: int = field(
+        default=8,
+        metadata={
+            "help": "Completions sampled per held-out prompt at --temperature for the sampled reward (pass@1) "
+            "before and after, with its standard error; 0: greedy only."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("num_train_prompts", "num_eval_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_eval_samples < 0:
+            raise ValueError(f"num_eval_samples must be 0 (greedy only) or more, got {self.num_eval_samples}")
 
 
 def greedy_reward(engine: object, spec: tasks.TaskSpec, num_prompts: int, max_new_tokens: int) -> float:
@@ -60,6 +72,40 @@ def greedy_reward(engine: object, spec: tasks.TaskSpec, num_prompts: int, max_ne
     problems = tasks.eval_problems(spec, num_prompts)
     completions = engine.generate([p for p, _ in problems], max_new_tokens=max_new_tokens)  # type: ignore[attr-defined]
     return tasks.score(completions, problems)
+
+
+def sampled_reward(
+    engine: object,
+    spec: tasks.TaskSpec,
+    num_prompts: int,
+    max_new_tokens: int,
+    *,
+    temperature: float,
+    samples: int,
+    seed: int,
+) -> tuple[float, float]:
+    """``(mean, standard error)`` of the exact-match reward of ``samples`` completions sampled at ``temperature``
+    for every held-out problem (pass@1 estimated from ``samples`` draws). The problems are fixed, so the error is
+    the sampling error alone: sqrt(sum_i p_i (1 - p_i) / (samples - 1)) / n over the n problems' sample means p_i
+    (for one sample, the binomial sqrt(p (1 - p) / n)). The draws are keyed by ``seed`` and leave the global torch
+    random state as it was. Raises ``ValueError`` for fewer than one sample or a temperature that is not positive.
+    """
+    if samples < 1 or not temperature > 0:
+        raise ValueError(f"need samples >= 1 and temperature > 0, got {samples} and {temperature}")
+    problems = tasks.eval_problems(spec, num_prompts)
+    prompts = [prompt for prompt, _ in problems for _ in range(samples)]
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        completions = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)  # type: ignore[attr-defined]
+    answers = [answer for _, answer in problems for _ in range(samples)]
+    rewards = tasks.exact_match_reward(completions, answers)
+    means = [sum(rewards[i * samples : (i + 1) * samples]) / samples for i in range(len(problems))]
+    n, mean = len(problems), sum(rewards) / len(rewards)
+    if samples == 1:
+        return mean, math.sqrt(mean * (1 - mean) / n)
+    return mean, math.sqrt(sum(p * (1 - p) for p in means) / (samples - 1)) / n
 
 
 def build_trainer(
@@ -144,12 +190,20 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
         rollout_func=rollout_func,
     )
     model, tokenizer = trainer.model, trainer.processing_class
-    reward_before = (
-        greedy_reward(TransformersEngine(model, tokenizer), spec, task_args.num_eval_prompts,
-                      training_args.max_completion_length)
-        if state.is_main_process
-        else None
-    )  # fmt: skip
+
+    def evaluate(engine: TransformersEngine) -> dict[str, Any]:
+        """The held-out rewards of grpo_eval.json: greedy, and sampled (mean and standard error) unless off."""
+        length = training_args.max_completion_length
+        result: dict[str, Any] = {"greedy": greedy_reward(engine, spec, task_args.num_eval_prompts, length)}
+        if task_args.num_eval_samples:
+            result["sampled"], result["sampled_se"] = sampled_reward(
+                engine, spec, task_args.num_eval_prompts, length, temperature=training_args.temperature,
+                samples=task_args.num_eval_samples, seed=training_args.seed,
+            )  # fmt: skip
+        return result
+
+    before = evaluate(TransformersEngine(model, tokenizer)) if state.is_main_process else {}
+    reward_before = before.get("greedy")
     state.print(
         f"grpo: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters from "
         f"{model_args.model_name_or_path}, strategy={pulse_args.strategy}, rollouts={rollout_args.rollouts}, "
@@ -163,14 +217,25 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if state.is_main_process:
-        engine = TransformersEngine(trainer.model, tokenizer)
-        reward_after = greedy_reward(engine, spec, task_args.num_eval_prompts, training_args.max_completion_length)
+        after = evaluate(TransformersEngine(trainer.model, tokenizer))
+        reward_after = after["greedy"]
         result = {"reward_before": reward_before, "reward_after": reward_after, "seconds": seconds}
         result["num_eval_prompts"] = len(tasks.eval_problems(spec, task_args.num_eval_prompts))
+        sampled = ""
+        if task_args.num_eval_samples:
+            result.update(
+                sampled_reward_before=before["sampled"], sampled_se_before=before["sampled_se"],
+                sampled_reward_after=after["sampled"], sampled_se_after=after["sampled_se"],
+                num_eval_samples=task_args.num_eval_samples, eval_temperature=training_args.temperature,
+            )  # fmt: skip
+            sampled = (
+                f" sampled_reward {before['sampled']:.3f} ± {before['sampled_se']:.3f} -> {after['sampled']:.3f} ± "
+                f"{after['sampled_se']:.3f}"
+            )
         (Path(training_args.output_dir) / "grpo_eval.json").write_text(json.dumps(result, indent=1) + "\n")
         print(
-            f"grpo: done steps={trainer.state.global_step} greedy_reward {reward_before:.3f} -> {reward_after:.3f} "
-            f"seconds={seconds:.1f} output_dir={training_args.output_dir}",
+            f"grpo: done steps={trainer.state.global_step} greedy_reward {reward_before:.3f} -> {reward_after:.3f}"
+            f"{sampled} seconds={seconds:.1f} output_dir={training_args.output_dir}",
             flush=True,
         )
     state.wait_for_everyone()

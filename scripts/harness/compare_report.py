@@ -39,6 +39,20 @@ def reward_cell(row: dict[str, Any]) -> str:
     return text
 
 
+def sampled_cell(row: dict[str, Any]) -> str:
+    """The held-out sampled reward's cell: before -> after, with the sampling standard error for one seed, else the
+    mean and [min, max] over the seeds; ``-`` where the runs wrote none (``--num_eval_samples 0``, older results)."""
+    after = [a for a in row.get("sampled_after") or [] if a is not None]
+    if not after:
+        return "-"
+    before = row.get("sampled_before")
+    text = "" if before is None else f"{before:.3f} -> "
+    if len(after) == 1:
+        se = (row.get("sampled_se_after") or [None])[0]
+        return text + f"{after[0]:.3f}" + ("" if se is None else f" ± {se:.3f}")
+    return text + f"{sum(after) / len(after):.3f} [{min(after):.3f}, {max(after):.3f}]"
+
+
 def lr_label(lr: float | None) -> str:
     """``lr 1e-06``, or the config's learning rate for ``None``."""
     return "the config's learning rate" if lr is None else f"lr {lr:g}"
@@ -124,9 +138,10 @@ def _lr_section(lr: float, rows: list[dict[str, Any]], metric: str) -> list[str]
     head = f"## {lr_label(lr)}, {'/'.join(map(str, seeds))} seed{'s' if seeds != [1] else ''}"
     lines += [head + (f", {metric} before training {before:.3f}" if before is not None else ""), ""]
     lines += [
-        f"| strategy | final {metric}: mean ± sd [min, max] | learned | bytes sent per worker | "
-        "vs DiLoCo | vs DDP | density: round 1 → last | PULSESync patch / BF16 copy | train s | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| strategy | final {metric}: mean ± sd [min, max] | learned | held-out sampled reward: before -> after | "
+        "bytes sent per worker | vs DiLoCo | vs DDP | density: round 1 → last | PULSESync patch / BF16 copy | "
+        "train s | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in at:
         b = r["bytes_per_worker"]
@@ -135,6 +150,7 @@ def _lr_section(lr: float, rows: list[dict[str, Any]], metric: str) -> list[str]
             r["strategy"],
             reward_cell(r),
             ("yes" if r["improved"] else "no") if r["reward_before"] is not None else "-",
+            sampled_cell(r),
             "-" if b is None else f"{human(b)}{'' if r['bytes_measured'] else ' (est.)'}",
             fraction(r["vs_diloco"]),
             fraction(r["vs_ddp"]),

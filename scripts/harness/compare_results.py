@@ -58,6 +58,9 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
         "final": final,
         "source": source,
         "reward_before": evaluation.get("reward_before"),
+        "sampled_before": evaluation.get("sampled_reward_before"),
+        "sampled_after": evaluation.get("sampled_reward_after"),
+        "sampled_se_after": evaluation.get("sampled_se_after"),
         "steps": steps,
         "train_seconds": runtime,
         "num_params": num_params,
@@ -176,6 +179,9 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
         "final": mean([w["final"] for w in workers]),
         "final_source": sources[0] if len(sources) == 1 else ("mixed" if sources else None),
         "reward_before": mean([w["reward_before"] for w in workers]),
+        "sampled_before": mean([w.get("sampled_before") for w in workers]),
+        "sampled_after": mean([w.get("sampled_after") for w in workers]),
+        "sampled_se_after": mean([w.get("sampled_se_after") for w in workers]),
         "bytes_per_worker": mean([w["bytes_sent"] for w in workers]),
         "bytes_received_per_worker": mean([w["bytes_received"] for w in workers]),
         "bytes_measured": swarm,
@@ -229,6 +235,9 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "final_min": min(finals, default=None),
                 "final_max": max(finals, default=None),
                 "reward_before": mean(befores),
+                "sampled_before": mean([r.get("sampled_before") for r in runs]),
+                "sampled_after": [r.get("sampled_after") for r in runs],
+                "sampled_se_after": [r.get("sampled_se_after") for r in runs],
                 "improved": bool(finals)
                 and len(befores) == len(finals)
                 and all(f > b for f, b in zip(finals, befores))
