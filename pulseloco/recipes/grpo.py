@@ -90,12 +90,12 @@ def sampled_reward(
     (for one sample, the binomial sqrt(p (1 - p) / n)). The draws are keyed by ``seed`` and leave the global torch
     random state as it was. Raises ``ValueError`` for fewer than one sample or a temperature that is not positive.
     """
+    import torch
+
     if samples < 1 or not temperature > 0:
         raise ValueError(f"need samples >= 1 and temperature > 0, got {samples} and {temperature}")
     problems = tasks.eval_problems(spec, num_prompts)
     prompts = [prompt for prompt, _ in problems for _ in range(samples)]
-    import torch
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         completions = engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature)  # type: ignore[attr-defined]
