@@ -11,6 +11,7 @@ PULSELoCo (the pulse rule) sends less than DiLoCo (every entry, every round).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -153,6 +154,39 @@ def test_aggregate_judges_quality_by_diloco_range_over_seeds() -> None:
     assert compare_report.verdict(0.1, compare_report.TARGETS["diloco"]) == "1/10 (missed by 1.7x)"
     one_seed = {r["strategy"]: r for r in compare_results.aggregate(runs[:1] + runs[3:4])}
     assert "at least 2 seeds" in compare_report.quality_verdict(one_seed["pulseloco"], one_seed["diloco"])
+
+
+def sampled_run(strategy: str, seed_index: int, after: float) -> dict[str, Any]:
+    """A run whose greedy reward stayed at the warm model's 0.2 and whose held-out sampled reward went from 0.30
+    (± 0.01) to ``after`` (± 0.01): a gain is learned beyond 2 x sqrt(0.01^2 + 0.01^2) = 0.0283."""
+    return {**fake_run(strategy, seed_index, 0.2, 100.0), "sampled_before": 0.30, "sampled_after": after,
+            "sampled_se_before": 0.01, "sampled_se_after": 0.01}  # fmt: skip
+
+
+def test_aggregate_judges_learning_and_quality_by_the_sampled_reward_where_every_run_has_it() -> None:
+    runs = [sampled_run("diloco", j, a) for j, a in enumerate((0.36, 0.34, 0.35))]  # gains .06 .04 .05: learned
+    runs += [sampled_run("pulseloco", j, a) for j, a in enumerate((0.345, 0.35, 0.33))]  # .03 > .0283: learned
+    runs += [sampled_run("sparseloco", j, a) for j, a in enumerate((0.325, 0.36, 0.40))]  # .025 < .0283 once: not
+    rows = {r["strategy"]: r for r in compare_results.aggregate(runs)}
+    pulse, diloco, sparse = rows["pulseloco"], rows["diloco"], rows["sparseloco"]
+    assert {r["learned_by"] for r in rows.values()} == {"sampled"}
+    assert pulse["sampled_gain_se"] == pytest.approx([0.01 * math.sqrt(2)] * 3)
+    assert pulse["sampled_gain"] == pytest.approx([0.045, 0.05, 0.03])
+    assert diloco["improved"] and pulse["improved"] and not sparse["improved"]  # the greedy reward never moved
+    assert not pulse["greedy_improved"] and pulse["within_diloco_range"]  # 0.3417 in [0.34, 0.36]
+    summary = (pulse["sampled_mean"], diloco["sampled_min"], diloco["sampled_max"])
+    assert summary == pytest.approx((0.3417, 0.34, 0.36), abs=1e-4)
+    assert compare_report.quality_verdict(pulse, diloco) == (
+        "mean of the held-out sampled reward 0.342 within DiLoCo's range [0.340, 0.360] over 3 seeds"
+    )
+    assert "sparseloco did not learn (every seed's held-out sampled gain beyond 2 standard errors)" in (
+        compare_report.quality_verdict(sparse, diloco)
+    )
+    # one strategy at this learning rate without the sampled reward (--num_eval_samples 0): all judged greedily
+    greedy = {r["strategy"]: r for r in compare_results.aggregate([*runs, fake_run("ddp", 0, 0.3, 1.0)])}
+    assert {r["learned_by"] for r in greedy.values()} == {"greedy"}
+    assert not greedy["pulseloco"]["improved"] and greedy["ddp"]["improved"]
+    assert "mean gain >= 0.05" in compare_report.quality_verdict(greedy["pulseloco"], greedy["diloco"])
 
 
 def test_aggregate_reports_wire_and_payload_bytes_per_round_and_per_entry() -> None:

@@ -14,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harness.compare_results import MIN_GAIN, aggregate
+from harness.compare_results import MIN_GAIN, SAMPLED_Z, aggregate
 from harness.compare_runs import STRATEGIES
 from harness.report import fmt, human, pyplot
 
@@ -65,23 +65,29 @@ def verdict(value: float | None, target: float) -> str:
     return f"{fraction(value)} ({'met' if value <= target else f'missed by {value / target:.2g}x'})"
 
 
+def learned_rule(row: dict[str, Any]) -> str:
+    """What ``learned`` meant for ``row`` (:func:`harness.compare_results.aggregate`'s ``learned_by``)."""
+    if row.get("learned_by") == "sampled":
+        return f"every seed's held-out sampled gain beyond {SAMPLED_Z:g} standard errors"
+    return f"every seed above the warm model, mean gain >= {MIN_GAIN:g}"
+
+
 def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
-    """Whether ``row``'s final metric matches DiLoCo's at the same learning rate (its mean within DiLoCo's range over
-    seeds), or why it is not judged (no DiLoCo run, one of them did not learn, DiLoCo has one seed)."""
+    """Whether ``row``'s quality matches DiLoCo's at the same learning rate (its mean within DiLoCo's range over
+    seeds, by the metric that judged learning: the held-out sampled reward where every run has it, else the final
+    metric), or why it is not judged (no DiLoCo run, one of them did not learn, DiLoCo has one seed)."""
     if diloco is None:
         return "no diloco run to compare with"
     if not diloco["improved"] or not row["improved"]:
         who = [name for name, r in (("diloco", diloco), (row["strategy"], row)) if not r["improved"]]
-        return (
-            f"not judged: {' and '.join(who)} did not learn (every seed above the warm model, mean gain >= "
-            f"{MIN_GAIN:g})"
-        )
+        return f"not judged: {' and '.join(who)} did not learn ({learned_rule(row)})"
     if row["within_diloco_range"] is None:
         return "not judged: DiLoCo needs at least 2 seeds for a range"
     where = "within" if row["within_diloco_range"] else "outside"
+    key, name = ("sampled", " of the held-out sampled reward") if row.get("learned_by") == "sampled" else ("final", "")
     return (
-        f"mean {row['final_mean']:.3f} {where} DiLoCo's range [{diloco['final_min']:.3f}, {diloco['final_max']:.3f}] "
-        f"over {diloco['seeds']} seeds"
+        f"mean{name} {row[f'{key}_mean']:.3f} {where} DiLoCo's range [{diloco[f'{key}_min']:.3f}, "
+        f"{diloco[f'{key}_max']:.3f}] over {diloco['seeds']} seeds"
     )
 
 
@@ -160,7 +166,8 @@ def _lr_section(lr: float, rows: list[dict[str, Any]], metric: str) -> list[str]
             "-" if r["wall_seconds"] is None else f"{r['wall_seconds']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
+    rules = sorted({learned_rule(r) for r in at if r["reward_before"] is not None})
+    lines += ["", *(f"- learned: {rule}." for rule in rules), ""] if rules else [""]
     lines += byte_tables(at)
     for r in at:
         if r["strategy"].startswith("pulseloco"):
@@ -224,10 +231,13 @@ def _notes_section(results: list[dict[str, Any]], meta: dict[str, Any], metric: 
         f"measured: a ring all-reduce of FP32 gradients every optimizer step, 2(W-1)/W x 4 bytes x "
         f"{f'{params:,}' if params else 'N'} parameters x steps per worker, W = {meta['workers']}.",
         f"- final {metric}: {meta['metric_note']}; mean over the workers (swarm peers end on the consensus model), "
-        "then mean, sample standard deviation and range over the seeds. 'learned': every seed's final reward above "
-        f"the warm model's and the mean gain at least {MIN_GAIN:g}; where a strategy did not, it is not judged on "
-        "quality at that learning rate. "
-        "Quality matches DiLoCo when the mean lies within DiLoCo's range over its seeds.",
+        "then mean, sample standard deviation and range over the seeds. 'learned': where every run at a learning "
+        "rate wrote the held-out sampled reward, every seed's gain in it (after - before) above "
+        f"{SAMPLED_Z:g} standard errors of the difference, sqrt(se_before^2 + se_after^2) (each the mean of the "
+        "workers' errors: conservative for the mean over workers); else every seed's final reward above the warm "
+        f"model's and the mean gain at least {MIN_GAIN:g}. Where a strategy did not learn, it is not judged on "
+        "quality at that learning rate. Quality matches DiLoCo when the mean of the same metric lies within "
+        "DiLoCo's range over its seeds.",
         "- wire vs payload (second table): wire bytes are what a worker sent, as above (a swarm peer's pushed "
         "parts plus the sums of its shard it served to the others, with headers); payload bytes are its own "
         "compressed pseudo-gradient as ONE frame of the same codec and value precision (`payload_bytes` in "

@@ -10,6 +10,7 @@ written by an earlier version: fields it lacks give ``None``; a result without t
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import statistics
 from pathlib import Path
@@ -20,8 +21,12 @@ from harness.report import mean, read_json, read_records
 from harness.run_outputs import allreduce_bytes, count_parameters, store_summary
 
 MIN_GAIN = 0.05
-"""A strategy learned at a learning rate when every seed's final reward beats the starting model's and the mean
-gain is at least this (5 of the 100 evaluation prompts; one answer more is 0.01)."""
+"""By the greedy reward, a strategy learned at a learning rate when every seed's final reward beats the starting
+model's and the mean gain is at least this (5 of the 100 evaluation prompts; one answer more is 0.01)."""
+
+SAMPLED_Z = 2.0
+"""By the held-out sampled reward (used wherever every run at a learning rate has it), a strategy learned when every
+seed's gain exceeds this many standard errors of the difference, sqrt(se_before^2 + se_after^2)."""
 
 
 def _interpolate(points: list[tuple[float, float]], x: float) -> float:
@@ -60,6 +65,7 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
         "reward_before": evaluation.get("reward_before"),
         "sampled_before": evaluation.get("sampled_reward_before"),
         "sampled_after": evaluation.get("sampled_reward_after"),
+        "sampled_se_before": evaluation.get("sampled_se_before"),
         "sampled_se_after": evaluation.get("sampled_se_after"),
         "steps": steps,
         "train_seconds": runtime,
@@ -181,6 +187,7 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
         "reward_before": mean([w["reward_before"] for w in workers]),
         "sampled_before": mean([w.get("sampled_before") for w in workers]),
         "sampled_after": mean([w.get("sampled_after") for w in workers]),
+        "sampled_se_before": mean([w.get("sampled_se_before") for w in workers]),
         "sampled_se_after": mean([w.get("sampled_se_after") for w in workers]),
         "bytes_per_worker": mean([w["bytes_sent"] for w in workers]),
         "bytes_received_per_worker": mean([w["bytes_received"] for w in workers]),
@@ -206,8 +213,14 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
 
 def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (learning rate, strategy) over the seeds of the limited (or only) network: the final metric's mean,
-    standard deviation and range, whether every seed improved on the starting model, bytes, times, density per
-    round, PULSESync; ratios to DiLoCo and DDP at the same learning rate; whether the mean lies in DiLoCo's range.
+    standard deviation and range, the held-out sampled reward's (:func:`_sampled_stats`), bytes, times, density per
+    round, PULSESync; ratios to DiLoCo and DDP at the same learning rate.
+
+    Learning and quality (``learned_by``, ``improved``, ``within_diloco_range``): where every strategy's runs at a
+    learning rate have the held-out sampled reward with its standard errors, by that (every seed's gain beyond
+    :data:`SAMPLED_Z` standard errors; the mean of the final values within DiLoCo's range over its seeds), else by
+    the final metric (every seed above the starting model and a mean gain of at least :data:`MIN_GAIN`; its mean
+    within DiLoCo's range). ``within_diloco_range`` is ``None`` without a DiLoCo row of at least 2 seeds.
 
     Bytes: wire (``bytes_per_worker``, ``vs_diloco``, ``vs_ddp``) and payload (``payload_bytes_per_worker``,
     ``payload_vs_diloco``, ``payload_vs_ddp``) per worker over the run, their means per worker and round
@@ -238,10 +251,11 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "sampled_before": mean([r.get("sampled_before") for r in runs]),
                 "sampled_after": [r.get("sampled_after") for r in runs],
                 "sampled_se_after": [r.get("sampled_se_after") for r in runs],
-                "improved": bool(finals)
+                "greedy_improved": bool(finals)
                 and len(befores) == len(finals)
                 and all(f > b for f, b in zip(finals, befores))
                 and statistics.fmean(finals) - statistics.fmean(befores) >= MIN_GAIN,
+                **_sampled_stats(runs),
                 "bytes_per_worker": mean([r["bytes_per_worker"] for r in runs]),
                 "bytes_measured": runs[0]["bytes_measured"],
                 "payload_bytes_per_worker": mean([r.get("payload_bytes_per_worker") for r in runs]),
@@ -274,14 +288,38 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p = same_lr.get(base, {}).get("payload_bytes_per_worker")
             own = row["payload_bytes_per_worker"]
             row[f"payload_vs_{base}"] = own / p if own is not None and p else None
+        by_sampled = all(r["sampled_improved"] is not None for r in same_lr.values())
+        row["learned_by"] = "sampled" if by_sampled else "greedy"
+        row["improved"] = row["sampled_improved"] if by_sampled else row["greedy_improved"]
+        key = "sampled" if by_sampled else "final"  # the quality metric: the one that judged learning
         diloco = same_lr.get("diloco")
         row["within_diloco_range"] = (
-            diloco["final_min"] <= row["final_mean"] <= diloco["final_max"]
-            if diloco and diloco["seeds"] > 1 and row["final_mean"] is not None and diloco["final_min"] is not None
+            diloco[f"{key}_min"] <= row[f"{key}_mean"] <= diloco[f"{key}_max"]
+            if diloco and diloco["seeds"] > 1 and row[f"{key}_mean"] is not None and diloco[f"{key}_min"] is not None
             else None
         )
         row["patch_vs_bf16"] = row["patch_bytes"] / row["bf16_copy_bytes"] if row["patch_bytes"] else None
     return rows
+
+
+def _sampled_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The held-out sampled reward of one learning rate's and strategy's runs: per seed the gain and its standard
+    error sqrt(se_before^2 + se_after^2); whether every seed's gain exceeds :data:`SAMPLED_Z` of them
+    (``sampled_improved``; ``None`` when a run lacks a value: ``--num_eval_samples 0``, a missing file, results
+    written before the fields); the mean and range of the final values over the seeds (``None`` when none)."""
+    fields = ("sampled_before", "sampled_after", "sampled_se_before", "sampled_se_after")
+    complete = bool(runs) and all(r.get(f) is not None for r in runs for f in fields)
+    gains = [r["sampled_after"] - r["sampled_before"] for r in runs] if complete else []
+    ses = [math.hypot(r["sampled_se_before"], r["sampled_se_after"]) for r in runs] if complete else []
+    after = [r["sampled_after"] for r in runs if r.get("sampled_after") is not None]
+    return {
+        "sampled_gain": gains,
+        "sampled_gain_se": ses,
+        "sampled_improved": all(g > SAMPLED_Z * se for g, se in zip(gains, ses)) if complete else None,
+        "sampled_mean": statistics.fmean(after) if after else None,
+        "sampled_min": min(after, default=None),
+        "sampled_max": max(after, default=None),
+    }
 
 
 def _mean_dicts(dicts: list[dict[str, float | None] | None]) -> dict[str, float | None] | None:
