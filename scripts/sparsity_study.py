@@ -28,6 +28,12 @@ after every optimizer step. From the snapshots theta_0 .. theta_T:
   rebuilt from the optimizer state after the step (-lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps) - lr*wd*w, with the
   bf16 moments as stored: within ~1% of the kernel's own). For ``fp32`` runs the same rebuild is compared with the
   exact change (``adam_rebuild_rel_error``), a check of the formula the bf16 runs rely on;
+* error feedback: the steps cut into rounds of the largest k (H), and in each PULSELoCo's selection as one peer
+  runs it (``harness.sparsity.error_feedback_round``: the round's change theta_start - theta_end plus the residual
+  of entries not sent before; the entries whose BF16 value at theta_start it would change are sent, the rest stays
+  in the residual). Its density per round, beside 1 - S_H (which carries nothing from round to round), is the
+  density a swarm's peer sends. It is simulated on the one trajectory: the run's weights go on from theta_end,
+  where a peer's restart from the averaged weights (only the sent entries applied);
 * per run: the seconds it took and the sampled reward TRL logged (mean over all steps, the first and last quarter).
 
 Outputs in ``--out`` (default ``results/`` at the repo root):
@@ -139,7 +145,7 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, lr: float,
     from transformers import PrinterCallback, ProgressCallback
 
     task_args, training_args, spec = parse_grpo(args, model_dir, work_dir / f"{precision}-{lr:g}", lr)
-    callback = sparsity.make_callback(precision)
+    callback = sparsity.make_callback(precision, round_steps=args.ks[-1])
     trainer = grpo.build_trainer(spec, task_args, training_args, model_dir, dtype=DTYPES[precision],
                                  callbacks=[callback])  # fmt: skip
     for cls in (PrinterCallback, ProgressCallback):  # no per-step log lines on stdout
@@ -163,6 +169,8 @@ def run_one(args: argparse.Namespace, model_dir: str, precision: str, lr: float,
         "optim": str(getattr(training_args.optim, "value", training_args.optim)),
         "S": sparsity.window_summary(callback.snapshots, args.ks),
         "density_per_step": [s["density"] for s in callback.steps],
+        "round_steps": args.ks[-1],
+        "density_per_round_ef": callback.ef_density,
         "never_changed": float((~callback.ever_changed).double().mean()),
         "rewards": rewards,
         "reward_mean": mean([r for _, r in rewards]),

@@ -88,6 +88,26 @@ def test_adam_update_rebuilds_the_step_torch_takes() -> None:
     assert sparsity.adam_update(torch.optim.SGD(params, lr=0.1), params, before) is None
 
 
+def test_error_feedback_rounds_by_hand() -> None:
+    # at 1.5 a BF16 unit in the last place is 2^-7 = 0.0078: a value moves in BF16 once it moves by about 0.0039
+    start = torch.tensor([1.5, 1.5, 1.5, 1.5])
+    end = torch.tensor([1.497, 1.49, 1.5, 1.501])  # round 1 changes 0.003, 0.01, 0, -0.001
+    density, residual = sparsity.error_feedback_round(start, end, torch.zeros(4))
+    assert density == 1 / 4  # only 1.49 is another BF16 value (1.4921875)
+    assert residual.tolist() == pytest.approx([0.003, 0.0, 0.0, -0.001], abs=1e-6)
+    later = torch.tensor([1.4965, 1.49, 1.5, 1.501])  # round 2 moves entry 0 by 0.0005: 1.497 and 1.4965 are both
+    assert sparsity.bf16_view([later])[0] == sparsity.bf16_view([end])[0] == 1.5  # 1.5 in BF16, so 1 - S = 0 ...
+    density, residual = sparsity.error_feedback_round(end, later, residual)
+    assert density == 1 / 4  # ... but with the 0.003 owed from round 1 its signal 0.0035 is visible: sent
+    assert residual.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.001], abs=1e-6)
+    run = {"density_per_round_ef": [0.5, 0.1, 0.2, 0.3, 0.4]}
+    from harness import sparsity_report
+
+    assert sparsity_report.late_round_density_ef(run) == pytest.approx(0.4)  # 5 rounds: the last one
+    assert sparsity_report.late_round_density_ef({"density_per_round_ef": []}) is None
+    assert sparsity_report.late_round_density_ef({}) is None  # a sparsity.json written before the field
+
+
 def test_report_quarters_and_late_windows_by_hand() -> None:
     from harness import sparsity_report
 
@@ -137,7 +157,8 @@ def test_smoke_run_on_tiny_warm_model(tiny_warm_model: Path, tmp_path: Path) -> 
     md = (out / "sparsity.md").read_text()
     assert "| precision | lr | S_1 mean | S_1 min | S_2 mean (min) | S_4 mean (min) |" in md
     assert "## What the data say" in md and "Command:" in md
-    assert "| 1-S_4, last quarter (%) |" in md and "± the standard error of the difference" in md
+    assert "| 1-S_4, last quarter (%) | per round of 4 with error feedback, last quarter (%) |" in md
+    assert "± the standard error of the difference" in md and "density per round of 4 steps with error feedback" in md
     for png in ("sparsity_ratio.png", "sparsity_k.png"):
         assert (out / png).read_bytes()[:8] == PNG
     report = json.loads((out / "sparsity.json").read_text())
@@ -164,6 +185,9 @@ def test_smoke_run_on_tiny_warm_model(tiny_warm_model: Path, tmp_path: Path) -> 
         means = [run["S"][str(k)]["mean"] for k in ks]
         # on average S_k falls with k (updates keep their sign under Adam); a reversal would be a tiny one
         assert all(b <= a + 1e-3 for a, b in itertools.pairwise(means)), (precision, lr, means)
+        # one round of 4 steps: nothing owed yet, so error feedback sends exactly what changed in BF16 over it
+        assert run["round_steps"] == 4 and len(run["density_per_round_ef"]) == 1
+        assert run["density_per_round_ef"][0] == pytest.approx(1 - run["S"]["4"]["per_window"][0], abs=1e-6)
         assert run["mechanism"] is not None
         assert sum(run["mechanism"]["total"]) == steps * report["model"]["num_parameters"]
         if precision == "fp32":

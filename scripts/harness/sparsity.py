@@ -130,11 +130,26 @@ def adam_update(optimizer: Any, params: Sequence[torch.Tensor], weight: torch.Te
     return torch.cat(parts)
 
 
-def make_callback(precision: str) -> Any:
+def error_feedback_round(
+    theta_start: torch.Tensor, theta_end: torch.Tensor, residual: torch.Tensor
+) -> tuple[float, torch.Tensor]:
+    """One outer round of PULSELoCo's selection on a single trajectory: the signal is the residual plus the round's
+    pseudo-gradient ``theta_start - theta_end``; PULSE's gate (:class:`pulseloco.loco.selection.PulseSelector`, FP32
+    values) sends the entries whose BF16 value at ``theta_start`` it would change, and the new residual keeps the
+    signal everywhere else. Returns the fraction sent and the new residual. Raises ``TypeError`` / ``ValueError``
+    as the selector does (tensors that are not flat FP32 of one length)."""
+    from pulseloco.loco.selection import PulseSelector
+
+    selection = PulseSelector().select(theta_start, residual + (theta_start - theta_end))
+    return selection.num_sent / theta_start.numel(), selection.residual_N
+
+
+def make_callback(precision: str, round_steps: int = 0) -> Any:
     """A ``TrainerCallback`` that keeps the BF16 snapshots and the per-step mechanism records of one run
-    (``precision``: ``fp32`` measures the exact master-weight change, else the rebuilt AdamW step). Raises
-    ``ImportError`` without transformers; a bf16 step whose AdamW step cannot be rebuilt gets no mechanism record
-    (``rebuild_ok`` turns False)."""
+    (``precision``: ``fp32`` measures the exact master-weight change, else the rebuilt AdamW step), and with
+    ``round_steps`` > 0 the density of every round of that many steps under error feedback
+    (:func:`error_feedback_round`; ``ef_density``). Raises ``ImportError`` without transformers; a bf16 step whose
+    AdamW step cannot be rebuilt gets no mechanism record (``rebuild_ok`` turns False)."""
     from transformers import TrainerCallback
 
     class SnapshotCallback(TrainerCallback):
@@ -149,6 +164,9 @@ def make_callback(precision: str) -> Any:
             self.rebuild_ok = True
             self.step_times: list[float] = []
             self.ever_changed = torch.zeros(0, dtype=torch.bool)
+            self.round_start = torch.zeros(0)
+            self.residual = torch.zeros(0)
+            self.ef_density: list[float] = []
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             """The first snapshot: the model's parameters before the first step."""
@@ -157,6 +175,8 @@ def make_callback(precision: str) -> Any:
             self.prev = flat_float(self.params)
             self.step_times = [time.monotonic()]
             self.ever_changed = torch.zeros(self.snapshots[0].numel(), dtype=torch.bool)
+            self.round_start, self.residual = self.prev, torch.zeros_like(self.prev)
+            self.ef_density = []
 
         def on_step_end(
             self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any
@@ -184,6 +204,10 @@ def make_callback(precision: str) -> Any:
                 record.update(step_mechanism(update, self.prev, changed))
             self.steps.append(record)
             self.prev = now
+            if round_steps > 0 and len(self.steps) % round_steps == 0:
+                density, self.residual = error_feedback_round(self.round_start, now, self.residual)
+                self.ef_density.append(density)
+                self.round_start = now
 
     return SnapshotCallback()
 

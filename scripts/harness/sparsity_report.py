@@ -55,6 +55,15 @@ def late_window_density(run: dict[str, Any], k: int) -> float:
     return 1 - sum(tail) / len(tail)
 
 
+def late_round_density_ef(run: dict[str, Any]) -> float | None:
+    """The density per round under error feedback (``density_per_round_ef``) averaged over the last quarter of the
+    rounds (at least one); ``None`` for a run without rounds (fewer steps than a round, or a sparsity.json written
+    before the field)."""
+    rounds = run.get("density_per_round_ef") or []
+    tail = rounds[-max(1, len(rounds) // 4) :]
+    return sum(tail) / len(tail) if tail else None
+
+
 def run_facts(run: dict[str, Any]) -> dict[str, Any]:
     """Per-run summary numbers for the second table and the explanation."""
     mech = run.get("mechanism")
@@ -110,6 +119,16 @@ def explanation(report: dict[str, Any]) -> list[str]:
         if kmax != "1":
             drops = ", ".join(f"{r['lr']:g}: {pct(r['S']['1']['mean'])}% -> {pct(r['S'][kmax]['mean'])}%" for r in mine)
             lines.append(f"- **{precision}**: S_1 -> S_{kmax} (mean) by lr: {drops}.")
+            ef = [d for d in map(late_round_density_ef, mine) if d is not None]
+            if len(ef) == len(mine):
+                pairs = ", ".join(
+                    f"{r['lr']:g}: {pct(late_window_density(r, int(kmax)))}% -> {pct(d)}%" for r, d in zip(mine, ef)
+                )
+                lines.append(
+                    f"- **{precision}**: over the last quarter, 1 - S_{kmax} (a round's own changes) -> the density "
+                    f"per round of {kmax} steps with error feedback (what a peer sends: the residual of earlier "
+                    f"rounds' invisible changes becomes visible too), by lr: {pairs}."
+                )
         total = [sum(r["mechanism"]["total"][i] for r in mine if r["mechanism"]) for i in range(NUM_BINS)]
         changed = [sum(r["mechanism"]["changed"][i] for r in mine if r["mechanism"]) for i in range(NUM_BINS)]
         if sum(total):
@@ -177,10 +196,10 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
     kmax = max(ks)
     lines += [
         "",
-        f"| precision | lr | density 1-S_1 (%) | 1-S_1, last quarter (%) | 1-S_{kmax}, last quarter (%) | never "
-        "changed (%) | median r | r >= 1 (%) | sampled reward: mean, first -> last quarter (± standard error) "
-        "| seconds |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| precision | lr | density 1-S_1 (%) | 1-S_1, last quarter (%) | 1-S_{kmax}, last quarter (%) | per round "
+        f"of {kmax} with error feedback, last quarter (%) | never changed (%) | median r | r >= 1 (%) | sampled "
+        "reward: mean, first -> last quarter (± standard error) | seconds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in report["runs"]:
         f = run_facts(run)
@@ -189,7 +208,9 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
         mean = "n/a" if run["reward_mean"] is None else f"{run['reward_mean']:.3f}"
         first, last = ("n/a" if q is None else f"{q[0]:.3f} ± {q[1]:.3f}" for q in reward_quarters(run, run["steps"]))
         cells = [run["precision"], f"{run['lr']:g}", pct(f["density"]), pct(late_window_density(run, 1))]
-        cells += [pct(late_window_density(run, kmax)), pct(run["never_changed"]), median_r, frac]
+        ef = late_round_density_ef(run)
+        cells += [pct(late_window_density(run, kmax)), "n/a" if ef is None else pct(ef)]
+        cells += [pct(run["never_changed"]), median_r, frac]
         cells += [f"{mean}, {first} -> {last}", f"{run['seconds']:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     model, st = report["model"], report["settings"]
