@@ -33,7 +33,7 @@ after every optimizer step. From the snapshots theta_0 .. theta_T:
   of entries not sent before; the entries whose BF16 value at theta_start it would change are sent, the rest stays
   in the residual). Its density per round, beside 1 - S_H (which carries nothing from round to round), is the
   density a swarm's peer sends. It is simulated on the one trajectory: the run's weights go on from theta_end,
-  where a peer's restart from the averaged weights (only the sent entries applied);
+  where a peer restarts from the averaged weights (only the sent entries applied);
 * per run: the seconds it took and the sampled reward TRL logged (mean over all steps, the first and last quarter).
 
 Outputs in ``--out`` (default ``results/`` at the repo root):

@@ -218,7 +218,7 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     Learning and quality (``learned_by``, ``improved``, ``within_diloco_range``): where every strategy's runs at a
     learning rate have the held-out sampled reward with its standard errors, by that (every seed's gain beyond
-    :data:`SAMPLED_Z` standard errors; the mean of the final values within DiLoCo's range over its seeds), else by
+    :data:`SAMPLED_Z` standard errors; its mean after training within DiLoCo's range over its seeds), else by
     the final metric (every seed above the starting model and a mean gain of at least :data:`MIN_GAIN`; its mean
     within DiLoCo's range). ``within_diloco_range`` is ``None`` without a DiLoCo row of at least 2 seeds.
 
