@@ -42,15 +42,14 @@ def reward_cell(row: dict[str, Any]) -> str:
 def sampled_cell(row: dict[str, Any]) -> str:
     """The held-out sampled reward's cell: before -> after, with the sampling standard error for one seed, else the
     mean and [min, max] over the seeds; ``-`` where the runs wrote none (``--num_eval_samples 0``, older results)."""
-    after = [a for a in row.get("sampled_after") or [] if a is not None]
-    if not after:
+    if row.get("sampled_mean") is None:
         return "-"
     before = row.get("sampled_before")
     text = "" if before is None else f"{before:.3f} -> "
-    if len(after) == 1:
-        se = (row.get("sampled_se_after") or [None])[0]
-        return text + f"{after[0]:.3f}" + ("" if se is None else f" ± {se:.3f}")
-    return text + f"{sum(after) / len(after):.3f} [{min(after):.3f}, {max(after):.3f}]"
+    if len(row["sampled_after"]) == 1:
+        se = row["sampled_se_after"][0]
+        return text + f"{row['sampled_mean']:.3f}" + ("" if se is None else f" ± {se:.3f}")
+    return text + f"{row['sampled_mean']:.3f} [{row['sampled_min']:.3f}, {row['sampled_max']:.3f}]"
 
 
 def lr_label(lr: float | None) -> str:
