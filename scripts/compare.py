@@ -2,9 +2,9 @@
 """The paper's table on this machine: ddp, diloco, pulseloco, sparseloco (and pulseloco with BF16 values) in GRPO
 post-training of a warm model; reward against bytes sent, wall time, density per round and PULSESync patch sizes.
 
-    .venv/bin/python scripts/compare.py                       # the table: GRPO, 4 workers, lr 5e-5, 3 seeds
-    .venv/bin/python scripts/compare.py --quick               # a few minutes: one learning rate, one seed, 32 steps
-    .venv/bin/python scripts/compare.py --lrs 3e-6 --seeds 3  # one learning rate, three seeds
+    .venv/bin/python scripts/compare.py                       # about an hour: the wide model at lr 3e-6, one seed
+    .venv/bin/python scripts/compare.py --seeds 3 --strategies diloco,pulseloco,pulseloco-bf16  # the full table
+    .venv/bin/python scripts/compare.py --quick               # a few minutes: the demo model, 32 steps
     .venv/bin/python scripts/compare.py --bandwidth 100mbit   # each worker behind a 100 Mbit/s link (root)
     .venv/bin/python scripts/compare.py --recipe pretrain     # recipes/pretrain.py, configs/pretrain-tiny.yaml
     .venv/bin/python scripts/compare.py -- --beta 0.04        # after --: to every recipe run
@@ -14,14 +14,21 @@ starts the ``pulseloco`` command from beside ``sys.executable`` (and says so in 
 accelerate's launcher as ``python -m accelerate.commands.launch``: the code ``accelerate launch`` runs, without the
 console script's import of accelerate's other subcommands (4 CPU-s per launch).
 
-**What runs.** For every learning rate of ``--lrs`` (``--learning_rate`` of the inner AdamW; default 5e-5, the
-lowest at which DiLoCo clearly learns on the demo warm model within the run: 4 workers, 160 steps, greedy reward
-0.52 -> 0.65 at 5e-5 and 0.54 at 2e-5, one seed each, 2026-11-25) and every seed, each strategy of ``--strategies``
-trains the same warm model (``scripts/warm_model.py --size demo``, ``--warm-size``, or ``--model_name_or_path``) on
-the same task with the same config (``recipes/configs/grpo-demo.yaml``: 16 prompts x 8 completions per step, the
-peers' weights averaged every round; ``--steps`` optimizer steps, default 160, H = ``inner_steps`` = 8) and the
-same number of workers (``--workers``, default 4). The earlier default, the tiny model at lr 1e-6 / 3e-6 / 1e-5, is
-``--warm-size tiny --config recipes/configs/grpo-tiny.yaml --lrs 1e-6,3e-6,1e-5 --seeds 1,1,3 --steps 256``:
+**What runs.** For every learning rate of ``--lrs`` (``--learning_rate`` of the inner AdamW) and every seed, each
+strategy of ``--strategies`` trains the same warm model (``scripts/warm_model.py --size WARM_SIZE``, or
+``--model_name_or_path``) on the same task with the same config (``recipes/configs/grpo-demo.yaml``: 16 prompts x 8
+completions per step, the peers' weights averaged every round; ``--steps`` optimizer steps, H = ``inner_steps`` =
+8) and the same number of workers (``--workers``, default 4). The default is PULSE's regime as far as this machine
+reaches it: the wide warm model (``--warm-size wide``, 9.18M parameters, built once in about 9 minutes) at lr 3e-6,
+the lowest rate at which DiLoCo learns on it within a few hundred steps (by the held-out sampled reward; 1e-6 did
+not), 192 steps, one seed of diloco, pulseloco, pulseloco-bf16 and sparseloco, every run evaluated with
+``--num_eval_samples 32`` (added unless given after ``--``): about 47 minutes of runs. Three seeds of the three
+strategies the targets need (``--seeds 3 --strategies diloco,pulseloco,pulseloco-bf16``) take about 105 minutes;
+with one seed quality is not judged against DiLoCo (no range). ``--quick`` runs the demo warm model at 5e-5 (where
+it learns fast, far above the sparse regime) for 32 steps, every strategy: a few minutes, a smoke run. The earlier
+defaults: the demo model at 5e-5, ``--warm-size demo --lrs 5e-5 --seeds 3 --steps 160 --strategies
+ddp,diloco,pulseloco,pulseloco-bf16,sparseloco -- --num_eval_samples 8`` (about 50 minutes), and before it the tiny
+model, ``--warm-size tiny --config recipes/configs/grpo-tiny.yaml --lrs 1e-6,3e-6,1e-5 --seeds 1,1,3 --steps 256``:
 
 * ``ddp``: one ``accelerate launch --config_file recipes/accelerate_configs/multi_process_cpu.yaml --num_processes W``
   (the Trainer's data parallelism, gradients all-reduced every step). Nothing measures its traffic: its bytes per
@@ -51,12 +58,15 @@ prompts and samples), pretrain peers ``--data_seed`` instead (the same initial w
 at every learning rate; ``--seeds 1,1,3`` gives each learning rate its own count (default 3 with the default
 ``--lrs``; with other ``--lrs`` one seed each).
 
-**Quality** is the greedy exact-match reward of the final model on the fixed evaluation prompts
-(``--num_eval_prompts 100``; ``reward_after`` in ``grpo_eval.json``), before and after, as mean, standard
-deviation and range over seeds (swarm peers end on the consensus model; the mean over the workers is taken). A
-strategy "learned" at a learning rate when every seed improved on the warm model and the mean gain is at least
-``MIN_GAIN`` (0.05, five of the 100 prompts); where it did not, no quality is claimed for it. PULSELoCo "matches
-DiLoCo" at a learning rate when its mean lies within DiLoCo's range over seeds (needs at least 2 seeds).
+**Quality** is the reward of the final model on the fixed evaluation prompts (``--num_eval_prompts 100``), before
+and after, as mean, standard deviation and range over seeds (swarm peers end on the consensus model; the mean over
+the workers is taken): the held-out sampled reward (``--num_eval_samples`` draws per prompt at the training
+temperature; ``sampled_reward_before/after`` and their standard errors in ``grpo_eval.json``) where every run at a
+learning rate wrote it, else the greedy exact-match reward (``reward_after``). By the sampled reward a strategy
+"learned" when every seed's gain exceeds ``SAMPLED_Z`` (2) standard errors of the difference; by the greedy one when
+every seed improved on the warm model and the mean gain is at least ``MIN_GAIN`` (0.05, five of the 100 prompts).
+Where it did not learn, no quality is claimed for it. PULSELoCo "matches DiLoCo" at a learning rate when its mean
+lies within DiLoCo's range over seeds (needs at least 2 seeds). The rule used is printed under each table.
 
 **Outputs** (``--out``, default ``results/``): ``compare.md`` (per learning rate a table, one of wire and payload
 bytes per worker and round, one of the sparse strategies' bytes per selected entry, and the targets: pulseloco
@@ -153,8 +163,24 @@ from harness.recipe_runs import make_signing_key, recipe_env, start_bootstrap  #
 
 CONFIGS = REPO / "recipes" / "configs"
 DEFAULT_CONFIGS = {"pretrain": CONFIGS / "pretrain-tiny.yaml", "grpo": CONFIGS / "grpo-demo.yaml"}
-GRPO_DEFAULTS = {"lrs": "5e-5", "seeds": "3", "steps": 160}
-QUICK = {"lrs": "5e-5", "seeds": "1", "steps": 32}
+GRPO_DEFAULTS: dict[str, Any] = {
+    "lrs": "3e-6",
+    "seeds": "1",
+    "steps": 192,
+    "warm_size": "wide",
+    "strategies": "diloco,pulseloco,pulseloco-bf16,sparseloco",
+    "num_eval_samples": 32,
+}
+"""The default comparison: the RL-rate regime (module docstring, "What runs"), one seed, about an hour."""
+QUICK: dict[str, Any] = {
+    "lrs": "5e-5",
+    "seeds": "1",
+    "steps": 32,
+    "warm_size": "demo",
+    "strategies": ",".join(STRATEGIES),
+}
+"""``--quick``: the demo warm model at the rate where it learns fast, too few steps to learn (a smoke run)."""
+EVAL_SAMPLES_FLAG = "--num_eval_samples"
 WARM_MODEL_TIMEOUT = 3600.0
 """Seconds ``scripts/warm_model.py`` may take to build a warm model (reusing a cached one takes seconds)."""
 
@@ -200,7 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--config", type=Path, default=None, help="recipe config (default configs/grpo-demo.yaml or pretrain-tiny.yaml)"
     )
-    ap.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {', '.join(STRATEGIES)}")
+    ap.add_argument(
+        "--strategies", default=None, help=f"comma-separated, of {', '.join(STRATEGIES)} (grpo default "
+        f"{GRPO_DEFAULTS['strategies']}; --quick and pretrain: all)",
+    )  # fmt: skip
     ap.add_argument("--workers", type=int, default=4, help="workers per strategy (default 4)")
     ap.add_argument(
         "--lrs", default=None, help=f"comma-separated inner learning rates (grpo default {GRPO_DEFAULTS['lrs']}; "
@@ -214,14 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=None, help=f"--max_steps per worker (grpo default {GRPO_DEFAULTS['steps']}, "
         "pretrain: the config's; for the swarm strategies a multiple of inner_steps)",
     )  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help=f"a few minutes: --lrs {QUICK['lrs']} --seeds "
-                    f"{QUICK['seeds']} --steps {QUICK['steps']} (unless given)")  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help=f"a few minutes: --warm-size {QUICK['warm_size']} --lrs "
+                    f"{QUICK['lrs']} --seeds {QUICK['seeds']} --steps {QUICK['steps']}, every strategy (unless "
+                    "given)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="--seed of seed 0 (seed j: + 1000 j; swarm peer i: + i)")
     ap.add_argument(
         "--model_name_or_path", "--model-name-or-path", default=None,
         help="the model every run starts from (grpo default: scripts/warm_model.py --size WARM_SIZE)",
     )  # fmt: skip
-    ap.add_argument("--warm-size", default="demo", help="scripts/warm_model.py --size for grpo (default demo)")
+    ap.add_argument(
+        "--warm-size", default=None,
+        help=f"scripts/warm_model.py --size for grpo (default {GRPO_DEFAULTS['warm_size']}; --quick: "
+        f"{QUICK['warm_size']})",
+    )  # fmt: skip
     ap.add_argument("--no-publish", action="store_true", help="no PULSESync publishing by the swarm's peer 0")
     ap.add_argument("--bandwidth", default=None, help="limit each worker's link, e.g. 100mbit (needs root)")
     ap.add_argument("--parallel", action="store_true", help="the strategies of a run at once (times not comparable)")
@@ -236,9 +270,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(
     ap: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]
-) -> tuple[list[str], list[float | None], list[int]]:
-    """The strategies, learning rates (``[None]``: the config's) and seed counts of a comparison; fills in the
-    defaults of ``--steps`` and ``--config`` and resolves the paths. Exits 2 through ``ap.error`` on a bad flag."""
+) -> tuple[list[str], list[float | None], list[int], list[str]]:
+    """The strategies, learning rates (``[None]``: the config's), seed counts and recipe flags (``extra``, with
+    ``--num_eval_samples`` of the grpo default added unless given) of a comparison; fills in the defaults of
+    ``--steps``, ``--warm-size`` and ``--config`` and resolves the paths. Exits 2 through ``ap.error`` on a bad
+    flag."""
+    defaults: dict[str, Any] = (
+        (QUICK if args.quick else GRPO_DEFAULTS) if args.recipe == "grpo" else {"lrs": None, "seeds": "1"}
+    )
+    if args.strategies is None:
+        args.strategies = defaults.get("strategies", ",".join(STRATEGIES))
+    if args.warm_size is None:
+        args.warm_size = defaults.get("warm_size", GRPO_DEFAULTS["warm_size"])
+    given = any(a == EVAL_SAMPLES_FLAG or a.startswith(EVAL_SAMPLES_FLAG + "=") for a in extra)
+    if "num_eval_samples" in defaults and not given:
+        extra = [*extra, EVAL_SAMPLES_FLAG, str(defaults["num_eval_samples"])]
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown or not strategies:
@@ -247,9 +293,6 @@ def validate(
         ap.error("--workers must be at least 1")
     if args.workers < 2 and "ddp" in strategies:
         log("warning: ddp with one worker sends nothing")
-    defaults: dict[str, Any] = (
-        (QUICK if args.quick else GRPO_DEFAULTS) if args.recipe == "grpo" else {"lrs": None, "seeds": "1"}
-    )
     if args.quick and args.recipe == "pretrain":
         defaults = {**defaults, "steps": QUICK["steps"]}
     if args.steps is None:
@@ -268,7 +311,7 @@ def validate(
         ap.error(f"--config: {args.config} does not exist")
     if args.model_name_or_path is not None and Path(args.model_name_or_path).expanduser().exists():
         args.model_name_or_path = str(Path(args.model_name_or_path).expanduser().resolve())
-    return strategies, lrs, seeds
+    return strategies, lrs, seeds, extra
 
 
 # ---- the runs ------------------------------------------------------------------------------------------------------
@@ -460,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:  # before anything is created or started: one line, no traceback
         print(f"compare.py: error: {problem}; {SETUP_HINT}", file=sys.stderr, flush=True)
         return 2
-    strategies, lrs, seeds = validate(ap, args, extra)
+    strategies, lrs, seeds, extra = validate(ap, args, extra)
     runs_dir, temp_runs = prepare_runs_dir(args.runs_dir)
 
     def remove_temp_runs() -> None:  # a temporary runs directory goes unless --keep-runs

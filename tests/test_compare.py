@@ -315,3 +315,34 @@ def test_python_without_the_pulseloco_command_beside_it_gets_one_line(tmp_path: 
     proc = run_compare([str(python), str(SCRIPT), "--out", str(out)], timeout=50, env=dict(os.environ, TMPDIR=str(tmp)))
     line = assert_one_line_refusal(proc, tmp, out)
     assert "no pulseloco command" in line and "no module" not in line
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        # the default: the RL-rate regime, one seed of the four strategies the targets name, 32 held-out samples
+        ([], ("wide", [3e-6], [1], 192, ["diloco", "pulseloco", "pulseloco-bf16", "sparseloco"], "32")),
+        # the full table: three seeds of the three strategies the issue asks for, at the same rate and model
+        (
+            ["--seeds", "3", "--strategies", "diloco,pulseloco,pulseloco-bf16"],
+            ("wide", [3e-6], [3], 192, ["diloco", "pulseloco", "pulseloco-bf16"], "32"),
+        ),
+        # --quick: the demo model, every strategy, the recipe's own number of held-out samples
+        (["--quick"], ("demo", [5e-5], [1], 32, list(compare_runs.STRATEGIES), None)),
+        # what the user gives wins, after -- as before it
+        (
+            ["--warm-size", "tiny", "--steps", "8", "--", "--num_eval_samples", "4"],
+            ("tiny", [3e-6], [1], 8, ["diloco", "pulseloco", "pulseloco-bf16", "sparseloco"], "4"),
+        ),
+    ],
+)
+def test_defaults_are_the_rl_rate_regime_and_what_is_given_wins(
+    flags: list[str], expected: tuple[str, list[float], list[int], int, list[str], str | None]
+) -> None:
+    argv, extra = (flags[: flags.index("--")], flags[flags.index("--") + 1 :]) if "--" in flags else (flags, [])
+    ap = compare.build_parser()
+    args = ap.parse_args(argv)
+    strategies, lrs, seeds, extra = compare.validate(ap, args, extra)
+    samples = extra[extra.index("--num_eval_samples") + 1] if "--num_eval_samples" in extra else None
+    assert (args.warm_size, lrs, seeds, args.steps, strategies, samples) == expected
+    assert extra.count("--num_eval_samples") <= 1
