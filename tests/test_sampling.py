@@ -238,16 +238,17 @@ def test_verifier_settings_are_checked() -> None:
 
 def test_a_random_fraction_of_completions_is_checked(engine: TransformersEngine) -> None:
     """``fraction`` < 1 checks a random share of each lease's completions (at least one), drawn by the trainer; a
-    lease whose every completion is another seed's still fails."""
+    lease whose every completion is another seed's still fails. (With ``verify_weights="version"``: the shared
+    check looks at every completion, since its forward pass is TRL's.)"""
     repeated = [p for p in PROMPTS for _ in range(8)]
     got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
-    verifier = RolloutVerifier(VerifyConfig(verify_fraction=0.25), seed=3)
+    verifier = RolloutVerifier(VerifyConfig(verify_fraction=0.25, verify_weights="version"), seed=3)
     lease = check_lease(verifier, engine.model, got, 8)
     lengths = sorted(len(c.token_ids) for c in got)
     assert lease.reason is None and lease.completions == 24
     assert sum(lengths[:6]) <= lease.checked <= sum(lengths[-6:])  # six of the 24 completions
     other = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)
-    tiny = RolloutVerifier(VerifyConfig(verify_fraction=0.01), seed=3)
+    tiny = RolloutVerifier(VerifyConfig(verify_fraction=0.01, verify_weights="version"), seed=3)
     failed = check_lease(tiny, engine.model, other, 8)
     assert failed.checked <= 16 and "not the replayable sampler's choice" in str(failed.reason)
 
@@ -279,3 +280,72 @@ def test_a_lease_is_checked_with_its_versions_weights_even_when_the_trainer_wrap
     trainers = check_lease(RolloutVerifier(VerifyConfig(verify_margin=0.1)), trainer, got, 4)
     assert "not the replayable sampler's choice" in str(trainers.reason)
     assert states.wait(7, timeout=0.0) is None and states.versions() == [0]
+
+
+def trl_logps(
+    model: torch.nn.Module, prompts: list[list[int]], completions: list, t: float
+) -> tuple[torch.Tensor, ...]:
+    """TRL's batch of ``completions`` (left-padded prompts, right-padded completions), its mask, width, and the
+    per-token log-probabilities TRL's own forward pass computes of it (logits predicting the completion tokens,
+    tempered, log-softmax, gathered)."""
+    prompt_width, keep = max(map(len, prompts)), max(len(c.token_ids) for c in completions)
+    ids = torch.zeros((len(completions), prompt_width + keep), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        ids[i, prompt_width - len(prompt) : prompt_width] = torch.tensor(prompt)
+        ids[i, prompt_width : prompt_width + len(completion.token_ids)] = torch.tensor(completion.token_ids)
+        mask[i, prompt_width - len(prompt) : prompt_width + len(completion.token_ids)] = 1
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -keep - 1 : -1] / t
+    logps = logits.log_softmax(-1).gather(-1, ids[:, -keep:].unsqueeze(-1)).squeeze(-1)
+    return ids, mask, torch.tensor(keep), logps
+
+
+def test_the_shared_check_passes_on_the_trainers_weights_and_hands_trl_its_log_probabilities(
+    engine: TransformersEngine,
+) -> None:
+    """``verify_weights="shared"`` (the default): every completion is checked first with the trainer's current
+    weights; where they are the version's (FP32 holding the BF16 values) every completion passes there, no version
+    is looked up, and the check's log-probabilities answer TRL's importance-sampling forward pass for TRL's batch
+    (equal to what TRL computes; ``None`` for a batch with a row the check never saw). Where the trainer has moved
+    on, the completions that fail the first check are checked again with the version's weights and pass; TRL still
+    gets the trainer's current log-probabilities. Tokens of another seed fail both checks."""
+    from pulseloco.integrations.verify import VersionStates
+
+    repeated = [p for p in PROMPTS for _ in range(4)]
+    got = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
+    published = {n: t.detach().to(torch.bfloat16).clone() for n, t in engine.model.state_dict().items()}
+    states = VersionStates(None, "run.policy", None, {}, keep=2)
+    states.add(0, published)
+    trainer = copy.deepcopy(engine.model).float()  # the trainer's FP32 weights holding the version's BF16 values
+
+    verifier = RolloutVerifier(VerifyConfig(verify_margin=0.1), states=states, states_wait=0.0)
+    lease = check_lease(verifier, trainer, got, 4, lag=1)
+    assert lease.reason is None and lease.shared == lease.completions == 12 and not lease.pinned, lease
+    assert verifier.stats.shared_completions == 12 and verifier.stats.pinned_leases == 0
+    ids, mask, keep, trl = trl_logps(trainer, repeated, got, 1.0)
+    shared = verifier.shared_logps(ids, mask, int(keep))
+    real = mask[:, -int(keep) :].bool()
+    assert shared is not None and shared.shape == trl.shape
+    assert torch.allclose(shared[real], trl[real], atol=1e-4) and not shared[~real].any()
+    mask[0, ids.shape[1] - int(keep) - 1] = 0  # a prompt the check never saw
+    assert verifier.shared_logps(ids, mask, int(keep)) is None
+    verifier.clear_shared()
+    assert verifier.shared_logps(ids, torch.ones_like(ids), int(keep)) is None
+
+    moved = copy.deepcopy(trainer)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in moved.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+    verifier = RolloutVerifier(VerifyConfig(verify_margin=0.1), states=states, states_wait=0.0)
+    lease = check_lease(verifier, moved, got, 4, lag=1)
+    assert lease.reason is None and lease.pinned and lease.shared < lease.completions, lease
+    ids, mask, keep, trl = trl_logps(moved, repeated, got, 1.0)
+    shared = verifier.shared_logps(ids, mask, int(keep))
+    assert shared is not None and torch.allclose(shared[real], trl[real], atol=1e-4)
+
+    other = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=6)  # claimed as seed 5's
+    verifier = RolloutVerifier(VerifyConfig(), states=states, states_wait=0.0)
+    lease = check_lease(verifier, trainer, other, 4, lag=1)
+    assert lease.pinned and "not the replayable sampler's choice" in str(lease.reason), lease

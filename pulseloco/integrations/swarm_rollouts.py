@@ -61,6 +61,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import torch
 from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
@@ -74,7 +75,7 @@ from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FALLBACKS", "RolloutConfig", "SwarmRollouts", "enable_importance_sampling"]
+__all__ = ["FALLBACKS", "RolloutConfig", "SwarmRollouts", "enable_importance_sampling", "share_old_logps"]
 
 Fallback = Literal["local", "wait"]
 FALLBACKS: tuple[Fallback, ...] = get_args(Fallback)
@@ -124,6 +125,36 @@ def enable_importance_sampling(trainer: Any) -> bool:
     trainer.use_vllm = True
     trainer.vllm_generation = _PulseSyncWeights()
     trainer._last_loaded_step = trainer.state.global_step
+    return True
+
+
+def share_old_logps(trainer: Any, verifier: RolloutVerifier) -> bool:
+    """Let TRL's ``GRPOTrainer`` take its importance-sampling ratio's old log-probabilities (its no-gradient
+    forward pass of the trainer's model over a generation round) from ``verifier``'s first check of the same
+    completions with the same weights (:meth:`RolloutVerifier.shared_logps`), so that the check's forward pass
+    replaces TRL's.
+
+    Wraps the trainer's ``_get_per_token_logps_and_entropies``: the wrapper answers only a call without gradients on
+    the trainer's own model with nothing else asked (TRL makes that call first, for the old log-probabilities; a
+    reference model's call, with PEFT on the same model, comes after and goes to TRL, since the kept values are
+    used once), and only when every row was checked; anything else goes to TRL. Returns whether it wrapped: not
+    when TRL computes no such ratio (``vllm_importance_sampling_correction`` off), where the first check is a
+    forward pass of its own."""
+    if not (trainer.use_vllm and trainer.args.vllm_importance_sampling_correction):
+        return False
+    original = trainer._get_per_token_logps_and_entropies
+
+    def shared(model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, *args: Any, **kwargs: Any) -> Any:
+        asked = {k: v for k, v in kwargs.items() if k != "batch_size" and v not in (None, False)}
+        if model is trainer.model and not args and not asked and not torch.is_grad_enabled():
+            logps = verifier.shared_logps(input_ids, attention_mask, logits_to_keep)
+            verifier.clear_shared()  # one use
+            if logps is not None:
+                verifier.stats.shared_forwards += 1
+                return logps, None, None
+        return original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = shared
     return True
 
 
@@ -244,6 +275,9 @@ class SwarmRollouts:
         enable_importance_sampling(trainer)
         if not trainer.accelerator.is_main_process:
             return
+        verifier = self.verifier
+        if verifier is not None and verifier.weights == "shared" and not share_old_logps(trainer, verifier):
+            logger.info("rollouts: no importance-sampling ratio in TRL; the first check is a forward pass of its own")
         callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
         if self.dht is None:
             for callback in callbacks:
@@ -300,6 +334,8 @@ class SwarmRollouts:
     def _generate(self, rows: list[Any], trainer: Any) -> dict[str, list[Any]]:
         assert self.client is not None  # noqa: S101 (set by _start on the main process, which alone gets here)
         started = time.monotonic()
+        if self.verifier is not None:
+            self.verifier.clear_shared()
         training = trainer.model.training
         num_generations = trainer.num_generations if training else trainer.num_generations_eval
         pending = self._take_or_submit(rows, trainer)
@@ -520,6 +556,8 @@ class SwarmRollouts:
             "worst_passing_logprob_error": round(v.worst_passing_logprob_error, 5),
             "pinned_leases": v.pinned_leases,
             "unverifiable_leases": v.unverifiable_leases,
+            "shared_completions": v.shared_completions,
+            "shared_forwards": v.shared_forwards,
             "last_failure": v.last_failure,
         }
 

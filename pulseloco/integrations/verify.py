@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -64,6 +64,10 @@ __all__ = [
     "settle",
     "stop_ids",
 ]
+
+
+#: The weights a completion is checked with (:class:`VerifyConfig`'s ``verify_weights``).
+WEIGHTS = ("shared", "version")
 
 
 #: Logits held at once per chunk of the forward pass (elements; 2**27 float32 values are 512 MiB).
@@ -97,7 +101,19 @@ class VerifyConfig:
         },
     )
 
+    verify_weights: Literal["shared", "version"] = field(
+        default="shared",
+        metadata={
+            "help": "'shared': every completion is first checked with this trainer's current weights, in the "
+            "forward pass TRL's importance-sampling ratio needs anyway (its log-probabilities are handed to TRL), and "
+            "only the completions that do not pass are checked again with the weights of the version they claim; "
+            "'version': every checked completion with its version's weights, a forward pass of its own."
+        },
+    )
+
     def __post_init__(self) -> None:
+        if self.verify_weights not in WEIGHTS:
+            raise ConfigError(f"verify_weights must be one of {', '.join(WEIGHTS)}, got {self.verify_weights!r}")
         if not (self.verify_margin >= 0 and math.isfinite(self.verify_margin)):
             raise ConfigError(f"verify_margin must be a finite number >= 0, got {self.verify_margin}")
         if not 0 <= self.verify_max_mismatch_rate < 1:
@@ -217,6 +233,7 @@ class LeaseCheck:
     tokens: int = 0
     max_logprob_error: float = 0.0
     early_stops: int = 0
+    shared: int = 0
     pinned: bool = False
     unverifiable: bool = False
     reason: str | None = None
@@ -230,7 +247,9 @@ class LeaseCheck:
 @dataclass
 class VerifyStats:
     """Counters over a run (what the metrics report): positions checked, mismatched and near, completions and
-    leases checked and failed, seconds spent, and the largest honest gap and log-probability error seen."""
+    leases checked and failed, seconds spent, the largest honest gap and log-probability error seen, the completions
+    that passed with the trainer's current weights (``shared_completions``; the others were checked with their
+    version's) and how many of TRL's forward passes the checks' log-probabilities replaced (``shared_forwards``)."""
 
     completions: int = 0
     positions: int = 0
@@ -243,6 +262,8 @@ class VerifyStats:
     worst_passing_logprob_error: float = 0.0
     pinned_leases: int = 0
     unverifiable_leases: int = 0
+    shared_completions: int = 0
+    shared_forwards: int = 0
     last_failure: str | None = None
 
 
@@ -262,6 +283,17 @@ class RolloutVerifier:
             version it claims (a BF16 copy of the model) and the margin alone; one whose version is not held within
             ``states_wait`` seconds is *unverifiable* (generated again, held against nobody). Without ``states``,
             leases are checked with the trainer's weights and a margin scaled by the lag.
+
+    With ``verify_weights="shared"`` (the default) :meth:`check` first checks every completion (whatever
+    ``fraction``) with the model it is given, the trainer's current weights, and the margin alone (not scaled by
+    any lag): a completion with no mismatched position and a mean log-probability error within
+    ``max_logprob_error`` passes there; only the others are checked as above, with their version's weights. Passing
+    the first check means the tokens are the sampler's choice under weights the trainer holds, as strictly as the
+    second, so nothing is let through that the second would refuse for a worker that does not know the trainer's
+    unpublished weights. The first check's log-probabilities are kept for :meth:`shared_logps`, which hands them
+    to TRL as its importance-sampling ratio's old log-probabilities (the forward pass TRL would do next, with the
+    same weights): at learning rates where the weights move little between versions (RL's), most completions pass
+    the first check and the second forward pass is not needed.
     """
 
     def __init__(
@@ -278,6 +310,8 @@ class RolloutVerifier:
         self.max_mismatch_rate = config.verify_max_mismatch_rate
         self.max_logprob_error = config.verify_max_logprob_error
         self.fraction = config.verify_fraction
+        self.weights = config.verify_weights
+        self._shared: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}
         self.stats = VerifyStats()
         self.gaps: list[float] | None = [] if record_gaps else None
         self.states = states
@@ -310,18 +344,20 @@ class RolloutVerifier:
                 if len(ids) < max_new_tokens and (not ids or ids[-1] not in stop_ids):
                     lease.early_stops += 1
                 rows.append((result.lease_id, list(prompt), ids, logprobs, result.seed, result.sequence + offset))
-        if self.fraction < 1.0:
+        if self.weights == "shared":  # first with the trainer's weights; what does not pass, with the version's
+            rows = self._first_check(model, rows, leases, temperature)
+        elif self.fraction < 1.0:
             rows = self._sample(rows)
         # each lease is checked with its own version's weights when they are held (then the margin covers only
         # numeric differences), else with the trainer's current weights and a margin scaled by the lag
+        version_of = {r.lease_id: r.version for r in results}
         snapshots = {}
         if self.states is not None:
-            for result in results:
-                if result.version not in snapshots:
-                    snapshots[result.version] = self.states.wait(result.version, self.states_wait)
-        version_of = {r.lease_id: r.version for r in results}
-        for lease in leases.values():
-            if snapshots.get(version_of[lease.lease_id]) is not None:
+            for version in sorted({version_of[row[0]] for row in rows}):
+                snapshots[version] = self.states.wait(version, self.states_wait)
+        for lease_id in {row[0] for row in rows}:
+            lease = leases[lease_id]
+            if snapshots.get(version_of[lease_id]) is not None:
                 lease.pinned, lease.lag = True, 0
             elif self.states is not None:  # a version the trainer does not hold: generated again, nobody blamed
                 lease.unverifiable = True
@@ -331,13 +367,9 @@ class RolloutVerifier:
                 groups.setdefault(version_of[row[0]] if leases[row[0]].pinned else None, []).append(row)
         for pin, group in groups.items():
             target = model if pin is None else self._pinned(model, pin, snapshots[pin])
-            was_training = target.training
-            target.eval()
-            try:
-                for chunk in self._chunks(group, target):
-                    self._check_chunk(target, chunk, leases, temperature)
-            finally:
-                target.train(was_training)
+            for chunk, checked, _ in self._run(target, group, temperature, [leases[r[0]].lag for r in group]):
+                for row, outcome in zip(chunk, checked):
+                    self._add(leases[row[0]], outcome, len(row[2]))
         for lease in leases.values():
             lease.reason = self._verdict(lease)
             self._count(lease)
@@ -350,11 +382,15 @@ class RolloutVerifier:
 
         Built from the config, not copied: a trainer's model may carry a ``forward`` wrapped by ``accelerate``
         (autocast, output conversion) in a closure over the original module, which a deep copy would keep
-        calling, so the copy would compute with the trainer's weights."""
+        calling, so the copy would compute with the trainer's weights. Its initialisation leaves the trainer's
+        random generators as they were."""
         assert state is not None  # noqa: S101 (only versions with a snapshot get here)
         if self._pinned_model is None:
             parameter = next(model.parameters())
-            with torch.device(parameter.device):
+            # its random initialisation (overwritten below) must not draw from the trainer's generators: whether a
+            # run builds this model (a completion fails the shared check) would otherwise change its training
+            cuda = [parameter.device] if parameter.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda), torch.device(parameter.device):
                 pinned = type(model)(copy.deepcopy(model.config))
             self._pinned_model = pinned.to(dtype=parameter.dtype).eval()
             self._pinned_version = None
@@ -391,7 +427,101 @@ class RolloutVerifier:
             chunks.append(current)
         return chunks
 
-    def _check_chunk(self, model: torch.nn.Module, chunk: list[Any], leases: dict[str, LeaseCheck], t: float) -> None:
+    def _first_check(
+        self, model: torch.nn.Module, rows: list[Any], leases: dict[str, LeaseCheck], temperature: float
+    ) -> list[Any]:
+        """Check every row with ``model`` (the trainer's current weights) and the margin alone, keeping each row's
+        log-probabilities for :meth:`shared_logps`; fold the rows that pass (no mismatched position, mean
+        log-probability error within ``max_logprob_error``) into their leases and return the others."""
+        left = []
+        for chunk, results, logprobs in self._run(model, rows, temperature, [0] * len(rows), keep_logprobs=True):
+            for row, result, values in zip(chunk, results, logprobs):
+                self._shared[(tuple(row[1]), tuple(row[2]))] = values
+                if result.mismatches == 0 and result.logprob_error <= self.max_logprob_error:
+                    self._add(leases[row[0]], result, len(row[2]))
+                    leases[row[0]].shared += 1
+                else:
+                    left.append(row)
+        return left
+
+    @torch.no_grad()
+    def share(
+        self,
+        model: torch.nn.Module,
+        prompts: Sequence[Sequence[int]],
+        results: Sequence[GroupResult],
+        *,
+        temperature: float,
+    ) -> None:
+        """Replace the log-probabilities kept for :meth:`shared_logps` by ``model``'s of every completion of
+        ``results`` (``results[g]`` answering ``prompts[g]``), computed in one call as :meth:`check` computes them
+        when it is given the same rows: no check, no counts. Errors of the model propagate."""
+        started = time.perf_counter()
+        rows = [
+            (r.lease_id, list(prompt), ids, logprobs, r.seed, r.sequence + offset)
+            for prompt, r in zip(prompts, results)
+            for offset, (ids, logprobs) in enumerate(zip(r.completion_ids, r.logprobs))
+        ]
+        self._shared = {}
+        for chunk, _, logprobs in self._run(model, rows, temperature, [0] * len(rows), keep_logprobs=True):
+            for row, values in zip(chunk, logprobs):
+                self._shared[(tuple(row[1]), tuple(row[2]))] = values
+        self.stats.seconds += time.perf_counter() - started
+
+    def clear_shared(self) -> None:
+        """Forget the log-probabilities kept for :meth:`shared_logps` (the caller's: at the start of each generation
+        round; :meth:`check` adds to them, since a round's groups generated again are checked in a later call)."""
+        self._shared = {}
+
+    def shared_logps(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
+    ) -> torch.Tensor | None:
+        """The trainer's per-token log-probabilities of TRL's batch (``input_ids``: left-padded prompts followed by
+        right-padded completions, the last ``logits_to_keep`` columns the completions), shaped as TRL's
+        ``_get_per_token_logps_and_entropies`` returns them (``(rows, logits_to_keep)``, zero past a completion's
+        end), from the first checks with the trainer's current weights since :meth:`clear_shared`; ``None`` unless
+        every row was checked so (TRL then runs its own forward pass). Never raises for a batch it does not know."""
+        if not self._shared or input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
+            return None
+        split = input_ids.shape[1] - logits_to_keep
+        if split < 0 or logits_to_keep < 1:
+            return None
+        rows = []
+        for ids, keep in zip(input_ids.tolist(), attention_mask.bool().tolist()):
+            prompt = tuple(t for t, k in zip(ids[:split], keep[:split]) if k)
+            completion = tuple(t for t, k in zip(ids[split:], keep[split:]) if k)
+            values = self._shared.get((prompt, completion))
+            if values is None or len(values) > logits_to_keep:
+                return None
+            rows.append(values + [0.0] * (logits_to_keep - len(values)))
+        return torch.tensor(rows, dtype=torch.float32, device=input_ids.device)
+
+    def _run(
+        self, model: torch.nn.Module, rows: list[Any], temperature: float, lags: list[int], keep_logprobs: bool = False
+    ) -> list[tuple[list[Any], list[CheckResult], list[list[float]]]]:
+        """Check ``rows`` (with their lags, which scale the margin) with ``model`` in eval mode, in chunks: per chunk
+        its rows, their results and (``keep_logprobs``) the trainer's log-probabilities of their tokens."""
+        lag_of = {id(row): lag for row, lag in zip(rows, lags)}
+        out = []
+        was_training = model.training
+        model.eval()
+        try:
+            for chunk in self._chunks(rows, model):
+                logprobs: list[list[float]] | None = [] if keep_logprobs else None
+                results = self._check_chunk(model, chunk, [lag_of[id(r)] for r in chunk], temperature, logprobs)
+                out.append((chunk, results, logprobs or []))
+        finally:
+            model.train(was_training)
+        return out
+
+    def _check_chunk(
+        self,
+        model: torch.nn.Module,
+        chunk: list[Any],
+        lags: list[int],
+        t: float,
+        logprobs_out: list[list[float]] | None = None,
+    ) -> list[CheckResult]:
         length = max(len(c) for _, _, c, _, _, _ in chunk)
         tokens = torch.tensor([c + [0] * (length - len(c)) for _, _, c, _, _, _ in chunk], dtype=torch.long)
         mask = torch.tensor([[True] * len(c) + [False] * (length - len(c)) for _, _, c, _, _, _ in chunk])
@@ -406,12 +536,12 @@ class RolloutVerifier:
             temperature=t,
             seeds=torch.tensor([r[4] for r in chunk], dtype=torch.int64),
             sequences=torch.tensor([r[5] for r in chunk], dtype=torch.int64),
-            margin=torch.tensor([self.margin * (1 + leases[r[0]].lag) for r in chunk]),
+            margin=torch.tensor([self.margin * (1 + lag) for lag in lags]),
             check=check,
             gaps_out=self.gaps,
+            logprobs_out=logprobs_out,
         )
-        for (lease_id, _, ids, _, _, _), result in zip(chunk, results):
-            self._add(leases[lease_id], result, len(ids))
+        return results
 
     @staticmethod
     def _completion_logits(model: torch.nn.Module, chunk: list[Any], length: int) -> torch.Tensor:
@@ -495,6 +625,7 @@ class RolloutVerifier:
             return
         stats.leases += 1
         stats.pinned_leases += lease.pinned
+        stats.shared_completions += lease.shared
         stats.completions += lease.completions
         stats.positions += lease.checked
         stats.mismatches += lease.mismatches
@@ -550,10 +681,15 @@ def settle(
     is generated again by ``regenerate(indices, last)`` (the newest version may move meanwhile, so this repeats),
     at most ``attempts`` times, then once more with ``last=True``, whose results (the trainer's own, ``version``
     -1) are taken as they are. Each failed lease is reported with
-    :meth:`pulseloco.rollouts.client.RolloutClient.report_check_failure`. ``results[g]`` answers ``groups[g]``."""
+    :meth:`pulseloco.rollouts.client.RolloutClient.report_check_failure`. ``results[g]`` answers ``groups[g]``.
+    With ``verify_weights="shared"``, a batch whose groups were checked in more than one call has its
+    log-probabilities for TRL computed again in one (:meth:`RolloutVerifier.share`): a forward pass more, only in
+    such rounds, that keeps training bit for bit what it is when every group passes at once (so a dishonest
+    worker's leases, failed and generated again, change nothing)."""
     results = list(results)
     verified: set[int] = set()
     seconds = 0.0
+    calls = 0
     newest = client.newest_version()
     for attempt in range(attempts + 1):
         if attempt:
@@ -575,6 +711,7 @@ def settle(
                 stop_ids=stop_ids,
             )
             seconds += time.perf_counter() - started
+            calls += 1
             for check in leases.values():
                 if check.reason is not None:
                     client.report_check_failure(check.worker, check.lease_id, check.reason)
@@ -586,4 +723,10 @@ def settle(
         indices = sorted(redo)
         for i, result in zip(indices, regenerate(indices, attempt == attempts)):
             results[i] = result
+    if verifier is not None and verifier.weights == "shared" and calls > 1 and all(r.version >= 0 for r in results):
+        # groups checked in several calls: their log-probabilities for TRL again in one, so that they are those of
+        # a round whose groups all passed at once (the same rows, the same forward pass), bit for bit
+        started = time.perf_counter()
+        verifier.share(model, groups, results, temperature=temperature)
+        seconds += time.perf_counter() - started
     return Settled(results, newest, seconds)

@@ -156,6 +156,7 @@ def check_completions(
     margin: float | torch.Tensor,
     check: torch.Tensor | None = None,
     gaps_out: list[float] | None = None,
+    logprobs_out: list[list[float]] | None = None,
 ) -> list[CheckResult]:
     """Check completions against the trainer's own logits.
 
@@ -164,7 +165,8 @@ def check_completions(
     lease seed and the sequence index ``i`` of each completion (``(n,)``); ``margin``: one for all, or one per
     completion (``(n,)``). ``check``: the positions whose choice is
     recomputed (a boolean ``(n, length)`` subset of ``mask``; default: all of them). ``gaps_out``: a list that
-    receives the gap of every checked position (to measure the margin). Returns one
+    receives the gap of every checked position (to measure the margin); ``logprobs_out``: a list that receives, per
+    completion, the trainer's log-probability of each of its real tokens under ``softmax(logits / T)``. Returns one
     :class:`CheckResult` per completion; it never raises for what a worker sent (the caller decides).
     """
     n, length, vocab = logits.shape
@@ -192,6 +194,9 @@ def check_completions(
             gaps[r, c] = top - mine
     if gaps_out is not None:
         gaps_out.extend(gaps[check].tolist())
+    if logprobs_out is not None:
+        lengths = mask.sum(-1).tolist()
+        logprobs_out.extend(values[:count] for values, count in zip(own.tolist(), lengths))
     margins = torch.as_tensor(margin, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
     # one tensor of per-row statistics, moved to the host once (a GPU would otherwise sync per row and value)
     stats = torch.stack(
