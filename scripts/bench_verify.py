@@ -37,7 +37,7 @@ from harness.machine import torch_note
 from harness.models import warm_model_dir
 from harness.report import md_table
 
-from pulseloco.integrations.verify import RolloutVerifier
+from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig
 from pulseloco.recipes import tasks
 from pulseloco.rollouts.client import GroupResult
 
@@ -160,7 +160,7 @@ def measure(
     finally:
         if hasattr(engine, "close"):
             engine.close()
-    verifier = RolloutVerifier(record_gaps=True)
+    verifier = RolloutVerifier(VerifyConfig(verify_weights="version"), record_gaps=True)  # each gap once
     synchronize(args.trainer_device)
     started = time.perf_counter()
     leases = verifier.check(
