@@ -8,6 +8,10 @@
 #   scripts/demo.sh --timeout S       stop everything after S seconds (default 900)
 #   scripts/demo.sh --seed N          the trainers' seeds are N and N + 1 (default 0): their prompts and samples
 #   scripts/demo.sh --engine E        the rollout worker's engine: transformers (default) or vllm
+#   scripts/demo.sh --warm-size S     the warm model (scripts/warm_model.py --size S; default demo; wide: the RL-rate
+#                                     regime's, about 9 minutes to make the first time)
+#   scripts/demo.sh -- ARGS           ARGS to both trainers' recipes/grpo.py, after the demo's own (they win), for
+#                                     example -- --learning_rate 3e-6
 #   scripts/demo.sh --codec [ARGS]    the codec benchmark instead: scripts/bench_codec.py ARGS
 #                                     (for example --codec --small for a quick run)
 #
@@ -45,8 +49,12 @@ STEPS=96
 TIMEOUT=900
 SEED=0
 ENGINE=transformers
+WARM_SIZE=demo
+TRAINER_EXTRA=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
+        --warm-size) WARM_SIZE="$2"; shift 2 ;;
+        --) shift; TRAINER_EXTRA=("$@"); break ;;
         --out) OUT="$2"; shift 2 ;;
         --steps) STEPS="$2"; shift 2 ;;
         --timeout) TIMEOUT="$2"; shift 2 ;;
@@ -153,8 +161,8 @@ wait_exit() {
 BEGIN=$SECONDS
 DEADLINE=$((SECONDS + TIMEOUT))
 say "output: $OUT"
-say "warm model: making or reusing it (scripts/warm_model.py --size demo; about 3 minutes the first time)"
-"$PYTHON" scripts/warm_model.py --size demo >"$OUT/warm_model.log" 2>&1 || {
+say "warm model: making or reusing it (scripts/warm_model.py --size $WARM_SIZE; minutes the first time)"
+"$PYTHON" scripts/warm_model.py --size "$WARM_SIZE" >"$OUT/warm_model.log" 2>&1 || {
     say "error: scripts/warm_model.py failed; last lines of $OUT/warm_model.log:"; tail -n 20 "$OUT/warm_model.log" >&2
     exit 1
 }
@@ -183,9 +191,9 @@ PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --st
 # trip, not the batch)
 # peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
 start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed "$SEED" --output_dir "$OUT/peer0" --linger 20 \
-    --publish --publish_every 1 --signing_key "$KEYS/publisher"
+    --publish --publish_every 1 --signing_key "$KEYS/publisher" ${TRAINER_EXTRA[@]+"${TRAINER_EXTRA[@]}"}
 start peer1 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed "$((SEED + 1))" --output_dir "$OUT/peer1" --linger 5 \
-    --public_key "$KEYS/publisher.pub"
+    --public_key "$KEYS/publisher.pub" ${TRAINER_EXTRA[@]+"${TRAINER_EXTRA[@]}"}
 say "started 2 PULSELoCo GRPO peers ($STEPS steps = $ROUNDS rounds each) fed by a rollout worker" \
     "(${ENGINE_ARGS[1]}, until version $LAST_VERSION); logs: $OUT/{peer0,peer1,worker,bootstrap}.log"
 
