@@ -373,13 +373,56 @@ def rollout_loop(peer_dirs: list[Path]) -> dict[str, Any]:
             [peer_dir.name, str(len(rounds)), workers, histogram, str(peers[peer_dir.name]["stale_dropped"]),
              str(peers[peer_dir.name]["refused"]), f"{peers[peer_dir.name]['seconds_waiting']:.1f}"]
         )  # fmt: skip
+        runtime = next((h["train_runtime"] for h in reversed(history) if "train_runtime" in h), None)
+        peers[peer_dir.name]["checks"] = check_summary(last.get("verify"), runtime)
     if rows:
         header = ["peer", "rounds", "completions by worker", "lag: completions", "stale dropped", "refused", "wait s"]
         lines.append("rollouts (TRL's rollout_func, from the swarm's workers):")
         lines.append(table(header, rows))
         for name, peer in peers.items():
             lines.append(f"{name} sampled reward per log step: {' '.join(f'{x:.3f}' for x in peer['reward_curve'])}")
+        for name, peer in peers.items():
+            lines.extend(check_lines(name, peer["checks"]))
     return {"peers": peers, "lines": lines}
+
+
+def check_summary(verify: dict[str, Any] | None, runtime: float | None) -> dict[str, Any] | None:
+    """The rollout checks of one trainer over its run (the last round's ``verify`` record, cumulative): seconds in
+    all, those of the first checks' forward pass (with ``--verify_weights shared`` the pass whose log-probabilities
+    answered TRL's importance-sampling forward pass, which TRL then did not run), what the checks added beyond it,
+    and that against TRL's ``train_runtime``; ``None`` without checks (``--no_verify_rollouts``) or records written
+    before these fields."""
+    if not verify or "first_forward_seconds" not in verify:
+        return None
+    shared = verify.get("shared_forwards", 0) > 0
+    added = verify["total_seconds"] - (verify["first_forward_seconds"] if shared else 0.0)
+    return {
+        "seconds": verify["total_seconds"],
+        "first_forward_seconds": verify["first_forward_seconds"],
+        "shared_forwards": verify.get("shared_forwards", 0),
+        "completions": verify["completions"],
+        "shared_completions": verify.get("shared_completions", 0),
+        "added_seconds": round(added, 3),
+        "train_runtime": runtime,
+        "added_share": added / runtime if runtime else None,
+        "failed_leases": verify["failed_leases"],
+        "worst_passing_gap": verify["worst_passing_gap"],
+    }
+
+
+def check_lines(name: str, checks: dict[str, Any] | None) -> list[str]:
+    """One line on a trainer's rollout checks (:func:`check_summary`); none without them."""
+    if checks is None:
+        return []
+    passed = checks["shared_completions"] / max(checks["completions"], 1)
+    fraction = checks["added_share"]
+    share = "" if fraction is None else f" = {fraction:.1%} of {checks['train_runtime']:.0f} s"
+    return [
+        f"{name} checks: {checks['seconds']:.1f} s for {checks['completions']} completions, {passed:.0%} passed with "
+        f"the trainer's weights; their forward pass ({checks['first_forward_seconds']:.1f} s) answered TRL's in "
+        f"{checks['shared_forwards']} rounds; added beyond it {checks['added_seconds']:.1f} s{share} of training; "
+        f"failed leases {checks['failed_leases']}, largest honest gap {checks['worst_passing_gap']:.2f} nats"
+    ]
 
 
 def serving_lines(rollouts: list[dict[str, Any]]) -> list[str]:

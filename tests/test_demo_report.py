@@ -76,3 +76,22 @@ def test_report_without_evaluation_says_so(tmp_path: Path) -> None:
     text, _, ok = demo_report.build_report(tmp_path, seconds=None)
     assert "what RL gained: unknown (no peer wrote grpo_eval.json)" in text
     assert not ok
+
+
+def test_the_checks_line_says_what_the_checks_added_beyond_the_forward_pass_trl_did_not_run() -> None:
+    """A trainer's last ``verify`` record (cumulative): 12 s of checks, 8 s of them the first checks' forward pass,
+    whose log-probabilities answered TRL's in 95 rounds, so the checks added 4 s to 200 s of training (2.0%); without
+    shared forward passes everything counts; without the fields (older runs, or no checks) nothing is said."""
+    verify = {
+        "total_seconds": 12.0, "first_forward_seconds": 8.0, "shared_forwards": 95, "completions": 1000,
+        "shared_completions": 990, "failed_leases": 0, "worst_passing_gap": 0.25,
+    }  # fmt: skip
+    checks = demo_report.check_summary(verify, 200.0)
+    assert checks is not None and checks["added_seconds"] == 4.0 and checks["added_share"] == pytest.approx(0.02)
+    line = demo_report.check_lines("peer0", checks)[0]
+    assert "99% passed with the trainer's weights" in line and "answered TRL's in 95 rounds" in line
+    assert "added beyond it 4.0 s = 2.0% of 200 s of training" in line
+    unshared = demo_report.check_summary({**verify, "shared_forwards": 0}, 200.0)
+    assert unshared is not None and unshared["added_seconds"] == 12.0
+    assert demo_report.check_summary(None, 200.0) is None and demo_report.check_lines("peer0", None) == []
+    assert demo_report.check_summary({"total_seconds": 3.0}, 200.0) is None

@@ -546,6 +546,8 @@ class SwarmRollouts:
         return {
             "seconds": round(seconds, 4),
             "total_seconds": round(v.seconds, 4),
+            "forward_seconds": round(v.forward_seconds, 4),
+            "first_forward_seconds": round(v.first_forward_seconds, 4),
             "leases": v.leases,
             "failed_leases": v.failed_leases,
             "completions": v.completions,

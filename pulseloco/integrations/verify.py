@@ -247,9 +247,12 @@ class LeaseCheck:
 @dataclass
 class VerifyStats:
     """Counters over a run (what the metrics report): positions checked, mismatched and near, completions and
-    leases checked and failed, seconds spent, the largest honest gap and log-probability error seen, the completions
-    that passed with the trainer's current weights (``shared_completions``; the others were checked with their
-    version's) and how many of TRL's forward passes the checks' log-probabilities replaced (``shared_forwards``)."""
+    leases checked and failed, seconds spent (``seconds``; of them in the model's forward passes,
+    ``forward_seconds``, and in those of the first checks with the trainer's current weights,
+    ``first_forward_seconds``: the pass TRL's importance-sampling ratio would otherwise run), the largest honest gap
+    and log-probability error seen, the completions that passed with the trainer's current weights
+    (``shared_completions``; the others were checked with their version's) and how many of TRL's forward passes
+    the checks' log-probabilities replaced (``shared_forwards``)."""
 
     completions: int = 0
     positions: int = 0
@@ -264,6 +267,8 @@ class VerifyStats:
     unverifiable_leases: int = 0
     shared_completions: int = 0
     shared_forwards: int = 0
+    forward_seconds: float = 0.0
+    first_forward_seconds: float = 0.0
     last_failure: str | None = None
 
 
@@ -434,7 +439,8 @@ class RolloutVerifier:
         log-probabilities for :meth:`shared_logps`; fold the rows that pass (no mismatched position, mean
         log-probability error within ``max_logprob_error``) into their leases and return the others."""
         left = []
-        for chunk, results, logprobs in self._run(model, rows, temperature, [0] * len(rows), keep_logprobs=True):
+        lags = [0] * len(rows)
+        for chunk, results, logprobs in self._run(model, rows, temperature, lags, keep_logprobs=True, first=True):
             for row, result, values in zip(chunk, results, logprobs):
                 self._shared[(tuple(row[1]), tuple(row[2]))] = values
                 if result.mismatches == 0 and result.logprob_error <= self.max_logprob_error:
@@ -497,10 +503,17 @@ class RolloutVerifier:
         return torch.tensor(rows, dtype=torch.float32, device=input_ids.device)
 
     def _run(
-        self, model: torch.nn.Module, rows: list[Any], temperature: float, lags: list[int], keep_logprobs: bool = False
+        self,
+        model: torch.nn.Module,
+        rows: list[Any],
+        temperature: float,
+        lags: list[int],
+        keep_logprobs: bool = False,
+        first: bool = False,
     ) -> list[tuple[list[Any], list[CheckResult], list[list[float]]]]:
         """Check ``rows`` (with their lags, which scale the margin) with ``model`` in eval mode, in chunks: per chunk
-        its rows, their results and (``keep_logprobs``) the trainer's log-probabilities of their tokens."""
+        its rows, their results and (``keep_logprobs``) the trainer's log-probabilities of their tokens. The forward
+        passes' seconds go to the stats (``first``: also to ``first_forward_seconds``)."""
         lag_of = {id(row): lag for row, lag in zip(rows, lags)}
         out = []
         was_training = model.training
@@ -508,7 +521,9 @@ class RolloutVerifier:
         try:
             for chunk in self._chunks(rows, model):
                 logprobs: list[list[float]] | None = [] if keep_logprobs else None
-                results = self._check_chunk(model, chunk, [lag_of[id(r)] for r in chunk], temperature, logprobs)
+                results = self._check_chunk(
+                    model, chunk, [lag_of[id(r)] for r in chunk], temperature, logprobs, first=first
+                )
                 out.append((chunk, results, logprobs or []))
         finally:
             model.train(was_training)
@@ -521,12 +536,17 @@ class RolloutVerifier:
         lags: list[int],
         t: float,
         logprobs_out: list[list[float]] | None = None,
+        first: bool = False,
     ) -> list[CheckResult]:
         length = max(len(c) for _, _, c, _, _, _ in chunk)
         tokens = torch.tensor([c + [0] * (length - len(c)) for _, _, c, _, _, _ in chunk], dtype=torch.long)
         mask = torch.tensor([[True] * len(c) + [False] * (length - len(c)) for _, _, c, _, _, _ in chunk])
         logprobs = torch.tensor([list(lp) + [0.0] * (length - len(lp)) for _, _, _, lp, _, _ in chunk])
+        started = time.perf_counter()
         picked = self._completion_logits(model, chunk, length)
+        seconds = time.perf_counter() - started  # the host's; on a GPU, until the kernels are queued
+        self.stats.forward_seconds += seconds
+        self.stats.first_forward_seconds += seconds if first else 0.0
         check = mask.clone()
         results = check_completions(
             picked,
