@@ -96,8 +96,9 @@ class VerifyConfig:
     verify_fraction: float = field(
         default=1.0,
         metadata={
-            "help": "Fraction of each lease's completions checked, drawn at random (at least one): the check's "
-            "forward pass shrinks with it, and a worker cheating on few completions is caught less surely."
+            "help": "With --verify_weights version: fraction of each lease's completions checked, drawn at random (at "
+            "least one): the check's forward pass shrinks with it, and a worker cheating on few completions is "
+            "caught less surely. The shared check looks at every completion."
         },
     )
 
