@@ -225,6 +225,26 @@ def test_aggregate_reports_wire_and_payload_bytes_per_round_and_per_entry() -> N
     assert not any(line.startswith(("| diloco | 1", "| ddp | -")) for line in lines)  # not in the split table
 
 
+def test_without_a_ddp_run_vs_ddp_is_against_the_estimate_a_ddp_run_would_report() -> None:
+    """The default comparison runs no ddp (its bytes are never measured, only estimated): 'vs DDP' is then against
+    the same estimate, from the runs' parameters, workers and steps: a ring all-reduce of FP32 gradients every
+    step, 2 (W - 1) / W x 4 x N x steps (4 workers, 1000 parameters, 16 steps: 96,000 bytes), and 4 N per step for
+    the payload (64,000); a ddp run's own row wins where there is one; no estimate without the fields."""
+    known = {"num_params": 1000, "workers": 4, "steps": 16, "rounds": 2}
+    runs = [
+        {**fake_run("diloco", 0, 0.3, 64000.0), **known, "payload_bytes_per_worker": 64000.0},
+        {**fake_run("pulseloco", 0, 0.3, 960.0), **known, "payload_bytes_per_worker": 320.0},
+    ]
+    rows = {r["strategy"]: r for r in compare_results.aggregate(runs)}
+    assert rows["pulseloco"]["ddp_bytes_estimate"] == 96000 and rows["pulseloco"]["vs_ddp"] == pytest.approx(0.01)
+    assert rows["pulseloco"]["payload_vs_ddp"] == pytest.approx(320 / 64000)
+    ddp = {**fake_run("ddp", 0, 0.3, 192000.0), **known, "rounds": 0, "bytes_measured": False}
+    rows = {r["strategy"]: r for r in compare_results.aggregate([*runs, ddp])}
+    assert rows["pulseloco"]["vs_ddp"] == pytest.approx(960 / 192000)
+    bare = {r["strategy"]: r for r in compare_results.aggregate([fake_run("pulseloco", 0, 0.3, 960.0)])}
+    assert bare["pulseloco"]["ddp_bytes_estimate"] is None and bare["pulseloco"]["vs_ddp"] is None
+
+
 def test_seed_and_learning_rate_plans() -> None:
     assert compare.parse_lrs("1e-6,3e-6") == [1e-6, 3e-6]
     assert compare.parse_seeds("3", 2) == [3, 3] and compare.parse_seeds("1,3", 2) == [1, 3]

@@ -228,7 +228,8 @@ def _notes_section(results: list[dict[str, Any]], meta: dict[str, Any], metric: 
         "- bytes sent per worker: the swarm strategies' wire bytes measured by PulseLoCo (`bytes_sent` summed over "
         "the rounds in each peer's `pulseloco_rounds.jsonl`, mean over the peers and seeds); ddp's (est.) are not "
         f"measured: a ring all-reduce of FP32 gradients every optimizer step, 2(W-1)/W x 4 bytes x "
-        f"{f'{params:,}' if params else 'N'} parameters x steps per worker, W = {meta['workers']}.",
+        f"{f'{params:,}' if params else 'N'} parameters x steps per worker, W = {meta['workers']}; where ddp did "
+        "not run, 'vs DDP' is against the same estimate.",
         f"- final {metric}: {meta['metric_note']}; mean over the workers (swarm peers end on the consensus model), "
         "then mean, sample standard deviation and range over the seeds. 'learned': where every run at a learning "
         "rate wrote the held-out sampled reward, every seed's gain in it (after - before) above "

@@ -222,7 +222,8 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the final metric (every seed above the starting model and a mean gain of at least :data:`MIN_GAIN`; its mean
     within DiLoCo's range). ``within_diloco_range`` is ``None`` without a DiLoCo row of at least 2 seeds.
 
-    Bytes: wire (``bytes_per_worker``, ``vs_diloco``, ``vs_ddp``) and payload (``payload_bytes_per_worker``,
+    Bytes: wire (``bytes_per_worker``, ``vs_diloco``, ``vs_ddp``: against a ddp run's bytes at the same learning
+    rate, else against the same estimate, :func:`_ddp_estimate`) and payload (``payload_bytes_per_worker``,
     ``payload_vs_diloco``, ``payload_vs_ddp``) per worker over the run, their means per worker and round
     (``wire_bytes_per_round``, ``payload_bytes_per_round``; ddp's over ``steps_per_round`` optimizer steps, the
     swarm strategies' round at that learning rate), the selected entries per worker and round, and the mean over
@@ -271,6 +272,7 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "patch_bytes": mean([s["mean_patch_bytes"] for s in syncs]),
                 "bf16_copy_bytes": syncs[0]["bf16_copy_bytes"] if syncs else None,
                 "incomplete_rounds": sum(r["incomplete_rounds"] for r in runs),
+                **_ddp_estimate(runs),
             }
         )
     for row in rows:  # ddp has no rounds: its bytes over as many optimizer steps as the swarm's round
@@ -282,10 +284,16 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 row[key] = total * swarm_round / row["steps"] if total is not None else None
     for row in rows:
         same_lr = {r["strategy"]: r for r in rows if r["lr"] == row["lr"]}
+        # without a ddp run, its bytes are the same estimate a ddp run would report (they are never measured)
+        estimate = {
+            "bytes_per_worker": row["ddp_bytes_estimate"],
+            "payload_bytes_per_worker": row["ddp_payload_estimate"],
+        }
         for base in ("diloco", "ddp"):
-            b = same_lr.get(base, {}).get("bytes_per_worker")
+            ref = same_lr.get(base) or (estimate if base == "ddp" else {})
+            b = ref.get("bytes_per_worker")
             row[f"vs_{base}"] = row["bytes_per_worker"] / b if row["bytes_per_worker"] is not None and b else None
-            p = same_lr.get(base, {}).get("payload_bytes_per_worker")
+            p = ref.get("payload_bytes_per_worker")
             own = row["payload_bytes_per_worker"]
             row[f"payload_vs_{base}"] = own / p if own is not None and p else None
         by_sampled = all(r["sampled_improved"] is not None for r in same_lr.values())
@@ -300,6 +308,20 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
         row["patch_vs_bf16"] = row["patch_bytes"] / row["bf16_copy_bytes"] if row["patch_bytes"] else None
     return rows
+
+
+def _ddp_estimate(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What ddp would send per worker over these runs' steps, as compare estimates it for a ddp run (never
+    measured): a ring all-reduce of FP32 gradients every optimizer step (``ddp_bytes_estimate``) and its payload,
+    4 bytes per parameter per step (``ddp_payload_estimate``); mean over the runs, ``None`` where a run lacks its
+    parameter count, workers or steps (results written before these fields)."""
+    known = bool(runs) and all(r.get("num_params") and r.get("workers") and r.get("steps") for r in runs)
+    return {
+        "ddp_bytes_estimate": mean([allreduce_bytes(r["num_params"], r["workers"]) * r["steps"] for r in runs])
+        if known
+        else None,
+        "ddp_payload_estimate": mean([4.0 * r["num_params"] * r["steps"] for r in runs]) if known else None,
+    }
 
 
 def _sampled_stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
