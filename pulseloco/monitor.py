@@ -21,10 +21,11 @@ non-decreasing, which wandb and others require; a step is never logged below one
   the monitor stops are not logged.
 
 Records are hints written by strangers: :func:`collect_status` skips malformed ones and counts them
-(``swarm/malformed_records``, ``workers/malformed``); only peers not ahead of the reference round feed the round
-totals. A swarm round that goes back (a new run under the same run id while the old run's records live, or a lone
-leftover or bogus record far ahead when the monitor started, before the trainers published) restarts the series
-(:meth:`SwarmMonitor.observe`; a warning says so).
+(``swarm/malformed_records``, ``workers/malformed``); only records of rounds before the reference round (rounds
+the swarm has completed) feed the round totals, a peer ahead's included. A swarm round that goes back (a new run
+under the same run id while the old run's records live, or a lone leftover or bogus record far ahead when the
+monitor started, before the trainers published) restarts the series (:meth:`SwarmMonitor.observe`; a warning says
+so).
 """
 
 from __future__ import annotations
@@ -115,17 +116,18 @@ class RoundLedger:
         """The reference round of the first poll: rounds from it on had not completed when the ledger began."""
 
     def update(self, peers: list[PeerReport], reference_round: int | None) -> list[RoundTotals]:
-        """Take the round records of ``peers`` not ahead of ``reference_round`` and return the rounds that became
-        final, oldest first (older rounds still pending are released with them, with what was seen)."""
+        """Take the round records of ``peers`` for rounds before ``reference_round`` (the swarm's completed rounds;
+        also from a peer ahead of it) and return the rounds that became final, oldest first (older rounds still
+        pending are released with them, with what was seen)."""
         if reference_round is None:
             return []
         if self.start_round is None:
             self.start_round = reference_round
         for peer in peers:
-            if peer.round > reference_round:
-                continue  # ahead: counted once the majority gets there
             for record in peer.rounds:
-                if record.round > self.last_released:
+                # only rounds the swarm has completed: a peer ahead (one that finished a round first, or a record
+                # alone far ahead) counts for those, never for rounds the majority has not reached
+                if self.last_released < record.round < reference_round:
                     self._seen.setdefault(record.round, {})[peer.peer_id] = record
         final = -1
         for round_index, entries in self._seen.items():

@@ -313,6 +313,23 @@ class _Collect:
         pass
 
 
+def test_a_peer_one_round_ahead_at_every_poll_still_counts_for_the_rounds_the_swarm_completed() -> None:
+    """Fast rounds: c finishes each round first, so every poll finds it one round ahead of the swarm (a and b).
+    Its records of the rounds the swarm completed count: every round is logged with all three reports and bytes
+    (it was once left out, and rounds settled without it: a flaky end-to-end test); its record of the round the
+    swarm has not completed does not, until the swarm completes it."""
+    from pulseloco.monitor import SwarmMonitor
+
+    monitor = SwarmMonitor(_Collect())
+    e = lambda r: (r, 3, 3, 100 * (r + 1), 50)  # noqa: E731
+    for reached in range(1, 6):
+        mine = [e(r) for r in range(reached)]
+        monitor.observe(_report([("a", reached, mine), ("b", reached, mine), ("c", reached + 1, [*mine, e(reached)])]))
+        assert [t.round for t in monitor.recent] == list(range(reached))  # never the round only c completed
+    monitor.close()
+    assert [(t.round, t.reports, t.bytes_sent) for t in monitor.recent] == [(r, 3, 300 * (r + 1)) for r in range(5)]
+
+
 def test_round_released_when_complete_or_settled_and_steps_never_go_back() -> None:
     """A round all members reported is logged at once; a round a dead member never reported is logged once the
     swarm completed two more; steps only increase; a swarm round that goes back restarts the series."""
