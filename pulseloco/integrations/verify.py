@@ -66,6 +66,10 @@ __all__ = [
 ]
 
 
+Row = tuple[str, list[int], list[int], list[float], int, int]
+"""A completion as the checks see it: lease id, prompt, completion ids, the worker's log-probabilities, lease
+seed, sequence index."""
+
 #: The weights a completion is checked with (:class:`VerifyConfig`'s ``verify_weights``).
 WEIGHTS = ("shared", "version")
 
@@ -342,14 +346,15 @@ class RolloutVerifier:
         ``model``; returns one :class:`LeaseCheck` per lease, whose ``reason`` is set when the lease fails."""
         started = time.perf_counter()
         leases: dict[str, LeaseCheck] = {}
-        rows: list[tuple[str, list[int], list[int], list[float], int, int]] = []
+        rows: list[Row] = []
         for prompt, result, lag in zip(prompts, results, lags):
             lease = leases.setdefault(result.lease_id, LeaseCheck(result.lease_id, result.worker, lag))
-            for offset, (ids, logprobs) in enumerate(zip(result.completion_ids, result.logprobs)):
+            for row in self._rows(prompt, result):
+                ids = row[2]
                 lease.completions += 1
                 if len(ids) < max_new_tokens and (not ids or ids[-1] not in stop_ids):
                     lease.early_stops += 1
-                rows.append((result.lease_id, list(prompt), ids, logprobs, result.seed, result.sequence + offset))
+                rows.append(row)
         if self.weights == "shared":  # first with the trainer's weights; what does not pass, with the version's
             rows = self._first_check(model, rows, leases, temperature)
         elif self.fraction < 1.0:
@@ -442,8 +447,8 @@ class RolloutVerifier:
         left = []
         lags = [0] * len(rows)
         for chunk, results, logprobs in self._run(model, rows, temperature, lags, keep_logprobs=True, first=True):
-            for row, result, values in zip(chunk, results, logprobs):
-                self._shared[(tuple(row[1]), tuple(row[2]))] = values
+            self._keep(chunk, logprobs)
+            for row, result in zip(chunk, results):
                 if result.mismatches == 0 and result.logprob_error <= self.max_logprob_error:
                     self._add(leases[row[0]], result, len(row[2]))
                     leases[row[0]].shared += 1
@@ -464,16 +469,28 @@ class RolloutVerifier:
         ``results`` (``results[g]`` answering ``prompts[g]``), computed in one call as :meth:`check` computes them
         when it is given the same rows: no check, no counts. Errors of the model propagate."""
         started = time.perf_counter()
-        rows = [
-            (r.lease_id, list(prompt), ids, logprobs, r.seed, r.sequence + offset)
-            for prompt, r in zip(prompts, results)
-            for offset, (ids, logprobs) in enumerate(zip(r.completion_ids, r.logprobs))
-        ]
+        rows = [row for prompt, result in zip(prompts, results) for row in self._rows(prompt, result)]
         self._shared = {}
         for chunk, _, logprobs in self._run(model, rows, temperature, [0] * len(rows), keep_logprobs=True):
-            for row, values in zip(chunk, logprobs):
-                self._shared[(tuple(row[1]), tuple(row[2]))] = values
+            self._keep(chunk, logprobs)
         self.stats.seconds += time.perf_counter() - started
+
+    @staticmethod
+    def _rows(
+        prompt: Sequence[int], result: GroupResult
+    ) -> list[tuple[str, list[int], list[int], list[float], int, int]]:
+        """The rows checked for ``result``'s completions of ``prompt``: (lease id, prompt, completion ids, the
+        worker's log-probabilities, lease seed, sequence index)."""
+        return [
+            (result.lease_id, list(prompt), ids, logprobs, result.seed, result.sequence + offset)
+            for offset, (ids, logprobs) in enumerate(zip(result.completion_ids, result.logprobs))
+        ]
+
+    def _keep(self, rows: list[Any], logprobs: list[list[float]]) -> None:
+        """Keep the trainer's log-probabilities of ``rows`` for :meth:`shared_logps`, keyed by prompt and
+        completion tokens."""
+        for row, values in zip(rows, logprobs):
+            self._shared[(tuple(row[1]), tuple(row[2]))] = values
 
     def clear_shared(self) -> None:
         """Forget the log-probabilities kept for :meth:`shared_logps` (the caller's: at the start of each generation
