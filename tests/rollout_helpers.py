@@ -48,6 +48,8 @@ MODES = (
     "inject",
     "replay",
     "truncate",
+    "steer",
+    "forged_within",
 )
 """How a worker answers leases: ``honest``; ``slow`` (honest, after ``delay`` seconds per lease); ``vocab`` (token
 ids beyond the vocabulary); ``digest`` (claims a digest that is not the published one); ``version`` (claims a
@@ -64,7 +66,13 @@ TRL's importance weights); ``cherry_pick`` (samples four completions per prompt 
 most likely one, with its true log-probabilities); ``inject`` (a fixed text, `` 42`` and EOS, with its true
 log-probabilities under the served weights); ``replay`` (answers with the completions it made for the last lease
 it served before, under that lease's seed, claiming the version it serves now); ``truncate`` (honest completions cut
-to half their length without an end-of-sequence token)."""
+to half their length without an end-of-sequence token).
+
+And those that aim just inside the check's tolerances (:mod:`pulseloco.rollouts.tolerances`, the worker's
+precision): ``steer`` (at every position, of the tokens whose perturbed score trails the sampler's choice by less
+than 95% of the margin, the one with the lowest id: a worker that picks its tokens where the margin lets it, with
+their true log-probabilities; :func:`steer`); ``forged_within`` (honest tokens, every log-probability lowered by 95%
+of the per-token tolerance)."""
 
 LEASE_MAX_NEW_TOKENS = 64
 
@@ -110,6 +118,42 @@ def reference_logprobs(
     return logprobs.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
 
 
+@torch.no_grad()
+def steer(
+    model: torch.nn.Module,
+    prompt_ids: Any,
+    *,
+    aim: float,
+    eos: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int | None,
+    sequences: Any,
+) -> list[Any]:
+    """A steering worker's completions: the replayable sampler's rule, except that at each position it takes, of the
+    tokens whose perturbed score trails the best by less than ``aim`` nats, the one with the lowest id, and reports
+    that token's true log-probability under ``model`` (the served weights). Stops after ``eos``."""
+    from pulseloco.integrations.rollout import Completion
+    from pulseloco.rollouts.sampling import gumbel_noise
+
+    out = []
+    rows = range(len(prompt_ids)) if sequences is None else sequences
+    for prompt, sequence in zip(prompt_ids, rows):
+        ids: list[int] = []
+        logprobs: list[float] = []
+        for position in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([list(prompt) + ids])).logits[0, -1].float() / temperature
+            scores = logits + gumbel_noise(int(seed or 0), int(sequence), position, logits.shape[-1])
+            close = (scores >= scores.max() - aim).nonzero().flatten()
+            token = int(close.min())
+            ids.append(token)
+            logprobs.append(float(logits.log_softmax(-1)[token]))
+            if token == eos:
+                break
+        out.append(Completion(ids, logprobs))
+    return out
+
+
 # ---- the worker process ----------------------------------------------------------------------------------------
 
 
@@ -118,6 +162,7 @@ class _Behaviour:
 
     def __init__(self, engine: Any, vocab_size: int) -> None:
         self.engine = engine
+        self.compute_dtype = engine.compute_dtype
         self.vocab_size = vocab_size
         self.mode = "honest"
         self.delay = 0.0
@@ -142,6 +187,11 @@ class _Behaviour:
         options = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, sequences=sequences)
         if self.mode in ("other_weights", "cherry_pick", "inject"):
             return self._dishonest(prompt_ids, **options)
+        if self.mode == "steer":
+            from pulseloco.rollouts.tolerances import TOLERANCES
+
+            aim = 0.95 * TOLERANCES[self.compute_dtype].margin
+            return steer(self.engine.model, prompt_ids, aim=aim, eos=self.engine.tokenizer.eos_token_id, **options)
         completions = self.engine.generate_ids(prompt_ids, **options)
         if self.mode != "replay" or self.before is None:
             self.before = completions
@@ -150,6 +200,11 @@ class _Behaviour:
             return [Completion(c.token_ids[:max_new_tokens], c.logprobs[:max_new_tokens]) for c in old]
         if self.mode == "forged_logprobs":
             return [Completion(c.token_ids, [lp - 1.0 for lp in c.logprobs]) for c in completions]
+        if self.mode == "forged_within":
+            from pulseloco.rollouts.tolerances import TOLERANCES
+
+            lower = 0.95 * TOLERANCES[self.compute_dtype].logprob_error
+            return [Completion(c.token_ids, [lp - lower for lp in c.logprobs]) for c in completions]
         if self.mode == "truncate":
             eos = self.engine.tokenizer.eos_token_id
             cut = [c.token_ids[: max(1, len(c.token_ids) // 2)] for c in completions]
@@ -241,7 +296,7 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
     stranger = generate_key()
 
     def encode_reply(
-        lease: Any, version: int, digest: str, completions: Any, seconds: float, envelope: bytes = b""
+        lease: Any, version: int, digest: str, completions: Any, seconds: float, envelope: bytes = b"", **kwargs: Any
     ) -> Any:
         if behaviour.mode == "digest":
             digest = "0" * len(digest)
@@ -252,7 +307,7 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
         if behaviour.mode == "forged":
             fields = Envelope(run_id, "patch", version, version - 1, digest, digest, "0" * 64, 1)
             envelope = sign_envelope(stranger, fields)
-        return real_encode(lease, version, digest, completions, seconds, envelope)
+        return real_encode(lease, version, digest, completions, seconds, envelope, **kwargs)
 
     def stream_messages(message_type: Any, header: dict, payload: Any = (), **kwargs: Any) -> Any:
         if behaviour.mode == "garbage" and header.get("status") == "ok":

@@ -61,6 +61,12 @@ class Completion:
 class RolloutEngine(Protocol):
     """Generates with a policy whose weights PULSESync keeps current."""
 
+    @property
+    def compute_dtype(self) -> str:
+        """The precision the engine computes in (``float32``, ``bfloat16`` or ``float16``): a trainer's check
+        tolerates that precision's numerical differences (:mod:`pulseloco.rollouts.tolerances`)."""
+        ...
+
     def weights(self) -> MutableMapping[str, torch.Tensor]:
         """The BF16 weights in checkpoint coordinates, patched in place by the subscriber."""
         ...
@@ -169,6 +175,11 @@ class TransformersEngine:
         model = load_causal_lm(model_name_or_path, dtype=dtype, bytes_per_parameter=dtype.itemsize, device=device)
         tokenizer = load_tokenizer(model_name_or_path)
         return cls(model.eval(), tokenizer)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype of the model's parameters, which its matrix products compute in."""
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     def weights(self) -> MutableMapping[str, torch.Tensor]:
         return self._weights

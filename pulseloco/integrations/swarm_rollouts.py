@@ -53,6 +53,7 @@ sends raises here (bad replies are refused and re-leased).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import logging
 import os
@@ -66,8 +67,10 @@ from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.pulsesync import PulseSyncCallback
+from pulseloco.integrations.settle import settle
 from pulseloco.integrations.trainer import PulseLoCoCallback
-from pulseloco.integrations.verify import RolloutVerifier, VersionStates, settle, stop_ids
+from pulseloco.integrations.verify import RolloutVerifier, stop_ids
+from pulseloco.integrations.version_states import VersionStates
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id
 from pulseloco.rollouts.client import GroupResult, LeaseConfig, NoWorkersError, RolloutClient
@@ -276,6 +279,8 @@ class SwarmRollouts:
         if not trainer.accelerator.is_main_process:
             return
         verifier = self.verifier
+        if verifier is not None and verifier.audit_seed is None:
+            verifier.audit_seed = args.seed  # the same audit in a run repeated with the same seed
         if verifier is not None and verifier.weights == "shared" and not share_old_logps(trainer, verifier):
             logger.info("rollouts: no importance-sampling ratio in TRL; the first check is a forward pass of its own")
         callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
@@ -542,26 +547,9 @@ class SwarmRollouts:
         """The checks' counters for the metrics line (None when the checks are off)."""
         if self.verifier is None:
             return None
-        v = self.verifier.stats
-        return {
-            "seconds": round(seconds, 4),
-            "total_seconds": round(v.seconds, 4),
-            "forward_seconds": round(v.forward_seconds, 4),
-            "first_forward_seconds": round(v.first_forward_seconds, 4),
-            "leases": v.leases,
-            "failed_leases": v.failed_leases,
-            "completions": v.completions,
-            "positions": v.positions,
-            "mismatches": v.mismatches,
-            "near": v.near,
-            "worst_passing_gap": round(v.worst_passing_gap, 5),
-            "worst_passing_logprob_error": round(v.worst_passing_logprob_error, 5),
-            "pinned_leases": v.pinned_leases,
-            "unverifiable_leases": v.unverifiable_leases,
-            "shared_completions": v.shared_completions,
-            "shared_forwards": v.shared_forwards,
-            "last_failure": v.last_failure,
-        }
+        counters = dataclasses.asdict(self.verifier.stats)
+        rounded = {k: round(v, 5) if isinstance(v, float) else v for k, v in counters.items()}
+        return {"seconds": round(seconds, 4), "total_seconds": rounded.pop("seconds"), **rounded}
 
     def close(self) -> None:
         """Cancel a batch still in flight, close the client and a DHT this object started. Idempotent."""

@@ -119,8 +119,18 @@ class VLLMEngine:
     Use :meth:`from_pretrained`; :meth:`close` stops vLLM's processes.
     """
 
-    def __init__(self, llm: Any, tokenizer: Any, weights: dict[str, torch.Tensor], *, layerwise: bool = False) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Any,
+        weights: dict[str, torch.Tensor],
+        *,
+        layerwise: bool = False,
+        compute_dtype: str = "bfloat16",
+    ) -> None:
         self.llm = llm
+        self.compute_dtype = compute_dtype
+        """The precision vLLM computes in (``bfloat16`` or ``float32``): what a trainer's check tolerates."""
         self.layerwise = layerwise
         self.tokenizer = tokenizer
         self._weights = weights
@@ -221,7 +231,9 @@ class VLLMEngine:
             ) from exc
         finally:
             torch.set_num_threads = set_num_threads  # vLLM's CPU worker, when in this process, made it a no-op
-        engine = cls(llm, tokenizer, weights, layerwise=needs_layerwise(llm.llm_engine.model_config))
+        engine = cls(
+            llm, tokenizer, weights, layerwise=needs_layerwise(llm.llm_engine.model_config), compute_dtype=dtype
+        )
         engine.load_seconds = time.perf_counter() - started
         logger.info(
             "vLLM engine up model=%s dtype=%s in_process=%s seconds=%.1f",

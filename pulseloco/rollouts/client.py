@@ -77,7 +77,7 @@ class NoWorkersError(SwarmError):
 class GroupResult:
     """The ``num_samples`` completions of one prompt, as one worker generated them with ``version``: in lease
     ``lease_id``, with the sampling noise keyed by ``seed``, as the sequences ``sequence``, ``sequence + 1``, ...
-    (:mod:`pulseloco.rollouts.sampling`)."""
+    (:mod:`pulseloco.rollouts.sampling`), computing in ``compute_dtype`` (what the worker says)."""
 
     version: int
     digest: str
@@ -87,6 +87,7 @@ class GroupResult:
     lease_id: str = ""
     seed: int = 0
     sequence: int = 0
+    compute_dtype: str = "bfloat16"
 
 
 @dataclass
@@ -482,6 +483,7 @@ class RolloutClient:
                     lease_id=samples.lease_id,
                     seed=samples.seed,
                     sequence=samples.sequences[position],
+                    compute_dtype=samples.compute_dtype,
                 )
         return "ok", None
 

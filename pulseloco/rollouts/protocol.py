@@ -34,6 +34,7 @@ from pulseloco.errors import PayloadError, PayloadSizeError
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES
 
 __all__ = [
+    "COMPUTE_DTYPES",
     "MAX_LEASE_BYTES",
     "Lease",
     "ReplyHeader",
@@ -55,6 +56,8 @@ MAX_PROMPTS_PER_LEASE = 4096
 MAX_SEQUENCE = 2**32
 _DIGEST = re.compile(r"^[0-9a-f]{1,128}$")
 _LEASE_ID = re.compile(r"^[0-9A-Za-z_.:-]{1,80}$")
+#: The precisions a worker may compute in (:class:`ReplyHeader`'s ``compute_dtype``).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 #: A sampling log-probability is <= 0; this slack covers rounding in BF16/FP32 log-softmax.
 LOGPROB_SLACK = 1e-3
 
@@ -188,7 +191,9 @@ class ReplyHeader:
     or ``error`` (the lease was refused; ``error`` says why). When ok: ``version`` and ``digest`` of the weights
     every completion of the lease was generated with, ``envelope`` (base64): the publisher's signed envelope of the
     object that brought the worker to that version, which proves the claim to a trainer that never saw that
-    version's head record, and the lengths that cut the payload.
+    version's head record, the lengths that cut the payload, and ``compute_dtype``, the precision the engine
+    computed in (one of :data:`COMPUTE_DTYPES`: the trainer's check tolerates that precision's numerical
+    differences, no more).
     """
 
     status: str
@@ -197,6 +202,7 @@ class ReplyHeader:
     digest: str = ""
     prompt_lengths: tuple[int, ...] = ()
     completion_lengths: tuple[int, ...] = ()
+    compute_dtype: str = ""
     error: str = ""
     seconds: float = 0.0
     envelope: str = ""
@@ -218,6 +224,7 @@ class Samples:
     digest: str
     completion_ids: list[list[list[int]]]
     logprobs: list[list[list[float]]]
+    compute_dtype: str = "bfloat16"
     seconds: float = 0.0
     envelope: bytes = b""
     lease_id: str = ""
@@ -232,8 +239,13 @@ def encode_reply(
     completions: list[tuple[list[int], list[float]]],
     seconds: float,
     envelope: bytes = b"",
+    *,
+    compute_dtype: str,
 ) -> tuple[ReplyHeader, list[bytes]]:
-    """The header and payload buffers of an ok reply: ``completions`` in lease order (prompt-major)."""
+    """The header and payload buffers of an ok reply: ``completions`` in lease order (prompt-major), generated in
+    ``compute_dtype`` (one of :data:`COMPUTE_DTYPES`; ``ValueError`` otherwise)."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r}")
     prompt_tokens = np.asarray([t for p in lease.prompts for t in p], dtype="<i4")
     completion_tokens = np.asarray([t for ids, _ in completions for t in ids], dtype="<i4")
     logprobs = np.asarray([lp for _, lps in completions for lp in lps], dtype="<f4")
@@ -244,6 +256,7 @@ def encode_reply(
         digest=digest,
         prompt_lengths=tuple(len(p) for p in lease.prompts),
         completion_lengths=tuple(len(ids) for ids, _ in completions),
+        compute_dtype=compute_dtype,
         seconds=round(seconds, 4),
         envelope=base64.b64encode(envelope).decode(),
     )
@@ -270,7 +283,8 @@ def decode_reply(lease: Lease, header: dict[str, Any], payload: bytes, *, vocab_
     Raises :class:`PayloadError` naming the first check that failed: another lease id, a malformed version or
     digest, lengths that do not match the lease (number of completions, a completion empty or longer than
     ``max_new_tokens``, a payload of another size), prompts not echoed exactly, token ids outside
-    ``[0, vocab_size)``, log-probabilities that are not finite or above 0. The version is not checked against
+    ``[0, vocab_size)``, log-probabilities that are not finite or above 0, a ``compute_dtype`` not among
+    :data:`COMPUTE_DTYPES`. The version is not checked against
     the published ones here (the caller knows them).
     """
     if header.get("lease_id") != lease.lease_id:
@@ -281,6 +295,11 @@ def decode_reply(lease: Lease, header: dict[str, Any], payload: bytes, *, vocab_
     digest = header.get("digest")
     if not isinstance(digest, str) or not _DIGEST.match(digest):
         raise PayloadError(f"reply has no valid digest: {digest!r:.80}")
+    compute_dtype = header.get("compute_dtype")
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise PayloadError(
+            f"reply's compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute_dtype!r:.40}"
+        )
     prompt_lengths = _int_list(header.get("prompt_lengths"), "prompt_lengths", len(lease.prompts), 1, 1 << 20)
     lengths = _int_list(
         header.get("completion_lengths"), "completion_lengths", lease.num_completions, 1, lease.max_new_tokens
@@ -329,6 +348,7 @@ def decode_reply(lease: Lease, header: dict[str, Any], payload: bytes, *, vocab_
         digest=digest,
         completion_ids=completion_ids,
         logprobs=completion_logprobs,
+        compute_dtype=str(compute_dtype),
         seconds=float(seconds) if isinstance(seconds, int | float) and math.isfinite(seconds) else 0.0,
         envelope=envelope,
         lease_id=lease.lease_id,

@@ -21,7 +21,7 @@ whose value is that token's log-probability; the engines then decode greedily an
 
 The hash uses 32-bit lanes inside int64 tensors and never overflows, so it gives the same bits on every device;
 the noise is computed in float32, whose rounding (an ulp of ``log``) differs between devices far below the margin
-the checks allow.
+the checks allow (:mod:`pulseloco.rollouts.tolerances`).
 """
 
 from __future__ import annotations
@@ -128,17 +128,25 @@ class CheckResult:
     """What :func:`check_completions` found in one completion.
 
     ``checked``: positions whose choice was recomputed; ``mismatches``: of those, positions where the completion's
-    token is not the perturbed argmax and trails it by more than the margin; ``near``: positions where it is not
-    the argmax but within the margin (ignored; counted to measure the margin); ``worst_gap``: the largest gap
-    (perturbed score of the argmax minus that of the completion's token) over the checked positions;
-    ``logprob_error``: the mean absolute difference between the worker's log-probabilities and the trainer's;
-    ``max_logprob_error``: the largest one.
+    token trails the perturbed argmax by more than the margin (or is not a token of the vocabulary, or its
+    log-probability is not a finite number); ``near``: positions where it is not the argmax but within the margin,
+    of which ``wide`` trail by more than ``core_gap``; ``contested`` and ``contested_wide``: checked positions whose
+    perturbed argmax leads the runner-up by at most ``core_gap`` and by at most the margin (where a near miss in
+    each band is possible at all); ``worst_gap``: the largest gap (perturbed score of the
+    argmax minus that of the completion's token) over the checked positions; ``lead``: the smallest lead of the
+    completion's token over every other token's perturbed score (negative where it is not the argmax; ``inf`` for
+    no position); ``logprob_error``: the mean absolute difference between the worker's log-probabilities and the
+    trainer's; ``max_logprob_error``: the largest one (``inf`` for a log-probability that is not finite).
     """
 
     checked: int
     mismatches: int
     near: int
+    wide: int
+    contested: int
+    contested_wide: int
     worst_gap: float
+    lead: float
     logprob_error: float
     max_logprob_error: float
 
@@ -154,6 +162,7 @@ def check_completions(
     seeds: torch.Tensor,
     sequences: torch.Tensor,
     margin: float | torch.Tensor,
+    core_gap: float | torch.Tensor = 0.0,
     check: torch.Tensor | None = None,
     gaps_out: list[float] | None = None,
     logprobs_out: list[list[float]] | None = None,
@@ -162,23 +171,28 @@ def check_completions(
 
     ``logits``: ``(n, length, vocab)``, the trainer's logits that predict each completion token; ``tokens``,
     ``mask`` (1 for a real token) and the worker's ``logprobs``: ``(n, length)``; ``seeds`` and ``sequences``: the
-    lease seed and the sequence index ``i`` of each completion (``(n,)``); ``margin``: one for all, or one per
-    completion (``(n,)``). ``check``: the positions whose choice is
-    recomputed (a boolean ``(n, length)`` subset of ``mask``; default: all of them). ``gaps_out``: a list that
-    receives the gap of every checked position (to measure the margin); ``logprobs_out``: a list that receives, per
-    completion, the trainer's log-probability of each of its real tokens under ``softmax(logits / T)``. Returns one
-    :class:`CheckResult` per completion; it never raises for what a worker sent (the caller decides).
+    lease seed and the sequence index ``i`` of each completion (``(n,)``); ``margin`` and ``core_gap``: one for
+    all, or one per completion (``(n,)``). ``check``: the positions whose choice is recomputed (a boolean
+    ``(n, length)`` subset of ``mask``; default: all of them). ``gaps_out``: a list that receives the gap of every
+    checked position (to measure the margin); ``logprobs_out``: a list that receives, per completion, the trainer's
+    log-probability of each of its real tokens under ``softmax(logits / T)``. Returns one :class:`CheckResult` per
+    completion. It never raises for what a worker sent: a token id outside ``[0, vocab)`` is a mismatch (its gap
+    infinite), a log-probability that is not finite an infinite error; the caller decides.
     """
     n, length, vocab = logits.shape
     device = logits.device
     mask = mask.to(device=device, dtype=torch.bool)
     check = mask if check is None else (check.to(device=device, dtype=torch.bool) & mask)
-    tokens = tokens.to(device=device, dtype=torch.int64).clamp(0, vocab - 1)
+    tokens = tokens.to(device=device, dtype=torch.int64)
+    foreign = ((tokens < 0) | (tokens >= vocab)) & mask
+    tokens = tokens.clamp(0, vocab - 1)
     positions = torch.arange(length, device=device).expand(n, length)
     scaled = logits.float() / temperature
     own = scaled.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    error = (own - logprobs.to(device=device, dtype=torch.float32)).abs().masked_fill(~mask, 0.0)
-    gaps = torch.zeros((n, length), dtype=torch.float32, device=device)
+    error = (own - logprobs.to(device=device, dtype=torch.float32)).abs()
+    error = torch.where(torch.isfinite(error) & ~foreign, error, torch.inf).masked_fill(~mask, 0.0)
+    leads = torch.full((n, length), torch.inf, dtype=torch.float32, device=device)
+    spreads = torch.full((n, length), torch.inf, dtype=torch.float32, device=device)
     rows, cols = check.nonzero(as_tuple=True)
     if rows.numel():
         seed_rows = seeds.to(device=device, dtype=torch.int64)[rows]
@@ -189,36 +203,52 @@ def check_completions(
             scores = scaled[r, c] + gumbel_noise(
                 seed_rows[start : start + chunk], sequence_rows[start : start + chunk], positions[r, c], vocab
             )
-            top = scores.max(dim=-1).values
-            mine = scores.gather(-1, tokens[r, c].unsqueeze(-1)).squeeze(-1)
-            gaps[r, c] = top - mine
+            mine_index = tokens[r, c].unsqueeze(-1)
+            mine = scores.gather(-1, mine_index).squeeze(-1)
+            others = scores.scatter(-1, mine_index, float("-inf")).max(dim=-1).values if vocab > 1 else mine - mine
+            leads[r, c] = mine - others
+            if vocab > 1:
+                top = scores.topk(2, dim=-1).values
+                spreads[r, c] = top[:, 0] - top[:, 1]
+    leads = torch.where(foreign, -torch.inf, leads)
+    gaps = (-leads).clamp(min=0.0).masked_fill(~check, 0.0)
     if gaps_out is not None:
         gaps_out.extend(gaps[check].tolist())
     if logprobs_out is not None:
         lengths = mask.sum(-1).tolist()
         logprobs_out.extend(values[:count] for values, count in zip(own.tolist(), lengths))
     margins = torch.as_tensor(margin, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
+    cores = torch.as_tensor(core_gap, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
+    near = (gaps > 0) & (gaps <= margins) & check
     # one tensor of per-row statistics, moved to the host once (a GPU would otherwise sync per row and value)
+    empty = torch.zeros(n, device=device)
     stats = torch.stack(
         [
             check.sum(-1).float(),
             ((gaps > margins) & check).sum(-1).float(),
-            ((gaps > 0) & (gaps <= margins) & check).sum(-1).float(),
-            gaps.masked_fill(~check, 0.0).amax(-1) if length else torch.zeros(n, device=device),
+            near.sum(-1).float(),
+            (near & (gaps > cores)).sum(-1).float(),
+            ((spreads <= cores) & check).sum(-1).float(),
+            ((spreads <= margins) & check).sum(-1).float(),
+            gaps.amax(-1) if length else empty,
+            leads.masked_fill(~check, torch.inf).amin(-1) if length else empty + torch.inf,
             error.sum(-1) / mask.sum(-1).clamp(min=1),
-            error.amax(-1) if length else torch.zeros(n, device=device),
+            error.amax(-1) if length else empty,
         ],
         dim=1,
     ).tolist()
-    results = [
+    return [
         CheckResult(
             checked=int(row[0]),
             mismatches=int(row[1]),
             near=int(row[2]),
-            worst_gap=row[3],
-            logprob_error=row[4],
-            max_logprob_error=row[5],
+            wide=int(row[3]),
+            contested=int(row[4]),
+            contested_wide=int(row[5]),
+            worst_gap=row[6],
+            lead=row[7],
+            logprob_error=row[8],
+            max_logprob_error=row[9],
         )
         for row in stats
     ]
-    return results

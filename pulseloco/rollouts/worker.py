@@ -36,6 +36,7 @@ from pulseloco.errors import PayloadError
 from pulseloco.keys import workers_key
 from pulseloco.p2p import CHUNK_BYTES, P2PHost, asker_closes, stream_messages
 from pulseloco.rollouts.protocol import (
+    COMPUTE_DTYPES,
     Lease,
     ReplyHeader,
     WorkerInfo,
@@ -123,7 +124,8 @@ class RolloutServer:
     Args:
         dht: the worker's running DHT (it must be reachable by the trainers: server mode, or a relay address).
         run_id: the PULSESync run followed (``<run_id>.policy``).
-        engine: generates; ``engine_name`` is announced with it.
+        engine: generates; ``engine_name`` is announced with it, and its ``compute_dtype`` (what it computes in) is
+            sent with every reply.
         subscriber: keeps ``engine.weights()`` current; its ``lock`` is held while a lease generates.
         vocab_size, max_new_tokens, max_prompt_tokens: limits every lease is checked against.
         max_queue: leases waiting at once; more are answered ``busy``.
@@ -155,6 +157,11 @@ class RolloutServer:
         self.run_id = run_id
         self.engine = engine
         self.engine_name = engine_name
+        self.compute_dtype = str(engine.compute_dtype)
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"the engine computes in {self.compute_dtype}; a reply may say {', '.join(COMPUTE_DTYPES)}"
+            )
         self.subscriber = subscriber
         self.vocab_size = vocab_size
         self.max_new_tokens = max_new_tokens
@@ -274,7 +281,7 @@ class RolloutServer:
             seconds,
         )
         completed = [(c.token_ids, c.logprobs) for c in completions]
-        return encode_reply(lease, version, digest, completed, seconds, envelope)
+        return encode_reply(lease, version, digest, completed, seconds, envelope, compute_dtype=self.compute_dtype)
 
     def _note_throughput(self, tokens_per_s: float, samples_per_s: float) -> None:
         if self.tokens_per_s == 0:
