@@ -18,9 +18,9 @@ Agreement rule (the exit code):
 - A peer at a newer round is ``ahead`` when it matches the majority of *its* round, else it ``disagree``\\ s.
 - A peer at an older round is ``behind`` and not compared: it downloads the state when it catches up, and a
   crashed peer's last record stays in the DHT until it expires.
-- A peer another peer names as *disputed* (it served a poisoned average) is ``disputed``: shown, left out of
-  the votes as the trainers leave it out of their repairs, and not counted against the exit code (its state is
-  not the swarm's).
+- A peer another peer names as *disputed* (it served a poisoned average, or a shard owner excluded it for
+  repeated outlier contributions) is ``disputed``: shown, left out of the votes as the trainers leave it out of
+  their repairs, and not counted against the exit code (its state is not the swarm's).
 
 Exit codes: :data:`EXIT_AGREE` (0) when no peer disagrees (no records at all included: the text says so and
 names the key it looked up), :data:`EXIT_DISAGREE` (1) when one does, :data:`EXIT_CANNOT_JOIN` (2) for bad

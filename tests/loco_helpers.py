@@ -90,6 +90,10 @@ class PeerConfig:
     """After completing this round, let late peers join."""
     faults: dict[int, str] = field(default_factory=dict)
     """Faults to inject, by round (see :func:`_inject_faults`)."""
+    attack: str | None = None
+    """A Byzantine trainer: send this attack of ``scripts/harness/byzantine.py`` at 9x the honest norm."""
+    record_parts: bool = False
+    """Report every round's parts as sent (dense), their shard norms, and the shards' accepted lists and scales."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -235,6 +239,45 @@ def _record_ledger(opt: Any, report: dict[str, Any]) -> None:
     NesterovOuterOptimizer.step_sparse = step_and_record  # type: ignore[method-assign]  (this peer process only)
 
 
+def _record_parts(opt: Any, report: dict[str, Any], dense: bool) -> None:
+    """Wrap the averager's ``all_reduce`` (innermost: what is actually pushed, an attack included) to report per
+    round the L2 norm of this peer's part of every shard, every shard's accepted list and clip scales, and (with
+    ``dense``) the parts as one dense vector; and, over the run, ``counted``: the sum of what the shards counted of
+    this peer's parts (clipped at the reported scales), this peer's own view."""
+    from pulseloco.loco.robust import clip_split
+
+    all_reduce = opt.averager.all_reduce
+    counted_N = torch.zeros(opt.numel)
+    report["parts"] = []
+    report["counted"] = counted_N.numpy().tobytes()
+
+    def recorded(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
+        result = all_reduce(group, indices_K, values_K, *args)
+        stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
+        offsets = [0, *torch.searchsorted(indices_K, stops).tolist()]
+        norms = [float(torch.linalg.vector_norm(values_K[offsets[j] : offsets[j + 1]])) for j in range(len(stops))]
+        for j, scale in enumerate(result.own_scales(opt.averager.peer_id)):
+            if scale is not None:
+                part = slice(offsets[j], offsets[j + 1])
+                counted_N.index_add_(0, indices_K[part], clip_split(values_K[part], scale)[0])
+        record: dict[str, Any] = {
+            "round": group.round,
+            "peer_id": opt.averager.peer_id,
+            "norms": norms,
+            "accepted": [None if a is None else list(a) for a in result.accepted],
+            "scales": [None if s is None else list(s) for s in result.scales],
+        }
+        if dense:
+            sent_N = torch.zeros(opt.numel)
+            sent_N[indices_K] = values_K
+            record["sent"] = sent_N.numpy().tobytes()
+        report["parts"].append(record)
+        report["counted"] = counted_N.numpy().tobytes()
+        return result
+
+    opt.averager.all_reduce = recorded
+
+
 def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_event: Any = None) -> None:
     """Body of a peer process: join, train ``num_rounds`` outer rounds, put a report on ``results``.
 
@@ -256,6 +299,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
         client_mode=config.client_mode,
         start=True,
+        **({} if config.identity_path is None else {"identity_path": config.identity_path}),
     )
     model = make_model(config.model_seed)
     inner_optimizer = make_inner_optimizer(model, config.inner_lr)
@@ -295,6 +339,11 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     if config.faults:
         _inject_faults(opt, config.faults)
     if opt.averager is not None:
+        _record_parts(opt, report, config.record_parts)
+        if config.attack is not None:
+            from harness import byzantine
+
+            byzantine.install(opt, config.attack, seed=config.index)
         _record_ledger(opt, report)
     if config.die_in_round is not None:
         original = opt.matchmaker.form_group
@@ -339,6 +388,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     report["theta"] = opt.theta_N.numpy().tobytes()
     report["residual"] = opt.residual_N.numpy().tobytes()
     report["final_round"] = opt.round
+    report["distrusted"] = list(opt.averager.distrusted_peers()) if opt.averager is not None else []
     if config.state_out is not None:
         torch.save(opt.state_dict(), config.state_out)
     results.put(report)

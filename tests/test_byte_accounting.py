@@ -167,6 +167,7 @@ def averagers() -> Iterator[list[SparseAverager]]:
                     averaging_timeout=10.0,
                     request_timeout=5.0,
                     max_norm_ratio=1e6,
+                    clip_to_median=False,  # the sums are plain sums (clipping: tests/test_loco_robust.py)
                     chunk_bytes=CHUNK,
                 )
             )
@@ -230,7 +231,7 @@ def _expected(
         k = 1 - p  # the other owner's shard (peer p owns shard p)
         base = {"round": round_index, "group": group_id, "shard": k}
         part, served = peek_header(parts[p][k]), peek_header(sums[p])
-        sum_header = {"ok": True, "accepted": sorted(ids), "rejected": [], "size": len(sums[p])}
+        sum_header = {"ok": True, "accepted": sorted(ids), "scales": [1.0, 1.0], "rejected": [], "size": len(sums[p])}
         push = list(stream_messages(runtime_pb2.ExpertRequest, base, [parts[p][k]], chunk_bytes=CHUNK))
         serve = list(stream_messages(runtime_pb2.ExpertResponse, sum_header, [sums[p]], chunk_bytes=CHUNK))
         fetch = header_message(runtime_pb2.ExpertRequest, base).ByteSize()  # the fetch of shard k

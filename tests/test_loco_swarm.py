@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -145,7 +146,20 @@ def test_three_peers_end_every_round_with_equal_digests(initial_peers: list[str]
     assert record["bytes_sent"] > 0 and record["bytes_received"] > 0 and record["num_peers"] == 3
 
 
-def test_dense_swarm_equals_reference_diloco(initial_peers: list[str]) -> None:
+def _clipped(x: torch.Tensor, bar: float) -> torch.Tensor:
+    """``x`` scaled down to the L2 norm ``bar`` when above it (an FP32 scale), rounded once so that ``x - kept`` is
+    exact: the plain reference of the owners' clip-to-median rule."""
+    norm = float(torch.linalg.vector_norm(x))
+    if norm <= bar:
+        return x
+    scale = torch.tensor(min(1.0, float(torch.tensor(bar / norm, dtype=torch.float32))), dtype=torch.float32)
+    return x * scale if float(scale) >= 0.5 else x - x * (1.0 - scale)
+
+
+def test_dense_swarm_equals_reference_diloco_with_median_clipping(initial_peers: list[str]) -> None:
+    """Dense DiLoCo over the swarm, bit for bit against a plain reference: every shard owner clips each part to the
+    median of the three parts' norms in its shard, and each peer keeps what was clipped off in its residual (sent
+    again the next round)."""
     num_rounds, inner_steps, lr = 3, 4, 1e-3
     configs = [
         PeerConfig(
@@ -164,28 +178,46 @@ def test_dense_swarm_equals_reference_diloco(initial_peers: list[str]) -> None:
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the peers: same reduction order, bit-identical inner steps
+    num_clipped = 0
     try:
         models = {i: make_model(0) for i in range(3)}
         inners = {i: make_inner_optimizer(models[i], lr) for i in range(3)}
         theta = flat_params(models[0]).clone()
+        numel = theta.numel()
+        base, extra = divmod(numel, 3)
+        starts = [j * base + min(j, extra) for j in range(4)]
+        bounds = [(starts[j], starts[j + 1]) for j in range(3)]
+        residuals = {i: torch.zeros_like(theta) for i in range(3)}
         v = torch.zeros_like(theta)
         for r in range(num_rounds):
-            total = torch.zeros_like(theta)
+            signals = {}
             for i in order:
                 load_flat(models[i], theta)
                 for step in range(inner_steps):
                     inner_step(models[i], inners[i], batch(i, r * inner_steps + step))
                     inners[i].step()
                     inners[i].zero_grad()
-                total += theta - flat_params(models[i])
+                signals[i] = residuals[i] + (theta - flat_params(models[i]))
+            total = torch.zeros_like(theta)
+            for start, stop in bounds:
+                parts = {i: signals[i][start:stop].clone() for i in order}
+                bar = statistics.median(float(torch.linalg.vector_norm(x)) for x in parts.values())
+                for i in order:
+                    kept = _clipped(parts[i], bar)
+                    num_clipped += int(kept is not parts[i])
+                    residuals[i][start:stop] = parts[i] - kept
+                    total[start:stop] += kept
             g = total / 3
             v = 0.9 * v + g
             theta = theta - 0.7 * (g + 0.9 * v)
     finally:
         torch.set_num_threads(before)
+    assert num_clipped > 0  # the rule did something
     for report in reports:
         assert all(r["num_peers"] == 3 and r["num_sent"] == theta.numel() for r in report["rounds"])
         assert torch.equal(_theta(report).view(torch.int32), theta.view(torch.int32))
+        index = report["index"]
+        assert torch.equal(_vector(report, "residual").view(torch.int32), residuals[index].view(torch.int32))
 
 
 def test_peer_killed_mid_round_does_not_stop_the_others(initial_peers: list[str]) -> None:
@@ -255,6 +287,63 @@ def test_malicious_payloads_are_rejected(initial_peers: list[str]) -> None:
     assert all(r["num_contributors"] == 2 for report in reports for r in report["rounds"])
     assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
     assert torch.isfinite(_theta(reports[0])).all()
+
+
+def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peers: list[str]) -> None:
+    """Four peers, one Byzantine: from round 0 it sends its selection sign-flipped at 9x its norm
+    (scripts/harness/byzantine.py). Each owner clips it to the median norm of its shard's parts (the honest parts
+    are never struck), the honest consensus still moves along the honest pseudo-gradients every round, every
+    honest peer's exact ledger holds (produced = counted at the reported scales + residual), and after strikes in
+    five rounds every owner excludes the attacker and names it disputed (and no one else)."""
+    num_rounds = 7
+    base = PeerConfig(
+        index=0, initial_peers=initial_peers, num_rounds=num_rounds, run_id="byzantine", target_group_size=4
+    )
+    configs = [replace(base, index=i, record_parts=True) for i in range(3)]
+    configs.append(replace(base, index=3, record_parts=True, attack="flip"))
+    reports = run_swarm(configs)
+    honest, bad = reports[:3], reports[3]["peer_id"]
+    assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2]) == _digests(reports[3])
+    from pulseloco.loco.robust import clip_split
+
+    for r in range(num_rounds):
+        records = {report["peer_id"]: report["parts"][r] for report in reports}
+        assert all(record["round"] == r for record in records.values())
+        accepted, scales = records[honest[0]["peer_id"]]["accepted"], records[honest[0]["peer_id"]]["scales"]
+        assert all(records[h["peer_id"]]["accepted"] == accepted for h in honest)  # one verdict per shard
+        sent = {peer: _vector(record, "sent") for peer, record in records.items()}
+        honest_N = sum(sent[h["peer_id"]] for h in honest)
+        assert isinstance(honest_N, torch.Tensor)
+        applied_N = torch.zeros_like(honest_N)
+        numel = honest_N.numel()  # shard j of a group of four: the j-th quarter (shard_bounds)
+        base_size, extra = divmod(numel, 4)
+        starts = [j * base_size + min(j, extra) for j in range(5)]
+        for j in range(4):
+            names, shard_scales = accepted[j], dict(zip(accepted[j], scales[j]))
+            norms = {peer: record["norms"][j] for peer, record in records.items()}
+            bar = statistics.median(norms[peer] for peer in names)
+            for h in honest:  # honest parts: always counted, never near a strike
+                assert h["peer_id"] in names and norms[h["peer_id"]] < 4.0 * bar
+            if bad in names:  # the attacker counts with one honest-sized vector at most
+                assert shard_scales[bad] * norms[bad] <= bar * (1 + 1e-6)
+                assert norms[bad] > 4.0 * bar  # a strike
+            else:
+                assert r >= 5 or norms[bad] > 10.0 * bar  # excluded, or (before) refused by the outlier screen
+            for peer in names:
+                part = sent[peer][starts[j] : starts[j + 1]]
+                applied_N[starts[j] : starts[j + 1]] += clip_split(part, shard_scales[peer])[0]
+        assert any(bad in names for names in accepted) == (r < 5)  # excluded by every owner after five strikes
+        assert float(applied_N @ honest_N) > 0.0  # the consensus moves the honest way
+        # unclipped (the screen alone lets 9x through), the attack would outweigh the three honest parts together
+        assert float(torch.linalg.vector_norm(sent[bad])) > float(torch.linalg.vector_norm(honest_N))
+    for h in honest:
+        assert h["distrusted"] == [bad]
+        error = _vector(h, "produced") - _vector(h, "counted") - _vector(h, "residual")
+        assert float(torch.linalg.vector_norm(error)) < 1e-6 * float(torch.linalg.vector_norm(_vector(h, "produced")))
+    moved_N = flat_params(make_model(0)) - _theta(honest[0])
+    honest_total = sum(_vector(h, "produced") for h in honest)
+    assert isinstance(honest_total, torch.Tensor)
+    assert float(torch.nn.functional.cosine_similarity(moved_N, honest_total, dim=0)) > 0.5
 
 
 def test_bf16_values_average_to_equal_digests_and_conserve(initial_peers: list[str]) -> None:

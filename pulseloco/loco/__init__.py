@@ -8,6 +8,7 @@ Modules, one concept each:
 - :mod:`~pulseloco.loco.validation`: encoding and validation of untrusted sparse payloads;
 - :mod:`~pulseloco.loco.averaging`: the sparse reduce-scatter / all-gather over libp2p (a group member's side);
 - :mod:`~pulseloco.loco.shard_owner`: a shard owner's side: receiving, checking and summing parts, serving sums;
+- :mod:`~pulseloco.loco.robust`: robust aggregation: parts clipped to the group's median norm, repeat outliers excluded;
 - :mod:`~pulseloco.loco.traffic`: the all-reduce's byte accounting;
 - :mod:`~pulseloco.loco.state`: serving and downloading the global state (peers behind or disagreeing);
 - :mod:`~pulseloco.loco.ledger`: exactly-once bookkeeping of what each round counted;

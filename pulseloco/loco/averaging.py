@@ -15,10 +15,12 @@ shard of the flat parameter space:
    codec's FP32 mode, to the shard's owner (its own part stays local);
 2. every owner waits for all members' parts (at most until the averaging deadline), decodes and validates
    them (frame, index range, finiteness, norm against the other contributions' median, or largest entry against
-   the owner's own part's in a group of two), and sums the accepted ones in sorted peer-id order into a sparse sum;
-3. all-gather: every member fetches every shard's sum, with the list of accepted contributors and their
-   count, and divides by that count. Every peer divides the same sums by the same counts, so every peer
-   computes bit-identical averages. A member refuses an average far larger than its own part of the shard
+   the owner's own part's in a group of two), clips each accepted part to the group's median norm and sums the
+   clipped parts in sorted peer-id order into a sparse sum (:mod:`pulseloco.loco.robust`: the rule, what it
+   bounds, and the exclusion of peers that keep sending outliers);
+3. all-gather: every member fetches every shard's sum, with the list of accepted contributors, each one's clip
+   scale and their count, and divides by that count. Every peer divides the same sums by the same counts, so
+   every peer computes bit-identical averages. A member refuses an average far larger than its own part of the shard
    (a poisoned owner) and treats the shard as unknown (below); it names that owner as *disputed*.
 
 A member's traffic grows with its own payload plus the (sparse) sums, not with the number of peers times the
@@ -31,12 +33,14 @@ into the frames' index and value sections and the rest) is :mod:`pulseloco.loco.
 through an object store uploads).
 
 Exactly once (docs/design.md, "Exactly-once contributions"). What a round counted is decided by the owners
-alone: shard ``j``'s sum contains exactly the contributions on its ``accepted`` list, fixed when the owner
-aggregates and sent with the sum. A member therefore derives delivery from the lists it fetched, never from push
-acknowledgements: its part of shard ``j`` is *counted* if and only if it fetched shard ``j`` and its id is on
-the list. Every member that fetched a shard applies the same sum and the same list, so an accepted
-contribution is in the theta of every peer that fetched that shard, and the sender keeps (returns to its
-residual) exactly the parts it cannot show were counted. A fetch that fails is retried after the deadline (the
+alone: shard ``j``'s sum contains exactly the contributions on its ``accepted`` list, each scaled by its clip
+scale, fixed when the owner aggregates and sent with the sum. A member therefore derives delivery from the lists
+it fetched, never from push acknowledgements: its part of shard ``j`` is *counted* if and only if it fetched
+shard ``j`` and its id is on the list, and then counted at the scale listed beside it (what the scale clipped off,
+:func:`pulseloco.loco.robust.clip_split`, goes back to its residual exactly as an uncounted part does). Every
+member that fetched a shard applies the same sum and the same list, so an accepted contribution is in the theta
+of every peer that fetched that shard, and the sender keeps (returns to its residual) exactly the parts it cannot
+show were counted. A fetch that fails is retried after the deadline (the
 owner keeps its sums for ``_KEEP_ROUNDS`` rounds), which covers stalls and streams cut short. A shard that still
 cannot be fetched is *unknown*: the round is incomplete (``complete`` False), the shard is not applied and this
 peer's part of it is returned provisionally; the caller then repairs its theta from the swarm's majority and
@@ -67,6 +71,7 @@ from hivemind.proto import runtime_pb2
 from pulseloco.codec import FrameHeader, peek_header
 from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS, RepeatOutliers, parse_scales
 from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedShard, ShardOwner, peak
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
@@ -125,8 +130,10 @@ class AllReduceResult:
 
     ``indices_K`` / ``average_K``: the averaged pseudo-gradient (global flat indices, FP32 values); entries not
     listed are zero. ``accepted``: per shard (``bounds``), the contributors its sum counted, or ``None`` where
-    the sum could not be fetched. ``returned_K``: one flag per entry this peer sent, True where its shard's list
-    does not show it counted (the caller puts those back into its residual). ``complete`` is False if any
+    the sum could not be fetched; ``scales``: beside each list, every contributor's clip scale in the same order
+    (:mod:`pulseloco.loco.robust`). ``returned_K``: one flag per entry this peer sent, True where its shard's list
+    does not show it counted (the caller puts those back into its residual; entries counted at a scale below 1
+    give back what the scale clipped off, :meth:`own_scales`). ``complete`` is False if any
     shard's sum is missing, so this peer's theta may differ from the others' (the caller repairs and reconciles).
 
     Bytes (:class:`Traffic`, counted until this peer's exchange ended): ``bytes_sent`` / ``bytes_received`` every
@@ -145,6 +152,7 @@ class AllReduceResult:
     bytes_sent: int
     bytes_received: int
     accepted: tuple[tuple[str, ...] | None, ...] = ()
+    scales: tuple[tuple[float, ...] | None, ...] = ()
     bounds: tuple[tuple[int, int], ...] = ()
     payload_bytes: int = 0
     payload_index_bytes: int = 0
@@ -156,6 +164,19 @@ class AllReduceResult:
     sent_header_bytes: int = 0
     num_pushed: int = 0
     num_sum_entries: int = 0
+    largest_norm_ratio: float = 0.0
+    """The largest ratio of an accepted part's norm to the clip bar in this peer's own shard (0: none or no bar)."""
+
+    def own_scales(self, peer_id: str) -> list[float | None]:
+        """Per shard, the scale ``peer_id``'s part was counted at, or ``None`` where it was not counted."""
+        own: list[float | None] = []
+        for j, names in enumerate(self.accepted):
+            scales = self.scales[j] if j < len(self.scales) else None
+            if names is None or peer_id not in names:
+                own.append(None)
+            else:
+                own.append(1.0 if scales is None else scales[names.index(peer_id)])
+        return own
 
     @property
     def num_contributors(self) -> int:
@@ -184,6 +205,9 @@ class SparseAverager(ShardOwner, StateTransfer):
         averaging_timeout: float,
         request_timeout: float,
         max_norm_ratio: float,
+        clip_to_median: bool = True,
+        dispute_norm_ratio: float = DEFAULT_DISPUTE_NORM_RATIO,
+        dispute_rounds: int = DEFAULT_DISPUTE_ROUNDS,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.dht = dht
@@ -193,6 +217,9 @@ class SparseAverager(ShardOwner, StateTransfer):
         self.averaging_timeout = averaging_timeout
         self.request_timeout = request_timeout
         self.max_norm_ratio = max_norm_ratio
+        self.clip_to_median = clip_to_median
+        self.dispute_norm_ratio = dispute_norm_ratio
+        self.repeat_outliers = RepeatOutliers(dispute_rounds)
         self.chunk_bytes = chunk_bytes
         self.namespace = f"{run_id}_loco"
         self._owned: dict[tuple[int, str], OwnedShard] = {}
@@ -205,7 +232,8 @@ class SparseAverager(ShardOwner, StateTransfer):
         self._snapshot_lock = threading.Lock()
         self.disputed: set[str] = set()
         """Owners whose average this peer refused as an outlier (:meth:`_screen_aggregate`); published with its
-        state record, so that no peer repairs from them (:meth:`pulseloco.loco.optimizer.PulseLoCo._catch_up`)."""
+        state record, with the peers its own shard excluded (:meth:`distrusted_peers`), so that no peer repairs from
+        them (:meth:`pulseloco.loco.optimizer.PulseLoCo._catch_up`)."""
         setup_timeout = max(30.0, request_timeout)
         self._host = P2PHost(dht, name="pulseloco-loco", timeout=setup_timeout)
         try:
@@ -216,6 +244,12 @@ class SparseAverager(ShardOwner, StateTransfer):
             raise
         self.p2p: P2P = self._host.p2p
         self.peer_id: str = self._host.peer_id.to_base58()
+
+    def distrusted_peers(self) -> tuple[str, ...]:
+        """The peers this peer names as disputed in its state record: owners whose average it refused
+        (:attr:`disputed`) and contributors its shard excluded for repeated outliers (:mod:`pulseloco.loco.robust`),
+        sorted."""
+        return tuple(sorted(self.disputed | set(self.repeat_outliers.excluded())))
 
     def shutdown(self) -> None:
         """Remove the handlers, close the P2P replica and stop the background loop (the DHT itself is the
@@ -283,10 +317,10 @@ class SparseAverager(ShardOwner, StateTransfer):
 
     async def _exchange(
         self, group: Group, parts: list[bytes], deadline: float
-    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], int, Traffic]:
+    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], OwnedShard | None, Traffic]:
         """Push ``parts`` (one per shard), aggregate the own shard, fetch every shard's sum (retrying failed
-        fetches). Returns the sums (``None`` where none could be fetched), the own shard's rejections and a copy
-        of this round's traffic so far."""
+        fetches). Returns the sums (``None`` where none could be fetched), the own shard's state (``None`` for a
+        client) and a copy of this round's traffic so far."""
         self._prune(group.round)
         base = {"round": group.round, "group": group.group_id}
         own_index = group.servers.index(self.peer_id) if self.peer_id in group.servers else None
@@ -301,11 +335,9 @@ class SparseAverager(ShardOwner, StateTransfer):
         ]
         await asyncio.gather(*pushes)  # delivery is read from the sums' accepted lists, not from these replies
         results = await self._collect(group, [None] * len(group.servers), deadline)
-        num_rejected = 0
         if owned is not None:
-            num_rejected = owned.num_rejected
             await self._serve_until_fetched(owned, deadline)
-        return results, num_rejected, await self._traffic_copy(group.round)
+        return results, owned, await self._traffic_copy(group.round)
 
     async def _collect(
         self, group: Group, results: list[tuple[dict[str, Any], bytes] | None], deadline: float
@@ -358,16 +390,17 @@ class SparseAverager(ShardOwner, StateTransfer):
 
     def _run_exchange(
         self, group: Group, parts: list[bytes]
-    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], int, Traffic]:
+    ) -> tuple[list[tuple[dict[str, Any], bytes] | None], OwnedShard | None, Traffic]:
         """Push ``parts`` to their owners and fetch the shard sums (:meth:`_exchange`), waiting at most
         ``averaging_timeout`` plus twice ``request_timeout``; a wait cut short collects the sums once more (one
         ``request_timeout`` plus a second) and reads what the traffic counters hold. Never raises: a shard whose
         sum did not arrive is None in the results."""
         deadline = time.monotonic() + self.averaging_timeout
         results: list[tuple[dict[str, Any], bytes] | None] = [None] * len(parts)
-        num_rejected, traffic = 0, Traffic()
+        owned: OwnedShard | None = None
+        traffic = Traffic()
         try:
-            results, num_rejected, traffic = self._host.run(
+            results, owned, traffic = self._host.run(
                 self._exchange(group, parts, deadline), timeout=self.averaging_timeout + 2 * self.request_timeout
             )
         except (SwarmError, TimeoutError) as exc:  # this wait's timeout, or one the exchange let through
@@ -382,7 +415,7 @@ class SparseAverager(ShardOwner, StateTransfer):
                 traffic = self._host.run(self._traffic_copy(group.round), timeout=self.request_timeout)
             except (SwarmError, TimeoutError) as error:
                 logger.warning("reading the traffic counters failed round=%d error=%s", group.round, error)
-        return results, num_rejected, traffic
+        return results, owned, traffic
 
     def _average_shards(
         self,
@@ -390,19 +423,25 @@ class SparseAverager(ShardOwner, StateTransfer):
         bounds: list[tuple[int, int]],
         results: list[tuple[dict[str, Any], bytes] | None],
         own_peaks: list[float],
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[str, ...] | None], set[str]]:
+    ) -> tuple[
+        list[torch.Tensor], list[torch.Tensor], list[tuple[str, ...] | None], list[tuple[float, ...] | None], set[str]
+    ]:
         """Check and divide every fetched shard sum of ``results`` (``bounds`` the shards, ``own_peaks`` the
-        largest entry of this peer's part of each): the accepted list must name members only, a sum with values
-        must name contributors, and the average must pass :meth:`_screen_aggregate`. Returns the averages'
-        global indices and values (shards with contributors only), the accepted list per shard (None where the
-        sum is missing or fails a check, logged as a warning) and the live peers (this one, the owners whose
-        sums were accepted and their contributors). Never raises."""
+        largest entry of this peer's part of each): the accepted list must name members only, once each, with one
+        valid clip scale per name (:func:`~pulseloco.loco.robust.parse_scales`), a sum with values must name
+        contributors, and the average must pass :meth:`_screen_aggregate`. Returns the averages' global indices
+        and values (shards with contributors only), the accepted list per shard (sorted; None where the sum is
+        missing or fails a check, logged as a warning: then nothing of that shard is applied), the clip scales
+        beside each list, and the live peers (this one, the owners whose sums were accepted and their
+        contributors). Never raises."""
         all_indices, all_average = [], []
         accepted_lists: list[tuple[str, ...] | None] = []
+        scale_lists: list[tuple[float, ...] | None] = []
         live_peers: set[str] = {self.peer_id}
         for j, (start, stop) in enumerate(bounds):
             result = results[j]
             accepted: tuple[str, ...] | None = None
+            scales: tuple[float, ...] | None = None
             if result is not None:
                 reply, payload = result
                 names = reply.get("accepted")
@@ -411,6 +450,9 @@ class SparseAverager(ShardOwner, StateTransfer):
                         raise PayloadError("aggregate header lacks its accepted contributors")
                     if not set(names) <= set(group.members):
                         raise PayloadError("aggregate counts peers outside the group")
+                    if len(set(names)) != len(names):
+                        raise PayloadError("aggregate counts a peer twice")
+                    by_name = dict(zip(names, parse_scales(reply.get("scales"), names)))
                     sum_indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, stop - start)
                     if not names and sum_K.numel():
                         raise PayloadError("aggregate has values but no accepted contributors")
@@ -420,13 +462,15 @@ class SparseAverager(ShardOwner, StateTransfer):
                     logger.warning("aggregate rejected round=%d owner=%s error=%s", group.round, group.servers[j], exc)
                 else:
                     accepted = tuple(sorted(names))
+                    scales = tuple(by_name[name] for name in accepted)
                     if accepted:  # every part refused: nothing counted in this shard
                         all_indices.append(sum_indices_K + start)
                         all_average.append(sum_K / float(len(accepted)))
                     live_peers.update(accepted)
                     live_peers.add(group.servers[j])
             accepted_lists.append(accepted)
-        return all_indices, all_average, accepted_lists, live_peers
+            scale_lists.append(scales)
+        return all_indices, all_average, accepted_lists, scale_lists, live_peers
 
     def all_reduce(
         self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor, value_dtype: str = "float32"
@@ -464,10 +508,12 @@ class SparseAverager(ShardOwner, StateTransfer):
             whole_frame = self._payload_pool.submit(
                 payload_frame, self.numel, indices_K, values_K, round_index=group.round, value_dtype=value_dtype
             )
-        results, num_rejected, traffic = self._run_exchange(group, parts)
+        results, owned, traffic = self._run_exchange(group, parts)
         whole = peek_header(parts[0], max_elements=NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
         own_peaks = [peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
-        all_indices, all_average, accepted_lists, live_peers = self._average_shards(group, bounds, results, own_peaks)
+        all_indices, all_average, accepted_lists, scale_lists, live_peers = self._average_shards(
+            group, bounds, results, own_peaks
+        )
         returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
         for j, accepted in enumerate(accepted_lists):
             if accepted is None or self.peer_id not in accepted:
@@ -479,10 +525,11 @@ class SparseAverager(ShardOwner, StateTransfer):
             returned_K=returned_K,
             complete=all(a is not None for a in accepted_lists),
             live_peers=frozenset(live_peers),
-            num_rejected=num_rejected,
+            num_rejected=owned.num_rejected if owned is not None else 0,
             bytes_sent=traffic.sent,
             bytes_received=traffic.received,
             accepted=tuple(accepted_lists),
+            scales=tuple(scale_lists),
             bounds=tuple(bounds),
             payload_bytes=whole.total_bytes,
             payload_index_bytes=whole.index_bytes,
@@ -494,4 +541,5 @@ class SparseAverager(ShardOwner, StateTransfer):
             sent_header_bytes=traffic.sent_header,
             num_pushed=traffic.num_pushed,
             num_sum_entries=traffic.num_sum_entries,
+            largest_norm_ratio=owned.largest_norm_ratio if owned is not None else 0.0,
         )

@@ -18,6 +18,7 @@ from typing import Any
 from pulseloco.errors import ConfigError
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterStateDevice
+from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS
 from pulseloco.loco.selection import Selector, SelectorName, ValueDType, make_selector
 
 __all__ = ["DEFAULT_OUTER_CHUNK_BYTES", "AveragingConfig", "PlacementConfig", "RoundConfig"]
@@ -100,6 +101,24 @@ class AveragingConfig:
         ),
     )
     num_download_retries: int = field(default=3, metadata=_help("Peers tried when downloading the state."))
+    clip_to_median: bool = field(
+        default=True,
+        metadata=_help(
+            "A shard owner scales each part above the group's median norm down to it (the clipped-off part goes back "
+            "to its sender's residual); False: only the max_norm_ratio screen."
+        ),
+    )
+    dispute_norm_ratio: float = field(
+        default=DEFAULT_DISPUTE_NORM_RATIO,
+        metadata=_help(
+            "A part whose norm is above this many times its shard's median norm strikes; a peer with strikes in most "
+            "of its last dispute_rounds parts is excluded from that owner's sums."
+        ),
+    )
+    dispute_rounds: int = field(
+        default=DEFAULT_DISPUTE_ROUNDS,
+        metadata=_help("Window of a peer's last parts judged for strikes (most of them exclude it); 0: never exclude."),
+    )
 
     def __post_init__(self) -> None:
         for name in ("matchmaking_time", "averaging_timeout", "request_timeout"):
@@ -112,6 +131,13 @@ class AveragingConfig:
             raise ConfigError(f"max_norm_ratio must be above 1, got {self.max_norm_ratio}")
         if self.num_download_retries < 1:
             raise ConfigError(f"num_download_retries must be at least 1, got {self.num_download_retries}")
+        if not isinstance(self.clip_to_median, bool):
+            raise ConfigError(f"clip_to_median must be True or False, got {self.clip_to_median!r}")
+        if not (self.dispute_norm_ratio > 1.0 and math.isfinite(self.dispute_norm_ratio)):
+            raise ConfigError(f"dispute_norm_ratio must be a finite number above 1, got {self.dispute_norm_ratio}")
+        rounds = self.dispute_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise ConfigError(f"dispute_rounds must be an integer of at least 0 (0: never exclude), got {rounds!r}")
 
     @property
     def digest_seconds(self) -> float:

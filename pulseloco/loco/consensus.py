@@ -45,7 +45,8 @@ def majority_digest(states: list[PeerState], round_index: int) -> str | None:
 
 
 def distrusted(states: list[PeerState]) -> set[str]:
-    """The peers some peer disputed (caught sending a poisoned average): they neither vote nor serve."""
+    """The peers some peer disputed (caught sending a poisoned average, or excluded from its shard for repeated
+    outliers): they neither vote nor serve."""
     return {p for s in states for p in s.disputed}
 
 

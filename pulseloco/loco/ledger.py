@@ -1,17 +1,18 @@
 """Which contributions a theta contains, and how a peer's residual follows the theta it ends up with.
 
-A round's sums count exactly the contributions on their owners' ``accepted`` lists
-(:mod:`pulseloco.loco.averaging`). A :class:`Ledger` keeps, for the last ``keep_rounds`` rounds of the lineage of
-a peer's ``theta``, the group id and the accepted list of every shard (``None`` for a shard that was not
-applied). It travels with the state a peer serves, so a peer that replaces its theta by a downloaded one also
-learns what that theta counted.
+A round's sums count exactly the contributions on their owners' ``accepted`` lists, each at the clip scale listed
+beside it (:mod:`pulseloco.loco.averaging`, :mod:`pulseloco.loco.robust`). A :class:`Ledger` keeps, for the last
+``keep_rounds`` rounds of the lineage of a peer's ``theta``, the group id and the accepted list and scales of every
+shard (``None`` for a shard that was not applied). It travels with the state a peer serves, so a peer that
+replaces its theta by a downloaded one also learns what that theta counted.
 
-The peer also keeps its own recent contributions (``Pending``: the entries it sent, split by shard, and whether
-it assumed each shard counted them). :meth:`Ledger.reconcile` compares that assumption with an adopted ledger and
-corrects the residual by exactly the difference: a part the adopted theta counted but the peer had returned
-to its residual is taken out again (otherwise it would be sent, and counted, twice); a part the peer thought
-counted but the adopted theta lacks goes back in (otherwise it would be lost). Corrections are additive, so
-they stay exact even after the residual has changed in later rounds.
+The peer also keeps its own recent contributions (``Pending``: the entries it sent, split by shard, and whether,
+and at which clip scale, it assumed each shard counted them). :meth:`Ledger.reconcile` compares that assumption
+with an adopted ledger and corrects the residual by exactly the difference: a part the adopted theta counted but
+the peer had returned to its residual is taken out again (otherwise it would be sent, and counted, twice); a part
+the peer thought counted but the adopted theta lacks goes back in (otherwise it would be lost); a part counted at
+a scale goes in or out as the clipped part :func:`pulseloco.loco.robust.clip_split` gives. Corrections are
+additive, so they hold even after the residual has changed in later rounds.
 
 Invariant (docs/design.md, "Exactly-once contributions"): for every round in the ledger's window, each entry a
 peer selected is either counted by the theta it holds, or in its residual, never both and never neither.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from pulseloco.errors import PayloadError
+from pulseloco.loco.robust import clip_split, parse_scales
 
 logger = logging.getLogger(__name__)
 
@@ -40,20 +42,34 @@ round of CPU memory."""
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """What one round applied to a theta: ``group`` is ``None`` when the round averaged nothing."""
+    """What one round applied to a theta: ``group`` is ``None`` when the round averaged nothing; ``scales``, when
+    given, holds beside each accepted list its contributors' clip scales (else every part counted whole)."""
 
     group: str | None
     accepted: tuple[tuple[str, ...] | None, ...] = ()
+    scales: tuple[tuple[float, ...] | None, ...] = ()
 
     def counted(self, group: str, shard: int, peer: str) -> bool:
         """Whether this round counted ``peer``'s part of ``shard`` in group ``group``."""
+        return self.scale(group, shard, peer) is not None
+
+    def scale(self, group: str, shard: int, peer: str) -> float | None:
+        """The clip scale this round counted ``peer``'s part of ``shard`` in group ``group`` at, or ``None`` if it
+        did not count it."""
         if self.group != group or shard >= len(self.accepted):
-            return False
+            return None
         names = self.accepted[shard]
-        return names is not None and peer in names
+        if names is None or peer not in names:
+            return None
+        scales = self.scales[shard] if shard < len(self.scales) else None
+        return 1.0 if scales is None else scales[names.index(peer)]
 
     def to_json(self) -> dict[str, Any]:
-        return {"group": self.group, "accepted": [None if a is None else list(a) for a in self.accepted]}
+        return {
+            "group": self.group,
+            "accepted": [None if a is None else list(a) for a in self.accepted],
+            "scales": [None if s is None else list(s) for s in self.scales],
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> LedgerEntry:
@@ -73,19 +89,35 @@ class LedgerEntry:
                 shards.append(tuple(names))
             else:
                 raise PayloadError("ledger accepted list must be a list of peer ids or null")
-        return cls(group, tuple(shards))
+        scales = data.get("scales", [])
+        if not isinstance(scales, list) or len(scales) not in (0, len(shards)):
+            raise PayloadError("ledger scales must be a list with one entry per shard")
+        shard_scales: list[tuple[float, ...] | None] = []
+        for names, values in zip(shards, scales):
+            if names is None and values is not None:
+                raise PayloadError("ledger scales given for a shard that was not applied")
+            shard_scales.append(None if names is None else parse_scales(values, list(names)))
+        return cls(group, tuple(shards), tuple(shard_scales))
 
 
 @dataclass
 class Pending:
     """This peer's contribution in one round: sorted global ``indices_K`` and ``values_K`` it sent, the shard
-    ``offsets`` into them (``len(offsets) == num_shards + 1``), and whether it assumed each shard counted it."""
+    ``offsets`` into them (``len(offsets) == num_shards + 1``), whether it assumed each shard counted it, and at
+    which clip scale (``scales``; ``None``: 1 everywhere)."""
 
     group: str
     indices_K: torch.Tensor
     values_K: torch.Tensor
     offsets: list[int]
     counted: list[bool]
+    scales: list[float] | None = None
+
+    def assumed(self, shard: int) -> float | None:
+        """The scale this peer assumed ``shard`` counted its part at, ``None`` for not counted."""
+        if not self.counted[shard]:
+            return None
+        return 1.0 if self.scales is None else self.scales[shard]
 
 
 class Ledger:
@@ -142,18 +174,23 @@ class Ledger:
                     round_index,
                 )
                 continue
-            for shard, counted in enumerate(pending.counted):
-                now = entry.counted(pending.group, shard, self.peer_id)
-                if now == counted:
+            for shard in range(len(pending.counted)):
+                was, now = pending.assumed(shard), entry.scale(pending.group, shard, self.peer_id)
+                if now == was:
                     continue
                 start, stop = pending.offsets[shard], pending.offsets[shard + 1]
+                values_K = pending.values_K[start:stop]
+                # The residual holds values - counted(was); it must hold values - counted(now). Counted whole or
+                # not at all, the correction is -values or +values; at a clip scale, what clip_split keeps.
+                counted_was = torch.zeros_like(values_K) if was is None else clip_split(values_K, was)[0]
+                counted_now = torch.zeros_like(values_K) if now is None else clip_split(values_K, now)[0]
+                correction_K = counted_was - counted_now
                 indices_K = pending.indices_K[start:stop].to(residual_N.device)
-                values_K = pending.values_K[start:stop].to(residual_N.device)
-                if now:  # counted by the adopted theta, but this peer had returned it: take it back out
-                    residual_N.index_add_(0, indices_K, -values_K)
-                else:  # this peer thought it counted, the adopted theta lacks it: keep it
-                    residual_N.index_add_(0, indices_K, values_K)
-                pending.counted[shard] = now
+                residual_N.index_add_(0, indices_K, correction_K.to(residual_N.device))
+                pending.counted[shard] = now is not None
+                if pending.scales is not None or (now is not None and now != 1.0):
+                    pending.scales = pending.scales or [1.0] * len(pending.counted)
+                    pending.scales[shard] = 1.0 if now is None else now
                 moved += stop - start
         self.entries = {r: e for r, e in adopted.items() if r < state_round}
         self.pending = {r: p for r, p in self.pending.items() if r < state_round}

@@ -33,7 +33,8 @@ peer's clock: registrations from a machine whose clock runs far ahead look late.
 
 State records live under ``pulseloco:{run_id}:loco:state`` (:func:`pulseloco.keys.loco_state_key`): subkey peer id,
 value ``{"round", "digest", "client", "complete", "disputed", "rounds"}`` (``disputed``: owners whose average the peer
-refused as poisoned; no peer repairs its state from a disputed peer; ``rounds``: the peer's last
+refused as poisoned, and contributors its shard excluded for repeated outliers (:mod:`pulseloco.loco.robust`); no
+peer repairs its state from a disputed peer; ``rounds``: the peer's last
 :data:`MAX_ROUND_RECORDS` rounds as :class:`RoundRecord` lists, for monitors such as ``pulseloco monitor``). Readers
 ignore keys they do not know, so records with and without ``rounds`` are read by old and new readers alike. Records come
 from strangers: :meth:`Matchmaker.read_state_records` skips malformed ones (and drops a malformed ``rounds`` alone,
@@ -140,7 +141,8 @@ class PeerState:
     complete: bool = True
     """False when the peer's last round missed some shard's sum (it applied only part of the round)."""
     disputed: tuple[str, ...] = ()
-    """Owners whose average this peer refused as poisoned (:attr:`SparseAverager.disputed`)."""
+    """Owners whose average this peer refused as poisoned, and contributors its shard excluded
+    (:meth:`SparseAverager.distrusted_peers`)."""
     rounds: tuple[RoundRecord, ...] = ()
     """The peer's latest rounds, oldest first (empty in records of peers that predate them)."""
 

@@ -68,6 +68,13 @@ class RoundMetrics:
     num_reconciled: int = 0
     """Entries moved into or out of the residual to match a downloaded state's ledger (docs/design.md,
     "Exactly-once contributions"): each one a contribution that would otherwise be counted twice or lost."""
+    num_clipped: int = 0
+    """Entries this peer sent that were counted at a clip scale below 1 (its part of their shard was above the
+    group's median norm, :mod:`pulseloco.loco.robust`): each gave back what the scale clipped off to the residual."""
+    largest_norm_ratio: float = 0.0
+    """As a shard owner: the largest ratio of an accepted part's norm to the clip bar (the group's median norm) in
+    its shard this round; 0 when it owned no shard or had no bar. Honest peers of one run stay near 1; a part above
+    ``dispute_norm_ratio`` strikes (:class:`pulseloco.loco.robust.RepeatOutliers`)."""
     payload_bytes: int = 0
     """Size of this peer's whole selection (``num_sent`` entries) encoded as ONE frame of the wire's codec and
     value precision: what it would upload to an object store in the paper's all-gather. Exact: the selection is

@@ -12,7 +12,9 @@ Every ``inner_steps`` calls to :meth:`PulseLoCo.step` run one outer round (docs/
 phases: pseudo-gradient (``theta - theta_local``) and signal (``residual + pseudo_gradient``); catch up (download
 the state if the swarm is ahead); select (pulse / dense / topk, with error feedback); average over the swarm
 (:class:`~pulseloco.loco.averaging.SparseAverager`); return undelivered entries to the residual; outer step
-(Nesterov); check the digest against the swarm's majority and repair; reset the local model to ``theta``.
+(Nesterov); check the digest against the swarm's majority and repair; reset the local model to ``theta``. Entries a
+shard counted at a clip scale below 1 (:mod:`pulseloco.loco.robust`) give back to the residual exactly what the
+scale clipped off.
 
 Failure behaviour: the swarm never makes :meth:`step` raise. A round whose group cannot be formed or whose
 averaging times out keeps every unsent or undelivered entry in the residual and leaves ``theta`` unchanged
@@ -46,6 +48,7 @@ from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.placement import OuterPlacement, process_group
+from pulseloco.loco.robust import clip_split
 from pulseloco.loco.selection import select_in_place
 from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
@@ -116,7 +119,8 @@ class PulseLoCo:
         averaging_config: how a round meets the swarm and how long each wait may take
             (:class:`~pulseloco.loco.config.AveragingConfig`: ``matchmaking_time``, ``target_group_size``,
             ``averaging_timeout`` -- a peer gone mid-round delays the others by at most this --,
-            ``request_timeout``, ``digest_timeout``, ``max_norm_ratio``, ``num_download_retries``).
+            ``request_timeout``, ``digest_timeout``, ``max_norm_ratio``, ``num_download_retries``, and the robust
+            aggregation of a shard owner: ``clip_to_median``, ``dispute_norm_ratio``, ``dispute_rounds``).
         placement_config: where the outer state (``theta``, the residual and the outer momentum: flat FP32, 12
             bytes a parameter) lives and the chunk size of the round's chunked phases
             (:class:`~pulseloco.loco.config.PlacementConfig`). ``outer_state_device="auto"`` (default) and
@@ -183,6 +187,7 @@ class PulseLoCo:
         self.matchmaker: Matchmaker | None = None
         self.ledger = Ledger("")
         self._num_reconciled = 0
+        self._num_clipped = 0
         self._complete = True
         if dht is not None and self.is_main_process:
             if client_mode is None:  # a client-mode DHT holding a relay address can own shards through the relay
@@ -195,6 +200,9 @@ class PulseLoCo:
                 averaging_timeout=averaging.averaging_timeout,
                 request_timeout=averaging.request_timeout,
                 max_norm_ratio=averaging.max_norm_ratio,
+                clip_to_median=averaging.clip_to_median,
+                dispute_norm_ratio=averaging.dispute_norm_ratio,
+                dispute_rounds=averaging.dispute_rounds,
             )
             self.matchmaker = Matchmaker(
                 dht,
@@ -394,7 +402,7 @@ class PulseLoCo:
         if self.averager is None or self.matchmaker is None:
             return
         digest = self._serve_snapshot()
-        self.matchmaker.publish_state(self.round, digest, self._complete, tuple(self.averager.disputed))
+        self.matchmaker.publish_state(self.round, digest, self._complete, self.averager.distrusted_peers())
 
     def _record_round(self, round_index: int, num_peers: int, result: AllReduceResult | None) -> None:
         """Keep the round's group size, contributors and bytes for the state records (monitors read them; the
@@ -431,7 +439,7 @@ class PulseLoCo:
         if states is None:
             states = self.matchmaker.read_states()
         own_digest = theta_digest(self.theta_N)
-        disputed = tuple(self.averager.disputed)
+        disputed = self.averager.distrusted_peers()
         own = PeerState(str(self.peer_id), self.round, own_digest, self.averager.client_mode, self._complete, disputed)
         distrust = distrusted(states) | set(disputed)
         distrust.discard(own.peer_id)
@@ -524,11 +532,26 @@ class PulseLoCo:
             self.residual_N.index_add_(0, indices_K[returned], values_K[returned])
         stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
         offsets = [0, *torch.searchsorted(indices_cpu, stops).tolist()]
-        counted = [names is not None and self.averager.peer_id in names for names in result.accepted]
+        scales = result.own_scales(self.averager.peer_id)
+        self._num_clipped = 0
+        for j, scale in enumerate(scales):
+            if scale is not None and scale < 1.0:
+                # Counted at a clip scale: the part the owner clipped off goes back, exactly (0 + clipped in the
+                # float32 mode; in the BF16 mode the remainder r plus the clipped part rounds once).
+                _, clipped_K = clip_split(values_cpu[offsets[j] : offsets[j + 1]], scale)
+                self.residual_N.index_add_(0, indices_K[offsets[j] : offsets[j + 1]], clipped_K.to(indices_K.device))
+                self._num_clipped += offsets[j + 1] - offsets[j]
         self.ledger.record(
             self.round,
-            LedgerEntry(group.group_id, result.accepted),
-            Pending(group.group_id, indices_cpu.clone(), values_cpu.clone(), offsets, counted),
+            LedgerEntry(group.group_id, result.accepted, result.scales),
+            Pending(
+                group.group_id,
+                indices_cpu.clone(),
+                values_cpu.clone(),
+                offsets,
+                [scale is not None for scale in scales],
+                [1.0 if scale is None else scale for scale in scales],
+            ),
         )
         return result, len(group.members), indices_K, values_K, None
 
@@ -541,6 +564,7 @@ class PulseLoCo:
         if not finite:
             self._drop_diverged_round()
         self._num_reconciled = 0
+        self._num_clipped = 0
         repaired = self._catch_up()  # a repair replaces theta_N by a new tensor; theta_start_N stays as it was
         self._add_pseudo_gradient(theta_start_N, finite)
         del theta_start_N
@@ -595,6 +619,8 @@ class PulseLoCo:
             num_contributors=result.num_contributors if result is not None else int(self.averager is None),
             complete=result.complete if result is not None else True,
             num_reconciled=self._num_reconciled,
+            num_clipped=self._num_clipped,
+            largest_norm_ratio=result.largest_norm_ratio if result is not None else 0.0,
             **_byte_split(result, payload),
         )
         logger.info(

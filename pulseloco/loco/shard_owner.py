@@ -5,15 +5,17 @@ summing the members' parts of the owner's shard, and serving the sum.
 server-mode member owns one contiguous shard of the flat parameter space per round. It receives the other
 members' parts over ``rpc_push`` (and takes its own locally, :meth:`ShardOwner._open_own_shard`), waits for all of
 them until the round's deadline, decodes and validates them (frame, index range, finiteness, norm against the other
-contributions' median, or largest entry against the owner's own part's in a group of two) and sums the accepted
-ones in sorted peer-id order (:meth:`ShardOwner._aggregate`). ``rpc_fetch`` streams that sum, with the sorted list
-of accepted contributors, to every member of the group; the list is what decides delivery (docs/design.md,
-"Exactly-once contributions"). Owner state is created only for rounds near the current one and for at most four
-groups per round.
+contributions' median, or largest entry against the owner's own part's in a group of two), clips each part to the
+group's median norm and sums the clipped parts in sorted peer-id order (:meth:`ShardOwner._aggregate`; the rule,
+what it bounds and the exclusion of peers that keep sending outliers: :mod:`pulseloco.loco.robust`).
+``rpc_fetch`` streams that sum, with the sorted list of accepted contributors and each one's clip scale, to every
+member of the group; the list and the scales decide delivery (docs/design.md, "Exactly-once contributions"). Owner
+state is created only for rounds near the current one and for at most four groups per round.
 
 Failure behaviour: a handler never raises because of a peer; a refused push is answered ``ok`` False with a
 reason, a refused fetch with one refusal message (:func:`pulseloco.p2p.read_stream` reads it); a part that fails
-validation is left out of the sum and counted as rejected.
+validation, or comes from an excluded peer, is left out of the sum and counted as rejected (logged with its
+reason).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from hivemind.proto import runtime_pb2
 
 from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales, clip_split
 from pulseloco.loco.traffic import FrameLayout, TrafficCounter
 from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
 from pulseloco.p2p import asker_closes, header_message, parse_header, read_stream, stream_messages
@@ -71,6 +74,20 @@ class OwnedShard:
     payload: bytes = b""
     layout: FrameLayout = field(default_factory=FrameLayout)
     num_rejected: int = 0
+    largest_norm_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class ShardSum:
+    """What :meth:`ShardOwner._sum_contributions` made of a shard's parts: the ``header`` served with the sum
+    (``accepted`` contributors, sorted, with their clip ``scales``, and the ``rejected`` ones), the encoded sum
+    ``payload``, the number of parts rejected, and the largest ratio of an accepted part's norm to the clip bar
+    (0 without a bar)."""
+
+    header: dict[str, Any]
+    payload: bytes
+    num_rejected: int
+    largest_norm_ratio: float
 
 
 def _refusal(reason: str) -> dict[str, Any]:
@@ -89,6 +106,9 @@ class ShardOwner(TrafficCounter):
     averaging_timeout: float
     request_timeout: float
     max_norm_ratio: float
+    clip_to_median: bool
+    dispute_norm_ratio: float
+    repeat_outliers: RepeatOutliers
     chunk_bytes: int
     _owned: dict[tuple[int, str], OwnedShard]
     _aggregations: dict[tuple[int, str], asyncio.Task[None]]
@@ -271,42 +291,81 @@ class ShardOwner(TrafficCounter):
         shard.closed = True
         contributions = dict(shard.contributions)
         loop = asyncio.get_running_loop()
-        header, payload, num_rejected = await loop.run_in_executor(
-            None, self._sum_contributions, shard.round, shard.numel or 0, contributions
-        )
-        shard.layout = await loop.run_in_executor(None, FrameLayout.of, payload)
-        shard.header, shard.payload, shard.num_rejected = header, payload, num_rejected
+        summed = await loop.run_in_executor(None, self._sum_contributions, shard.round, shard.numel or 0, contributions)
+        shard.layout = await loop.run_in_executor(None, FrameLayout.of, summed.payload)
+        shard.header, shard.payload, shard.num_rejected = summed.header, summed.payload, summed.num_rejected
+        shard.largest_norm_ratio = summed.largest_norm_ratio
         shard.done.set()
 
-    def _sum_contributions(
-        self, round_index: int, numel: int, contributions: dict[str, bytes]
-    ) -> tuple[dict[str, Any], bytes, int]:
-        """Validate and sum in sorted peer-id order (CPU work, run off the event loop)."""
+    def _sum_contributions(self, round_index: int, numel: int, contributions: dict[str, bytes]) -> ShardSum:
+        """Validate, clip and sum the parts in sorted peer-id order (CPU work, run off the event loop): parts of
+        excluded peers are refused, the others decoded and screened for gross outliers, each remaining part
+        clipped to the bar (:func:`~pulseloco.loco.robust.clip_bar`; not with ``clip_to_median`` False) and
+        judged for :class:`~pulseloco.loco.robust.RepeatOutliers`. Never raises because of a part."""
         valid: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         rejected: dict[str, str] = {}
+        strikes: dict[str, str | None] = {}
         for peer in sorted(contributions):
+            exclusion = self.repeat_outliers.exclusion(peer)
+            if exclusion is not None:
+                rejected[peer] = f"ExcludedPeer: {exclusion}"
+                continue
             try:
                 valid[peer] = decode_sparse(contributions[peer], CONTRIBUTION_NAME, numel)
             except PayloadError as exc:
-                rejected[peer] = f"{type(exc).__name__}: {exc}"
+                rejected[peer] = strikes[peer] = f"{type(exc).__name__}: {exc}"
         if len(valid) >= 3:  # L2 norms against the leave-one-out median
-            norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
+            screen_norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
             reference = None
         else:  # no majority: largest entries against this owner's own (the part it can trust)
-            norms = {peer: peak(values_K) for peer, (_, values_K) in valid.items()}
-            reference = norms.get(self.peer_id)
-        for peer, reason in screen_outliers(norms, self.max_norm_ratio, reference=reference).items():
-            rejected[peer] = f"OutlierPayloadError: {reason}"
+            screen_norms = {peer: peak(values_K) for peer, (_, values_K) in valid.items()}
+            reference = screen_norms.get(self.peer_id)
+        for peer, reason in screen_outliers(screen_norms, self.max_norm_ratio, reference=reference).items():
+            rejected[peer] = strikes[peer] = f"OutlierPayloadError: {reason}"
             del valid[peer]
+        norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
+        bar, what = clip_bar(norms, self.peer_id)
+        scales = clip_scales(norms, bar) if self.clip_to_median else dict.fromkeys(norms, 1.0)
+        largest_ratio = max((norm / bar for norm in norms.values()), default=0.0) if bar > 0.0 else 0.0
+        for peer, norm in norms.items():
+            strike = None
+            if bar > 0.0 and norm > self.dispute_norm_ratio * bar:
+                strike = f"norm {norm:.3e} above {self.dispute_norm_ratio:g}x {what} {bar:.3e}"
+            strikes[peer] = strike
+            if scales[peer] == 0.0:
+                rejected[peer] = f"OutlierPayloadError: norm {norm:.3e} clipped to nothing by {what} {bar:.3e}"
+                del valid[peer]
+            elif strike is not None:
+                logger.warning(
+                    "contribution clipped hard round=%d peer=%s scale=%.3g: %s", round_index, peer, scales[peer], strike
+                )
+            elif scales[peer] < 1.0:
+                logger.debug("contribution clipped round=%d peer=%s scale=%.4g", round_index, peer, scales[peer])
         for peer, reason in rejected.items():
             logger.warning("contribution rejected round=%d peer=%s reason=%s", round_index, peer, reason)
+        for peer, reason in self.repeat_outliers.record(round_index, strikes).items():
+            logger.warning(
+                "peer excluded from this owner's sums for the rest of the run round=%d peer=%s: %s (if it is honest, "
+                "raise dispute_norm_ratio or set dispute_rounds=0)",
+                round_index,
+                peer,
+                reason,
+            )
         sum_N = torch.zeros(numel, dtype=torch.float32)
         touched_N = torch.zeros(numel, dtype=torch.bool)
         for peer in sorted(valid):
             indices_K, values_K = valid[peer]
-            sum_N[indices_K] += values_K
+            kept_K, _ = clip_split(values_K, scales[peer])
+            sum_N[indices_K] += kept_K
             touched_N[indices_K] = True
         indices_K = torch.nonzero(touched_N, as_tuple=False).reshape(-1)
         payload = encode_sparse(AGGREGATE_NAME, numel, indices_K, sum_N[indices_K], round_index=round_index)
-        header = {"ok": True, "accepted": sorted(valid), "rejected": sorted(rejected), "size": len(payload)}
-        return header, payload, len(rejected)
+        accepted = sorted(valid)
+        header = {
+            "ok": True,
+            "accepted": accepted,
+            "scales": [scales[peer] for peer in accepted],
+            "rejected": sorted(rejected),
+            "size": len(payload),
+        }
+        return ShardSum(header, payload, len(rejected), largest_ratio)
