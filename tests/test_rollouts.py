@@ -37,6 +37,7 @@ from rollout_helpers import reference_logprobs, rollout_worker, save_tiny_model
 from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dht, wait_for
 
 from pulseloco.errors import PayloadError, PayloadSizeError
+from pulseloco.integrations.version_states import VersionStates
 from pulseloco.jsonl import read_json_lines
 from pulseloco.keys import workers_key
 from pulseloco.rollouts.client import LeaseConfig, NoWorkersError, RolloutClient
@@ -199,7 +200,7 @@ ENVELOPE = b'{"fields": {"version": 5}, "sig": "..."}'
 
 def good_reply() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The header of an honest reply to :data:`REPLY_LEASE` and its payload's three arrays (to corrupt one)."""
-    header, buffers = encode_reply(REPLY_LEASE, 5, DIGEST, COMPLETIONS, 0.25, ENVELOPE)
+    header, buffers = encode_reply(REPLY_LEASE, 5, DIGEST, COMPLETIONS, 0.25, ENVELOPE, compute_dtype="float32")
     parts = {
         "prompts": np.frombuffer(buffers[0], dtype="<i4").copy(),
         "tokens": np.frombuffer(buffers[1], dtype="<i4").copy(),
@@ -219,6 +220,7 @@ def test_a_good_reply_round_trips_exactly() -> None:
     assert header["size"] == len(payload(parts)) == 4 * 5 + 8 * 10
     samples = decode_reply(REPLY_LEASE, json.loads(json.dumps(header)), payload(parts), vocab_size=VOCAB)
     assert (samples.version, samples.digest, samples.seconds, samples.envelope) == (5, DIGEST, 0.25, ENVELOPE)
+    assert samples.compute_dtype == "float32"
     assert samples.completion_ids == [[[1, 2, 3, 4], [256]], [[5, 6], [257, 7, 8]]]
     assert samples.logprobs == [[[-0.5, -1.25, -2.0, -0.125], [-3.0]], [[-0.25, 0.0], [-1.5, -4.0, -0.75]]]
 
@@ -290,6 +292,8 @@ def _resize(delta: int):
         (_set("envelope", "A" * (2 * MAX_ENVELOPE_BYTES + 4)), PayloadError, "not a base64 string of a bounded"),
         (_set("envelope", "not base64!"), PayloadError, "reply's envelope is not valid base64"),
         (_set("envelope", "QUJ"), PayloadError, "reply's envelope is not valid base64"),
+        (_set("compute_dtype", "float64"), PayloadError, "compute_dtype must be one of float32, bfloat16, float16"),
+        (_set("compute_dtype", None), PayloadError, "compute_dtype must be one of"),
     ],
 )
 def test_decode_reply_refuses_a_reply_with_one_thing_wrong(corrupt: Any, error: type, reason: str) -> None:
@@ -409,6 +413,8 @@ class Swarm:
             for name in ("A", "B"):  # spawned first: they import and load while the publisher starts
                 self.workers[name] = self._spawn(name)
             self.publisher = Publisher(dht, POLICY, self.key, store)
+            # the versions the trainer holds to check leases with (a publisher's process hands them over)
+            self.states = VersionStates(None, POLICY, None, {}, keep=8)
             self.model = AutoModelForCausalLM.from_pretrained(model_dir)  # the trainer's FP32 weights
             self.gen = torch.Generator().manual_seed(5)
             self.publish()
@@ -440,7 +446,14 @@ class Swarm:
         assert version is not None
         self.digests[version] = self.publisher.digest
         assert self.digests[version] == bf16_digest(self.model)
+        self.states.add(version, {n: t.detach().to(torch.bfloat16).clone() for n, t in self.model.state_dict().items()})
         return version
+
+    def verifier(self, **options: Any) -> Any:
+        """The trainer's check of the workers' leases, holding the published versions."""
+        from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig
+
+        return RolloutVerifier(VerifyConfig(**options), states=self.states, states_wait=5.0, seed=0)
 
     def sync(self, names: list[str] | None = None) -> None:
         """Bring workers to the newest version (each serves it when this returns)."""
@@ -670,7 +683,7 @@ def settle_batch(swarm: Swarm, client: RolloutClient, groups: list[list[int]], v
     """A batch through the trainer's path (:func:`pulseloco.integrations.verify.settle`): leased, checked with the
     trainer's FP32 model, failed leases generated again by the workers (never by the trainer here: a batch that
     needs it fails the test)."""
-    from pulseloco.integrations.verify import settle
+    from pulseloco.integrations.settle import settle
 
     options = {"num_samples": 2, "max_new_tokens": LEASE_TOKENS, "temperature": 1.0}
 
@@ -700,24 +713,26 @@ EOS = 256
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    "mode, reason",
+    "mode, reason, refusals",
     [
-        ("other_weights", "tokens are not the replayable sampler's choice"),
-        ("forged_logprobs", "log-probabilities differ from the trainer's by "),
-        ("cherry_pick", "tokens are not the replayable sampler's choice"),
-        ("inject", "tokens are not the replayable sampler's choice"),
-        ("replay", "tokens are not the replayable sampler's choice"),
-        ("truncate", "stopped before max_new_tokens without an end-of-sequence token"),
+        ("other_weights", "tokens are not the replayable sampler's choice", 2),
+        ("forged_logprobs", "log-probabilities differ from the trainer's by up to", 2),
+        ("cherry_pick", "tokens are not the replayable sampler's choice", 2),
+        ("inject", "tokens are not the replayable sampler's choice", 2),
+        ("replay", "tokens are not the replayable sampler's choice", 2),
+        ("truncate", "stopped before max_new_tokens without an end-of-sequence token", 2),
+        ("steer", "an honest engine's rounding makes about", None),
     ],
 )
-def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(swarm: Swarm, mode: str, reason: str) -> None:
+def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(
+    swarm: Swarm, mode: str, reason: str, refusals: int | None
+) -> None:
     """B's replies pass every protocol check (published version and digest, well-formed), but its completions are
     not the replayable sampler's: the trainer's checks fail each of its leases, its groups are generated again by A,
-    B is refused after max_refusals failed leases with the reason, and no completion of B is in the batch. A, honest,
-    never fails a check (its gaps stay inside the margin)."""
-    from pulseloco.integrations.verify import RolloutVerifier
-
-    verifier = RolloutVerifier()
+    B is refused after max_refusals failed leases with the reason (a steering worker, whose tokens stay inside the
+    margin, at once by the near-miss guard, in the first batch, whose every lease of B fails: ``refusals`` None),
+    and no completion of B is in the batch. A, honest, never fails a check."""
+    verifier = swarm.verifier()
     honest, rogue = swarm.peer_ids["A"], swarm.peer_ids["B"]
     with swarm.client(max_refusals=2, lease_timeout=30, rollout_timeout=30) as client:
         swarm.wait_for_records(client)
@@ -734,8 +749,11 @@ def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(swarm: Swarm, 
                 break
         stats = client.stats
     assert list(stats.refusals) == [rogue] and reason in stats.refusals[rogue], (stats.refusals, verifier.stats)
-    assert stats.check_failures[rogue] == 2 and stats.check_failures[honest] == 0
-    assert verifier.stats.failed_leases == 2
+    assert stats.check_failures[honest] == 0
+    if refusals is None:
+        assert batch == 0 and stats.check_failures[rogue] >= 1 and verifier.stats.guard_refusals >= 1
+    else:
+        assert stats.check_failures[rogue] == refusals == verifier.stats.failed_leases
     print(
         f"{mode}: refused after {stats.check_failures[rogue]} failed leases; honest worker: "
         f"{verifier.stats.positions} positions checked, worst passing gap {verifier.stats.worst_passing_gap:.3f}, "
@@ -744,26 +762,44 @@ def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(swarm: Swarm, 
 
 
 @pytest.mark.timeout(120)
+def test_log_probabilities_forged_within_the_tolerance_never_reach_trl(swarm: Swarm) -> None:
+    """B lowers every log-probability by 95% of its precision's per-token tolerance: its leases pass (the
+    tolerance is the engines' measured error), but the log-probabilities handed on for TRL's importance-sampling
+    ratio are the trainer's own, so the batch is the one an honest worker gives, log-probability for
+    log-probability: the forgery moves the ratio by nothing."""
+    handed = []
+    for mode in ("honest", "forged_within"):
+        swarm.workers["A"].call("mode", mode)
+        swarm.workers["B"].call("mode", mode)
+        with swarm.client(max_refusals=1, lease_timeout=30, rollout_timeout=30) as client:
+            swarm.wait_for_records(client)
+            settled = settle_batch(swarm, client, random_prompts(8, seed=50), swarm.verifier())
+            assert not client.stats.refusals and client.stats.check_failed == 0
+        handed.append([(r.completion_ids, r.logprobs) for r in settled.results])
+    assert handed[0] == handed[1]
+
+
+@pytest.mark.timeout(120)
 def test_with_every_worker_refused_the_batch_says_so(swarm: Swarm) -> None:
     """Both workers dishonest: both are refused after their first failed lease, and regenerating the dropped groups
     fails with NoWorkersError saying that the workers were refused (where SwarmRollouts applies its fallback)."""
-    from pulseloco.integrations.verify import RolloutVerifier
-
     for name in ("A", "B"):
         swarm.workers[name].call("mode", "inject")
     with swarm.client(max_refusals=1, lease_timeout=30, rollout_timeout=5) as client:
         swarm.wait_for_records(client)
         with pytest.raises(NoWorkersError, match="2 refused for failing the checks"):
-            settle_batch(swarm, client, random_prompts(8, seed=40), RolloutVerifier())
+            settle_batch(swarm, client, random_prompts(8, seed=40), swarm.verifier())
         assert set(client.stats.refusals) == set(swarm.peer_ids.values())
 
 
-def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm) -> None:
-    """Both workers honest, the trainer checking with its FP32 weights what the workers sampled with BF16: every lease
-    passes (false refusals: 0), and the gaps and log-probability errors measured stay well inside the margin."""
-    from pulseloco.integrations.verify import RolloutVerifier
+@pytest.mark.parametrize("weights", ["shared", "version"])
+def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm, weights: str) -> None:
+    """Both workers honest (BF16), the trainer checking with its FP32 weights: every lease passes and no worker is
+    refused (false refusals: 0), the gaps and log-probability errors measured stay inside the BF16 tolerances, and
+    the near misses stay at rounding's rate."""
+    from pulseloco.rollouts.tolerances import TOLERANCES
 
-    verifier = RolloutVerifier()
+    verifier = swarm.verifier(verify_weights=weights)
     with swarm.client(max_refusals=1, lease_timeout=30, rollout_timeout=30) as client:
         swarm.wait_for_records(client)
         for batch in range(3):
@@ -771,11 +807,13 @@ def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm) 
         stats = client.stats
     assert not stats.refusals and stats.check_failed == 0, stats.refusals
     v = verifier.stats
-    assert v.failed_leases == 0 and v.mismatches == 0 and v.positions > 500
-    assert v.worst_passing_gap < verifier.margin / 4 and v.worst_passing_logprob_error < verifier.max_logprob_error / 4
+    tolerance = TOLERANCES["bfloat16"]
+    assert v.failed_leases == 0 and v.mismatches == 0 and v.positions > 500 and v.guard_refusals == 0
+    assert v.worst_passing_gap < tolerance.margin / 4 and v.worst_passing_logprob_error < tolerance.logprob_error / 4
     print(
-        f"honest: {v.leases} leases, {v.positions} positions, {v.near} near misses, worst gap "
-        f"{v.worst_passing_gap:.4f}, worst mean log-probability error {v.worst_passing_logprob_error:.5f}"
+        f"honest ({weights}): {v.leases} leases, {v.positions} positions, {v.near} near misses ({v.wide} wide), worst "
+        f"gap {v.worst_passing_gap:.4f}, worst log-probability error {v.worst_passing_logprob_error:.5f}, "
+        f"{v.shared_completions} of {v.completions} completions proven by the shared check, drift {v.drift:.3f}"
     )
 
 
@@ -783,9 +821,9 @@ def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm) 
 def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swarm) -> None:
     """A trainer that does not publish follows the published versions (VersionStates: a non-relaying Subscriber on
     its own DHT peer, BF16 copies of the newest few): a batch generated at version v and checked after two more
-    versions is checked with v's weights (pinned, gaps within BF16 rounding), where the trainer's own newer weights
-    would be off by more. A version older than every one held is not waited for."""
-    from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig, VersionStates
+    versions is checked with v's weights (gaps within BF16 rounding), and passes in both modes. A version older
+    than every one held is not waited for."""
+    from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig
 
     template = {n: t for n, t in swarm.model.state_dict().items() if t.is_floating_point()}
     trainer_dht = start_dht(maddrs(swarm.dht))  # another peer: this process publishes, and cannot fetch from itself
@@ -804,20 +842,12 @@ def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swa
             assert {generated, swarm.version} <= set(states.versions())
             assert bf16_digest(states.get(generated)) == swarm.digests[generated]
             options = {"temperature": 1.0, "max_new_tokens": LEASE_TOKENS, "stop_ids": {EOS}}
-            # a margin far below the default (2.0) that still covers BF16 rounding between the worker's incremental
-            # forward and the trainer's full one (gaps up to 0.07 nats seen on an AMD EPYC; 0.05 failed there)
-            pinned = RolloutVerifier(
-                VerifyConfig(verify_margin=0.25, verify_weights="version"), states=states, record_gaps=True
-            )
-            checks = pinned.check(swarm.model, groups, results, [2] * len(results), **options)
-            failed = [c for c in checks.values() if not c.pinned or c.reason is not None]
-            assert not failed, f"{len(failed)} of {len(checks)} leases failed: {failed}"
-            assert pinned.stats.pinned_leases == len(checks) and pinned.stats.mismatches == 0
-            newer = RolloutVerifier(
-                VerifyConfig(verify_margin=0.25, verify_weights="version"), record_gaps=True
-            )  # the trainer's weights, two versions on
-            newer.check(swarm.model, groups, results, [0] * len(results), **options)
-            assert max(newer.gaps or [0]) > max(pinned.gaps or [0])
+            for weights in ("version", "shared"):
+                verifier = RolloutVerifier(VerifyConfig(verify_weights=weights), states=states)  # type: ignore[arg-type]
+                checks = verifier.check(swarm.model, groups, results, **options)
+                failed = [c for c in checks.values() if c.reason is not None]
+                assert not failed, f"{len(failed)} of {len(checks)} leases failed: {failed}"
+                assert verifier.stats.mismatches == 0
         started = time.monotonic()
         assert states.wait(generated - 5, timeout=10) is None and time.monotonic() - started < 1
     finally:
@@ -1113,7 +1143,8 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
         checked = record["verify"]
         assert checked["failed_leases"] == 0 and checked["leases"] >= record["round"] and checked["mismatches"] == 0
         assert checked["completions"] == 16 * record["round"] and checked["shared_forwards"] == record["round"] - 1
-        assert checked["shared_completions"] == checked["completions"] or checked["pinned_leases"] > 0, checked
+        assert checked["shared_completions"] + checked["audited_completions"] <= checked["completions"], checked
+        assert checked["guard_refusals"] == 0 and checked["unverifiable_leases"] == 0, checked
     worker_versions = read_json_lines(tmp_path / "worker" / "rollouts.jsonl")
     assert worker_versions[0]["version"] == 1 and worker_versions[0]["digest"] == published[1]
 
@@ -1123,7 +1154,7 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
     assert len(logged) == 8, state["log_history"]
     for entry in logged:
         assert 0.5 < entry["sampling/importance_sampling_ratio/mean"] < 2.0, entry
-        # the worker's log-probabilities are those of the trainer's weights (BF16 there, FP32 here)
+        # the ratio's denominators are the trainer's own log-probabilities (of the version, or the current weights')
         assert entry["sampling/sampling_logp_difference/mean"] < 0.1, entry
     assert all(e.get("rollouts/local") == 0.0 for e in state["log_history"] if "rollouts/local" in e)
     # The same logs reach report_to (the config's tensorboard): the rollout loop's, the round's and the versions'

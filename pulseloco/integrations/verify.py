@@ -685,7 +685,8 @@ class RolloutVerifier:
         lease.worst_gap = max(lease.worst_gap, result.worst_gap)
         lease.tokens += num_tokens
         lease.logprob_error_sum += result.logprob_error * num_tokens
-        lease.max_logprob_error = max(lease.max_logprob_error, result.max_logprob_error)
+        if not outcome.shared:  # the shared check held it to the tolerance plus the drift bound already
+            lease.max_logprob_error = max(lease.max_logprob_error, result.max_logprob_error)
         lease.shared += outcome.shared
         lease.audited += outcome.audited
 
