@@ -498,3 +498,36 @@ def test_the_guard_refuses_honest_rates_rarely_and_steering_soon() -> None:
     series = sum(math.exp(-3.0) * 3.0**k / math.factorial(k) for k in range(9, 60))
     assert poisson_tail(9, 3.0) == pytest.approx(series, rel=1e-9)
     assert poisson_tail(0, 3.0) == 1.0 and poisson_tail(2, 0.0) == 0.0
+
+
+def test_lead_lost_is_the_lead_the_current_winner_gives_up_under_the_version() -> None:
+    """``lead_lost`` by hand, with the winners ``check_completions`` found under the current logits: with the noise
+    added to both, the current winner's lead shrinks by the drift that separates it from its best rival under the
+    version's logits (masked positions are ignored)."""
+    from pulseloco.rollouts.sampling import lead_lost
+
+    vocab = 5
+    seeds, sequences = torch.tensor([3]), torch.tensor([0])
+    noise = gumbel_noise(3, 0, torch.arange(2), vocab)  # (2, vocab)
+    current = torch.zeros((1, 2, vocab))
+    current[0, :, 0] = 4.0  # token 0 wins at both positions
+    version = current.clone()
+    version[0, 0, 1] += 1.5  # at position 0 token 1 gains 1.5 nats on the winner
+    version[0, 1, 2] += 9.0  # at position 1 (masked out below) token 2 gains more
+    won: list[tuple[list[int], list[float]]] = []
+    every = torch.ones((1, 2), dtype=torch.bool)
+    check_completions(current, torch.zeros((1, 2), dtype=torch.long), every, torch.zeros((1, 2)), temperature=1.0,
+                      seeds=seeds, sequences=sequences, margin=0.0, winners_out=won)  # fmt: skip
+    ((ids, leads),) = won
+    assert ids == [0, 0]
+    scores_now, scores_then = current[0, 0] + noise[0], version[0, 0] + noise[0]
+    lead_now = scores_now[0] - scores_now[1:].max()
+    lead_then = scores_then[0] - scores_then[1:].max()
+    assert leads[0] == pytest.approx(float(lead_now), abs=1e-5)
+    winners, lead_tensor = torch.tensor([ids]), torch.tensor([leads])
+    common = {"temperature": 1.0, "seeds": seeds, "sequences": sequences}
+    mask = torch.tensor([[True, False]])
+    got = lead_lost(version, winners, lead_tensor, mask, **common)
+    assert got == pytest.approx(float(lead_now - lead_then), abs=1e-5) and 0 < got <= 1.5 + 1e-6
+    assert lead_lost(version, winners, lead_tensor, every, **common) > got
+    assert lead_lost(current, winners, lead_tensor, mask, **common) == pytest.approx(0.0, abs=1e-6)

@@ -17,21 +17,22 @@ and the trainer's precision (:mod:`pulseloco.rollouts.tolerances`), in one of tw
   weights, which TRL's importance-sampling ratio needs anyway (its log-probabilities are handed to TRL,
   :meth:`RolloutVerifier.shared_logps`). A completion passes there when at every position the worker's token is
   the perturbed argmax under the current weights by a lead larger than the *drift* bound ``D`` of its version:
-  the largest change, over the vocabulary, of ``(version logits - current logits) / T`` at any position of a
-  random sample of the round's completions (the *audit*, ``verify_audit`` of them, at least one per version; the
-  audited completions run through both weights and take the version's check), times :data:`DRIFT_SAFETY`. Why it
-  holds: the version's perturbed score of token ``k`` is the current one plus ``d_k``, so a token that leads every
-  other by more than ``max_k d_k - min_k d_k`` under the current weights leads under the version's too. ``D``
-  is measured, not proven: the audit is drawn by the trainer (keyed by a secret seed and each completion's
-  sequence, so the same completion is audited whichever lease brings it), and a worker cannot aim at a position
-  where the drift exceeds it without the trainer's unpublished weights. Every other completion takes the
-  version's check.
+  :data:`DRIFT_SAFETY` times the most lead the current weights' perturbed argmax loses under the version's
+  weights at any position of a random sample of the round's completions (the *audit*, ``verify_audit`` of them, at
+  least one per version; the audited completions run through both weights and take the version's check). Why it
+  holds: a token that wins under the current weights by more than the drift takes away from any lead keeps
+  winning under the version's. ``D`` is measured, not proven: the audit is drawn by the trainer (keyed by its
+  seed and each completion's sequence, so the same completion is audited whichever lease brings it), and a worker
+  cannot aim at a position where the drift exceeds it without the trainer's unpublished weights. Every other
+  completion takes the version's check.
 
 The log-probabilities TRL's importance-sampling ratio divides by are the trainer's own, never the worker's: the
 version's (those of the version's check) or, for a completion proven by the shared check, the current weights'
-(the ratio is then 1: the sample is the current weights' choice too, and the drift it ignores is at most ``D``
-per token). The worker's are still held to its precision's tolerance per token (plus ``D`` in the shared check)
-as a check of the engine. A completion shorter than ``max_new_tokens`` must end with an end-of-sequence token.
+(the ratio is then 1: the sample is the current weights' choice too; what the ratio would correct is the trainer's
+own drift since the version, small where RL's rates move the weights little). The worker's are still held to its
+precision's tolerance per token as a check of the engine (in the shared check, to that plus ``D``, else the
+completion takes the version's check). A completion shorter than ``max_new_tokens`` must end with an
+end-of-sequence token.
 
 A lease fails when a completion has a position beyond the margin, a token outside the model's vocabulary, a
 log-probability off by more than the tolerance or not finite, or stops early. The caller
@@ -63,7 +64,7 @@ import torch
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.rollouts.client import GroupResult
-from pulseloco.rollouts.sampling import CheckResult, check_completions
+from pulseloco.rollouts.sampling import CheckResult, check_completions, lead_lost
 from pulseloco.rollouts.tolerances import NearMissGuard, Tolerance, tolerance_for
 
 logger = logging.getLogger(__name__)
@@ -229,6 +230,15 @@ class VerifyStats:
     last_failure: str | None = None
 
 
+class _Checked(NamedTuple):
+    """One row's check with one set of weights: its result, the trainer's log-probabilities of its tokens, and
+    (when asked) the perturbed argmax at each position with its lead over the runner-up."""
+
+    result: CheckResult
+    logprobs: list[float]
+    winners: tuple[list[int], list[float]] | None
+
+
 @dataclass
 class _Outcome:
     """How one row was decided: its check's result (``shared``: by the shared check), the trainer's log-probabilities
@@ -281,7 +291,7 @@ class RolloutVerifier:
         self._verified: dict[str, int] = {}
         self._pinned_model: torch.nn.Module | None = None
         self._pinned_version: int | None = None
-        self._last_drift = 0.0
+        self._last_lost = 0.0
 
     # ---- the check ----------------------------------------------------------------------------------------------
 
@@ -378,32 +388,32 @@ class RolloutVerifier:
         tolerances = [leases[row.lease_id].tolerance for row in rows]
         outcomes: list[_Outcome | None] = [None] * len(rows)
         todo = list(range(len(rows)))
-        current: dict[int, tuple[CheckResult, list[float]]] = {}
+        current: dict[int, _Checked] = {}
         if self.weights == "shared" and rows:
-            current = self._pass(model, rows, todo, tolerances, temperature, first=True)
             audited = self._audited(rows)
+            current = self._pass(model, rows, todo, tolerances, temperature, first=True, winners=set(audited))
             drift: dict[int, float] = {}
             for version in sorted({rows[i].version for i in audited}):
                 members = [i for i in audited if rows[i].version == version]
-                decided, measured = self._version_pass(model, rows, members, tolerances, temperature, drift=True)
-                drift[version] = DRIFT_SAFETY * measured
+                decided, lost = self._version_pass(model, rows, members, tolerances, temperature, current)
+                drift[version] = DRIFT_SAFETY * lost
                 self.stats.drift = max(self.stats.drift, drift[version])
-                for i, (result, logps) in decided.items():
-                    outcomes[i] = _Outcome(result, logps, audited=True, current=current[i][1])
+                for i, checked in decided.items():
+                    outcomes[i] = _Outcome(checked.result, checked.logprobs, audited=True, current=current[i].logprobs)
             todo = []
-            for i, (result, logps) in current.items():
+            for i, checked in current.items():
                 if outcomes[i] is not None:
                     continue
-                bound = drift[rows[i].version]
+                bound, result = drift[rows[i].version], checked.result
                 tolerance = tolerances[i]
                 assert tolerance is not None  # noqa: S101 (rows of leases without one are not checked)
                 if result.lead > bound and result.max_logprob_error <= tolerance.logprob_error + bound:
-                    outcomes[i] = _Outcome(result, logps, shared=True, current=logps)
+                    outcomes[i] = _Outcome(result, checked.logprobs, shared=True, current=checked.logprobs)
                 else:
                     todo.append(i)
-        decided, _ = self._version_pass(model, rows, todo, tolerances, temperature, drift=False)
-        for i, (result, logps) in decided.items():  # TRL's old log-probabilities stay the current weights'
-            outcomes[i] = _Outcome(result, logps, current=current[i][1] if current else None)
+        decided, _ = self._version_pass(model, rows, todo, tolerances, temperature, None)
+        for i, checked in decided.items():  # TRL's old log-probabilities stay the current weights'
+            outcomes[i] = _Outcome(checked.result, checked.logprobs, current=current[i].logprobs if current else None)
         done = [o for o in outcomes if o is not None]
         assert len(done) == len(rows)  # noqa: S101 (every row is decided by one of the passes)
         return done
@@ -431,23 +441,21 @@ class RolloutVerifier:
         indices: list[int],
         tolerances: list[Tolerance | None],
         temperature: float,
-        *,
-        drift: bool,
-    ) -> tuple[dict[int, tuple[CheckResult, list[float]]], float]:
-        """Check ``rows[i]`` for ``i`` in ``indices`` with the weights of their versions; with ``drift``, also the
-        largest drift (over the vocabulary, at any position) between ``model``'s logits and the version's."""
-        decided: dict[int, tuple[CheckResult, list[float]]] = {}
-        measured = 0.0
+        current: dict[int, _Checked] | None,
+    ) -> tuple[dict[int, _Checked], float]:
+        """Check ``rows[i]`` for ``i`` in ``indices`` with the weights of their versions; with ``current`` (the
+        rows' checks with ``model``, the current weights, holding their winners), also the most lead the current
+        weights' perturbed argmax loses under the version's at any of their positions
+        (:func:`pulseloco.rollouts.sampling.lead_lost`)."""
+        decided: dict[int, _Checked] = {}
+        lost = 0.0
         assert self.states is not None  # noqa: S101 (checked by the caller)
         for version in sorted({rows[i].version for i in indices}):
             members = [i for i in indices if rows[i].version == version]
             pinned = self._pinned(model, version, self.states.get(version))
-            outcome = self._pass(
-                pinned, rows, members, tolerances, temperature, reference=model if drift else None, gaps=True
-            )
-            decided.update(outcome)
-            measured = max(measured, self._last_drift)
-        return decided, measured
+            decided.update(self._pass(pinned, rows, members, tolerances, temperature, gaps=True, reference=current))
+            lost = max(lost, self._last_lost)
+        return decided, lost
 
     def _pass(
         self,
@@ -458,21 +466,21 @@ class RolloutVerifier:
         temperature: float,
         *,
         first: bool = False,
-        reference: torch.nn.Module | None = None,
         gaps: bool = False,
-    ) -> dict[int, tuple[CheckResult, list[float]]]:
-        """Check ``rows[i]`` for ``i`` in ``indices`` with ``model`` in eval mode, in chunks: per row its result
-        and the trainer's log-probabilities of its tokens. With ``reference``, the largest drift between the two
-        models' logits goes to :attr:`_last_drift`. The forward passes' seconds go to the stats (``first``: also
-        to ``first_forward_seconds``)."""
-        out: dict[int, tuple[CheckResult, list[float]]] = {}
-        self._last_drift = 0.0
-        models = [model] if reference is None else [model, reference]
-        was_training = [m.training for m in models]
-        for m in models:
-            m.eval()
+        winners: set[int] | None = None,
+        reference: dict[int, _Checked] | None = None,
+    ) -> dict[int, _Checked]:
+        """Check ``rows[i]`` for ``i`` in ``indices`` with ``model`` in eval mode, in chunks: per row its result,
+        the trainer's log-probabilities of its tokens and, for the rows in ``winners``, the perturbed argmax at each
+        position with its lead. With ``reference`` (checks of the same rows with other weights, holding their
+        winners), the most lead those winners lose under ``model`` goes to :attr:`_last_lost`. The forward passes'
+        seconds go to the stats (``first``: also to ``first_forward_seconds``)."""
+        out: dict[int, _Checked] = {}
+        self._last_lost = 0.0
+        was_training = model.training
+        model.eval()
         try:
-            for chunk in self._chunks(rows, indices, model, len(models)):
+            for chunk in self._chunks(rows, indices, model):
                 members = [rows[i] for i in chunk]
                 length = max(len(r.ids) for r in members)
                 mask = torch.tensor([[True] * len(r.ids) + [False] * (length - len(r.ids)) for r in members])
@@ -481,30 +489,42 @@ class RolloutVerifier:
                 seconds = time.perf_counter() - started  # the host's; on a GPU, until the kernels are queued
                 self.stats.forward_seconds += seconds
                 self.stats.first_forward_seconds += seconds if first else 0.0
+                seeds = torch.tensor([r.seed for r in members], dtype=torch.int64)
+                sequences = torch.tensor([r.sequence for r in members], dtype=torch.int64)
                 if reference is not None:
-                    other = self._completion_logits(reference, members, length)
-                    change = (logits.float() - other.float()) / temperature
-                    spread = (change.amax(-1) - change.amin(-1)).masked_fill(~mask.to(change.device), 0.0)
-                    self._last_drift = max(self._last_drift, float(spread.max()))
+                    won = [reference[i].winners for i in chunk]
+                    assert all(w is not None for w in won)  # noqa: S101 (the caller kept them)
+                    lost = lead_lost(
+                        logits,
+                        torch.tensor([w[0] + [0] * (length - len(w[0])) for w in won if w], dtype=torch.int64),
+                        torch.tensor([w[1] + [0.0] * (length - len(w[1])) for w in won if w]),
+                        mask,
+                        temperature=temperature,
+                        seeds=seeds,
+                        sequences=sequences,
+                    )
+                    self._last_lost = max(self._last_lost, lost)
                 logprobs: list[list[float]] = []
+                found: list[tuple[list[int], list[float]]] = []
                 results = check_completions(
                     logits,
                     torch.tensor([r.ids + [0] * (length - len(r.ids)) for r in members], dtype=torch.long),
                     mask,
                     torch.tensor([r.logprobs + [0.0] * (length - len(r.logprobs)) for r in members]),
                     temperature=temperature,
-                    seeds=torch.tensor([r.seed for r in members], dtype=torch.int64),
-                    sequences=torch.tensor([r.sequence for r in members], dtype=torch.int64),
+                    seeds=seeds,
+                    sequences=sequences,
                     margin=torch.tensor([_margin(tolerances[i]) for i in chunk]),
                     core_gap=torch.tensor([_core(tolerances[i]) for i in chunk]),
                     gaps_out=self.gaps if gaps else None,
                     logprobs_out=logprobs,
+                    winners_out=found if winners else None,
                 )
-                for i, result, values in zip(chunk, results, logprobs):
-                    out[i] = (result, values)
+                for j, (i, result, values) in enumerate(zip(chunk, results, logprobs)):
+                    kept = found[j] if winners and i in winners else None
+                    out[i] = _Checked(result, values, kept)
         finally:
-            for m, training in zip(models, was_training):
-                m.train(training)
+            model.train(was_training)
         return out
 
     def _pinned(self, model: torch.nn.Module, version: int, state: dict[str, torch.Tensor] | None) -> torch.nn.Module:
@@ -535,15 +555,15 @@ class RolloutVerifier:
             self._pinned_version = version
         return self._pinned_model
 
-    def _chunks(self, rows: list[Row], indices: list[int], model: torch.nn.Module, copies: int) -> list[list[int]]:
-        """``indices`` in chunks whose logits (``copies`` of them) stay within :data:`MAX_CHUNK_LOGITS`, rows of
-        similar lengths together (they pad less)."""
+    def _chunks(self, rows: list[Row], indices: list[int], model: torch.nn.Module) -> list[list[int]]:
+        """``indices`` in chunks whose logits stay within :data:`MAX_CHUNK_LOGITS`, rows of similar lengths together
+        (they pad less)."""
         vocab = int(getattr(model.config, "vocab_size", 0) or 1)
         chunks: list[list[int]] = []
         current: list[int] = []
         for i in sorted(indices, key=lambda i: len(rows[i].prompt) + len(rows[i].ids)):
             width = len(rows[i].prompt) + len(rows[i].ids)
-            if current and (len(current) + 1) * width * vocab * copies > MAX_CHUNK_LOGITS:
+            if current and (len(current) + 1) * width * vocab > MAX_CHUNK_LOGITS:
                 chunks.append(current)
                 current = []
             current.append(i)

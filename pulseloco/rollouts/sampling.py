@@ -166,6 +166,7 @@ def check_completions(
     check: torch.Tensor | None = None,
     gaps_out: list[float] | None = None,
     logprobs_out: list[list[float]] | None = None,
+    winners_out: list[tuple[list[int], list[float]]] | None = None,
 ) -> list[CheckResult]:
     """Check completions against the trainer's own logits.
 
@@ -175,8 +176,10 @@ def check_completions(
     all, or one per completion (``(n,)``). ``check``: the positions whose choice is recomputed (a boolean
     ``(n, length)`` subset of ``mask``; default: all of them). ``gaps_out``: a list that receives the gap of every
     checked position (to measure the margin); ``logprobs_out``: a list that receives, per completion, the trainer's
-    log-probability of each of its real tokens under ``softmax(logits / T)``. Returns one :class:`CheckResult` per
-    completion. It never raises for what a worker sent: a token id outside ``[0, vocab)`` is a mismatch (its gap
+    log-probability of each of its real tokens under ``softmax(logits / T)``; ``winners_out``: a list that receives,
+    per completion, the perturbed argmax at each of its real tokens and its lead over the runner-up (what
+    :func:`lead_lost` compares another model's logits with). Returns one :class:`CheckResult` per completion. It
+    never raises for what a worker sent: a token id outside ``[0, vocab)`` is a mismatch (its gap
     infinite), a log-probability that is not finite an infinite error; the caller decides.
     """
     n, length, vocab = logits.shape
@@ -193,6 +196,7 @@ def check_completions(
     error = torch.where(torch.isfinite(error) & ~foreign, error, torch.inf).masked_fill(~mask, 0.0)
     leads = torch.full((n, length), torch.inf, dtype=torch.float32, device=device)
     spreads = torch.full((n, length), torch.inf, dtype=torch.float32, device=device)
+    winners = torch.zeros((n, length), dtype=torch.int64, device=device)
     rows, cols = check.nonzero(as_tuple=True)
     if rows.numel():
         seed_rows = seeds.to(device=device, dtype=torch.int64)[rows]
@@ -208,15 +212,20 @@ def check_completions(
             others = scores.scatter(-1, mine_index, float("-inf")).max(dim=-1).values if vocab > 1 else mine - mine
             leads[r, c] = mine - others
             if vocab > 1:
-                top = scores.topk(2, dim=-1).values
-                spreads[r, c] = top[:, 0] - top[:, 1]
+                top = scores.topk(2, dim=-1)
+                spreads[r, c] = top.values[:, 0] - top.values[:, 1]
+                winners[r, c] = top.indices[:, 0]
     leads = torch.where(foreign, -torch.inf, leads)
     gaps = (-leads).clamp(min=0.0).masked_fill(~check, 0.0)
     if gaps_out is not None:
         gaps_out.extend(gaps[check].tolist())
-    if logprobs_out is not None:
+    if logprobs_out is not None or winners_out is not None:
         lengths = mask.sum(-1).tolist()
-        logprobs_out.extend(values[:count] for values, count in zip(own.tolist(), lengths))
+        if logprobs_out is not None:
+            logprobs_out.extend(values[:count] for values, count in zip(own.tolist(), lengths))
+        if winners_out is not None:
+            pairs = zip(winners.tolist(), spreads.tolist(), lengths)
+            winners_out.extend((ids[:count], leads[:count]) for ids, leads, count in pairs)
     margins = torch.as_tensor(margin, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
     cores = torch.as_tensor(core_gap, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
     near = (gaps > 0) & (gaps <= margins) & check
@@ -252,3 +261,42 @@ def check_completions(
         )
         for row in stats
     ]
+
+
+@torch.no_grad()
+def lead_lost(
+    logits: torch.Tensor,
+    winners: torch.Tensor,
+    leads: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float,
+    seeds: torch.Tensor,
+    sequences: torch.Tensor,
+) -> float:
+    """The most lead another model's perturbed argmax loses under ``logits`` at any masked position: that model's
+    winning token ``winners`` led its runner-up by ``leads`` (both ``(n, length)``, from
+    :func:`check_completions`'s ``winners_out``); under ``logits`` (``(n, length, vocab)``, predicting the same
+    tokens; ``seeds`` and ``sequences`` key the noise as there) it leads the best other token by less, or trails
+    it. A token that leads under the other model by more than the result keeps the lead under ``logits`` at every
+    position measured. 0.0 for no position."""
+    n, length, vocab = logits.shape
+    device = logits.device
+    rows, cols = mask.to(device=device, dtype=torch.bool).nonzero(as_tuple=True)
+    if not rows.numel() or vocab < 2:
+        return 0.0
+    positions = torch.arange(length, device=device).expand(n, length)
+    seed_rows = seeds.to(device=device, dtype=torch.int64)[rows]
+    sequence_rows = sequences.to(device=device, dtype=torch.int64)[rows]
+    winners, leads = winners.to(device), leads.to(device=device, dtype=torch.float32)
+    worst = torch.tensor(0.0, device=device)
+    chunk = max(1, (1 << 24) // vocab)
+    for start in range(0, rows.numel(), chunk):
+        r, c = rows[start : start + chunk], cols[start : start + chunk]
+        scores = logits[r, c].float() / temperature + gumbel_noise(
+            seed_rows[start : start + chunk], sequence_rows[start : start + chunk], positions[r, c], vocab
+        )
+        winner = winners[r, c].unsqueeze(-1)
+        lead = scores.gather(-1, winner).squeeze(-1) - scores.scatter(-1, winner, float("-inf")).max(dim=-1).values
+        worst = torch.maximum(worst, (leads[r, c] - lead).max())
+    return float(worst)
