@@ -215,6 +215,8 @@ def summarize(workdir: Path, rule: str, attack: str | None, seconds: float) -> d
         "largest_owner_norm_ratio": max(
             (r.get("largest_norm_ratio", 0.0) for i in honest for r in records[i]), default=0.0
         ),
+        # per honest owner and round: the largest ratio of an accepted part's norm to its shard's median
+        "owner_norm_ratios": [r.get("largest_norm_ratio", 0.0) for i in honest for r in records[i]],
         "num_rejected": sum(r["num_rejected"] for i in honest for r in records[i]),
         "seconds": seconds,
     }
@@ -243,9 +245,10 @@ def format_table(results: list[dict[str, Any]], factor: float) -> str:
     """The markdown table of the README."""
     rows = []
     for r in results:
-        attack = r["attack"] or "none (4 honest)"
-        if r["attack"] is not None and "@" not in r["attack"]:
-            attack = f"{r['attack']} @{factor:g}x"
+        attack = "none (4 honest)"
+        if r["attack"] is not None:
+            name, at = parse_attack(r["attack"], factor)
+            attack = f"{name} @{at:g}x"
         relative = "1 (reference)" if r["attack"] is None else "-" if r["relative"] is None else f"{r['relative']:.2f}"
         early = ["-" if r["attack"] is None or r["relative_at"].get(k) is None else f"{r['relative_at'][k]:.2f}"
                  for k in CHECKPOINTS]  # fmt: skip
@@ -381,11 +384,14 @@ def write_report(
         table,
         "",
     ]
-    honest_ratios = [r["largest_owner_norm_ratio"] for r in results if r["attack"] is None]
+    honest_ratios = sorted(x for r in results if r["attack"] is None for x in r["owner_norm_ratios"])
     if honest_ratios:
+        median, high = honest_ratios[len(honest_ratios) // 2], honest_ratios[int(0.95 * (len(honest_ratios) - 1))]
+        above = sum(x > 2.0 for x in honest_ratios)
         lines += [
-            "The largest ratio of an accepted part's norm to its shard's median norm, over every owner and round of "
-            f"the runs without an attacker: {max(honest_ratios):.2f} (a part strikes above 4).",
+            "Honest parts against the strike ratio (4): in the runs without an attacker, the largest ratio of a part's "
+            f"norm to its shard's median, per owner and round ({len(honest_ratios)} values), has median "
+            f"{median:.2f}, 95th percentile {high:.2f}, maximum {honest_ratios[-1]:.2f}; {above} above 2.",
             "",
         ]
     (out / "README.md").write_text("\n".join(lines))

@@ -314,19 +314,18 @@ class ShardOwner(TrafficCounter):
                 valid[peer] = decode_sparse(contributions[peer], CONTRIBUTION_NAME, numel)
             except PayloadError as exc:
                 rejected[peer] = strikes[peer] = f"{type(exc).__name__}: {exc}"
+        l2_norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
         if len(valid) >= 3:  # L2 norms against the leave-one-out median
-            screen_norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
-            reference = None
+            screen_norms, reference = l2_norms, None
         else:  # no majority: largest entries against this owner's own (the part it can trust)
             screen_norms = {peer: peak(values_K) for peer, (_, values_K) in valid.items()}
             reference = screen_norms.get(self.peer_id)
         for peer, reason in screen_outliers(screen_norms, self.max_norm_ratio, reference=reference).items():
             rejected[peer] = strikes[peer] = f"OutlierPayloadError: {reason}"
             del valid[peer]
-        norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
+        norms = {peer: l2_norms[peer] for peer in valid}
         bar, what = clip_bar(norms, self.peer_id)
         scales = clip_scales(norms, bar) if self.clip_to_median else dict.fromkeys(norms, 1.0)
-        largest_ratio = max((norm / bar for norm in norms.values()), default=0.0) if bar > 0.0 else 0.0
         for peer, norm in norms.items():
             strike = None
             if bar > 0.0 and norm > self.dispute_norm_ratio * bar:
@@ -341,6 +340,7 @@ class ShardOwner(TrafficCounter):
                 )
             elif scales[peer] < 1.0:
                 logger.debug("contribution clipped round=%d peer=%s scale=%.4g", round_index, peer, scales[peer])
+        largest_ratio = max((norms[peer] / bar for peer in valid), default=0.0) if bar > 0.0 else 0.0
         for peer, reason in rejected.items():
             logger.warning("contribution rejected round=%d peer=%s reason=%s", round_index, peer, reason)
         for peer, reason in self.repeat_outliers.record(round_index, strikes).items():
