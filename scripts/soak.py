@@ -9,15 +9,17 @@ contribution) and restarts them, lets one join late, stalls peers mid-fetch with
 and once longer than the averaging timeout), and kills and restarts a subscriber.
 
 Every peer records what it produced, what it sent, what each round aggregated (the accepted contributor list of
-every shard) and its residual (files under ``--out``). At the end the supervisor checks:
+every shard, with each contributor's clip scale) and its residual (files under ``--out``). At the end the
+supervisor checks:
 
 - **digests**: after every round, every peer that completed it in a group with others (every shard's sum applied,
   or repaired) and holds the same round holds the same digest. A peer that found no one in time averages alone (a
   group of one, by design) and keeps its own state until its next round repairs it, which the last round never
   has; that happens on a loaded machine, and such rounds are counted as "rounds averaged alone", not compared;
 - **exactly once** (the ledger): walking the final theta's lineage back to the initial weights gives, for every
-  contribution, the shards that counted it. For each honest peer process, what it produced minus what the
-  lineage counted of its contributions must equal its residual (its last contribution for a killed process).
+  contribution, the shards that counted it and at which clip scale. For each honest peer process, what it produced
+  minus what the lineage counted of its contributions must equal its residual (its last contribution for a killed
+  process).
   A contribution counted twice or lost shows up as a difference;
 - **no poison**: the final lineage counts no contribution of the poisoning peer, and every finished peer's
   parameters are finite (rounds in which no group counted anything, the sign of a swarm that stopped learning,

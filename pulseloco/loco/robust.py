@@ -43,8 +43,8 @@ any accusation).
 *Why 4 and a majority of 8.* Honest peers of one run draw their data from the same distribution, so their parts'
 norms stay within a small factor of the median (the four honest peers of ``scripts/bench_byzantine.py``: at most
 2.9 times it in any shard and round, 95% of owner-rounds below 1.65; results/byzantine/README.md), while the 9x
-attacks sit at 8-10 times it. A single honest round above 4 (a peer whose residual holds two rounds after a failed one, a
-shard its data happens to dominate) is one strike; a majority of eight is needed to exclude. The hazard that
+attacks sit at 8-10 times it. A single honest round above 4 (a peer whose residual holds two rounds after a failed
+one, a shard its data happens to dominate) is one strike; a majority of eight is needed to exclude. The hazard that
 remains: an honest peer whose pseudo-gradients are *systematically* larger than the others' and point the same way
 round after round (another learning rate or batch size) is clipped every round, its clipped-off excess accumulates
 in its residual, and its norm grows by about ``(rho - 1) x bar`` a round at ``rho`` times the median, so it can
