@@ -11,13 +11,15 @@ and as a worker serves it (BF16). Each attack is one worker answering ``--leases
 problems x ``--samples`` completions (the demo's batch), each lease with its own seed, checked in order by one
 :class:`pulseloco.integrations.verify.RolloutVerifier` (the default shared check, with its near-miss guard) until
 the worker would be refused: a lease that fails counts toward ``--max-refusals`` (the recipes' default), a lease
-the guard refuses ends it at once. The honest engine's completions of the same seeds are the reference. Attacks:
+the guard refuses ends it at once. The honest engine's completions of the same seeds, in the precision the attack
+declares, are the reference. Attacks:
 
 - ``honest`` / ``honest-fp32``: the transformers engine in BF16 / in FP32 (false refusals: none expected);
 - ``steer-wrong`` / ``steer-right``: at each position, of the tokens whose perturbed score trails the sampler's
   choice by less than 95% of the declared precision's margin, take one that leaves / continues the right answer
   (true log-probabilities; ``-fp32``: declaring FP32, whose margin is 1e-3 nats);
-- ``steer-right-core``: the same within 95% of the core band only (near misses where rounding makes them);
+- ``steer-right-narrow``: the same within 95% of the two narrowest bands of spread only (0.02 nats in BF16: where
+  rounding flips choices most);
 - ``cherry-pick``: the most rewarded of four samples drawn with seeds of its own;
 - ``noisy-weights``: samples with the served weights times (1 + 0.1 N(0, 1));
 - ``forged-within``: honest tokens, every log-probability lowered by 95% of the per-token tolerance.
@@ -59,7 +61,7 @@ ATTACKS = (
     "honest-fp32",
     "steer-wrong",
     "steer-right",
-    "steer-right-core",
+    "steer-right-narrow",
     "steer-right-fp32",
     "cherry-pick",
     "noisy-weights",
@@ -171,7 +173,7 @@ def generate(attack: str, engines: dict[str, Any], task: Task, prompts: list[lis
         return [draws[k][i] for i, k in enumerate(picks)], "bfloat16"
     precision = "float32" if attack.endswith("-fp32") else "bfloat16"
     tolerance = TOLERANCES[precision]
-    aim = 0.95 * (tolerance.core_gap if attack.endswith("-core") else tolerance.margin)
+    aim = 0.95 * (tolerance.bands[1] if attack.endswith("-narrow") else tolerance.margin)
     model = engines["fp32" if precision == "float32" else "bf16"].model
     toward = attack.startswith("steer-right")
     return steer(model, repeated, targets, seed=seed, aim=aim, toward=toward, max_new_tokens=args.max_new_tokens,
@@ -194,7 +196,7 @@ def run_attack(attack: str, engines: dict[str, Any], trainer: Any, task: Task, a
         seed = 1000 + lease
         prompts, answers = task.lease(args.prompts, seed)
         mine, precision = generate(attack, engines, task, prompts, answers, seed, args)
-        honest = engines["bf16"].generate_ids(
+        honest = engines["fp32" if precision == "float32" else "bf16"].generate_ids(
             [p for p in prompts for _ in range(args.samples)], max_new_tokens=args.max_new_tokens, temperature=1.0,
             seed=seed,
         )  # fmt: skip
@@ -215,7 +217,7 @@ def run_attack(attack: str, engines: dict[str, Any], trainer: Any, task: Task, a
         differ += sum(a.token_ids != b.token_ids for a, b in zip(mine, honest))
         changed += sum(a != b for a, b in zip(mine_rewards, honest_rewards))
         reward_change += sum(mine_rewards) - sum(honest_rewards)
-        reference.check(trainer, prompts, results(honest, prompts, args.samples, seed, "bfloat16"), temperature=1.0,
+        reference.check(trainer, prompts, results(honest, prompts, args.samples, seed, precision), temperature=1.0,
                         max_new_tokens=args.max_new_tokens, stop_ids=stops)  # fmt: skip
         for i, (a, b) in enumerate(zip(mine, honest)):
             prompt = prompts[i // args.samples]

@@ -13,8 +13,8 @@ as a trainer does (FP32), has each engine sample ``--samples`` completions of ``
 the replayable rule (:mod:`pulseloco.rollouts.sampling`, one lease seed), then runs the trainer's check
 (:class:`pulseloco.integrations.verify.RolloutVerifier`, with the version's weights) on them with the tolerances of
 the engine's precision, every gap recorded. Reported per engine: positions, positions whose token is not the
-trainer's perturbed argmax, the largest gap and the margin, the near misses per contested position within the
-core band and beyond it (the near-miss guard's rates), the mean and largest per-token log-probability error,
+trainer's perturbed argmax, the largest gap and the margin, the near misses and positions per band of spread (the
+near-miss guard's rates), the mean and largest per-token log-probability error,
 whether the lease passed; then the check's seconds against a GRPO step on the same batch (a forward and backward
 pass of the trainer's model over it, as TRL's loss does, plus TRL's own no-gradient forward for the old
 log-probabilities when importance sampling is on).
@@ -166,7 +166,7 @@ def measure(
 ) -> dict[str, Any]:
     """One engine's row: its samples checked by the trainer's check with the weights of their version (the BF16
     values the trainer holds) and the tolerances of the engine's precision, every gap recorded; the gaps'
-    statistics, the near misses per contested position in each band (the guard's rates), the largest
+    statistics, the near misses per position in each band of spread (the guard's rates), the largest
     log-probability error, whether the lease passed, and the check's seconds against a GRPO step's."""
     engine = make_engine(name, model_dir, args.device)
     try:
@@ -199,12 +199,10 @@ def measure(
         "max_gap": max(off, default=0.0),
         "p99_gap": quantile(off, 0.99),
         "margin": tolerance.margin if tolerance else None,
-        "contested": lease.contested,
-        "core_near": lease.near - lease.wide,
-        "core_rate": (lease.near - lease.wide) / max(lease.contested, 1),
-        "contested_wide": lease.contested_wide,
-        "wide_near": lease.wide,
-        "wide_rate": lease.wide / max(lease.contested_wide, 1),
+        "bands": list(tolerance.bands) if tolerance else [],
+        "band_positions": lease.band_positions,
+        "band_near": lease.band_near,
+        "band_rates": [near / max(n, 1) for n, near in zip(lease.band_positions, lease.band_near)],
         "mean_logprob_error": lease.logprob_error,
         "max_logprob_error": lease.max_logprob_error,
         "passed": lease.reason is None,
@@ -218,12 +216,12 @@ def measure(
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The engines' rows as the markdown table printed and written to ``bench_verify.md``."""
     header = ["engine", "precision", "positions", "not the replay's argmax", "largest gap (margin)",
-              "near misses / contested, within the core band", "beyond it", "logprob error mean / max", "passed",
+              "near misses / positions by spread band (upper edges)", "logprob error mean / max", "passed",
               "check s", "step s", "check / step"]  # fmt: skip
     cells = [
         [r["engine"], r["precision"], str(r["positions"]), f"{r['differ']} ({r['differ_rate']:.2%})",
-         f"{r['max_gap']:.4f} ({r['margin']:g})", f"{r['core_near']} / {r['contested']} ({r['core_rate']:.1%})",
-         f"{r['wide_near']} / {r['contested_wide']} ({r['wide_rate']:.2%})",
+         f"{r['max_gap']:.4f} ({r['margin']:g})",
+         ", ".join(f"{k}/{n} ({e:g})" for k, n, e in zip(r["band_near"], r["band_positions"], r["bands"])),
          f"{r['mean_logprob_error']:.4f} / {r['max_logprob_error']:.4f}", "yes" if r["passed"] else "no",
          f"{r['check_seconds']:.3f}", f"{r['step_seconds']:.3f}", f"{r['check_over_step']:.1%}"]
         for r in rows

@@ -811,7 +811,7 @@ def test_honest_workers_pass_the_checks_at_the_version_they_claim(swarm: Swarm, 
     assert v.failed_leases == 0 and v.mismatches == 0 and v.positions > 500 and v.guard_refusals == 0
     assert v.worst_passing_gap < tolerance.margin / 4 and v.worst_passing_logprob_error < tolerance.logprob_error / 4
     print(
-        f"honest ({weights}): {v.leases} leases, {v.positions} positions, {v.near} near misses ({v.wide} wide), worst "
+        f"honest ({weights}): {v.leases} leases, {v.positions} positions, {v.near} near misses, worst "
         f"gap {v.worst_passing_gap:.4f}, worst log-probability error {v.worst_passing_logprob_error:.5f}, "
         f"{v.shared_completions} of {v.completions} completions proven by the shared check, drift {v.drift:.3f}"
     )

@@ -177,9 +177,8 @@ class LeaseCheck:
     checked: int = 0
     mismatches: int = 0
     near: int = 0
-    wide: int = 0
-    contested: int = 0
-    contested_wide: int = 0
+    band_positions: list[int] = field(default_factory=list)
+    band_near: list[int] = field(default_factory=list)
     worst_gap: float = 0.0
     logprob_error_sum: float = 0.0
     tokens: int = 0
@@ -200,20 +199,18 @@ class LeaseCheck:
 
 @dataclass
 class VerifyStats:
-    """Counters over a run (what the metrics report): positions checked, near misses (of them ``wide``: beyond the
-    core band), leases checked and failed, seconds spent (``seconds``; of them in the model's forward passes,
-    ``forward_seconds``, and in those of the shared checks with the trainer's current weights,
-    ``first_forward_seconds``: the pass TRL's importance-sampling ratio would otherwise run), the largest honest
-    gap and per-token log-probability error seen, the completions proven by the shared check
-    (``shared_completions``), audited (``audited_completions``), the largest drift bound used (``drift``), how many
-    of TRL's forward passes the checks' log-probabilities replaced (``shared_forwards``), and the workers the
-    near-miss guard refused (``guard_refusals``)."""
+    """Counters over a run (what the metrics report): positions checked, near misses, leases checked and failed,
+    seconds spent (``seconds``; of them in the model's forward passes, ``forward_seconds``, and in those of the
+    shared checks with the trainer's current weights, ``first_forward_seconds``: the pass TRL's importance-sampling
+    ratio would otherwise run), the largest honest gap and per-token log-probability error seen, the completions
+    proven by the shared check (``shared_completions``), audited (``audited_completions``), the largest drift bound
+    used (``drift``), how many of TRL's forward passes the checks' log-probabilities replaced (``shared_forwards``),
+    and the workers the near-miss guard refused (``guard_refusals``)."""
 
     completions: int = 0
     positions: int = 0
     mismatches: int = 0
     near: int = 0
-    wide: int = 0
     leases: int = 0
     failed_leases: int = 0
     seconds: float = 0.0
@@ -375,7 +372,7 @@ class RolloutVerifier:
         tolerance = tolerance_for(compute_dtype, replay_dtype, temperature)
         if self.config.verify_margin is not None:
             margin = self.config.verify_margin
-            tolerance = replace(tolerance, margin=margin, core_gap=min(tolerance.core_gap, margin))
+            tolerance = tolerance.with_margin(margin)
         if self.config.verify_max_logprob_error is not None:
             tolerance = replace(tolerance, logprob_error=self.config.verify_max_logprob_error)
         return tolerance
@@ -515,7 +512,7 @@ class RolloutVerifier:
                     seeds=seeds,
                     sequences=sequences,
                     margin=torch.tensor([_margin(tolerances[i]) for i in chunk]),
-                    core_gap=torch.tensor([_core(tolerances[i]) for i in chunk]),
+                    bands=_band_edges([tolerances[i] for i in chunk]),
                     gaps_out=self.gaps if gaps else None,
                     logprobs_out=logprobs,
                     winners_out=found if winners else None,
@@ -699,9 +696,12 @@ class RolloutVerifier:
         lease.checked += result.checked
         lease.mismatches += result.mismatches
         lease.near += result.near
-        lease.wide += result.wide
-        lease.contested += result.contested
-        lease.contested_wide += result.contested_wide
+        bands = len(lease.tolerance.bands) if lease.tolerance else 0
+        if not lease.band_positions:
+            lease.band_positions, lease.band_near = [0] * bands, [0] * bands
+        for band in range(bands):
+            lease.band_positions[band] += result.band_positions[band]
+            lease.band_near[band] += result.band_near[band]
         lease.worst_gap = max(lease.worst_gap, result.worst_gap)
         lease.tokens += num_tokens
         lease.logprob_error_sum += result.logprob_error * num_tokens
@@ -739,9 +739,8 @@ class RolloutVerifier:
                 f"log-probabilities differ from the trainer's by up to {lease.max_logprob_error:.3g} nats per token "
                 f"(the {lease.compute_dtype} tolerance is {tolerance.logprob_error:.3g})"
             )
-        refuse = self.guard.add(
-            worker, lease.contested, lease.near - lease.wide, lease.contested_wide, lease.wide, tolerance
-        )
+        empty = [0] * len(tolerance.bands)
+        refuse = self.guard.add(worker, lease.band_positions or empty, lease.band_near or empty, tolerance)
         if refuse is not None:
             lease.refuse = refuse
             return refuse
@@ -759,7 +758,6 @@ class RolloutVerifier:
         stats.positions += lease.checked
         stats.mismatches += lease.mismatches
         stats.near += lease.near
-        stats.wide += lease.wide
         stats.guard_refusals += lease.refuse is not None
         if lease.reason is not None:
             stats.failed_leases += 1
@@ -785,8 +783,14 @@ def _margin(tolerance: Tolerance | None) -> float:
     return tolerance.margin if tolerance is not None else 0.0
 
 
-def _core(tolerance: Tolerance | None) -> float:
-    return tolerance.core_gap if tolerance is not None else 0.0
+def _band_edges(tolerances: list[Tolerance | None]) -> torch.Tensor:
+    """The rows' spread bands as one ``(rows, most bands)`` tensor, padded with infinity (a row reads its own)."""
+    widest = max((len(t.bands) for t in tolerances if t is not None), default=1)
+    edges = torch.full((len(tolerances), widest), torch.inf)
+    for row, tolerance in enumerate(tolerances):
+        if tolerance is not None:
+            edges[row, : len(tolerance.bands)] = torch.tensor(tolerance.bands)
+    return edges
 
 
 def stop_ids(tokenizer: Any, model: Any) -> set[int]:

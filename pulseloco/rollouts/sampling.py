@@ -129,10 +129,10 @@ class CheckResult:
 
     ``checked``: positions whose choice was recomputed; ``mismatches``: of those, positions where the completion's
     token trails the perturbed argmax by more than the margin (or is not a token of the vocabulary, or its
-    log-probability is not a finite number); ``near``: positions where it is not the argmax but within the margin,
-    of which ``wide`` trail by more than ``core_gap``; ``contested`` and ``contested_wide``: checked positions whose
-    perturbed argmax leads the runner-up by at most ``core_gap`` and by at most the margin (where a near miss in
-    each band is possible at all); ``worst_gap``: the largest gap (perturbed score of the
+    log-probability is not a finite number); ``near``: positions where it is not the argmax but within the margin;
+    ``band_positions`` and ``band_near``: per band of spread (the argmax's lead over the runner-up; the bands'
+    upper edges are :func:`check_completions`'s ``bands``), the checked positions and the near misses among them;
+    ``worst_gap``: the largest gap (perturbed score of the
     argmax minus that of the completion's token) over the checked positions; ``lead``: the smallest lead of the
     completion's token over every other token's perturbed score (negative where it is not the argmax; ``inf`` for
     no position); ``logprob_error``: the mean absolute difference between the worker's log-probabilities and the
@@ -142,9 +142,8 @@ class CheckResult:
     checked: int
     mismatches: int
     near: int
-    wide: int
-    contested: int
-    contested_wide: int
+    band_positions: tuple[int, ...]
+    band_near: tuple[int, ...]
     worst_gap: float
     lead: float
     logprob_error: float
@@ -162,7 +161,7 @@ def check_completions(
     seeds: torch.Tensor,
     sequences: torch.Tensor,
     margin: float | torch.Tensor,
-    core_gap: float | torch.Tensor = 0.0,
+    bands: torch.Tensor | None = None,
     check: torch.Tensor | None = None,
     gaps_out: list[float] | None = None,
     logprobs_out: list[list[float]] | None = None,
@@ -172,8 +171,9 @@ def check_completions(
 
     ``logits``: ``(n, length, vocab)``, the trainer's logits that predict each completion token; ``tokens``,
     ``mask`` (1 for a real token) and the worker's ``logprobs``: ``(n, length)``; ``seeds`` and ``sequences``: the
-    lease seed and the sequence index ``i`` of each completion (``(n,)``); ``margin`` and ``core_gap``: one for
-    all, or one per completion (``(n,)``). ``check``: the positions whose choice is recomputed (a boolean
+    lease seed and the sequence index ``i`` of each completion (``(n,)``); ``margin``: one for all, or one per
+    completion (``(n,)``); ``bands``: the upper edges of the spread bands, ``(n, B)`` (default: one band, the
+    margin). ``check``: the positions whose choice is recomputed (a boolean
     ``(n, length)`` subset of ``mask``; default: all of them). ``gaps_out``: a list that receives the gap of every
     checked position (to measure the margin); ``logprobs_out``: a list that receives, per completion, the trainer's
     log-probability of each of its real tokens under ``softmax(logits / T)``; ``winners_out``: a list that receives,
@@ -227,37 +227,35 @@ def check_completions(
             pairs = zip(winners.tolist(), spreads.tolist(), lengths)
             winners_out.extend((ids[:count], leads[:count]) for ids, leads, count in pairs)
     margins = torch.as_tensor(margin, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
-    cores = torch.as_tensor(core_gap, dtype=torch.float32, device=device).expand(n).unsqueeze(1)
+    edges = margins if bands is None else bands.to(device=device, dtype=torch.float32)
     near = (gaps > 0) & (gaps <= margins) & check
+    band_of = torch.searchsorted(edges.contiguous(), spreads.clamp(min=0.0).contiguous(), right=False)
+    in_band = [(band_of == b) & check for b in range(edges.shape[1])]
     # one tensor of per-row statistics, moved to the host once (a GPU would otherwise sync per row and value)
     empty = torch.zeros(n, device=device)
-    stats = torch.stack(
-        [
-            check.sum(-1).float(),
-            ((gaps > margins) & check).sum(-1).float(),
-            near.sum(-1).float(),
-            (near & (gaps > cores)).sum(-1).float(),
-            ((spreads <= cores) & check).sum(-1).float(),
-            ((spreads <= margins) & check).sum(-1).float(),
-            gaps.amax(-1) if length else empty,
-            leads.masked_fill(~check, torch.inf).amin(-1) if length else empty + torch.inf,
-            error.sum(-1) / mask.sum(-1).clamp(min=1),
-            error.amax(-1) if length else empty,
-        ],
-        dim=1,
-    ).tolist()
+    columns = [
+        check.sum(-1).float(),
+        ((gaps > margins) & check).sum(-1).float(),
+        near.sum(-1).float(),
+        gaps.amax(-1) if length else empty,
+        leads.masked_fill(~check, torch.inf).amin(-1) if length else empty + torch.inf,
+        error.sum(-1) / mask.sum(-1).clamp(min=1),
+        error.amax(-1) if length else empty,
+    ]
+    columns += [band.sum(-1).float() for band in in_band] + [(band & near).sum(-1).float() for band in in_band]
+    stats = torch.stack(columns, dim=1).tolist()
+    count = len(in_band)
     return [
         CheckResult(
             checked=int(row[0]),
             mismatches=int(row[1]),
             near=int(row[2]),
-            wide=int(row[3]),
-            contested=int(row[4]),
-            contested_wide=int(row[5]),
-            worst_gap=row[6],
-            lead=row[7],
-            logprob_error=row[8],
-            max_logprob_error=row[9],
+            band_positions=tuple(int(v) for v in row[7 : 7 + count]),
+            band_near=tuple(int(v) for v in row[7 + count :]),
+            worst_gap=row[3],
+            lead=row[4],
+            logprob_error=row[5],
+            max_logprob_error=row[6],
         )
         for row in stats
     ]

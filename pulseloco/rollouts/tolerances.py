@@ -6,76 +6,90 @@ in its own precision, the worker sampled in its engine's, and the two disagree b
 trail the replay's perturbed argmax by a small *gap* (nats of ``logits / T`` plus noise), and its reported
 log-probability may differ from the replay's by a small error. Both tolerances are an attacker's room as much as
 an honest engine's (a worker may pick any token within the margin), so they are the measured numerical
-differences, no wider, per precision (:data:`TOLERANCES`; ``scripts/bench_verify.py`` measures them):
+differences, no wider, per precision (:data:`TOLERANCES`; ``scripts/bench_verify.py`` measures them).
 
-- ``float32``: an engine computing in FP32 on the published BF16 weights, replayed in FP32. Measured on 2 CPU
-  cores with the demo model (transformers, 40,303 positions at temperature 1): no position differs from the
-  replay, log-probabilities agree to 1.6e-5. The margin (1e-3 nats) is 60 times that; a near miss is never seen,
-  so the rates are loose bounds (half the contested positions, and 1 in 1,000).
-- ``bfloat16`` (and ``float16``, held to the same): an engine computing in BF16, or a trainer replaying in BF16.
-  Measured with the demo model at temperature 1 against an FP32 replay: 0.22-0.26% of positions are not the
-  replay's argmax (transformers and vLLM on 2 CPU cores, 40,000 positions each; transformers on an H200, 0.24%);
-  the largest gap 0.21 nats there and 0.66 nats over the 198,000 positions of a whole demo run (transformers on a
-  CPU), so the margin is 1 nat; 2.9% of positions are contested within 0.1 nats, and 6-8% of those are near misses
-  (``core_rate`` 0.15); 25% have a runner-up within the margin, and none of those 5,058 had a near miss beyond
-  0.1 nats (one in about 10,000 over 40,000 positions; ``wide_rate`` 1e-3); log-probability errors up to 0.48
-  nats per token (the margin for them is 1 nat).
+Rounding flips a choice only where the replay's argmax leads its runner-up by little: the position's *spread*
+(the argmax's perturbed score minus the runner-up's). The check sorts positions into bands of spread
+(:attr:`Tolerance.bands`) and counts, per band, the positions and the *near misses* among them (a token that is not
+the replay's argmax, within the margin). An honest engine's near misses per position fall steeply with the spread
+(:attr:`Tolerance.rates`); a steering worker's do not, since it flips wherever the margin lets it and it likes the
+runner-up. :class:`NearMissGuard` keeps these counts per worker across leases and refuses a worker whose count in
+some band is far above what the band's honest rate allows: a one-sided test whose false-refusal probability over a
+whole run is at most ``false_refusal`` for a worker whose engine keeps to the rates (see :meth:`NearMissGuard.add`).
+The rates are per position of a band, so they depend on the engine's rounding and hardly on the model: a model whose
+choices are often close has more positions in the narrow bands, not more near misses per position.
 
-A precision's ``margin`` bounds the gap of any one position (beyond it the lease fails); the positions where the
-token is not the argmax but within the margin (*near misses*) are an honest engine's at the rate its rounding
-flips close choices, and a steering worker's wherever it steers. :class:`NearMissGuard` counts them per worker
-across leases, in two bands of gap (``core``: the bulk of rounding's, up to ``core_gap``; ``wide``: beyond it, up
-to the margin, rare for an honest engine), and refuses a worker whose count in a band is far above what the band's
-honest rate allows: a one-sided test whose false-refusal probability over a whole run is at most
-``false_refusal`` for a worker whose engine keeps to the rates (see :meth:`NearMissGuard.add`).
+Measured (``scripts/bench_verify.py`` and the demo's runs, the demo model against an FP32 replay, 2 CPU cores):
 
-Errors are divided by the temperature with the logits, so a margin at temperature ``T < 1`` is the table's
-divided by ``T`` (:meth:`Tolerance.at`).
+- ``float32``: an engine computing in FP32 on the published BF16 weights. Transformers, 40,303 positions at
+  temperature 1: no position differs from the replay; log-probabilities agree to 1.6e-5. The margin (1e-3 nats)
+  is 60 times that; no near miss was seen, so the rates are loose bounds.
+- ``bfloat16`` (``float16`` is held to the same): an engine computing in BF16, or a trainer replaying in BF16.
+  0.2-0.3% of positions are not the replay's argmax (transformers and vLLM on CPUs; transformers on an H200:
+  0.24%); the largest gap 0.21 nats over 40,000 positions and 0.66 over the 198,000 of a whole demo run
+  (transformers on a CPU), so the margin is 1 nat. Near misses per position by spread, transformers / vLLM at
+  temperature 1 (30,400 positions each) and transformers at 0.7 (15,000; spreads in units of ``logits / T``):
+  up to 0.01 nats 30% / 29% / 42%; 0.01-0.02 26% / 23% / 29%; 0.02-0.05 4.3% / 2.0% / 10%; 0.05-0.1 1.1% / 1.1% /
+  0.5%; 0.1-1 nat 0 of 6,655 / 0 of 6,654 / 1 of 2,970. The rates are about twice the largest of these (2e-3 in
+  the widest band, where one near miss in 2,970 was seen); log-probability errors up to 0.48 nats per token (the
+  tolerance is 1 nat). 0.65% of positions have a spread below 0.02 nats: there rounding decides, and so may a
+  worker that keeps to these rates.
+
+Errors are divided by the temperature with the logits, so below ``T = 1`` the margin, the band edges and the
+log-probability tolerance are the table's divided by ``T`` (:meth:`Tolerance.at`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOLERANCES", "NearMissGuard", "Tolerance", "precision_of", "tolerance_for"]
+__all__ = ["TOLERANCES", "NearMissGuard", "Tolerance", "poisson_tail", "precision_of", "tolerance_for"]
 
 
 @dataclass(frozen=True)
 class Tolerance:
     """The numerical differences tolerated for one precision (module docstring), at temperature 1.
 
-    ``margin``: the largest gap (nats) of any position; ``core_gap``: the gap below which an honest engine's near
-    misses mostly fall; ``core_rate``: a bound on an honest engine's near misses with a gap up to ``core_gap``, as a
-    share of the *contested* positions (where the replay's runner-up trails the argmax by at most ``core_gap``: the
-    only places such a near miss can happen); ``wide_rate``: the same for near misses with a gap above
-    ``core_gap`` (up to the margin), as a share of the positions whose runner-up is within the margin;
-    ``logprob_error``: the largest difference (nats) between a worker's log-probability and the replay's, per
-    token. Rates per contested position depend on the engine's rounding, hardly on the model: a model whose
-    choices are often close has more contested positions, not more near misses per contested one."""
+    ``margin``: the largest gap (nats) of any position; ``bands``: the upper edges of the spread bands (band ``i``
+    holds the positions whose spread is above ``bands[i - 1]`` and at most ``bands[i]``; the last edge is the
+    margin: a wider spread leaves no near miss within it); ``rates``: per band, a bound on the share of its
+    positions where an honest engine's token is not the replay's argmax; ``logprob_error``: the largest difference
+    (nats) between a worker's log-probability and the replay's, per token."""
 
     margin: float
-    core_gap: float
-    core_rate: float
-    wide_rate: float
+    bands: tuple[float, ...]
+    rates: tuple[float, ...]
     logprob_error: float
 
+    def __post_init__(self) -> None:
+        if len(self.bands) != len(self.rates) or not self.bands or list(self.bands) != sorted(self.bands):
+            raise ValueError(f"bands must be increasing, one rate each: {self.bands}, {self.rates}")
+
     def at(self, temperature: float) -> Tolerance:
-        """The tolerance at ``temperature``: gaps and errors grow as ``1 / T`` below 1 (rates do not)."""
+        """The tolerance at ``temperature``: gaps, spreads and errors grow as ``1 / T`` below 1 (rates do not)."""
         scale = 1.0 / min(temperature, 1.0)
         return Tolerance(
-            self.margin * scale, self.core_gap * scale, self.core_rate, self.wide_rate, self.logprob_error * scale
+            self.margin * scale, tuple(b * scale for b in self.bands), self.rates, self.logprob_error * scale
         )
+
+    def with_margin(self, margin: float) -> Tolerance:
+        """The same with another margin (bands above it are cut at it)."""
+        bands = [min(b, margin) for b in self.bands[:-1]] + [margin]
+        return Tolerance(margin, tuple(bands), self.rates, self.logprob_error)
 
 
 #: Per precision: what the check tolerates (module docstring for the measurements that set each number).
 TOLERANCES: dict[str, Tolerance] = {
-    "float32": Tolerance(margin=1e-3, core_gap=1e-4, core_rate=0.5, wide_rate=1e-3, logprob_error=1e-3),
-    "bfloat16": Tolerance(margin=1.0, core_gap=0.1, core_rate=0.15, wide_rate=1e-3, logprob_error=1.0),
+    "float32": Tolerance(margin=1e-3, bands=(1e-4, 1e-3), rates=(0.5, 0.05), logprob_error=1e-3),
+    "bfloat16": Tolerance(
+        margin=1.0, bands=(0.01, 0.02, 0.05, 0.1, 1.0), rates=(0.8, 0.6, 0.2, 0.03, 2e-3), logprob_error=1.0
+    ),
 }
 
 _RANK = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -105,69 +119,62 @@ def poisson_tail(count: int, mean: float) -> float:
         return 1.0
     if mean <= 0.0:
         return 0.0
-    return float(
-        torch.special.gammainc(torch.tensor(float(count), dtype=torch.float64), torch.tensor(mean, dtype=torch.float64))
-    )
+    count_t, mean_t = torch.tensor(float(count), dtype=torch.float64), torch.tensor(mean, dtype=torch.float64)
+    return float(torch.special.gammainc(count_t, mean_t))
 
 
 @dataclass
 class _Record:
-    leases: int = 0
-    contested: int = 0
-    core: int = 0
-    contested_wide: int = 0
-    wide: int = 0
-    core_expected: float = 0.0
-    wide_expected: float = 0.0
+    positions: list[int]
+    near: list[int]
+    expected: list[float]
 
 
 @dataclass
 class NearMissGuard:
-    """Counts each worker's near misses across its leases and says when their rate is far above an honest one.
+    """Counts each worker's near misses per band of spread across its leases and says when they are far above an
+    honest engine's.
 
-    After a worker's ``L``-th lease, the guard computes for each band the probability that an honest worker
-    (near misses at most at the band's rate of its tolerances, each position independently) shows at least the
-    count seen, and refuses the worker when either is below ``false_refusal / (2 L (L + 1))``. Summed over both
-    bands and every lease of a run these thresholds are at most ``false_refusal``: the probability that an honest
-    worker is ever refused by the guard. A worker that steers at a share of positions well above the honest rate
-    is refused within a few leases; one that stays at the honest rate steers no more than rounding flips choices.
+    After a worker's ``L``-th lease, the guard computes for each of the ``B`` bands the probability that an honest
+    worker (a near miss at each position of the band independently, at most at the band's rate) shows at least the
+    count seen, and refuses the worker when one is below ``false_refusal / (B L (L + 1))``. Summed over the bands and
+    every lease of a run these thresholds are at most ``false_refusal``: the probability that an honest worker is
+    ever refused by the guard. A worker that steers where the margin lets it is refused within a lease or two; one
+    that keeps to the honest rates in every band steers no more than rounding flips choices. Counts are kept per
+    worker and tolerance (precision and temperature), so that a worker that changes the precision it claims splits
+    its counts, never resets them.
 
     Never raises for what a worker sent; the counts are the caller's (the check's) and must be non-negative.
     """
 
     false_refusal: float = 1e-6
-    records: dict[str, _Record] = field(default_factory=dict)
+    records: dict[tuple[str, Tolerance], _Record] = field(default_factory=dict)
+    leases: dict[str, int] = field(default_factory=dict)
 
-    def add(
-        self, worker: str, contested: int, core: int, contested_wide: int, wide: int, tolerance: Tolerance
-    ) -> str | None:
-        """Count one lease of ``worker``: ``core`` near misses with a gap up to ``tolerance.core_gap`` at its
-        ``contested`` positions, ``wide`` near misses above it at its ``contested_wide`` positions (runner-up
-        within the margin). Returns the reason to refuse the worker, or None."""
-        record = self.records.setdefault(worker, _Record())
-        record.leases += 1
-        record.contested += contested
-        record.core += core
-        record.contested_wide += contested_wide
-        record.wide += wide
-        record.core_expected += contested * tolerance.core_rate
-        record.wide_expected += contested_wide * tolerance.wide_rate
-        leases = record.leases
-        bar = self.false_refusal / (2 * leases * (leases + 1))
-        for band, seen, expected, among in (
-            ("within", record.core, record.core_expected, record.contested),
-            ("beyond", record.wide, record.wide_expected, record.contested_wide),
-        ):
+    def add(self, worker: str, positions: Sequence[int], near: Sequence[int], tolerance: Tolerance) -> str | None:
+        """Count one lease of ``worker``: per band of ``tolerance``, its ``positions`` and the ``near`` misses among
+        them. Returns the reason to refuse the worker, or None."""
+        bands = len(tolerance.bands)
+        record = self.records.setdefault((worker, tolerance), _Record([0] * bands, [0] * bands, [0.0] * bands))
+        leases = self.leases[worker] = self.leases.get(worker, 0) + 1
+        bar = self.false_refusal / (bands * leases * (leases + 1))
+        for band in range(bands):
+            record.positions[band] += positions[band]
+            record.near[band] += near[band]
+            record.expected[band] += positions[band] * tolerance.rates[band]
+        for band in range(bands):
+            seen, expected = record.near[band], record.expected[band]
             tail = poisson_tail(seen, expected)
             if seen >= expected + 1 and tail < bar:
+                low = tolerance.bands[band - 1] if band else 0.0
                 return (
-                    f"tokens not the sampler's choice, {band} {tolerance.core_gap:.3g} nats of it, at {seen} of "
-                    f"{among} contested positions over {leases} leases, where an honest engine's rounding makes "
-                    f"about {expected:.1f} (chance {tail:.1e} < {bar:.1e})"
+                    f"tokens not the sampler's choice at {seen} of {record.positions[band]} positions whose runner-up "
+                    f"trails by {low:.3g}-{tolerance.bands[band]:.3g} nats, over {leases} leases, where an honest "
+                    f"engine's rounding makes about {expected:.1f} (chance {tail:.1e} < {bar:.1e})"
                 )
         return None
 
-    def counts(self, worker: str) -> tuple[int, int, int, int]:
-        """``(contested, core near misses, contested_wide, wide near misses)`` counted for ``worker`` so far."""
-        r = self.records.get(worker, _Record())
-        return r.contested, r.core, r.contested_wide, r.wide
+    def counts(self, worker: str, tolerance: Tolerance) -> tuple[list[int], list[int]]:
+        """``(positions, near misses)`` per band counted for ``worker`` under ``tolerance`` so far."""
+        record = self.records.get((worker, tolerance))
+        return (list(record.positions), list(record.near)) if record else ([], [])
