@@ -22,7 +22,8 @@ declares, are the reference. Attacks:
   rounding flips choices most);
 - ``cherry-pick``: the most rewarded of four samples drawn with seeds of its own;
 - ``noisy-weights``: samples with the served weights times (1 + 0.1 N(0, 1));
-- ``forged-within``: honest tokens, every log-probability lowered by 95% of the per-token tolerance.
+- ``forged-within``: honest tokens, every log-probability lowered by 90% of the per-token tolerance (the rest
+  left for the engine's own error).
 
 Reported per attack: the declared precision, leases answered, the lease at which the worker is refused (and why),
 the share of its completions that passed before (what reaches the trained batch), among those the share that are
@@ -158,7 +159,7 @@ def generate(attack: str, engines: dict[str, Any], task: Task, prompts: list[lis
     if attack in ("honest", "forged-within"):
         out = engines["bf16"].generate_ids(repeated, **options)
         if attack == "forged-within":
-            lower = 0.95 * TOLERANCES["bfloat16"].logprob_error
+            lower = 0.9 * TOLERANCES["bfloat16"].logprob_error
             out = [Completion(c.token_ids, [lp - lower for lp in c.logprobs]) for c in out]
         return out, "bfloat16"
     if attack == "honest-fp32":

@@ -71,7 +71,7 @@ to half their length without an end-of-sequence token).
 And those that aim just inside the check's tolerances (:mod:`pulseloco.rollouts.tolerances`, the worker's
 precision): ``steer`` (at every position, of the tokens whose perturbed score trails the sampler's choice by less
 than 95% of the margin, the one with the lowest id: a worker that picks its tokens where the margin lets it, with
-their true log-probabilities; :func:`steer`); ``forged_within`` (honest tokens, every log-probability lowered by 95%
+their true log-probabilities; :func:`steer`); ``forged_within`` (honest tokens, every log-probability lowered by 90%
 of the per-token tolerance)."""
 
 LEASE_MAX_NEW_TOKENS = 64
@@ -203,7 +203,7 @@ class _Behaviour:
         if self.mode == "forged_within":
             from pulseloco.rollouts.tolerances import TOLERANCES
 
-            lower = 0.95 * TOLERANCES[self.compute_dtype].logprob_error
+            lower = 0.9 * TOLERANCES[self.compute_dtype].logprob_error
             return [Completion(c.token_ids, [lp - lower for lp in c.logprobs]) for c in completions]
         if self.mode == "truncate":
             eos = self.engine.tokenizer.eos_token_id

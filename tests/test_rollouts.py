@@ -763,7 +763,7 @@ def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(
 
 @pytest.mark.timeout(120)
 def test_log_probabilities_forged_within_the_tolerance_never_reach_trl(swarm: Swarm) -> None:
-    """B lowers every log-probability by 95% of its precision's per-token tolerance: its leases pass (the
+    """B lowers every log-probability by 90% of its precision's per-token tolerance: its leases pass (the
     tolerance is the engines' measured error), but the log-probabilities handed on for TRL's importance-sampling
     ratio are the trainer's own, so the batch is the one an honest worker gives, log-probability for
     log-probability: the forgery moves the ratio by nothing."""

@@ -212,13 +212,13 @@ def test_the_check_fails_each_kind_of_dishonest_completion(engine: TransformersE
 
 
 def test_a_log_probability_the_worker_sends_never_reaches_trl(engine: TransformersEngine) -> None:
-    """Every log-probability lowered by 95% of the per-token tolerance passes the check (the engine check holds
+    """Every log-probability lowered by 90% of the per-token tolerance passes the check (the engine check holds
     each token to the tolerance, not the mean), but what TRL's importance-sampling ratio divides by is the
     trainer's own: equal to the honest lease's, bit for bit, so the forgery moves the ratio by nothing. A NaN
     log-probability fails its lease instead of passing."""
     repeated = [p for p in PROMPTS for _ in range(4)]
     honest = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=5)
-    lower = 0.95 * TOLERANCES["bfloat16"].logprob_error
+    lower = 0.9 * TOLERANCES["bfloat16"].logprob_error
     forged = [type(c)(c.token_ids, [lp - lower for lp in c.logprobs]) for c in honest]
     handed = []
     for completions in (honest, forged):
