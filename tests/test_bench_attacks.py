@@ -11,12 +11,12 @@ import pytest
 
 def test_a_small_run_refuses_the_steering_worker_and_not_the_honest_one(tiny_warm_model: Path, tmp_path: Path) -> None:
     argv = ["--attacks", "honest,steer-wrong,forged-within", "--model_name_or_path", str(tiny_warm_model)]
-    argv += ["--leases", "3", "--prompts", "16", "--samples", "8", "--out", str(tmp_path)]
+    argv += ["--leases", "2", "--prompts", "8", "--samples", "8", "--out", str(tmp_path)]
     assert ba.main(argv) == 0
     rows = {r["attack"]: r for r in json.loads((tmp_path / "bench_attacks.json").read_text())["rows"]}
     honest, steer, forged = rows["honest"], rows["steer-wrong"], rows["forged-within"]
     assert honest["refused_at"] is None and honest["passed_share"] == 1.0 and honest["differ_share"] == 0.0
-    assert steer["refused_at"] is not None and steer["refused_at"] <= 3 and steer["reward_changed_share"] < 0.01
+    assert steer["refused_at"] == 1 and steer["passed"] == 0
     assert forged["refused_at"] is None and forged["worst_logprob_change"] == 0.0
     assert "| steer-wrong |" in (tmp_path / "bench_attacks.md").read_text()
 

@@ -18,11 +18,11 @@ and the trainer's precision (:mod:`pulseloco.rollouts.tolerances`), in one of tw
   :meth:`RolloutVerifier.shared_logps`). A completion passes there when at every position the worker's token is
   the perturbed argmax under the current weights by a lead larger than the *drift* bound ``D`` of its version:
   :data:`DRIFT_SAFETY` times the most lead the current weights' perturbed argmax loses under the version's
-  weights at any position of a random sample of the round's completions (the *audit*, ``verify_audit`` of them, at
-  least one per version; the audited completions run through both weights and take the version's check). Why it
+  weights at any position of a random sample of the round's completions (the *audit*: the completions of a share
+  ``verify_audit`` of the prompts, at least one prompt per version, which take the version's check). Why it
   holds: a token that wins under the current weights by more than the drift takes away from any lead keeps
   winning under the version's. ``D`` is measured, not proven: the audit is drawn by the trainer (keyed by its
-  seed and each completion's sequence, so the same completion is audited whichever lease brings it), and a worker
+  seed, the lease seed and the prompt, so the same group is audited whichever lease brings it), and a worker
   cannot aim at a position where the drift exceeds it without the trainer's unpublished weights. Every other
   completion takes the version's check.
 
@@ -110,8 +110,9 @@ class VerifyConfig:
     verify_audit: float = field(
         default=0.125,
         metadata={
-            "help": "With --verify_weights shared: the share of completions (at least one per version and round) "
-            "run through both the current and the version's weights to measure the drift between them."
+            "help": "With --verify_weights shared: the share of prompts (at least one per version and round) whose "
+            "completions are checked with their version's weights whatever the shared check finds, to measure how "
+            "much lead the current weights' choices lose under the version's (the drift bound)."
         },
     )
     verify_false_refusal: float = field(
@@ -380,79 +381,68 @@ class RolloutVerifier:
     def _evaluate(
         self, model: torch.nn.Module, rows: list[Row], leases: dict[str, LeaseCheck], temperature: float
     ) -> list[_Outcome]:
-        """Decide every row (module docstring): in the shared mode first with ``model``, the audited rows and those
-        not proven there with their version's weights; in the version mode all with their version's."""
+        """Decide every row (module docstring): in the shared mode first with ``model``, then, version by version
+        (the one the second model holds first: each is loaded once), the audited rows and those the drift bound does
+        not prove with the version's weights; in the version mode all with their version's."""
         tolerances = [leases[row.lease_id].tolerance for row in rows]
         outcomes: list[_Outcome | None] = [None] * len(rows)
-        todo = list(range(len(rows)))
+        shared = self.weights == "shared"
         current: dict[int, _Checked] = {}
-        if self.weights == "shared" and rows:
-            audited = self._audited(rows)
-            current = self._pass(model, rows, todo, tolerances, temperature, first=True, winners=set(audited))
-            drift: dict[int, float] = {}
-            for version in sorted({rows[i].version for i in audited}):
-                members = [i for i in audited if rows[i].version == version]
-                decided, lost = self._version_pass(model, rows, members, tolerances, temperature, current)
-                drift[version] = DRIFT_SAFETY * lost
-                self.stats.drift = max(self.stats.drift, drift[version])
+        audited: set[int] = set()
+        if shared and rows:
+            audited = set(self._audited(rows))
+            current = self._pass(
+                model, rows, list(range(len(rows))), tolerances, temperature, first=True, winners=audited
+            )
+        versions = sorted({row.version for row in rows}, key=lambda v: (v != self._pinned_version, v))
+        for version in versions:
+            members = [i for i, row in enumerate(rows) if row.version == version]
+            assert self.states is not None  # noqa: S101 (checked by the caller)
+            pinned = self._pinned(model, version, self.states.get(version))
+            todo = members
+            if shared:
+                sample = [i for i in members if i in audited]
+                decided = self._pass(pinned, rows, sample, tolerances, temperature, gaps=True, reference=current)
+                bound = DRIFT_SAFETY * self._last_lost
+                self.stats.drift = max(self.stats.drift, bound)
                 for i, checked in decided.items():
                     outcomes[i] = _Outcome(checked.result, checked.logprobs, audited=True, current=current[i].logprobs)
-            todo = []
-            for i, checked in current.items():
-                if outcomes[i] is not None:
-                    continue
-                bound, result = drift[rows[i].version], checked.result
-                tolerance = tolerances[i]
-                assert tolerance is not None  # noqa: S101 (rows of leases without one are not checked)
-                if result.lead > bound and result.max_logprob_error <= tolerance.logprob_error + bound:
-                    outcomes[i] = _Outcome(result, checked.logprobs, shared=True, current=checked.logprobs)
-                else:
-                    todo.append(i)
-        decided, _ = self._version_pass(model, rows, todo, tolerances, temperature, None)
-        for i, checked in decided.items():  # TRL's old log-probabilities stay the current weights'
-            outcomes[i] = _Outcome(checked.result, checked.logprobs, current=current[i].logprobs if current else None)
+                todo = []
+                for i in members:
+                    result, tolerance = current[i].result, tolerances[i]
+                    assert tolerance is not None  # noqa: S101 (rows of leases without one are not checked)
+                    if i in audited:
+                        continue
+                    if result.lead > bound and result.max_logprob_error <= tolerance.logprob_error + bound:
+                        outcomes[i] = _Outcome(result, current[i].logprobs, shared=True, current=current[i].logprobs)
+                    else:
+                        todo.append(i)
+            for i, checked in self._pass(pinned, rows, todo, tolerances, temperature, gaps=True).items():
+                # TRL's old log-probabilities stay the current weights'
+                outcomes[i] = _Outcome(
+                    checked.result, checked.logprobs, current=current[i].logprobs if shared else None
+                )
         done = [o for o in outcomes if o is not None]
         assert len(done) == len(rows)  # noqa: S101 (every row is decided by one of the passes)
         return done
 
     def _audited(self, rows: list[Row]) -> list[int]:
-        """The rows the shared check runs through both weights: each with probability ``verify_audit``, by a keyed
-        hash of its seed and sequence (the same completion is audited in whichever call it comes), and at least
-        the lowest-hashed row of each version."""
-        draws = []
+        """The rows whose version's check measures the drift: every completion of a share ``verify_audit`` of the
+        prompts (a group's completions share their prompt's forward pass), each drawn by a keyed hash of the lease
+        seed and the prompt (the same group is audited in whichever call it comes), and at least the lowest-hashed
+        prompt of each version."""
         key = self._random_key if self.audit_seed is None else str(self.audit_seed)
+        draws = []
         for row in rows:
-            digest = hashlib.blake2b(f"{key}:{row.seed}:{row.sequence}".encode(), digest_size=8).digest()
-            draws.append(int.from_bytes(digest, "big") / 2**64)
+            text = f"{key}:{row.seed}:{','.join(map(str, row.prompt))}".encode()
+            draws.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") / 2**64)
         chosen = {i for i, u in enumerate(draws) if u < self.config.verify_audit}
         for version in {row.version for row in rows}:
             members = [i for i, row in enumerate(rows) if row.version == version]
             if not chosen.intersection(members):
-                chosen.add(min(members, key=draws.__getitem__))
+                lowest = min(draws[i] for i in members)
+                chosen.update(i for i in members if draws[i] == lowest)
         return sorted(chosen)
-
-    def _version_pass(
-        self,
-        model: torch.nn.Module,
-        rows: list[Row],
-        indices: list[int],
-        tolerances: list[Tolerance | None],
-        temperature: float,
-        current: dict[int, _Checked] | None,
-    ) -> tuple[dict[int, _Checked], float]:
-        """Check ``rows[i]`` for ``i`` in ``indices`` with the weights of their versions; with ``current`` (the
-        rows' checks with ``model``, the current weights, holding their winners), also the most lead the current
-        weights' perturbed argmax loses under the version's at any of their positions
-        (:func:`pulseloco.rollouts.sampling.lead_lost`)."""
-        decided: dict[int, _Checked] = {}
-        lost = 0.0
-        assert self.states is not None  # noqa: S101 (checked by the caller)
-        for version in sorted({rows[i].version for i in indices}):
-            members = [i for i in indices if rows[i].version == version]
-            pinned = self._pinned(model, version, self.states.get(version))
-            decided.update(self._pass(pinned, rows, members, tolerances, temperature, gaps=True, reference=current))
-            lost = max(lost, self._last_lost)
-        return decided, lost
 
     def _pass(
         self,
@@ -474,6 +464,8 @@ class RolloutVerifier:
         seconds go to the stats (``first``: also to ``first_forward_seconds``)."""
         out: dict[int, _Checked] = {}
         self._last_lost = 0.0
+        if not indices:
+            return out
         was_training = model.training
         model.eval()
         try:
