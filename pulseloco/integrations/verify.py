@@ -310,8 +310,8 @@ class RolloutVerifier:
         trainer's log-probabilities of every completion that passed (:meth:`sampling_logps`, :meth:`shared_logps`).
         Raises :class:`ConfigError` without :attr:`states`."""
         started = time.perf_counter()
-        leases, rows = self._leases_and_rows(model, prompts, results, temperature, max_new_tokens, stop_ids)
-        outcomes = self._evaluate(model, rows, leases, temperature)
+        leases, rows, states = self._leases_and_rows(model, prompts, results, temperature, max_new_tokens, stop_ids)
+        outcomes = self._evaluate(model, rows, leases, states, temperature)
         for row, outcome in zip(rows, outcomes):
             self._add(leases[row.lease_id], outcome, len(row.ids))
         for lease in leases.values():
@@ -331,9 +331,10 @@ class RolloutVerifier:
         temperature: float,
         max_new_tokens: int,
         stop_ids: set[int],
-    ) -> tuple[dict[str, LeaseCheck], list[Row]]:
+    ) -> tuple[dict[str, LeaseCheck], list[Row], dict[int, dict[str, torch.Tensor]]]:
         """One :class:`LeaseCheck` per lease (its tolerance, early stops, whether its version is held and its
-        completions fit the model) and the rows to check: those of leases that can be checked."""
+        completions fit the model), the rows to check (those of leases that can be checked), and the held states of
+        their versions (taken once: :class:`VersionStates` may drop a version meanwhile)."""
         if self.states is None:
             raise ConfigError(
                 "the rollout check needs the published versions' weights (RolloutVerifier(states=VersionStates(...)))"
@@ -362,11 +363,16 @@ class RolloutVerifier:
                 if context and len(row.prompt) + len(row.ids) > context:
                     lease.invalid = lease.invalid or f"a completion runs past the model's context of {context} tokens"
                 rows.append(row)
+        states: dict[int, dict[str, torch.Tensor]] = {}
         for version in sorted({lease.version for lease in leases.values()}):
-            if self.states.wait(version, self.states_wait) is None:
+            state = self.states.wait(version, self.states_wait)
+            if state is None:
                 for lease in leases.values():
                     lease.unverifiable = lease.unverifiable or lease.version == version
-        return leases, [r for r in rows if leases[r.lease_id].invalid is None and not leases[r.lease_id].unverifiable]
+            else:
+                states[version] = state
+        checkable = [r for r in rows if leases[r.lease_id].invalid is None and not leases[r.lease_id].unverifiable]
+        return leases, checkable, states
 
     def _tolerance(self, compute_dtype: str, replay_dtype: torch.dtype, temperature: float) -> Tolerance:
         """The precision's tolerance at ``temperature``, with the config's overrides."""
@@ -379,7 +385,12 @@ class RolloutVerifier:
         return tolerance
 
     def _evaluate(
-        self, model: torch.nn.Module, rows: list[Row], leases: dict[str, LeaseCheck], temperature: float
+        self,
+        model: torch.nn.Module,
+        rows: list[Row],
+        leases: dict[str, LeaseCheck],
+        states: dict[int, dict[str, torch.Tensor]],
+        temperature: float,
     ) -> list[_Outcome]:
         """Decide every row (module docstring): in the shared mode first with ``model``, then, version by version
         (the one the second model holds first: each is loaded once), the audited rows and those the drift bound does
@@ -397,8 +408,7 @@ class RolloutVerifier:
         versions = sorted({row.version for row in rows}, key=lambda v: (v != self._pinned_version, v))
         for version in versions:
             members = [i for i, row in enumerate(rows) if row.version == version]
-            assert self.states is not None  # noqa: S101 (checked by the caller)
-            pinned = self._pinned(model, version, self.states.get(version))
+            pinned = self._pinned(model, version, states[version])
             todo = members
             if shared:
                 sample = [i for i in members if i in audited]
@@ -516,7 +526,7 @@ class RolloutVerifier:
             model.train(was_training)
         return out
 
-    def _pinned(self, model: torch.nn.Module, version: int, state: dict[str, torch.Tensor] | None) -> torch.nn.Module:
+    def _pinned(self, model: torch.nn.Module, version: int, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """A second model of ``model``'s class and config, in its dtype and on its device, holding ``state`` (the
         published BF16 weights of ``version``); made once and reloaded when the version changes.
 
@@ -526,7 +536,6 @@ class RolloutVerifier:
         the trainer's (a blanket cast would round buffers the model keeps in FP32, such as rotary frequencies, and
         the replay would differ from every engine's). Its initialisation leaves the trainer's random generators as
         they were."""
-        assert state is not None  # noqa: S101 (only versions with a snapshot get here)
         if self._pinned_model is None:
             parameter = next(model.parameters())
             # its random initialisation (overwritten below) must not draw from the trainer's generators: whether a
@@ -624,9 +633,9 @@ class RolloutVerifier:
         (``results[g]`` answering ``prompts[g]``) in one call computes: the same passes over the same rows, no
         counts. Rows that would not pass keep nothing. Errors of the model propagate."""
         started = time.perf_counter()
-        leases, rows = self._leases_and_rows(model, prompts, results, temperature, 1, set())
+        leases, rows, states = self._leases_and_rows(model, prompts, results, temperature, 1, set())
         self.clear_shared()
-        for row, outcome in zip(rows, self._evaluate(model, rows, leases, temperature)):
+        for row, outcome in zip(rows, self._evaluate(model, rows, leases, states, temperature)):
             self._keep(row, outcome)
         self.stats.seconds += time.perf_counter() - started
 
