@@ -306,6 +306,7 @@ def test_verifier_settings_are_checked(engine: TransformersEngine) -> None:
         ("verify_audit", 0.0),
         ("verify_audit", 1.5),
         ("verify_false_refusal", 1.0),
+        ("verify_ratio_error", -0.1),
         ("verify_weights", "trust"),
     ):
         with pytest.raises(ConfigError, match=name):
@@ -418,6 +419,14 @@ def test_the_shared_check_passes_on_the_trainers_weights_and_hands_trl_its_log_p
     ids, mask, keep, trl = trl_logps(moved, repeated, got, 1.0)
     shared = verifier.shared_logps(ids, mask, int(keep))
     assert shared is not None and torch.allclose(shared[real], trl[real], atol=1e-4)
+    # where the current log-probabilities are further from the version's than verify_ratio_error, nothing is proven
+    # by the shared check: every ratio's denominators are then the version's own
+    assert verifier.stats.ratio_error > 0
+    strict = verifier_of(engine.model, VerifyConfig(verify_ratio_error=0.0))
+    lease = check_lease(strict, moved, got, 4)
+    assert lease.reason is None and lease.shared == 0 and all(
+        strict.decided_by(repeated[i], c.token_ids) == "version" for i, c in enumerate(got)
+    )
 
 
 def test_a_worker_that_samples_with_the_trainers_newer_weights_passes_nothing_the_version_would_refuse(

@@ -28,11 +28,12 @@ and the trainer's precision (:mod:`pulseloco.rollouts.tolerances`), in one of tw
 
 The log-probabilities TRL's importance-sampling ratio divides by are the trainer's own, never the worker's: the
 version's (those of the version's check) or, for a completion proven by the shared check, the current weights'
-(the ratio is then 1: the sample is the current weights' choice too; what the ratio would correct is the trainer's
-own drift since the version, small where RL's rates move the weights little). The worker's are still held to its
-precision's tolerance per token as a check of the engine (in the shared check, to that plus ``D``, else the
-completion takes the version's check). A completion shorter than ``max_new_tokens`` must end with an
-end-of-sequence token.
+(the ratio is then 1: the sample is the current weights' choice too). That is exact only to the trainer's own drift
+since the version, so the audit also measures it (the largest difference between the current and the version's
+log-probabilities of the audited tokens): above ``verify_ratio_error`` the shared check proves nothing of that
+version in that call. The worker's log-probabilities are still held to its precision's tolerance per token as a
+check of the engine (in the shared check, to that plus ``D``, else the completion takes the version's check). A
+completion shorter than ``max_new_tokens`` must end with an end-of-sequence token.
 
 A lease fails when a completion has a position beyond the margin, a token outside the model's vocabulary, a
 log-probability off by more than the tolerance or not finite, or stops early. The caller
@@ -115,6 +116,15 @@ class VerifyConfig:
             "much lead the current weights' choices lose under the version's (the drift bound)."
         },
     )
+    verify_ratio_error: float = field(
+        default=0.05,
+        metadata={
+            "help": "With --verify_weights shared: the largest difference (nats per token) between the current and "
+            "the version's log-probabilities of the audited completions' tokens at which the shared check proves "
+            "completions (their importance-sampling ratio is then 1, exact to this); above it every completion of "
+            "the version takes the version's check, whose log-probabilities make the ratio exact."
+        },
+    )
     verify_false_refusal: float = field(
         default=1e-6,
         metadata={
@@ -140,6 +150,8 @@ class VerifyConfig:
             raise ConfigError(f"verify_weights must be one of {', '.join(WEIGHTS)}, got {self.verify_weights!r}")
         if not 0 < self.verify_audit <= 1:
             raise ConfigError(f"verify_audit must be in (0, 1], got {self.verify_audit}")
+        if not (self.verify_ratio_error >= 0 and math.isfinite(self.verify_ratio_error)):
+            raise ConfigError(f"verify_ratio_error must be a finite number >= 0, got {self.verify_ratio_error}")
         if not 0 < self.verify_false_refusal < 1:
             raise ConfigError(f"verify_false_refusal must be in (0, 1), got {self.verify_false_refusal}")
         if self.verify_margin is not None and not (self.verify_margin >= 0 and math.isfinite(self.verify_margin)):
@@ -205,8 +217,9 @@ class VerifyStats:
     shared checks with the trainer's current weights, ``first_forward_seconds``: the pass TRL's importance-sampling
     ratio would otherwise run), the largest honest gap and per-token log-probability error seen, the completions
     proven by the shared check (``shared_completions``), audited (``audited_completions``), the largest drift bound
-    used (``drift``), how many of TRL's forward passes the checks' log-probabilities replaced (``shared_forwards``),
-    and the workers the near-miss guard refused (``guard_refusals``)."""
+    used (``drift``) and log-probability drift measured (``ratio_error``), how many of TRL's forward passes the
+    checks' log-probabilities replaced (``shared_forwards``), and the workers the near-miss guard refused
+    (``guard_refusals``)."""
 
     completions: int = 0
     positions: int = 0
@@ -221,6 +234,7 @@ class VerifyStats:
     shared_completions: int = 0
     audited_completions: int = 0
     drift: float = 0.0
+    ratio_error: float = 0.0
     shared_forwards: int = 0
     forward_seconds: float = 0.0
     first_forward_seconds: float = 0.0
@@ -414,16 +428,24 @@ class RolloutVerifier:
                 sample = [i for i in members if i in audited]
                 decided = self._pass(pinned, rows, sample, tolerances, temperature, gaps=True, reference=current)
                 bound = DRIFT_SAFETY * self._last_lost
+                # how far the current weights' log-probabilities of the sampled tokens are from the version's: a
+                # proven completion's ratio is 1, exact only to this
+                ratio_error = max(
+                    (abs(a - b) for i, c in decided.items() for a, b in zip(current[i].logprobs, c.logprobs)),
+                    default=0.0,
+                )
                 self.stats.drift = max(self.stats.drift, bound)
+                self.stats.ratio_error = max(self.stats.ratio_error, ratio_error)
                 for i, checked in decided.items():
                     outcomes[i] = _Outcome(checked.result, checked.logprobs, audited=True, current=current[i].logprobs)
+                exact = ratio_error <= self.config.verify_ratio_error
                 todo = []
                 for i in members:
                     result, tolerance = current[i].result, tolerances[i]
                     assert tolerance is not None  # noqa: S101 (rows of leases without one are not checked)
                     if i in audited:
                         continue
-                    if result.lead > bound and result.max_logprob_error <= tolerance.logprob_error + bound:
+                    if exact and result.lead > bound and result.max_logprob_error <= tolerance.logprob_error + bound:
                         outcomes[i] = _Outcome(result, current[i].logprobs, shared=True, current=current[i].logprobs)
                     else:
                         todo.append(i)

@@ -31,9 +31,10 @@ Measured (``scripts/bench_verify.py`` and the demo's runs, the demo model agains
   temperature 1 (30,400 positions each) and transformers at 0.7 (15,000; spreads in units of ``logits / T``):
   up to 0.01 nats 30% / 29% / 42%; 0.01-0.02 26% / 23% / 29%; 0.02-0.05 4.3% / 2.0% / 10%; 0.05-0.1 1.1% / 1.1% /
   0.5%; 0.1-1 nat 0 of 6,655 / 0 of 6,654 / 1 of 2,970. The rates are about twice the largest of these (2e-3 in
-  the widest band, where one near miss in 2,970 was seen); log-probability errors up to 0.48 nats per token (the
-  tolerance is 1 nat). 0.65% of positions have a spread below 0.02 nats: there rounding decides, and so may a
-  worker that keeps to these rates.
+  the widest band, where one near miss in 2,970 was seen); log-probability errors up to 0.48 nats per token over
+  40,000 positions and 0.94 over the 119,000 of a whole demo run with vLLM (the tolerance is 2 nats: the trainer
+  uses its own log-probabilities, so this only checks the engine). 0.65% of positions have a spread below 0.02
+  nats: there rounding decides, and so may a worker that keeps to these rates.
 
 Errors are divided by the temperature with the logits, so below ``T = 1`` the margin, the band edges and the
 log-probability tolerance are the table's divided by ``T`` (:meth:`Tolerance.at`).
@@ -88,7 +89,7 @@ class Tolerance:
 TOLERANCES: dict[str, Tolerance] = {
     "float32": Tolerance(margin=1e-3, bands=(1e-4, 1e-3), rates=(0.5, 0.05), logprob_error=1e-3),
     "bfloat16": Tolerance(
-        margin=1.0, bands=(0.01, 0.02, 0.05, 0.1, 1.0), rates=(0.8, 0.6, 0.2, 0.03, 2e-3), logprob_error=1.0
+        margin=1.0, bands=(0.01, 0.02, 0.05, 0.1, 1.0), rates=(0.8, 0.6, 0.2, 0.03, 2e-3), logprob_error=2.0
     ),
 }
 
