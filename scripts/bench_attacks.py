@@ -45,16 +45,15 @@ from typing import Any
 
 import torch
 from harness import REPO
-from harness.machine import git_revision, torch_note
 from harness.models import warm_model_dir
-from harness.report import md_table
+from harness.report import md_table, write_report
+from harness.steering import steer
 
 from pulseloco.integrations.rollout import Completion, TransformersEngine
 from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig, stop_ids
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.recipes import tasks
 from pulseloco.rollouts.client import GroupResult
-from pulseloco.rollouts.sampling import gumbel_noise
 from pulseloco.rollouts.tolerances import TOLERANCES
 
 ATTACKS = (
@@ -111,43 +110,20 @@ class Task:
         return [*self.tokenizer(answer, add_special_tokens=False)["input_ids"], self.eos]
 
 
-@torch.no_grad()
-def steer(
-    model: Any,
-    prompts: list[list[int]],
-    targets: list[list[int]],
-    *,
-    seed: int,
-    aim: float,
-    toward: bool,
-    max_new_tokens: int,
-    eos: int,
-) -> list[Completion]:
-    """A steering worker's completions (sequence ``i`` for row ``i``): the replayable rule, except that at each
-    position, of the tokens whose perturbed score trails the choice by less than ``aim``, it takes the best-scoring
-    one that continues ``targets[i]`` (``toward``), or that does not while the choice would (not ``toward``)."""
-    out = []
-    for row, (prompt, target) in enumerate(zip(prompts, targets)):
-        ids: list[int] = []
-        logprobs: list[float] = []
-        for position in range(max_new_tokens):
-            logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, -1].float()
-            scores = logits + gumbel_noise(seed, row, position, logits.shape[-1])
-            order = scores.argsort(descending=True)
-            close = [int(t) for t in order if scores[t] >= scores[order[0]] - aim]
-            on_track = ids == target[: len(ids)] and position < len(target)
-            wanted = target[position] if on_track else None
-            token = close[0]
-            if toward and wanted in close:
-                token = int(wanted)  # type: ignore[arg-type]
-            elif not toward and token == wanted and len(close) > 1:
-                token = close[1]
-            ids.append(token)
-            logprobs.append(float(logits.log_softmax(-1)[token]))
-            if token == eos:
-                break
-        out.append(Completion(ids, logprobs))
-    return out
+def toward_answers(targets: list[list[int]], toward: bool) -> Any:
+    """A steering worker's pick: of the close tokens, one that continues the right completion ``targets[row]``
+    (``toward``), or one that does not where the sampler's choice would (not ``toward``); else the choice."""
+
+    def choose(row: int, ids: list[int], close: list[int]) -> int:
+        target = targets[row]
+        wanted = target[len(ids)] if ids == target[: len(ids)] and len(ids) < len(target) else None
+        if toward and wanted in close:
+            return int(wanted)  # type: ignore[arg-type]
+        if not toward and close[0] == wanted and len(close) > 1:
+            return close[1]
+        return close[0]
+
+    return choose
 
 
 def generate(attack: str, engines: dict[str, Any], task: Task, prompts: list[list[int]], answers: list[str],
@@ -177,8 +153,9 @@ def generate(attack: str, engines: dict[str, Any], task: Task, prompts: list[lis
     aim = 0.95 * (tolerance.bands[1] if attack.endswith("-narrow") else tolerance.margin)
     model = engines["fp32" if precision == "float32" else "bf16"].model
     toward = attack.startswith("steer-right")
-    return steer(model, repeated, targets, seed=seed, aim=aim, toward=toward, max_new_tokens=args.max_new_tokens,
-                 eos=task.eos), precision  # fmt: skip
+    choose = toward_answers(targets, toward)
+    return steer(model, repeated, aim=aim, choose=choose, seed=seed, sequences=None, max_new_tokens=args.max_new_tokens,
+                 temperature=1.0, eos=task.eos), precision  # fmt: skip
 
 
 def run_attack(attack: str, engines: dict[str, Any], trainer: Any, task: Task, args: argparse.Namespace) -> dict:
@@ -299,22 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     table = markdown_table(rows)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "model": model_dir,
-        "machine": torch_note(),
-        "commit": git_revision(),
-        "date": time.strftime("%Y-%m-%d"),
         "leases": args.leases,
         "prompts": args.prompts,
         "samples": args.samples,
         "max_new_tokens": args.max_new_tokens,
     }
-    (args.out / "bench_attacks.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (args.out / "bench_attacks.md").write_text(
-        f"`{meta['command']}` at {meta['commit']} on {meta['machine']}, {meta['date']}\n\n{table}\n"
-    )
+    write_report(args.out, "bench_attacks", argv, meta, rows, table)
     return 0
 
 

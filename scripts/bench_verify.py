@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 from harness import REPO
-from harness.machine import torch_note
 from harness.models import warm_model_dir
-from harness.report import md_table
+from harness.report import md_table, write_report
 
 from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig, stop_ids
 from pulseloco.integrations.version_states import VersionStates
@@ -247,11 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     table = markdown_table(rows)
     print(table)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "model": model_dir,
-        "machine": torch_note(),
         "device": args.device,
         "trainer_device": args.trainer_device,
         "prompts": args.prompts,
@@ -259,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
     }
-    (args.out / "bench_verify.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    (args.out / "bench_verify.md").write_text(f"`{meta['command']}` on {meta['machine']}\n\n{table}\n")
+    write_report(args.out, "bench_verify", argv, meta, rows, table)
     return 0
 
 

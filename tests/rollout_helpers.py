@@ -71,8 +71,8 @@ to half their length without an end-of-sequence token).
 And those that aim just inside the check's tolerances (:mod:`pulseloco.rollouts.tolerances`, the worker's
 precision): ``steer`` (at every position, of the tokens whose perturbed score trails the sampler's choice by less
 than 95% of the margin, the one with the lowest id: a worker that picks its tokens where the margin lets it, with
-their true log-probabilities; :func:`steer`); ``forged_within`` (honest tokens, every log-probability lowered by 90%
-of the per-token tolerance)."""
+their true log-probabilities; :func:`harness.steering.steer`); ``forged_within`` (honest tokens, every
+log-probability lowered by 90% of the per-token tolerance)."""
 
 LEASE_MAX_NEW_TOKENS = 64
 
@@ -118,40 +118,9 @@ def reference_logprobs(
     return logprobs.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-@torch.no_grad()
-def steer(
-    model: torch.nn.Module,
-    prompt_ids: Any,
-    *,
-    aim: float,
-    eos: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int | None,
-    sequences: Any,
-) -> list[Any]:
-    """A steering worker's completions: the replayable sampler's rule, except that at each position it takes, of the
-    tokens whose perturbed score trails the best by less than ``aim`` nats, the one with the lowest id, and reports
-    that token's true log-probability under ``model`` (the served weights). Stops after ``eos``."""
-    from pulseloco.integrations.rollout import Completion
-    from pulseloco.rollouts.sampling import gumbel_noise
-
-    out = []
-    rows = range(len(prompt_ids)) if sequences is None else sequences
-    for prompt, sequence in zip(prompt_ids, rows):
-        ids: list[int] = []
-        logprobs: list[float] = []
-        for position in range(max_new_tokens):
-            logits = model(input_ids=torch.tensor([list(prompt) + ids])).logits[0, -1].float() / temperature
-            scores = logits + gumbel_noise(int(seed or 0), int(sequence), position, logits.shape[-1])
-            close = (scores >= scores.max() - aim).nonzero().flatten()
-            token = int(close.min())
-            ids.append(token)
-            logprobs.append(float(logits.log_softmax(-1)[token]))
-            if token == eos:
-                break
-        out.append(Completion(ids, logprobs))
-    return out
+def lowest_id(row: int, ids: list[int], close: list[int]) -> int:
+    """A steering worker's pick (:func:`harness.steering.steer`): the lowest token id of those close enough."""
+    return min(close)
 
 
 # ---- the worker process ----------------------------------------------------------------------------------------
@@ -188,10 +157,13 @@ class _Behaviour:
         if self.mode in ("other_weights", "cherry_pick", "inject"):
             return self._dishonest(prompt_ids, **options)
         if self.mode == "steer":
+            from harness.steering import steer
+
             from pulseloco.rollouts.tolerances import TOLERANCES
 
             aim = 0.95 * TOLERANCES[self.compute_dtype].margin
-            return steer(self.engine.model, prompt_ids, aim=aim, eos=self.engine.tokenizer.eos_token_id, **options)
+            eos = self.engine.tokenizer.eos_token_id
+            return steer(self.engine.model, prompt_ids, aim=aim, choose=lowest_id, eos=eos, **options)
         completions = self.engine.generate_ids(prompt_ids, **options)
         if self.mode != "replay" or self.before is None:
             self.before = completions

@@ -12,7 +12,8 @@ import random
 
 import pytest
 import torch
-from rollout_helpers import byte_tokenizer, save_tiny_model, steer
+from harness.steering import steer
+from rollout_helpers import byte_tokenizer, lowest_id, save_tiny_model
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.rollout import TransformersEngine
@@ -424,8 +425,10 @@ def test_the_shared_check_passes_on_the_trainers_weights_and_hands_trl_its_log_p
     assert verifier.stats.ratio_error > 0
     strict = verifier_of(engine.model, VerifyConfig(verify_ratio_error=0.0))
     lease = check_lease(strict, moved, got, 4)
-    assert lease.reason is None and lease.shared == 0 and all(
-        strict.decided_by(repeated[i], c.token_ids) == "version" for i, c in enumerate(got)
+    assert (
+        lease.reason is None
+        and lease.shared == 0
+        and all(strict.decided_by(repeated[i], c.token_ids) == "version" for i, c in enumerate(got))
     )
 
 
@@ -467,7 +470,15 @@ def test_a_steering_worker_is_refused_by_the_guard_within_three_leases(engine: T
     for lease_index in range(3):
         seed = 100 + lease_index
         steered = steer(
-            engine.model, repeated, aim=aim, eos=256, max_new_tokens=16, temperature=1.0, seed=seed, sequences=None
+            engine.model,
+            repeated,
+            aim=aim,
+            choose=lowest_id,
+            eos=256,
+            max_new_tokens=16,
+            temperature=1.0,
+            seed=seed,
+            sequences=None,
         )
         lease = check_lease(verifier, trainer, steered, 8, seed=seed)
         assert lease.mismatches == 0 and lease.near > 0, lease

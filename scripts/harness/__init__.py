@@ -24,6 +24,9 @@ that need them), so a coordinator process stays light.
 - :mod:`harness.recipe_runs`: launching the recipes as a benchmark does (accelerate's launcher, a bootstrap node, a
   signing key, swarm flags); :mod:`harness.run_outputs`: a recipe run's output directory read back.
 
+- :mod:`harness.steering`: a rollout worker that steers its samples within a margin (bench_attacks and the rollout
+  tests' rogue worker).
+
 Pieces of one experiment that stand on their own (each named after its script): :mod:`harness.codec_baselines`
 (bench_codec's naive and authors' codecs) and :mod:`harness.codec_timing` (how it times and checks each codec),
 :mod:`harness.warm` (warm_model's sizes, training and cache), :mod:`harness.sparsity` and

@@ -184,3 +184,23 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def write_report(
+    out: Path, name: str, argv: list[str] | None, meta: dict[str, Any], rows: list[Any], table: str
+) -> None:
+    """Write a benchmark's rows as ``<out>/<name>.json`` (``{"meta", "rows"}``) and its table as ``<name>.md``,
+    headed by the command (the script and ``argv``, default the process's arguments), the commit, the machine and
+    the date, which are added to ``meta``. Creates ``out``; errors of the file system propagate."""
+    import sys
+    import time
+
+    from harness.machine import git_revision, torch_note
+
+    given = argv if argv is not None else sys.argv[1:]
+    meta = {"command": " ".join([Path(sys.argv[0]).name, *given]), "commit": git_revision(),
+            "machine": torch_note(), "date": time.strftime("%Y-%m-%d"), **meta}  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    head = f"`{meta['command']}` at {meta['commit']} on {meta['machine']}, {meta['date']}"
+    (out / f"{name}.md").write_text(f"{head}\n\n{table}\n")
