@@ -61,11 +61,12 @@ reply header that is not JSON).
 The dishonest workers whose replies pass every check of the protocol (the published version and digest, well-formed
 ids and log-probabilities) and that only the trainer's replay of the sampler catches: ``other_weights`` (samples,
 with the lease's seed and the replayable rule, from other weights: the served ones plus noise, while claiming the
-published digest); ``forged_logprobs`` (honest tokens, log-probabilities lowered by 1 nat, which would triple
-TRL's importance weights); ``cherry_pick`` (samples four completions per prompt with seeds of its own and returns the
-most likely one, with its true log-probabilities); ``inject`` (a fixed text, `` 42`` and EOS, with its true
-log-probabilities under the served weights); ``replay`` (answers with the completions it made for the last lease
-it served before, under that lease's seed, claiming the version it serves now); ``truncate`` (honest completions cut
+published digest); ``forged_logprobs`` (honest tokens, log-probabilities lowered by 1.5 times its precision's
+per-token tolerance: beyond what any engine's rounding explains); ``cherry_pick`` (samples four completions per
+prompt with seeds of its own and returns the most likely one, with its true log-probabilities); ``inject`` (a fixed
+text, `` 42`` and EOS, with its true log-probabilities under the served weights); ``replay`` (answers with the
+completions it made for the last lease it served before, under that lease's seed, claiming the version it serves
+now); ``truncate`` (honest completions cut
 to half their length without an end-of-sequence token).
 
 And those that aim just inside the check's tolerances (:mod:`pulseloco.rollouts.tolerances`, the worker's
@@ -171,7 +172,10 @@ class _Behaviour:
             old = [self.before[i % len(self.before)] for i in range(len(completions))]
             return [Completion(c.token_ids[:max_new_tokens], c.logprobs[:max_new_tokens]) for c in old]
         if self.mode == "forged_logprobs":
-            return [Completion(c.token_ids, [lp - 1.0 for lp in c.logprobs]) for c in completions]
+            from pulseloco.rollouts.tolerances import TOLERANCES
+
+            lower = 1.5 * TOLERANCES[self.compute_dtype].logprob_error
+            return [Completion(c.token_ids, [lp - lower for lp in c.logprobs]) for c in completions]
         if self.mode == "forged_within":
             from pulseloco.rollouts.tolerances import TOLERANCES
 
