@@ -33,7 +33,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckResult", "check_completions", "choose", "gumbel_noise"]
+__all__ = ["CheckResult", "check_completions", "choose", "gumbel_noise", "lead_lost"]
 
 _MASK = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9

@@ -174,8 +174,3 @@ class NearMissGuard:
                     f"engine's rounding makes about {expected:.1f} (chance {tail:.1e} < {bar:.1e})"
                 )
         return None
-
-    def counts(self, worker: str, tolerance: Tolerance) -> tuple[list[int], list[int]]:
-        """``(positions, near misses)`` per band counted for ``worker`` under ``tolerance`` so far."""
-        record = self.records.get((worker, tolerance))
-        return (list(record.positions), list(record.near)) if record else ([], [])
