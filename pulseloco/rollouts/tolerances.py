@@ -21,9 +21,9 @@ choices are often close has more positions in the narrow bands, not more near mi
 
 Measured (``scripts/bench_verify.py`` and the demo's runs, the demo model against an FP32 replay, 2 CPU cores):
 
-- ``float32``: an engine computing in FP32 on the published BF16 weights. Transformers, 40,303 positions at
-  temperature 1: no position differs from the replay; log-probabilities agree to 1.6e-5. The margin (1e-3 nats)
-  is 60 times that; no near miss was seen, so the rates are loose bounds.
+- ``float32``: an engine computing in FP32 on the published BF16 weights. Transformers and vLLM, 20,000 positions
+  each at temperature 1 (40,000 more for transformers): no position differs from the replay; log-probabilities
+  agree to 1.6e-5. The margin (1e-3 nats) is 60 times that; no near miss was seen, so the rates are loose bounds.
 - ``bfloat16`` (``float16`` is held to the same): an engine computing in BF16, or a trainer replaying in BF16.
   0.2-0.3% of positions are not the replay's argmax (transformers and vLLM on CPUs; transformers on an H200:
   0.24%); the largest gap 0.21 nats over 40,000 positions and 0.66 over the 198,000 of a whole demo run
