@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""The paper's table on this machine: ddp, diloco, pulseloco, sparseloco (and pulseloco with BF16 values) in GRPO
-post-training of a warm model; reward against bytes sent, wall time, density per round and PULSESync patch sizes.
+"""The paper's table on this machine: ddp, diloco, pulseloco (FP32, BF16 and 2-bit values, the last also under a
+top-64 budget) and SparseLoCo (k = 64 and 128) in GRPO post-training of a warm model; reward against bytes sent,
+the frontier of held-out reward against bytes, wall time, density per round and PULSESync patch sizes.
 
-    .venv/bin/python scripts/compare.py                       # about an hour: the wide model at lr 3e-6, one seed
-    .venv/bin/python scripts/compare.py --seeds 3 --strategies diloco,pulseloco,pulseloco-bf16  # the full table
-    .venv/bin/python scripts/compare.py --quick               # a few minutes: the demo model, 32 steps
+    .venv/bin/python scripts/compare.py                       # about 85 minutes: 7 strategies, one seed
+    .venv/bin/python scripts/compare.py --seeds 3 --strategies diloco,sparseloco,pulseloco-2bit-k64  # the frontier
+    .venv/bin/python scripts/compare.py --quick               # the demo model, 32 steps, every strategy (a smoke run)
     .venv/bin/python scripts/compare.py --bandwidth 100mbit   # each worker behind a 100 Mbit/s link (root)
     .venv/bin/python scripts/compare.py --recipe pretrain     # recipes/pretrain.py, configs/pretrain-tiny.yaml
     .venv/bin/python scripts/compare.py -- --beta 0.04        # after --: to every recipe run
+    .venv/bin/python scripts/compare.py --report a/compare.json,b/compare.json  # no runs: report both together
 
 Run it with the project's Python (``.venv/bin/python``, made by ``scripts/demo.sh`` or ``scripts/test.sh``): it
 starts the ``pulseloco`` command from beside ``sys.executable`` (and says so in one line if it is not there), and
@@ -20,15 +22,18 @@ strategy of ``--strategies`` trains the same warm model (``scripts/warm_model.py
 completions per step, the peers' weights averaged every round; ``--steps`` optimizer steps, H = ``inner_steps`` =
 8) and the same number of workers (``--workers``, default 4). The default is PULSE's regime as far as this machine
 reaches it: the wide warm model (``--warm-size wide``, 9.18M parameters, built once in about 9 minutes) at lr 3e-6,
-the lowest rate at which DiLoCo learns on it within a few hundred steps (by the held-out sampled reward; 1e-6 did
-not), 192 steps, one seed of diloco, pulseloco, pulseloco-bf16 and sparseloco, every run evaluated with
-``--num_eval_samples 32`` (added unless given after ``--``): about 47 minutes of runs. Three seeds of the three
-strategies the targets need (``--seeds 3 --strategies diloco,pulseloco,pulseloco-bf16``) take about 105 minutes;
-with one seed quality is not judged against DiLoCo (no range). ``--quick`` runs the demo warm model at 5e-5 (where
-it learns fast, far above the sparse regime) for 32 steps, every strategy: a few minutes, a smoke run. The earlier
-defaults: the demo model at 5e-5, ``--warm-size demo --lrs 5e-5 --seeds 3 --steps 160 --strategies
-ddp,diloco,pulseloco,pulseloco-bf16,sparseloco -- --num_eval_samples 8`` (about 50 minutes), and before it the tiny
-model, ``--warm-size tiny --config recipes/configs/grpo-tiny.yaml --lrs 1e-6,3e-6,1e-5 --seeds 1,1,3 --steps 256``:
+the lowest rate at which DiLoCo learns on it within a few hundred steps (by the held-out sampled reward; at 1e-6 it
+does not), 192 steps, one seed of diloco, pulseloco, pulseloco-bf16, sparseloco, sparseloco-k128, pulseloco-2bit
+and pulseloco-2bit-k64, every run evaluated with ``--num_eval_samples 32`` (added unless given after ``--``). Each
+run takes about 11-12 minutes on this 2-core machine: about 85 minutes in all. With one seed quality is not judged
+against DiLoCo (no range over seeds). The frontier's three strategies with three seeds each,
+
+    .venv/bin/python scripts/compare.py --seeds 3 --strategies diloco,sparseloco,pulseloco-2bit-k64
+
+are 9 runs, about 105 minutes; their compare.json and the default's can be reported together (``--report``; the
+3-seed runs replace the default's seed-0 runs of the same strategies). ``--quick`` runs the demo warm model at 5e-5
+(where it learns fast, far above the sparse regime) for 32 steps, every strategy: a smoke run, about 1.5 minutes per
+strategy.
 
 * ``ddp``: one ``accelerate launch --config_file recipes/accelerate_configs/multi_process_cpu.yaml --num_processes W``
   (the Trainer's data parallelism, gradients all-reduced every step). Nothing measures its traffic: its bytes per
@@ -36,7 +41,11 @@ model, ``--warm-size tiny --config recipes/configs/grpo-tiny.yaml --lrs 1e-6,3e-
   (the parameters counted in the saved model);
 * ``diloco`` (dense FP32 pseudo-gradients), ``pulseloco`` (the PULSE rule, FP32 values), ``pulseloco-bf16`` (the
   PULSE rule sending BF16-rounded values, the rounding error kept in the residual: ``--pulse_values bfloat16``),
-  ``sparseloco`` (top-k): W peers of one process each (``accelerate launch -q --config_file
+  ``pulseloco-2bit`` (the PULSE rule with 2-bit quantized values: ``--pulse_values quantized``),
+  ``pulseloco-2bit-k64`` (the same, the gate intersected with a top-64 budget per 64x64 tile: ``--pulse_budget
+  64``), ``sparseloco`` (SparseLoCo: top-k per 64x64 tile, k = ``--topk_k`` 64, 2-bit quantized values, error
+  feedback decay 0.95, SGD outer step at lr 1.0, mean over the senders) and ``sparseloco-k128`` (``--topk_k 128``):
+  W peers of one process each (``accelerate launch -q --config_file
   recipes/accelerate_configs/single_process.yaml``) joined through a bootstrap node (``pulseloco dht``), every
   round formed by all W peers (``--target_group_size W``). Their bytes are the wire bytes PulseLoCo measured
   (``bytes_sent`` in each peer's ``pulseloco_rounds.jsonl``). Peer 0 also publishes every consensus version with
@@ -55,8 +64,7 @@ up to the wire bytes), with the index bits per entry against the entropy bound `
 
 Seed ``j`` of ``--seeds`` gives every run ``--seed SEED + 1000 j``; swarm peer ``i`` gets ``+ i`` on top (its own
 prompts and samples), pretrain peers ``--data_seed`` instead (the same initial weights). ``--seeds N`` runs N seeds
-at every learning rate; ``--seeds 1,1,3`` gives each learning rate its own count (default 3 with the default
-``--lrs``; with other ``--lrs`` one seed each).
+at every learning rate; ``--seeds 1,1,3`` gives each learning rate its own count (default: one seed each).
 
 **Quality** is the reward of the final model on the fixed evaluation prompts (``--num_eval_prompts 100``), before
 and after, as mean, standard deviation and range over seeds (swarm peers end on the consensus model; the mean over
@@ -69,14 +77,27 @@ Where it did not learn, no quality is claimed for it. PULSELoCo "matches DiLoCo"
 lies within DiLoCo's range over seeds (needs at least 2 seeds). The rule used is printed under each table.
 
 **Outputs** (``--out``, default ``results/``): ``compare.md`` (per learning rate a table, one of wire and payload
-bytes per worker and round, one of the sparse strategies' bytes per selected entry, and the targets: pulseloco
-bytes <= 1/17 of DiLoCo's and <= 1/100 of DDP's, PULSESync patches <= 1/50 of a BF16 copy; the command, date,
-commit and machine; also printed), ``compare.json`` (every run and every aggregate), ``compare_reward_bytes.png`` and
-``compare_reward_time.png`` (the sampled training reward, seed mean, against bytes sent and training time),
-``compare_final.png`` (final greedy reward, mean and range, against bytes sent) and ``compare_density.png`` (the
-fraction of entries each round sent, against the round). The runs' logs and output directories go to ``--runs-dir``
-(default: a temporary directory, removed unless ``--keep-runs``). ``--report compare.json`` runs nothing: it writes
-the table, JSON and plots again from an earlier run's JSON (this version's aggregation and verdicts).
+bytes per worker and round, one of the sparse strategies' bytes per selected entry, the frontier table: per
+strategy its wire bytes per worker, wire and payload bytes against DiLoCo's, the held-out sampled reward after
+training with its spread, whether it learned and whether it matches DiLoCo; and the targets, each "met" or "missed
+by" a factor: every pulseloco strategy's wire and payload bytes <= 1/17 of DiLoCo's and <= 1/100 of DDP's,
+PULSESync patches <= 1/50 of a BF16 copy; sparseloco's (k = 64) wire bytes <= 1/146 and payload <= 1/180 of
+DiLoCo's; the strategy with the fewest wire bytes among those whose quality matches DiLoCo's <= 1/146 of DiLoCo's
+wire bytes, or why none qualifies; the command, date, commit and machine; also printed), ``compare.json`` (every
+run and every aggregate), ``compare_reward_bytes.png`` and ``compare_reward_time.png`` (the sampled training reward,
+seed mean, against bytes sent and training time), ``compare_final.png`` (final greedy reward, mean and range,
+against bytes sent), ``compare_density.png`` (the fraction of entries each round sent, against the round) and
+``frontier.png`` (the held-out sampled reward after training, mean over seeds, against wire bytes and against
+payload bytes per worker on a log axis, one point per strategy; error bars: the range over seeds, or for one seed
+the sampling standard error the runs recorded). The runs' logs and output directories go to ``--runs-dir``
+(default: a temporary directory, removed unless ``--keep-runs``).
+
+**Reporting again.** ``--report FILE`` runs nothing: it writes the table, JSON and plots from the runs of earlier
+compare.json files (this version's aggregation and verdicts). Several files (comma-separated, or ``--report``
+repeated) are merged before aggregating: every run of every file, where two hold a run of the same strategy,
+learning rate, seed and network the later file's. Files run with other settings (recipe, config, model, steps,
+learning rates, workers, recipe flags after ``--``, network, ``--parallel``) are refused (exit 2, one line naming
+them). compare.md lists the files, their commits and the runs each contributed.
 
 **Network.** On loopback by default. With ``--bandwidth RATE`` (root with ``ip netns`` and ``tc``) the bootstrap
 node and every worker run in network namespaces of their own behind a veth limited to RATE each way
@@ -151,7 +172,7 @@ if __name__ == "__main__" and importlib.util.find_spec("harness") is None:
     sys.exit(2)
 
 from harness import REPO  # noqa: E402
-from harness.compare_report import TARGETS, write_outputs  # noqa: E402
+from harness.compare_report import TARGETS, merge_reports, write_outputs  # noqa: E402
 from harness.compare_results import aggregate, summarize  # noqa: E402
 from harness.compare_runs import SEED_STRIDE, STRATEGIES, Plan, StrategyRun, make_plans, start_run  # noqa: E402
 from harness.logs import progress  # noqa: E402
@@ -168,10 +189,11 @@ GRPO_DEFAULTS: dict[str, Any] = {
     "seeds": "1",
     "steps": 192,
     "warm_size": "wide",
-    "strategies": "diloco,pulseloco,pulseloco-bf16,sparseloco",
+    "strategies": "diloco,pulseloco,pulseloco-bf16,sparseloco,sparseloco-k128,pulseloco-2bit,pulseloco-2bit-k64",
     "num_eval_samples": 32,
 }
-"""The default comparison: the RL-rate regime (module docstring, "What runs"), one seed, about an hour."""
+"""The default comparison: the RL-rate regime (module docstring, "What runs"), 7 strategies, one seed, about 85
+minutes."""
 QUICK: dict[str, Any] = {
     "lrs": "5e-5",
     "seeds": "1",
@@ -221,7 +243,8 @@ def parse_seeds(text: str, num_lrs: int) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags (module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph
+    ap = argparse.ArgumentParser(description=summary, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--recipe", choices=("grpo", "pretrain"), default="grpo", help="recipes/<recipe>.py (default grpo)")
     ap.add_argument(
         "--config", type=Path, default=None, help="recipe config (default configs/grpo-demo.yaml or pretrain-tiny.yaml)"
@@ -243,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=None, help=f"--max_steps per worker (grpo default {GRPO_DEFAULTS['steps']}, "
         "pretrain: the config's; for the swarm strategies a multiple of inner_steps)",
     )  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help=f"a few minutes: --warm-size {QUICK['warm_size']} --lrs "
+    ap.add_argument("--quick", action="store_true", help=f"a smoke run: --warm-size {QUICK['warm_size']} --lrs "
                     f"{QUICK['lrs']} --seeds {QUICK['seeds']} --steps {QUICK['steps']}, every strategy (unless "
                     "given)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="--seed of seed 0 (seed j: + 1000 j; swarm peer i: + i)")
@@ -264,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--keep-runs", action="store_true", help="keep the temporary runs directory")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take (default 1800)")
     ap.add_argument("--json", type=Path, default=None, help="the results as JSON (default OUT/compare.json)")
-    ap.add_argument("--report", type=Path, default=None, help="no runs: the table and plots again from a compare.json")
+    ap.add_argument(
+        "--report", action="append", default=None, metavar="JSON[,JSON...]",
+        help="no runs: the table and plots from compare.json files (comma-separated or repeated; merged)",
+    )  # fmt: skip
     return ap
 
 
@@ -466,19 +492,50 @@ def make_meta(
     }
 
 
-def report_again(source: Path, out: Path, json_path: Path) -> int:
-    """``--report``: the table, plots and JSON again from an earlier compare.json (this version's aggregation and
-    verdicts; the runs' numbers, command, date and machine as recorded). Exit code 2 on an unreadable file."""
+def report_paths(values: list[str]) -> list[Path]:
+    """The files of ``--report`` (each value comma-separated), resolved, in the order given; raises ValueError for
+    none or a file given twice."""
+    paths = [Path(item).expanduser().resolve() for value in values for item in value.split(",") if item.strip()]
+    if not paths:
+        raise ValueError("no file given")
+    twice = sorted({str(p) for p in paths if paths.count(p) > 1})
+    if twice:
+        raise ValueError(f"given more than once: {', '.join(twice)}")
+    return paths
+
+
+def report_again(sources: list[Path], out: Path, json_path: Path) -> int:
+    """``--report``: the table, plots and JSON from the runs of earlier compare.json files, merged
+    (:func:`harness.compare_report.merge_reports`), with this version's aggregation, verdicts and targets; the runs'
+    numbers, commands, dates and machines as recorded. Exit code 2 (one line) on an unreadable file or files run
+    with other settings."""
+    reports = []
+    for source in sources:
+        try:
+            data = json.loads(source.read_text(encoding="utf-8"))
+            if not isinstance(data["meta"], dict) or not isinstance(data["results"], list):
+                raise TypeError("no meta object and results list")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            message = f"--report {source}: not a compare.json this script wrote ({exc})"
+            print(f"compare.py: error: {message}", file=sys.stderr)
+            return 2
+        reports.append((str(source), data))
     try:
-        data = json.loads(source.read_text(encoding="utf-8"))
-        results, meta = data["results"], data["meta"]
+        results, meta = merge_reports(reports)
         rows = aggregate(results)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"compare.py: error: --report {source}: not a compare.json this script wrote ({exc})", file=sys.stderr)
+    except ValueError as exc:
+        print(f"compare.py: error: --report: {exc}", file=sys.stderr)
         return 2
+    except (KeyError, TypeError) as exc:
+        print(f"compare.py: error: --report: not a compare.json this script wrote ({exc!r})", file=sys.stderr)
+        return 2
+    if len(reports) > 1:
+        meta.update(metric_labels(meta["recipe"], meta["metric_sources"]))
     meta["reported_by"] = git_revision()
+    meta["targets"] = TARGETS
     write_outputs(out, json_path, results, meta)
-    log(f"{out / 'compare.md'} and the plots from {source} ({len(results)} runs, {len(rows)} rows)")
+    names = ", ".join(map(str, sources))
+    log(f"{out / 'compare.md'} and the plots from {names} ({len(results)} runs, {len(rows)} rows)")
     return 0
 
 
@@ -498,7 +555,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     json_path = args.json or args.out / "compare.json"
     if args.report is not None:
-        return report_again(args.report.resolve(), args.out, json_path)
+        try:
+            sources = report_paths(args.report)
+        except ValueError as exc:
+            ap.error(f"--report: {exc}")
+        return report_again(sources, args.out, json_path)
     problem = environment_problem()
     if problem is not None:  # before anything is created or started: one line, no traceback
         print(f"compare.py: error: {problem}; {SETUP_HINT}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """scripts/compare.py: a minimal comparison end to end (GRPO from the tiny warm model, two strategies, one outer
-round, on 127.0.0.1), its aggregation over seeds and its verdicts on hand-made runs, and the one-line refusals (bad
-flags; a Python that is not the project's).
+round, on 127.0.0.1), its aggregation over seeds and its verdicts on hand-made runs (the frontier table, the
+targets, the plots of every strategy), ``--report`` over several compare.json, and the one-line refusals (bad
+flags; a Python that is not the project's; compare.json files run with other settings).
 
 Timings are not asserted (they live in compare.md); the end-to-end test checks that both strategies ran with two
 workers whose rounds were averaged by both peers, that compare.md, compare.json and the plots were written, that
@@ -31,6 +32,12 @@ TINY_CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
 HAS_DEPS = "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in ('transformers', 'trl')))"
 """Exits 0 where the Python can import the project's main dependencies (found, not imported: fast)."""
+
+
+DEFAULT_STRATEGIES = [
+    "diloco", "pulseloco", "pulseloco-bf16", "sparseloco", "sparseloco-k128", "pulseloco-2bit", "pulseloco-2bit-k64",
+]  # fmt: skip
+"""compare.py's default strategies: every one but ddp."""
 
 
 def run_compare(argv: list[str], timeout: float, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -113,10 +120,12 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
     assert "index bits/entry: pushed / payload / bound |" in md
     assert (runs / "keys" / "publisher").stat().st_mode & 0o077 == 0  # the signing key: private to its owner
 
-    again = tmp_path / "again"  # --report: the same table from the JSON, no runs
+    again = tmp_path / "again"  # --report: the same table from the JSON, no runs, then where the runs came from
     proc = run_compare([sys.executable, str(SCRIPT), "--report", str(out / "compare.json"), "--out", str(again)], 60)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (again / "compare.md").read_text() == md and (again / "compare_density.png").exists()
+    table, sources = (again / "compare.md").read_text().split("\n\n## Reported from\n")
+    assert table + "\n" == md and (again / "compare_density.png").exists() and (again / "frontier.png").exists()
+    assert f"`{out / 'compare.json'}`: commit " in sources and "runs kept: diloco x1, pulseloco x1" in sources
 
 
 def fake_run(strategy: str, seed_index: int, final: float, sent: float, lr: float = 1e-5) -> dict[str, Any]:
@@ -340,19 +349,19 @@ def test_python_without_the_pulseloco_command_beside_it_gets_one_line(tmp_path: 
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        # the default: the RL-rate regime, one seed of the four strategies the targets name, 32 held-out samples
-        ([], ("wide", [3e-6], [1], 192, ["diloco", "pulseloco", "pulseloco-bf16", "sparseloco"], "32")),
-        # the full table: three seeds of the three strategies the issue asks for, at the same rate and model
+        # the default: the RL-rate regime, one seed of the seven strategies of the frontier, 32 held-out samples
+        ([], ("wide", [3e-6], [1], 192, DEFAULT_STRATEGIES, "32")),
+        # the frontier's three strategies with three seeds, at the same rate and model
         (
-            ["--seeds", "3", "--strategies", "diloco,pulseloco,pulseloco-bf16"],
-            ("wide", [3e-6], [3], 192, ["diloco", "pulseloco", "pulseloco-bf16"], "32"),
+            ["--seeds", "3", "--strategies", "diloco,sparseloco,pulseloco-2bit-k64"],
+            ("wide", [3e-6], [3], 192, ["diloco", "sparseloco", "pulseloco-2bit-k64"], "32"),
         ),
         # --quick: the demo model, every strategy, the recipe's own number of held-out samples
         (["--quick"], ("demo", [5e-5], [1], 32, list(compare_runs.STRATEGIES), None)),
         # what the user gives wins, after -- as before it
         (
             ["--warm-size", "tiny", "--steps", "8", "--", "--num_eval_samples", "4"],
-            ("tiny", [3e-6], [1], 8, ["diloco", "pulseloco", "pulseloco-bf16", "sparseloco"], "4"),
+            ("tiny", [3e-6], [1], 8, DEFAULT_STRATEGIES, "4"),
         ),
     ],
 )
@@ -366,3 +375,175 @@ def test_defaults_are_the_rl_rate_regime_and_what_is_given_wins(
     samples = extra[extra.index("--num_eval_samples") + 1] if "--num_eval_samples" in extra else None
     assert (args.warm_size, lrs, seeds, args.steps, strategies, samples) == expected
     assert extra.count("--num_eval_samples") <= 1
+
+
+def test_strategies_are_the_recipe_flags_of_the_frontier() -> None:
+    assert compare_runs.STRATEGIES == {
+        "ddp": ("ddp", []),
+        "diloco": ("diloco", []),
+        "pulseloco": ("pulseloco", []),
+        "pulseloco-bf16": ("pulseloco", ["--pulse_values", "bfloat16"]),
+        "sparseloco": ("sparseloco", []),
+        "sparseloco-k128": ("sparseloco", ["--topk_k", "128"]),
+        "pulseloco-2bit": ("pulseloco", ["--pulse_values", "quantized"]),
+        "pulseloco-2bit-k64": ("pulseloco", ["--pulse_values", "quantized", "--pulse_budget", "64"]),
+    }
+    args = compare.argparse.Namespace(recipe="grpo", config=TINY_CONFIG, steps=16, model_name_or_path=None)
+    plan = compare_runs.Plan("pulseloco-2bit-k64", 3e-6, 0, 0)
+    argv = compare_runs.recipe_argv(args, plan, Path("out"), ["--num_eval_samples", "32"], peer=1)
+    start = argv.index("--strategy")
+    assert argv[start : start + 6] == ["--strategy", "pulseloco", "--pulse_values", "quantized", "--pulse_budget", "64"]
+    assert argv[argv.index("--seed") + 1] == "1" and argv[-2:] == ["--num_eval_samples", "32"]
+
+
+def test_every_strategy_has_a_color_and_line_style_of_its_own() -> None:
+    styles = compare_report.plot_styles([*compare_runs.STRATEGIES, "fedavg", "topk-old"])
+    known = [styles[s] for s in compare_runs.STRATEGIES]
+    assert all(s in compare_report.STYLES for s in compare_runs.STRATEGIES)
+    assert len({color for color, _, _ in known}) == len(known) == 8
+    assert len({(color, str(line), marker) for color, line, marker in styles.values()}) == len(styles)
+
+
+def frontier_run(strategy: str, seed_index: int, after: float, sent: float, payload: float) -> dict[str, Any]:
+    """A run with the held-out sampled reward (from 0.30 ± 0.01 to ``after`` ± 0.01), wire and payload bytes per
+    worker and a curve: every field the tables and plots read."""
+    return {**sampled_run(strategy, seed_index, after), "bytes_per_worker": sent, "payload_bytes_per_worker": payload,
+            "curve": [(sent / 2, 5.0, 0.3), (sent, 10.0, after)], "num_params": 1000, "workers": 4, "steps": 16,
+            "rounds": 2}  # fmt: skip
+
+
+def frontier_runs(seeds: int) -> list[dict[str, Any]]:
+    """diloco (1,460,000 wire and 1,800,000 payload bytes per worker) and every other strategy but ddp; with 3 seeds
+    diloco's range is [0.34, 0.36]: sparseloco (1/146 and 1/180 of diloco's bytes) and pulseloco-2bit (1/50) lie
+    within it, pulseloco-2bit-k64 (1/200) lies below it, sparseloco-k128 did not learn."""
+    afters = {
+        "diloco": (0.35, 0.34, 0.36), "pulseloco": (0.35, 0.35, 0.35), "pulseloco-bf16": (0.35, 0.345, 0.35),
+        "sparseloco": (0.35, 0.345, 0.355), "sparseloco-k128": (0.31, 0.35, 0.35), "pulseloco-2bit": (0.35,) * 3,
+        "pulseloco-2bit-k64": (0.335, 0.335, 0.335),
+    }  # fmt: skip
+    sent = {"diloco": 1.46e6, "pulseloco": 1.46e5, "pulseloco-bf16": 7.3e4, "sparseloco": 1e4,
+            "sparseloco-k128": 2e4, "pulseloco-2bit": 2.92e4, "pulseloco-2bit-k64": 7.3e3}  # fmt: skip
+    ratio = {name: 1.8e6 * b / 1.46e6 for name, b in sent.items()}
+    ratio["sparseloco"] = 1e4
+    return [
+        frontier_run(name, j, after, sent[name], ratio[name])
+        for name, values in afters.items()
+        for j, after in enumerate(values[:seeds])
+    ]
+
+
+def test_frontier_table_and_targets_with_three_seeds() -> None:
+    rows = compare_results.aggregate(frontier_runs(3))
+    lines = compare_report.frontier_table(rows)
+    assert lines[0].startswith("| strategy | wire B / worker | wire vs DiLoCo | payload vs DiLoCo |")
+    body = [line for line in lines[2:] if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in body][:2] == ["| diloco", "| pulseloco"]  # most wire bytes first
+    assert "| diloco | 1.5 MB | 1x | 1x | 0.350 [0.340, 0.360] (3 seeds) | yes | reference |" in lines
+    assert "| sparseloco | 10.0 kB | 1/146 | 1/180 | 0.350 [0.345, 0.355] (3 seeds) | yes | yes |" in lines
+    assert "| pulseloco-2bit-k64 | 7.3 kB | 1/200 | 1/200 | 0.335 [0.335, 0.335] (3 seeds) | yes | no |" in lines
+    assert any(line.startswith("| sparseloco-k128 |") and line.endswith("| no | not judged: did not learn |")
+               for line in lines)  # fmt: skip
+    caption = "- frontier (`frontier.png`): error bars min to max over seeds (strategies with 2 or more seeds)."
+    assert caption in lines
+    targets = compare_report.target_lines(rows)
+    assert any(t.startswith("- pulseloco-2bit-k64 targets: bytes vs DiLoCo 1/200 (met)") for t in targets)
+    sparse = next(t for t in targets if t.startswith("- sparseloco (k = 64) targets"))
+    assert "wire bytes vs DiLoCo 1/146 (met), payload vs DiLoCo 1/180 (met); quality: mean of the held-out" in sparse
+    # the fewest wire bytes at DiLoCo's quality: sparseloco (10 kB), not pulseloco-2bit-k64 (fewer, but below range)
+    assert targets[-1] == "- best strategy at DiLoCo's quality: sparseloco, wire bytes vs DiLoCo 1/146 (met)."
+    best, why = compare_report.best_at_diloco_quality([r for r in rows if r["strategy"] != "sparseloco"])
+    assert best is not None and best["strategy"] == "pulseloco-2bit" and why == ""  # 29.2 kB
+    assert compare_report.verdict(best["vs_diloco"], compare_report.TARGETS["best_at_diloco_quality"]) == (
+        "1/50 (missed by 2.9x)"
+    )
+
+
+def test_frontier_with_one_seed_shows_the_sampling_error_and_judges_no_quality() -> None:
+    rows = compare_results.aggregate(frontier_runs(1))
+    lines = compare_report.frontier_table(rows)
+    assert "| sparseloco | 10.0 kB | 1/146 | 1/180 | 0.350 ± 0.010 (s.e.) | yes | not judged: DiLoCo has 1 seed |" in (
+        lines
+    )
+    assert "sampling standard error of one seed" in lines[-2]
+    assert compare_report.target_lines(rows)[-1] == (
+        "- best strategy at DiLoCo's quality (target <= 1/146 of DiLoCo's wire bytes): none (quality is not judged: "
+        "DiLoCo needs at least 2 seeds for a range)."
+    )
+    no_diloco = compare_results.aggregate([r for r in frontier_runs(1) if r["strategy"] != "diloco"])
+    assert "none (no diloco run to compare with)" in compare_report.target_lines(no_diloco)[-1]
+    assert compare_report.frontier_table(compare_results.aggregate([fake_run("diloco", 0, 0.3, 1.0)])) == []
+
+
+def fake_meta(**overrides: Any) -> dict[str, Any]:
+    """A compare.json's meta as make_meta() writes it (the fields the report reads and merge_reports compares)."""
+    return {
+        "command": ".venv/bin/python scripts/compare.py", "recipe": "grpo", "recipe_path": "recipes/grpo.py",
+        "config": "recipes/configs/grpo-demo.yaml", "model": "/models/warm-wide", "strategies": ["diloco"],
+        "lrs": [1e-5], "seeds": [1], "seed_note": "0 + 1000 j", "steps": 16, "extra": ["--num_eval_samples", "32"],
+        "workers": 4, "parallel": False, "network": "loopback", "bandwidth": None, "ddp_launch": "one launch",
+        "metric_label": "greedy reward", "metric_sources": ["greedy"], "curve_label": "sampled reward",
+        "metric_note": "greedy", "targets": compare_report.TARGETS, "seconds": 600.0, "date": "today",
+        "commit": "abc1234", "machine": "2 cores", **overrides,
+    }  # fmt: skip
+
+
+def test_outputs_of_eight_strategies_with_the_frontier_plot(tmp_path: Path) -> None:
+    runs = frontier_runs(3) + [
+        {**frontier_run("ddp", j, 0.35, 9.6e6, 6.4e7), "bytes_measured": False, "rounds": 0} for j in range(3)
+    ]
+    meta = fake_meta(strategies=list(compare_runs.STRATEGIES))
+    compare_report.write_outputs(tmp_path, tmp_path / "compare.json", runs, meta)
+    for name in (*meta["plots"], "compare.md", "compare.json"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert meta["plots"][-1] == "frontier.png" and len(meta["plots"]) == 5
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (tmp_path / "compare.md").read_text()
+    assert "| ddp | 9.6 MB (est.) | 6.58x | 35.6x |" in md and "## Reported from" not in md
+
+
+def test_report_merges_compare_jsons_and_refuses_other_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two files run with the same settings are reported as one (the later file's run where both have the same
+    strategy, learning rate and seed), their sources listed; other settings are refused. The plots are tested
+    above (here they are not drawn: seconds each)."""
+    monkeypatch.setattr(compare_report, "plot", lambda *args: [])
+    first = [r for r in frontier_runs(1) if r["strategy"] in ("diloco", "pulseloco")]
+    second = [r for r in frontier_runs(3) if r["strategy"] in ("diloco", "sparseloco")]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"meta": fake_meta(strategies=["diloco", "pulseloco"]), "results": first}))
+    meta_b = fake_meta(strategies=["diloco", "sparseloco"], seeds=[3], commit="def5678", command="three seeds")
+    b.write_text(json.dumps({"meta": meta_b, "results": second}))
+    out = tmp_path / "out"
+    assert compare.main(["--report", f"{a},{b}", "--out", str(out)]) == 0
+    report = json.loads((out / "compare.json").read_text())
+    rows = {r["strategy"]: r for r in report["rows"]}
+    assert set(rows) == {"diloco", "pulseloco", "sparseloco"} and len(report["results"]) == 7
+    assert rows["diloco"]["seeds"] == 3 and rows["pulseloco"]["seeds"] == 1  # b's diloco seed 0 replaced a's
+    assert report["meta"]["strategies"] == ["diloco", "pulseloco", "sparseloco"] and report["meta"]["seeds"] == [3]
+    assert report["meta"]["seconds"] == 1200 and report["meta"]["targets"] == compare_report.TARGETS
+    md = (out / "compare.md").read_text()
+    assert "Runs of 2 compare.json (20 min in all), listed under 'Reported from'." in md
+    assert f"- `{a}`: commit abc1234, today, 2 cores, `.venv/bin/python scripts/compare.py`; runs kept: " in md
+    assert "runs kept: pulseloco x1." in md
+    assert f"- `{b}`: commit def5678" in md and "runs kept: diloco x3, sparseloco x3; replaced 1 run(s)" in md
+    assert "- best strategy at DiLoCo's quality: sparseloco, wire bytes vs DiLoCo 1/146 (met)." in md
+    # the merged file again, with the flag repeated: its sources are listed, and the rows are the same
+    again = tmp_path / "again"
+    assert compare.main(["--report", str(out / "compare.json"), "--out", str(again)]) == 0
+    text = (again / "compare.md").read_text()
+    assert f"itself reported from `{a}` (commit abc1234); `{b}` (commit def5678)" in text
+    assert json.loads((again / "compare.json").read_text())["rows"] == report["rows"]
+    assert compare.main(["--report", str(a), "--report", str(b), "--out", str(again)]) == 0
+    capsys.readouterr()
+
+    c = tmp_path / "c.json"  # other steps and workers: refused, nothing written
+    c.write_text(json.dumps({"meta": fake_meta(steps=32, workers=2), "results": first}))
+    refused = tmp_path / "refused"
+    assert compare.main(["--report", f"{a},{c}", "--out", str(refused)]) == 2
+    err = capsys.readouterr().err
+    assert f"{c} was run with other settings than {a} (steps: 16 vs 32; workers: 4 vs 2)" in err
+    assert len(err.splitlines()) == 1 and not refused.exists()
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--report", f"{a},{a}", "--out", str(refused)])
+    assert exc.value.code == 2 and "given more than once" in capsys.readouterr().err

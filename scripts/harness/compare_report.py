@@ -1,6 +1,7 @@
-"""The outputs of ``scripts/compare.py``: ``compare.md`` (a table per learning rate, the byte tables, the targets and
-quality verdicts, how the numbers were made), the four plots and ``compare.json``, from the runs' results and the
-rows of :func:`harness.compare_results.aggregate`.
+"""The outputs of ``scripts/compare.py``: ``compare.md`` (a table per learning rate, the byte tables, the frontier
+table, the targets and quality verdicts, where the runs came from, how the numbers were made), the five plots and
+``compare.json``, from the runs' results and the rows of :func:`harness.compare_results.aggregate`; and the merge of
+several ``compare.json`` files for ``--report`` (:func:`merge_reports`).
 
 The functions read the keys ``scripts/compare.py`` writes (``meta``, rows, results): a dictionary without one raises
 ``KeyError``; rows of an older ``compare.json`` without the newer byte fields print ``-``. Files that cannot be
@@ -9,8 +10,10 @@ written raise ``OSError``; the plots need matplotlib (``ImportError`` without it
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +21,42 @@ from harness.compare_results import MIN_GAIN, SAMPLED_Z, aggregate
 from harness.compare_runs import STRATEGIES
 from harness.report import fmt, human, pyplot
 
-TARGETS = {"diloco": 1 / 17, "ddp": 1 / 100, "pulsesync": 1 / 50}
-"""The paper's claims: pulseloco's bytes against DiLoCo's and DDP's, PULSESync patches against a BF16 copy."""
+TARGETS = {
+    "diloco": 1 / 17,
+    "ddp": 1 / 100,
+    "pulsesync": 1 / 50,
+    "sparseloco_wire": 1 / 146,
+    "sparseloco_payload": 1 / 180,
+    "best_at_diloco_quality": 1 / 146,
+}
+"""The targets, as fractions of a reference: pulseloco's bytes (wire and payload) against DiLoCo's (``diloco``) and
+DDP's (``ddp``), PULSESync patches against a BF16 copy (``pulsesync``); SparseLoCo's (k = 64, the ``sparseloco`` row)
+wire and payload bytes against DiLoCo's (``sparseloco_wire``, ``sparseloco_payload``); the wire bytes of the strategy
+that sends the fewest among those whose quality matches DiLoCo's (:func:`best_at_diloco_quality`) against DiLoCo's
+(``best_at_diloco_quality``)."""
+SPARSELOCO_K64 = "sparseloco"
+"""The row the SparseLoCo targets judge: SparseLoCo at its default k = 64 per 64x64 tile."""
+
+STYLES: dict[str, tuple[str, Any, str]] = {
+    "ddp": ("tab:blue", "-", "s"),
+    "diloco": ("tab:orange", "--", "D"),
+    "pulseloco": ("tab:green", "-", "o"),
+    "pulseloco-bf16": ("tab:red", "-.", "v"),
+    "sparseloco": ("tab:purple", ":", "^"),
+    "sparseloco-k128": ("tab:brown", (0, (5, 2, 1, 2)), "<"),
+    "pulseloco-2bit": ("tab:pink", (0, (3, 1, 1, 1, 1, 1)), ">"),
+    "pulseloco-2bit-k64": ("tab:olive", (0, (1, 1)), "P"),
+}
+"""Every strategy's color, line style and marker in every plot (one distinct color each)."""
+SPARE_STYLES = (
+    ("tab:gray", "-", "X"),
+    ("tab:cyan", "--", "*"),
+    ("black", "-.", "h"),
+    ("gold", ":", "d"),
+)
+"""Styles, cycled in order, of strategies without an entry in :data:`STYLES` (names in an older compare.json)."""
+MERGE_SETTINGS = ("recipe", "config", "model", "steps", "lrs", "workers", "extra", "network", "parallel")
+"""The ``meta`` fields that must be equal for :func:`merge_reports` to report several compare.json together."""
 
 
 def fraction(value: float | None) -> str:
@@ -90,6 +127,155 @@ def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
     )
 
 
+def matches_diloco(row: dict[str, Any], diloco: dict[str, Any] | None) -> bool | None:
+    """Whether ``row``'s quality matches DiLoCo's by :func:`quality_verdict`'s rule; ``None`` where that rule does
+    not judge (no DiLoCo row, either did not learn, DiLoCo with fewer than 2 seeds)."""
+    if diloco is None or not diloco["improved"] or not row["improved"]:
+        return None
+    return row["within_diloco_range"]
+
+
+def match_cell(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
+    """The frontier table's "matches DiLoCo" cell: ``reference`` (DiLoCo itself), ``yes``, ``no``, or ``not judged``
+    with the reason in brief."""
+    if row["strategy"] == "diloco":
+        return "reference"
+    match = matches_diloco(row, diloco)
+    if match is not None:
+        return "yes" if match else "no"
+    if diloco is None:
+        return "not judged: no DiLoCo run"
+    if not diloco["improved"] or not row["improved"]:
+        return "not judged: did not learn"
+    return "not judged: DiLoCo has 1 seed"
+
+
+def best_at_diloco_quality(at: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """Of one learning rate's rows, the strategy other than DiLoCo with the fewest wire bytes per worker among those
+    whose quality matches DiLoCo's (:func:`matches_diloco`), and ``""``; or ``None`` and why none qualifies."""
+    diloco = next((r for r in at if r["strategy"] == "diloco"), None)
+    if diloco is None:
+        return None, "no diloco run to compare with"
+    matching = [r for r in at if r["strategy"] != "diloco" and matches_diloco(r, diloco) and r["vs_diloco"]]
+    if matching:
+        return min(matching, key=lambda r: r["vs_diloco"]), ""
+    if not diloco["improved"]:
+        return None, f"DiLoCo did not learn ({learned_rule(diloco)})"
+    if diloco["seeds"] < 2:
+        return None, "quality is not judged: DiLoCo needs at least 2 seeds for a range"
+    return None, "no strategy that learned has its mean within DiLoCo's range"
+
+
+def sampled_spread(row: dict[str, Any]) -> tuple[float, float, str] | None:
+    """The error bar of ``row``'s held-out sampled reward after training (``sampled_mean``): below and above the
+    mean, and its kind: ``range`` (min and max over the seeds, 2 seeds or more), ``se`` (one seed: its sampling
+    standard error, the mean of the workers' ``sampled_se_after``) or ``none`` (one seed without a standard error);
+    ``None`` where the runs wrote no sampled reward."""
+    mean_after = row.get("sampled_mean")
+    if mean_after is None:
+        return None
+    if len([a for a in row["sampled_after"] if a is not None]) > 1:
+        # max(0, .): the mean of equal values can land a rounding error outside them
+        return max(0.0, mean_after - row["sampled_min"]), max(0.0, row["sampled_max"] - mean_after), "range"
+    se = next((e for e in row.get("sampled_se_after") or [] if e is not None), None)
+    return (se, se, "se") if se is not None else (0.0, 0.0, "none")
+
+
+def after_cell(row: dict[str, Any]) -> str:
+    """The frontier table's sampled reward after training: ``mean [min, max] (N seeds)``, or for one seed
+    ``mean ± se (s.e.)``; ``-`` where the runs wrote none."""
+    spread = sampled_spread(row)
+    if spread is None:
+        return "-"
+    low, high, kind = spread
+    mean_after = row["sampled_mean"]
+    if kind == "range":
+        return f"{mean_after:.3f} [{mean_after - low:.3f}, {mean_after + high:.3f}] ({row['seeds']} seeds)"
+    return f"{mean_after:.3f}" + (f" ± {low:.3f} (s.e.)" if kind == "se" else "")
+
+
+def spread_caption(rows: list[dict[str, Any]], short: bool = False) -> str:
+    """What the frontier's error bars are, for the kinds :func:`sampled_spread` gives ``rows`` (``short``: for the
+    plot)."""
+    kinds = {spread[2] for spread in map(sampled_spread, rows) if spread is not None}
+    parts = []
+    if "range" in kinds:
+        parts.append("min to max over seeds" + ("" if short else " (strategies with 2 or more seeds)"))
+    if "se" in kinds:
+        parts.append(
+            "± sampling s.e. of one seed"
+            if short
+            else "± the sampling standard error of one seed (the mean of the workers' standard errors of the "
+            "held-out sampled reward: the spread of the draws, not of seeds)"
+        )
+    if "none" in kinds:
+        parts.append("none where one seed recorded no standard error")
+    return "; ".join(parts) or "none (no held-out sampled reward)"
+
+
+def frontier_table(at: list[dict[str, Any]]) -> list[str]:
+    """The markdown lines of one learning rate's frontier table: per strategy (most wire bytes first) its wire bytes
+    per worker, wire and payload bytes against DiLoCo's, the held-out sampled reward after training with its spread
+    (:func:`after_cell`), whether it learned and whether its quality matches DiLoCo's (:func:`match_cell`); no lines
+    where no row has the sampled reward (``--num_eval_samples 0``, pretrain)."""
+    if not any(r.get("sampled_mean") is not None for r in at):
+        return []
+    diloco = next((r for r in at if r["strategy"] == "diloco"), None)
+    lines = [
+        "| strategy | wire B / worker | wire vs DiLoCo | payload vs DiLoCo | held-out sampled reward after | learned "
+        "| matches DiLoCo |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(at, key=lambda r: -(r["bytes_per_worker"] or 0.0)):
+        b = r["bytes_per_worker"]
+        cells = [
+            r["strategy"],
+            "-" if b is None else f"{human(b)}{'' if r['bytes_measured'] else ' (est.)'}",
+            fraction(r["vs_diloco"]),
+            fraction(r.get("payload_vs_diloco")),
+            after_cell(r),
+            ("yes" if r["improved"] else "no") if r["reward_before"] is not None else "-",
+            match_cell(r, diloco),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"- frontier (`frontier.png`): error bars {spread_caption(at)}.", ""]
+    return lines
+
+
+def target_lines(at: list[dict[str, Any]]) -> list[str]:
+    """The verdict lines of one learning rate's targets (:data:`TARGETS`): every pulseloco strategy's bytes, payload
+    and PULSESync patches; SparseLoCo k = 64's wire and payload bytes; the best strategy at DiLoCo's quality."""
+    lines = []
+    diloco = next((r for r in at if r["strategy"] == "diloco"), None)
+    for r in at:
+        if r["strategy"].startswith("pulseloco"):
+            lines.append(
+                f"- {r['strategy']} targets: bytes vs DiLoCo {verdict(r['vs_diloco'], TARGETS['diloco'])}, "
+                f"vs DDP {verdict(r['vs_ddp'], TARGETS['ddp'])}; payload vs DiLoCo "
+                f"{verdict(r.get('payload_vs_diloco'), TARGETS['diloco'])}, vs DDP "
+                f"{verdict(r.get('payload_vs_ddp'), TARGETS['ddp'])}; PULSESync patch vs BF16 copy "
+                f"{verdict(r['patch_vs_bf16'], TARGETS['pulsesync'])}; quality: {quality_verdict(r, diloco)}."
+            )
+    sparse = next((r for r in at if r["strategy"] == SPARSELOCO_K64), None)
+    if sparse is not None:
+        lines.append(
+            f"- {SPARSELOCO_K64} (k = 64) targets: wire bytes vs DiLoCo "
+            f"{verdict(sparse['vs_diloco'], TARGETS['sparseloco_wire'])}, payload vs DiLoCo "
+            f"{verdict(sparse.get('payload_vs_diloco'), TARGETS['sparseloco_payload'])}; quality: "
+            f"{quality_verdict(sparse, diloco)}."
+        )
+    best, why = best_at_diloco_quality(at)
+    target = fraction(TARGETS["best_at_diloco_quality"])
+    if best is None:
+        lines.append(f"- best strategy at DiLoCo's quality (target <= {target} of DiLoCo's wire bytes): none ({why}).")
+    else:
+        lines.append(
+            f"- best strategy at DiLoCo's quality: {best['strategy']}, wire bytes vs DiLoCo "
+            f"{verdict(best['vs_diloco'], TARGETS['best_at_diloco_quality'])}."
+        )
+    return lines
+
+
 def byte_tables(at: list[dict[str, Any]]) -> list[str]:
     """The markdown lines of the two byte tables of one learning rate's rows: wire and payload bytes per worker
     and round with their ratios to DiLoCo and DDP (every strategy), then the wire bytes per selected entry split
@@ -134,10 +320,10 @@ def byte_tables(at: list[dict[str, Any]]) -> list[str]:
 
 
 def _lr_section(lr: float, rows: list[dict[str, Any]], metric: str) -> list[str]:
-    """compare.md's section of one learning rate: the main table, the byte tables, the pulseloco targets."""
+    """compare.md's section of one learning rate: the main table, the byte tables, the frontier table, the
+    targets."""
     lines: list[str] = []
     at = [r for r in rows if r["lr"] == lr]
-    diloco = next((r for r in at if r["strategy"] == "diloco"), None)
     before = next((r["reward_before"] for r in at if r["reward_before"] is not None), None)
     seeds = sorted({r["seeds"] for r in at})
     head = f"## {lr_label(lr)}, {'/'.join(map(str, seeds))} seed{'s' if seeds != [1] else ''}"
@@ -168,15 +354,8 @@ def _lr_section(lr: float, rows: list[dict[str, Any]], metric: str) -> list[str]
     rules = sorted({learned_rule(r) for r in at if r["reward_before"] is not None})
     lines += ["", *(f"- learned: {rule}." for rule in rules), ""] if rules else [""]
     lines += byte_tables(at)
-    for r in at:
-        if r["strategy"].startswith("pulseloco"):
-            lines.append(
-                f"- {r['strategy']} targets: bytes vs DiLoCo {verdict(r['vs_diloco'], TARGETS['diloco'])}, "
-                f"vs DDP {verdict(r['vs_ddp'], TARGETS['ddp'])}; payload vs DiLoCo "
-                f"{verdict(r.get('payload_vs_diloco'), TARGETS['diloco'])}, vs DDP "
-                f"{verdict(r.get('payload_vs_ddp'), TARGETS['ddp'])}; PULSESync patch vs BF16 copy "
-                f"{verdict(r['patch_vs_bf16'], TARGETS['pulsesync'])}; quality: {quality_verdict(r, diloco)}."
-            )
+    lines += frontier_table(at)
+    lines += target_lines(at)
     lines.append("")
     return lines
 
@@ -275,24 +454,69 @@ def _notes_section(results: list[dict[str, Any]], meta: dict[str, Any], metric: 
         "- plots: `compare_reward_bytes.png` and `compare_reward_time.png` (the "
         f"{meta['curve_label']} logged every few steps by the first worker, mean over seeds, running mean over "
         f"{SMOOTH} points, against bytes sent by then and training time), `compare_final.png` (final metric, mean "
-        "and range, against bytes sent), `compare_density.png` (density per round). Every run is in `compare.json`.",
+        "and range, against bytes sent), `compare_density.png` (density per round), `frontier.png` (the held-out "
+        "sampled reward after training, mean over seeds, against wire bytes and against payload bytes per worker, "
+        "one point per strategy; error bars as under each frontier table; the band: DiLoCo's range over its "
+        "seeds). Every run is in `compare.json`.",
+        "- targets: pulseloco strategies' wire and payload bytes <= "
+        f"{fraction(TARGETS['diloco'])} of DiLoCo's and <= {fraction(TARGETS['ddp'])} of DDP's, PULSESync patches <= "
+        f"{fraction(TARGETS['pulsesync'])} of a BF16 copy; SparseLoCo (k = 64) wire bytes <= "
+        f"{fraction(TARGETS['sparseloco_wire'])} and payload <= {fraction(TARGETS['sparseloco_payload'])} of "
+        "DiLoCo's; the strategy with the fewest wire bytes among those whose quality matches DiLoCo's (the rule "
+        f"above) <= {fraction(TARGETS['best_at_diloco_quality'])} of DiLoCo's wire bytes. 'missed by Fx': the "
+        "ratio is F times its target.",
     ]
     return lines
 
 
+def _sources_section(meta: dict[str, Any]) -> list[str]:
+    """compare.md's list of the compare.json files a ``--report`` read (:func:`merge_reports`' ``sources``): path,
+    commit, date, command, the runs each contributed and those it replaced; none: no section."""
+    sources = meta.get("sources") or []
+    if not sources:
+        return []
+    lines = ["", "## Reported from", ""]
+    if meta.get("reported_by"):
+        lines += [f"Reported by commit {meta['reported_by']} from {len(sources)} compare.json:", ""]
+    for src in sources:
+        runs = ", ".join(f"{name} x{count}" for name, count in src.get("kept", {}).items()) or "none"
+        line = f"- `{src['path']}`"
+        if src.get("reported_from"):
+            origins = "; ".join(
+                f"`{o['path']}` (commit {o.get('commit') or 'not recorded'})" for o in src["reported_from"]
+            )
+            line += f", itself reported from {origins}"
+        else:
+            line += f": commit {src.get('commit') or 'not recorded'}, {src.get('date') or 'date not recorded'}"
+            line += f", {src['machine']}" if src.get("machine") else ""
+            line += f", `{src['command']}`" if src.get("command") else ""
+        line += f"; runs kept: {runs}"
+        if src.get("replaced"):
+            line += f"; replaced {src['replaced']} run(s) of earlier files (same strategy, learning rate and seed)"
+        lines.append(line + ".")
+    return lines
+
+
 def write_markdown(path: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """Write ``compare.md`` to ``path`` and return its text: per learning rate the main table, the byte tables and
-    the pulseloco targets, then failed runs, the loopback comparison of a ``--bandwidth`` run, and the notes."""
+    """Write ``compare.md`` to ``path`` and return its text: per learning rate the main table, the byte tables, the
+    frontier table and the targets, then failed runs, the loopback comparison of a ``--bandwidth`` run, the notes,
+    and (``--report``) the compare.json files the runs came from."""
     metric = meta["metric_label"]
     lrs = list(dict.fromkeys(r["lr"] for r in rows))
     lines = [f"# {meta['recipe']}: {', '.join(meta['strategies'])}", ""]
-    lines += [f"Command: `{meta['command']}` ({meta['seconds'] / 60:.0f} min)", ""]
-    lines += [f"{meta['date']}, commit {meta['commit']}, {meta['machine']}.", ""]
+    sources = meta.get("sources") or []
+    if len(sources) > 1 or any(src.get("reported_from") for src in sources):
+        lines += [f"Runs of {len(sources)} compare.json ({meta['seconds'] / 60:.0f} min in all), listed under "
+                  "'Reported from'.", ""]  # fmt: skip
+    else:
+        lines += [f"Command: `{meta['command']}` ({meta['seconds'] / 60:.0f} min)", ""]
+        lines += [f"{meta['date']}, commit {meta['commit']}, {meta['machine']}.", ""]
     for lr in lrs:
         lines += _lr_section(lr, rows, metric)
     lines += _failed_section(results)
     lines += _loopback_section(results, meta)
     lines += _notes_section(results, meta, metric)
+    lines += _sources_section(meta)
     text = "\n".join(lines) + "\n"
     path.write_text(text)
     return text
@@ -314,18 +538,25 @@ def _mean_curve(curves: list[list[tuple[float, float, float]]]) -> list[tuple[fl
     return [tuple(statistics.fmean(c[i][k] for c in curves) for k in range(3)) for i in range(length)]  # type: ignore[misc]
 
 
+def plot_styles(strategies: list[str]) -> dict[str, tuple[str, Any, str]]:
+    """Color, line style and marker of each strategy: its :data:`STYLES` entry, else the next of
+    :data:`SPARE_STYLES` (cycled) in the order given."""
+    spare = itertools.cycle(SPARE_STYLES)
+    return {s: STYLES[s] if s in STYLES else next(spare) for s in dict.fromkeys(strategies)}
+
+
 def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
-    """Write the four plots (one panel per learning rate) and return their names."""
+    """Write the five plots (one panel per learning rate; the frontier: a row per learning rate, wire and payload
+    bytes side by side) and return their names."""
     plt = pyplot()
 
     lrs = list(dict.fromkeys(r["lr"] for r in rows)) or [None]
-    styles = {"ddp": "-", "diloco": "--", "pulseloco": "-", "pulseloco-bf16": "-.", "sparseloco": ":"}
-    colors = dict(zip(STRATEGIES, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))  # every plot
     strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    styles = plot_styles([*STRATEGIES, *strategies, *(r["strategy"] for r in results)])
     names = ["compare_reward_bytes.png", "compare_reward_time.png", "compare_final.png", "compare_density.png"]
 
     def panels() -> tuple[Any, list[Any]]:
-        fig, axes = plt.subplots(1, len(lrs), figsize=(5.0 * len(lrs), 4.0), squeeze=False)
+        fig, axes = plt.subplots(1, len(lrs), figsize=(max(7.0, 5.0 * len(lrs)), 4.5), squeeze=False)
         for ax, lr in zip(axes[0], lrs):
             ax.set_title(lr_label(lr))
             ax.grid(True, alpha=0.3)
@@ -333,11 +564,17 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
 
     def save(fig: Any, axes: list[Any], name: str) -> None:
         handles, labels = axes[0].get_legend_handles_labels()
+        ncol = max(1, min(len(labels), int(fig.get_figwidth() / 1.7)))
+        legend_rows = -(-len(labels) // ncol) if labels else 0
         if handles:
-            fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize="small")
-        fig.tight_layout(rect=(0, 0.08, 1, 1))
+            fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize="small")
+        fig.tight_layout(rect=(0, min(0.4, 0.02 + 0.3 * legend_rows / fig.get_figheight()), 1, 1))
         fig.savefig(out_dir / name, dpi=110)
         plt.close(fig)
+
+    def draw(ax: Any, xs: Any, ys: Any, strategy: str) -> None:
+        color, linestyle, marker = styles[strategy]
+        ax.plot(xs, ys, linestyle=linestyle, color=color, marker=marker, markersize=3, label=strategy)
 
     for name, x_index, x_label in ((names[0], 0, "bytes sent per worker"), (names[1], 1, "training time (s)")):
         fig, axes = panels()
@@ -347,8 +584,7 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
                           and r["limited"] and not r["error"] and r["curve"]]  # fmt: skip
                 curve = _mean_curve(curves)
                 if curve:
-                    xs, ys = [p[x_index] for p in curve], _smooth([p[2] for p in curve], SMOOTH)
-                    ax.plot(xs, ys, styles[strategy], color=colors[strategy], marker="o", markersize=2, label=strategy)
+                    draw(ax, [p[x_index] for p in curve], _smooth([p[2] for p in curve], SMOOTH), strategy)
             if x_index == 0:
                 ax.set_xscale("symlog", linthresh=1e4)
             ax.set_xlabel(x_label)
@@ -358,10 +594,11 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
     fig, axes = panels()
     for ax, lr in zip(axes, lrs):
         for r in (r for r in rows if r["lr"] == lr and r["final_mean"] is not None and r["bytes_per_worker"]):
-            low = r["final_mean"] - (r["final_min"] if r["final_min"] is not None else r["final_mean"])
-            high = (r["final_max"] if r["final_max"] is not None else r["final_mean"]) - r["final_mean"]
-            ax.errorbar([r["bytes_per_worker"]], [r["final_mean"]], yerr=[[low], [high]], fmt="o", capsize=3,
-                        color=colors[r["strategy"]], label=r["strategy"])  # fmt: skip
+            low = max(0.0, r["final_mean"] - (r["final_min"] if r["final_min"] is not None else r["final_mean"]))
+            high = max(0.0, (r["final_max"] if r["final_max"] is not None else r["final_mean"]) - r["final_mean"])
+            color, _, marker = styles[r["strategy"]]
+            ax.errorbar([r["bytes_per_worker"]], [r["final_mean"]], yerr=[[low], [high]], fmt=marker, capsize=3,
+                        color=color, label=r["strategy"])  # fmt: skip
         before = next((r["reward_before"] for r in rows if r["lr"] == lr and r["reward_before"] is not None), None)
         if before is not None:
             ax.axhline(before, color="grey", linewidth=0.8, linestyle=":", label="before training")
@@ -373,21 +610,118 @@ def plot(out_dir: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]
     fig, axes = panels()
     for ax, lr in zip(axes, lrs):
         for r in (r for r in rows if r["lr"] == lr and r["density"]):
-            rounds = range(1, len(r["density"]) + 1)
-            ax.plot(
-                rounds,
-                r["density"],
-                styles[r["strategy"]],
-                color=colors[r["strategy"]],
-                marker="o",
-                markersize=2,
-                label=r["strategy"],
-            )
+            draw(ax, range(1, len(r["density"]) + 1), r["density"], r["strategy"])
         ax.set_yscale("log")
         ax.set_xlabel("outer round")
         ax.set_ylabel("fraction of parameters sent")
     save(fig, axes, names[3])
+    names.append(plot_frontier(plt, out_dir / "frontier.png", rows, lrs, styles))
     return names
+
+
+def plot_frontier(
+    plt: Any, path: Path, rows: list[dict[str, Any]], lrs: list[float | None], styles: dict[str, tuple[str, Any, str]]
+) -> str:
+    """Write ``frontier.png``: per learning rate (a row of panels) the held-out sampled reward after training (mean
+    over seeds, error bars of :func:`sampled_spread`) against wire bytes per worker (left) and payload bytes per
+    worker (right), log x, one labelled point per strategy; the warm model's sampled reward as a dotted line and
+    DiLoCo's range over seeds as a band. A panel without sampled rewards says so. Returns the file's name."""
+    fig, axes = plt.subplots(len(lrs), 2, figsize=(12.0, 4.5 * len(lrs)), squeeze=False)
+    for (wire_ax, payload_ax), lr in zip(axes, lrs):
+        at = [r for r in rows if r["lr"] == lr]
+        diloco = next((r for r in at if r["strategy"] == "diloco"), None)
+        before = next((r["sampled_before"] for r in at if r.get("sampled_before") is not None), None)
+        for ax, key, label in ((wire_ax, "bytes_per_worker", "wire"), (payload_ax, "payload_bytes_per_worker",
+                                                                          "payload")):  # fmt: skip
+            ax.set_title(f"{lr_label(lr)}: {label} bytes")
+            ax.grid(True, alpha=0.3)
+            points = [(r, sampled_spread(r)) for r in at if r.get(key) and r.get("sampled_mean") is not None]
+            for r, spread in points:
+                low, high, _ = spread or (0.0, 0.0, "none")
+                color, _, marker = styles[r["strategy"]]
+                ax.errorbar([r[key]], [r["sampled_mean"]], yerr=[[low], [high]], fmt=marker, capsize=3, color=color,
+                            label=r["strategy"])  # fmt: skip
+                ax.annotate(r["strategy"], (r[key], r["sampled_mean"]), textcoords="offset points", xytext=(5, 4),
+                            fontsize="x-small", color=color)  # fmt: skip
+            if not points:
+                ax.text(0.5, 0.5, "no held-out sampled reward", ha="center", va="center", transform=ax.transAxes)
+                continue
+            if before is not None:
+                ax.axhline(before, color="grey", linewidth=0.8, linestyle=":", label="before training")
+            if diloco is not None and diloco["seeds"] > 1 and diloco.get("sampled_min") is not None:
+                ax.axhspan(diloco["sampled_min"], diloco["sampled_max"], color=styles["diloco"][0], alpha=0.12,
+                           label="DiLoCo's range over seeds")  # fmt: skip
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{label} bytes per worker (log)")
+            ax.set_ylabel("held-out sampled reward after")
+    height = fig.get_figheight()  # inches; below the panels: the caption, above it the legend
+    fig.text(0.5, 0.08 / height, f"error bars: {spread_caption(rows, short=True)}", ha="center", va="bottom",
+             fontsize="small")  # fmt: skip
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.35 / height), ncol=min(len(labels), 5),
+                   fontsize="small")  # fmt: skip
+    legend_rows = -(-len(labels) // 5) if labels else 0
+    fig.tight_layout(rect=(0, min(0.5, (0.45 + 0.22 * legend_rows) / height), 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def merge_reports(reports: list[tuple[str, dict[str, Any]]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The runs and ``meta`` of several compare.json (``(path, parsed JSON)``, in the order given) as one: every
+    run of every file, where two files hold a run of the same strategy, learning rate, seed and network the later
+    file's; ``meta`` of the first file with the union of the strategies, the seed counts of the merged runs, the
+    runs' seconds summed, and ``sources``: per file its path, commit, date, machine and command as recorded, the
+    runs it kept per strategy (``kept``) and how many of the earlier files' it replaced (a file written by an
+    earlier ``--report``: instead of commit, date, machine and command, the sources it lists, ``reported_from``).
+    Raises ValueError naming the settings
+    (:data:`MERGE_SETTINGS`) that differ between files, and KeyError or TypeError for a file without ``meta`` or
+    ``results``."""
+    if not reports:
+        raise ValueError("no compare.json given")
+    metas = [data["meta"] for _, data in reports]
+    if not all(isinstance(m, dict) and isinstance(data["results"], list) for m, (_, data) in zip(metas, reports)):
+        raise TypeError("meta must be an object and results a list")
+    first_path, first = reports[0][0], metas[0]
+    for path, meta in zip((p for p, _ in reports[1:]), metas[1:]):
+        differ = [key for key in MERGE_SETTINGS if meta.get(key) != first.get(key)]
+        if differ:
+            detail = "; ".join(f"{key}: {first.get(key)!r} vs {meta.get(key)!r}" for key in differ)
+            raise ValueError(f"{path} was run with other settings than {first_path} ({detail})")
+    kept: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}
+    replaced = Counter[int]()
+    for index, (_, data) in enumerate(reports):
+        for run in data["results"]:
+            key = (run["strategy"], run["lr"], run["seed"], run["limited"])
+            if key in kept:
+                replaced[index] += 1
+            kept[key] = (index, run)
+    results = [run for _, run in kept.values()]
+    merged = dict(first)
+    merged["strategies"] = list(dict.fromkeys(s for m in metas for s in m.get("strategies", [])))
+    merged["seeds"] = [
+        len({r["seed"] for r in results if r["lr"] == lr and r["limited"]}) for lr in first.get("lrs", [])
+    ]
+    merged["seconds"] = sum(m.get("seconds") or 0.0 for m in metas)
+    merged["metric_sources"] = sorted({s for m in metas for s in m.get("metric_sources", [])})
+    sources: list[dict[str, Any]] = []
+    for index, ((path, _), meta) in enumerate(zip(reports, metas)):
+        counts = Counter(run["strategy"] for i, run in kept.values() if i == index)
+        own = {
+            "path": path,
+            "commit": meta.get("commit"),
+            "date": meta.get("date"),
+            "machine": meta.get("machine"),
+            "command": meta.get("command"),
+            "kept": dict(counts),
+            "replaced": replaced[index],
+        }
+        if meta.get("sources"):  # written by --report: its meta's command, date and commit are its first file's
+            own.update(commit=None, date=None, machine=None, command=None, reported_from=meta["sources"])
+        sources.append(own)
+    merged["sources"] = sources
+    return results, merged
 
 
 def write_outputs(out: Path, json_path: Path, results: list[dict[str, Any]], meta: dict[str, Any]) -> None:

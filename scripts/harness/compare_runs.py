@@ -24,8 +24,13 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "pulseloco": ("pulseloco", []),
     "pulseloco-bf16": ("pulseloco", ["--pulse_values", "bfloat16"]),
     "sparseloco": ("sparseloco", []),
+    "sparseloco-k128": ("sparseloco", ["--topk_k", "128"]),
+    "pulseloco-2bit": ("pulseloco", ["--pulse_values", "quantized"]),
+    "pulseloco-2bit-k64": ("pulseloco", ["--pulse_values", "quantized", "--pulse_budget", "64"]),
 }
-"""Name in the table -> (the recipe's ``--strategy``, further recipe flags)."""
+"""Name in the table -> (the recipe's ``--strategy``, further recipe flags): DDP, DiLoCo, the PULSE gate with FP32,
+BF16 and 2-bit quantized values (``-k64``: the gate intersected with a top-64 budget per 64x64 tile), and SparseLoCo
+(top-k per 64x64 tile, k = 64 or 128, 2-bit values, error feedback)."""
 GRPO_FLAGS = ["--num_eval_prompts", "100", "--logging_steps", "8"]
 """Recipe flags of every grpo run (before the user's, which win): the tiny task's 100 problems, a reward point a
 round."""
