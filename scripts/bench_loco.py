@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark PULSELoCo's traffic: bytes per outer round per peer for pulse (FP32 or BF16 values), topk and dense on
-a loopback swarm.
+"""Benchmark PULSELoCo's traffic: wire and payload bytes per outer round per peer for every selector (pulse with FP32,
+BF16 or 2-bit values, with or without a per-tile budget, SparseLoCo and dense DiLoCo) on a loopback swarm.
 
 Starts a bootstrap hivemind DHT on 127.0.0.1 and, for each inner learning rate and selector, ``--num-peers``
 peer processes that train a Llama built from a config (about 11.6M parameters by default) on synthetic token
@@ -30,6 +30,17 @@ from typing import Any
 import torch
 from harness import models, procs
 from harness.run_outputs import allreduce_bytes
+
+SELECTORS: dict[str, dict[str, Any]] = {
+    "dense": {"selector": "dense"},
+    "pulse": {"selector": "pulse"},
+    "pulse-bf16": {"selector": "pulse", "pulse_values": "bfloat16"},
+    "pulse-2bit": {"selector": "pulse", "pulse_values": "quantized"},
+    "pulse-2bit-k64": {"selector": "pulse", "pulse_values": "quantized", "pulse_budget": 64},
+    "sparseloco": {"selector": "sparseloco"},
+    "sparseloco-k128": {"selector": "sparseloco", "topk_k": 128},
+}
+"""Name on the command line -> the :class:`pulseloco.loco.RoundConfig` options it sets."""
 
 
 def make_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -62,12 +73,7 @@ def run_peer(
         inner,
         dht=dht,
         run_id=f"bench-{selector}-{lr:g}",
-        round_config=RoundConfig(
-            inner_steps=args.inner_steps,
-            selector="pulse" if selector == "pulse-bf16" else selector,
-            pulse_values="bfloat16" if selector == "pulse-bf16" else "float32",
-            topk_density=args.topk_density,
-        ),
+        round_config=RoundConfig(inner_steps=args.inner_steps, **SELECTORS[selector]),
         averaging_config=AveragingConfig(
             target_group_size=args.num_peers,
             matchmaking_time=args.matchmaking_time,
@@ -116,6 +122,7 @@ def summarize(records: list[dict], numel: int, args: argparse.Namespace) -> dict
         digests_per_round.setdefault(r["round"], set()).add(r["theta_digest"])
     return {
         "bytes_sent_per_round": statistics.mean(r["bytes_sent"] for r in records),
+        "payload_bytes_per_round": statistics.mean(r["payload_bytes"] for r in records),
         "bytes_received_per_round": statistics.mean(r["bytes_received"] for r in records),
         "density": statistics.mean(r["density"] for r in records),
         "seconds_sync": statistics.median(r["seconds_sync"] for r in records),
@@ -148,11 +155,13 @@ def measure(args: argparse.Namespace, numel: int, ddp_bytes: float) -> list[dict
                     per_selector[selector] = summarize(records, numel, args)
                     print(f"  {selector} lr={lr:g}: {time.monotonic() - start:.0f}s", file=sys.stderr)
                 dense = per_selector["dense"]["bytes_sent_per_round"]
+                dense_payload = per_selector["dense"]["payload_bytes_per_round"]
                 for selector, summary in per_selector.items():
                     summary.update(
                         selector=selector,
                         inner_lr=lr,
                         ratio_vs_dense=dense / summary["bytes_sent_per_round"],
+                        payload_ratio_vs_dense=dense_payload / summary["payload_bytes_per_round"],
                         ratio_vs_ddp=ddp_bytes / summary["bytes_sent_per_round"],
                         ddp_bytes_per_round=ddp_bytes,
                     )
@@ -165,14 +174,15 @@ def measure(args: argparse.Namespace, numel: int, ddp_bytes: float) -> list[dict
 def format_table(results: list[dict[str, Any]]) -> str:
     """One line per configuration: density, MB sent per round, ratios, outer-step seconds, digests, loss."""
     header = (
-        f"{'inner lr':>8} {'selector':>10} {'density':>8} {'MB sent/round':>13} {'vs DiLoCo':>9} {'vs DDP':>8} "
-        f"{'sync s':>7} {'equal':>5} {'loss':>6}"
+        f"{'inner lr':>8} {'selector':>15} {'density':>8} {'MB sent/round':>13} {'vs DiLoCo':>9} "
+        f"{'payload vs DiLoCo':>17} {'vs DDP':>8} {'sync s':>7} {'equal':>5} {'loss':>6}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         lines.append(
-            f"{r['inner_lr']:>8g} {r['selector']:>10} {r['density']:>8.4f} {r['bytes_sent_per_round'] / 1e6:>13.3f} "
-            f"{r['ratio_vs_dense']:>8.1f}x {r['ratio_vs_ddp']:>7.1f}x {r['seconds_sync']:>7.2f} "
+            f"{r['inner_lr']:>8g} {r['selector']:>15} {r['density']:>8.4f} {r['bytes_sent_per_round'] / 1e6:>13.3f} "
+            f"{r['ratio_vs_dense']:>8.1f}x {r['payload_ratio_vs_dense']:>16.1f}x {r['ratio_vs_ddp']:>7.1f}x "
+            f"{r['seconds_sync']:>7.2f} "
             f"{'yes' if r['equal_digests'] else 'NO':>5} {r['loss_last_round']:>6.3f}"
         )
     return "\n".join(lines)
@@ -187,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--selectors",
         nargs="+",
-        default=["pulse", "topk", "dense"],
-        choices=["pulse", "pulse-bf16", "topk", "dense"],
-        help="pulse-bf16: the pulse rule sending BF16 values (the rounding remainder stays in the residual)",
+        default=["pulse", "sparseloco", "dense"],
+        choices=list(SELECTORS),
+        help="pulse-bf16 / pulse-2bit: the pulse rule sending BF16 / 2-bit values (the rounding or quantization "
+        "error stays in the residual); -k64: at most 64 visible entries per 64x64 tile; sparseloco: SparseLoCo",
     )
-    parser.add_argument("--topk-density", type=float, default=0.02)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)

@@ -316,15 +316,16 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
         round_config=RoundConfig(
             inner_steps=config.inner_steps,
             selector=config.selector,
-            topk_density=0.05,
-            topk_chunk_size=256,
+            topk_k=extra.pop("topk_k", 64),
             pulse_values=extra.pop("pulse_values", "float32"),
+            pulse_budget=extra.pop("pulse_budget", None),
         ),
         averaging_config=AveragingConfig(
             target_group_size=config.target_group_size,
             matchmaking_time=config.matchmaking_time,
             averaging_timeout=config.averaging_timeout,
             request_timeout=config.request_timeout,
+            exchange=extra.pop("exchange", "auto"),
         ),
         **extra,
     )

@@ -197,10 +197,19 @@ def test_pulse_values_option_reaches_the_selector_and_is_validated() -> None:
 
     callback = PulseLoCoArguments(pulse_values="bfloat16").callbacks()[0]
     assert callback.round_config.pulse_values == "bfloat16"
-    with pytest.raises(ConfigError, match="pulse_values must be one of float32, bfloat16"):
+    with pytest.raises(ConfigError, match="pulse_values must be one of float32, bfloat16, quantized"):
         PulseLoCoArguments(pulse_values="fp8")
-    with pytest.raises(ConfigError, match="needs --strategy pulseloco"):
+    with pytest.raises(ConfigError, match="need --strategy pulseloco"):
         PulseLoCoArguments(strategy="diloco", pulse_values="bfloat16")
+    with pytest.raises(ConfigError, match="need --strategy pulseloco"):
+        PulseLoCoArguments(strategy="sparseloco", pulse_budget=64)
+    sparse = PulseLoCoArguments(strategy="sparseloco", topk_k=128).round_config()
+    assert sparse.selector == "sparseloco" and sparse.topk_k == 128
+    assert (sparse.resolved("outer_lr"), sparse.resolved("outer_momentum"), sparse.resolved("error_decay")) == (
+        1.0,
+        0.0,
+        0.95,
+    )
 
 
 # -- metrics in the Trainer's logs (report_to) ----------------------------------------------------------------

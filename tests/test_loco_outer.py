@@ -87,7 +87,7 @@ def test_dense_selector_reproduces_diloco_exactly() -> None:
     assert not opt.residual_N.any()
 
 
-@pytest.mark.parametrize("selector", ["pulse", "topk"])
+@pytest.mark.parametrize("selector", ["pulse", "sparseloco"])
 def test_resume_from_state_dict_continues_the_same_trajectory(selector: str, tmp_path: Path) -> None:
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-4)
@@ -159,7 +159,10 @@ def test_load_state_dict_rejects_mismatched_state() -> None:
         ({"round_config": lambda: RoundConfig(outer_lr=0.0)}, "outer_lr"),
         ({"round_config": lambda: RoundConfig(outer_lr=float("inf"))}, "outer_lr"),
         ({"round_config": lambda: RoundConfig(outer_momentum=1.0)}, "outer_momentum"),
-        ({"round_config": lambda: RoundConfig(topk_density=2.0, selector="topk")}, "topk_density"),
+        ({"round_config": lambda: RoundConfig(topk_k=0, selector="sparseloco")}, "topk_k"),
+        ({"round_config": lambda: RoundConfig(error_decay=1.5)}, "error_decay"),
+        ({"round_config": lambda: RoundConfig(mean_over="all")}, "mean_over"),
+        ({"averaging_config": lambda: AveragingConfig(exchange="broadcast")}, "exchange"),
         ({"round_config": lambda: RoundConfig(pulse_values="bfloat16", selector="dense")}, "pulse_values"),
         ({"averaging_config": lambda: AveragingConfig(averaging_timeout=0)}, "averaging_timeout"),
         ({"averaging_config": lambda: AveragingConfig(digest_timeout=float("nan"))}, "digest_timeout"),

@@ -11,6 +11,7 @@ from pulseloco import PulseLoCo
 from pulseloco.errors import ConfigError
 from pulseloco.loco import PlacementConfig, RoundConfig
 from pulseloco.loco.outer import NesterovOuterOptimizer
+from pulseloco.loco.quantize import ParamLayout
 from pulseloco.loco.selection import make_selector, select_in_place
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -45,12 +46,14 @@ def _reference(selector: str, dtype: torch.dtype, **selector_kwargs: object) -> 
     model = _model(dtype)
     theta = flat_params(model).clone()
     residual = torch.zeros_like(theta)
-    outer = NesterovOuterOptimizer(0.7, 0.9)
-    rule = make_selector(selector, **selector_kwargs)  # type: ignore[arg-type]
+    rounds = RoundConfig(inner_steps=1, selector=selector, **selector_kwargs)  # type: ignore[arg-type]
+    outer = rounds.make_outer_optimizer()
+    rule = rounds.make_selector(ParamLayout([tuple(p.shape) for p in model.parameters()]))
+    decay = rounds.resolved("error_decay")
     for r in range(ROUNDS):
         _perturb(model, r)
         pseudo_gradient = theta - flat_params(model)
-        signal = residual + pseudo_gradient
+        signal = (residual * decay if decay != 1.0 else residual) + pseudo_gradient
         selection = rule.select(theta, signal)
         residual = selection.residual_N
         average = torch.zeros_like(theta)
@@ -85,12 +88,14 @@ CASES = [
     ("pulse", {}),
     ("pulse", {"pulse_values": "bfloat16"}),
     ("dense", {}),
-    ("topk", {"topk_density": 0.05, "topk_chunk_size": 256}),
+    ("sparseloco", {"topk_k": 8, "chunk_size": 8}),
+    ("pulse", {"pulse_values": "quantized", "pulse_budget": 8, "chunk_size": 8}),
 ]
+IDS = ["pulse", "pulse-bf16", "dense", "sparseloco", "pulse-2bit-k8"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("selector", "selector_kwargs"), CASES, ids=["pulse", "pulse-bf16", "dense", "topk"])
+@pytest.mark.parametrize(("selector", "selector_kwargs"), CASES, ids=IDS)
 def test_chunked_round_is_bit_identical_to_the_whole_tensor_round(
     selector: str, selector_kwargs: dict[str, object], dtype: torch.dtype
 ) -> None:
@@ -109,14 +114,14 @@ def test_outer_state_is_plain_host_memory_for_a_cpu_model() -> None:
     assert _bits_equal(opt.theta_N, flat_params(opt.model))
 
 
-@pytest.mark.parametrize(("selector", "selector_kwargs"), CASES, ids=["pulse", "pulse-bf16", "dense", "topk"])
+@pytest.mark.parametrize(("selector", "selector_kwargs"), CASES, ids=IDS)
 def test_select_in_place_matches_select(selector: str, selector_kwargs: dict[str, object]) -> None:
     gen = torch.Generator().manual_seed(7)
     theta = torch.randn(5000, generator=gen)
     signal = torch.randn(5000, generator=gen) * 10.0 ** torch.empty(5000).uniform_(-7, -1, generator=gen)
     signal[::97] = -0.0
     theta[::89] = -0.0
-    rule = make_selector(selector, **selector_kwargs)  # type: ignore[arg-type]
+    rule = make_selector(selector, layout=ParamLayout([(50, 100)]), **selector_kwargs)  # type: ignore[arg-type]
     expected = rule.select(theta, signal)
     for chunk_numel in (1, 255, 256, 1000, 10**6):
         buffer = signal.clone()
@@ -185,7 +190,7 @@ def test_bad_placement_options_raise_config_error(kwargs: dict[str, object], mes
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: pinned host state vs GPU state")
-@pytest.mark.parametrize(("selector", "selector_kwargs"), CASES, ids=["pulse", "pulse-bf16", "dense", "topk"])
+@pytest.mark.parametrize(("selector", "selector_kwargs"), CASES, ids=IDS)
 def test_cuda_model_with_pinned_host_state_matches_gpu_state_and_the_cpu_path(
     selector: str, selector_kwargs: dict[str, object]
 ) -> None:

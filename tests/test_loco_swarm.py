@@ -358,6 +358,40 @@ def test_bf16_values_average_to_equal_digests_and_conserve(initial_peers: list[s
     assert torch.any(torch.frombuffer(bytearray(reports[0]["residual"]), dtype=torch.float32) != 0)
 
 
+def test_sparseloco_pair_ends_every_round_identical(initial_peers: list[str]) -> None:
+    """Two SparseLoCo peers (top-64 per tile, 2-bit values, decayed error feedback, SGD outer step, mean over
+    senders): every shard is gathered (each owner relays the other's quantized part) and both end every round on
+    one theta."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="sparseloco", selector="sparseloco")
+    reports = run_swarm([replace(base, index=i, target_group_size=2) for i in range(2)])
+    for report in reports:
+        assert all(r["num_contributors"] == 2 and r["complete"] and r["num_sent"] > 0 for r in report["rounds"])
+        assert all(not r["repaired"] and r["num_returned"] == 0 for r in report["rounds"])
+    assert _digests(reports[0]) == _digests(reports[1])
+    assert len(set(_digests(reports[0]).values())) == 3
+    assert torch.equal(_theta(reports[0]), _theta(reports[1]))
+
+
+def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: list[str]) -> None:
+    """The PULSE gate with a budget and 2-bit values, three peers: relaying the parts (gather) and serving their
+    FP32 sums give bit-identical thetas, and every contribution is counted once (the residuals hold the
+    quantization error)."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="gather")
+    extra = {"pulse_values": "quantized", "pulse_budget": 64}
+    thetas = []
+    for exchange in ("gather", "sums"):
+        configs = [
+            replace(base, index=i, run_id=f"x-{exchange}", extra={**extra, "exchange": exchange}) for i in range(3)
+        ]
+        reports = run_swarm(configs)
+        for report in reports:
+            assert all(r["num_contributors"] == 3 and r["complete"] and r["num_sent"] > 0 for r in report["rounds"])
+        assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
+        assert _conservation_error(reports) < 1e-5
+        thetas.append(_theta(reports[0]))
+    assert torch.equal(thetas[0], thetas[1])
+
+
 def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initial_peers: list[str]) -> None:
     """Two peers, no majority: the honest owner screens against its own part, and the honest member refuses the
     poisoned owner's average (round 2, 1e4x norms), names it disputed and never repairs from it."""

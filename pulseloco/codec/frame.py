@@ -34,6 +34,7 @@ import zstandard
 
 from pulseloco.codec.bits import bit_format, from_wire_values, to_wire_values
 from pulseloco.codec.indices import IndexCode, decode_indices, encode_indices, max_code_bytes
+from pulseloco.codec.lut import LUT_BITS, decode_lut, encode_lut, lut_value_bytes
 from pulseloco.errors import (
     BadMagicError,
     ChecksumError,
@@ -78,8 +79,9 @@ _POOLED_COUNT = 1 << 16
 _THREADED_BYTES = 8 << 20
 
 #: ``absolute``: new values in the tensor's dtype; ``delta``: modular difference of the bit patterns
-#: (tensor dtype width); ``float32``: FP32 values for tensors of any dtype (sparse pseudo-gradients).
-VALUE_MODES = ("absolute", "delta", "float32")
+#: (tensor dtype width); ``float32``: FP32 values for tensors of any dtype (sparse pseudo-gradients); ``lut``:
+#: quantized FP32 values as per-group tables and packed codes (:mod:`pulseloco.codec.lut`).
+VALUE_MODES = ("absolute", "delta", "float32", "lut")
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,8 @@ class SparseTensor:
 
     ``indices`` are sorted, strictly increasing flat int64 offsets into a tensor of ``shape`` and ``dtype``;
     ``values`` hold one entry per index: floats of ``dtype`` (absolute mode), FP32 (float32 mode) or the
-    signed-integer view of the modular bit-pattern difference (delta mode).
+    signed-integer view of the modular bit-pattern difference (delta mode). ``groups`` (lut mode only): the
+    entries cut into consecutive groups of these sizes, each with its own table of values.
     """
 
     name: str
@@ -96,6 +99,7 @@ class SparseTensor:
     dtype: torch.dtype
     indices: torch.Tensor
     values: torch.Tensor
+    groups: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -138,7 +142,7 @@ class DecodedPayload:
 def _value_format(mode: str, dtype: torch.dtype) -> tuple[torch.dtype, int]:
     """The dtype in which values of ``mode`` for a tensor of ``dtype`` travel, and its width in bytes."""
     fmt = bit_format(dtype)
-    if mode == "float32":
+    if mode in ("float32", "lut"):
         return torch.float32, 4
     if mode == "delta":
         return fmt.int_dtype, fmt.width
@@ -212,16 +216,22 @@ def encode_payload(
                 f"got {values_K.numel()} of {values_K.dtype}"
             )
         code = encode_indices(indices_K, entry.numel)
-        wire_K = to_wire_values(values_K.reshape(-1), value_mode)
-        byte_planes = wire_K.view(np.uint8).reshape(-1, width)
-        planes = [np.ascontiguousarray(byte_planes[:, j]).tobytes() for j in range(width)]
-        info = {
+        info: dict[str, Any] = {
             "name": entry.name,
             "shape": list(entry.shape),
             "dtype": bit_format(entry.dtype).name,
             "count": int(indices_K.size),
             "index": {"method": code.method, "k": code.k, "size": len(code.data)},
         }
+        if value_mode == "lut":
+            if entry.groups is None:
+                raise ValueError(f"tensor {entry.name!r}: lut mode needs the value groups")
+            lut_bytes, info["bits"] = encode_lut(values_K.reshape(-1), entry.groups)
+            info["groups"] = [int(g) for g in entry.groups]
+            return info, code.data, [lut_bytes]
+        wire_K = to_wire_values(values_K.reshape(-1), value_mode)
+        byte_planes = wire_K.view(np.uint8).reshape(-1, width)
+        planes = [np.ascontiguousarray(byte_planes[:, j]).tobytes() for j in range(width)]
         return info, code.data, planes
 
     encoded = parallel_map(encode_entry, entries, cost=lambda entry: entry.indices.numel(), inline_below=_POOLED_COUNT)
@@ -363,7 +373,10 @@ def _validate_header(header: dict[str, Any], body_start: int, total: int, max_el
             )
         total_count += count
         index_size += index["size"]
-        value_size += count * _value_format(mode, dtype)[1]
+        if mode == "lut":
+            value_size += _lut_size(t, name, count)
+        else:
+            value_size += count * _value_format(mode, dtype)[1]
     if total_count > max_elements:
         raise PayloadSizeError(f"payload carries {total_count} elements, above this receiver's limit of {max_elements}")
     idx, val = header["index_section"], header["value_section"]
@@ -386,6 +399,18 @@ def _validate_header(header: dict[str, Any], body_start: int, total: int, max_el
         index_section=idx,
         value_section=val,
     )
+
+
+def _lut_size(t: Mapping[str, Any], name: str, count: int) -> int:
+    """The value bytes of a ``lut`` tensor entry, after checking its ``groups`` and ``bits`` fields."""
+    groups, bits = t.get("groups"), t.get("bits")
+    if not isinstance(groups, list) or len(groups) > count or not all(_is_int(g, 1, count) for g in groups):
+        raise PayloadError(f"tensor {name!r}: lut 'groups' must be a list of at most {count} positive sizes")
+    if sum(groups) != count:
+        raise PayloadError(f"tensor {name!r}: lut groups add up to {sum(groups)} entries, count is {count}")
+    if not _is_int(bits) or bits not in LUT_BITS:
+        raise PayloadError(f"tensor {name!r}: lut 'bits' must be one of {LUT_BITS}")
+    return lut_value_bytes(count, len(groups), bits)
 
 
 def peek_header(payload: bytes, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> FrameHeader:
@@ -426,6 +451,8 @@ def decode_payload(
         header.value_section["raw"],
     )
     mode = header.value_mode
+    if mode == "lut":
+        return _decode_lut_entries(header, index_raw, value_raw)
     formats = [_value_format(mode, bit_format(t["dtype"]).dtype) for t in header.tensors]
     # Byte planes: plane j holds byte j of every value of every tensor at least j+1 bytes wide.
     plane_offsets: list[list[int]] = []
@@ -465,4 +492,31 @@ def decode_payload(
     entries = parallel_map(
         decode_entry, range(len(header.tensors)), cost=lambda i: header.tensors[i]["count"], inline_below=_POOLED_COUNT
     )
+    return DecodedPayload(header=header, entries=tuple(entries))
+
+
+def _decode_lut_entries(header: FrameHeader, index_raw: bytes, value_raw: bytes) -> DecodedPayload:
+    """The tensors of a ``lut`` frame: each tensor's value bytes follow the previous tensor's."""
+    entries = []
+    index_offset = value_offset = 0
+    for t in header.tensors:
+        count, shape = t["count"], tuple(t["shape"])
+        code = IndexCode(
+            t["index"]["method"], t["index"]["k"], index_raw[index_offset : index_offset + t["index"]["size"]]
+        )
+        index_offset += t["index"]["size"]
+        indices_K = decode_indices(code, count, math.prod(shape))
+        size = lut_value_bytes(count, len(t["groups"]), t["bits"])
+        values_K = decode_lut(value_raw[value_offset : value_offset + size], count, t["groups"], t["bits"])
+        value_offset += size
+        entries.append(
+            SparseTensor(
+                name=t["name"],
+                shape=shape,
+                dtype=bit_format(t["dtype"]).dtype,
+                indices=torch.from_numpy(indices_K),
+                values=values_K,
+                groups=tuple(t["groups"]),
+            )
+        )
     return DecodedPayload(header=header, entries=tuple(entries))

@@ -33,7 +33,7 @@ STRATEGIES: dict[str, SelectorName | None] = {
     "ddp": None,
     "diloco": "dense",
     "pulseloco": "pulse",
-    "sparseloco": "topk",
+    "sparseloco": "sparseloco",
 }
 """Strategy -> PulseLoCo selector; ``ddp`` (``None``) is the Trainer's own data parallelism, no swarm."""
 
@@ -85,7 +85,7 @@ class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArg
         metadata=_help(
             "ddp: the Trainer's own data parallelism across the processes of one `accelerate launch`, no swarm. "
             "diloco / pulseloco / sparseloco: this launch is one swarm peer averaging every inner_steps optimizer "
-            "steps with the dense / pulse / topk selector."
+            "steps with the dense / pulse / sparseloco selector."
         ),
     )
     selector: SelectorName | None = field(default=None, init=False)  # type: ignore[assignment]  # from strategy
@@ -115,8 +115,10 @@ class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArg
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy: unknown strategy {self.strategy!r} (choose from {', '.join(STRATEGIES)})")
         self.selector = STRATEGIES[self.strategy]
-        if self.pulse_values != "float32" and self.strategy != "pulseloco":
-            raise ConfigError(f"pulse_values={self.pulse_values} needs --strategy pulseloco, got {self.strategy}")
+        if (self.pulse_values != "float32" or self.pulse_budget is not None) and self.strategy != "pulseloco":
+            raise ConfigError(
+                f"--pulse_values / --pulse_budget need --strategy pulseloco, got --strategy {self.strategy}"
+            )
         self.round_config(), self.averaging_config(), self.placement_config()  # each checks its options
         if self.publish_every < 0:
             raise ConfigError(f"publish_every must be >= 0, got {self.publish_every}")

@@ -2,7 +2,7 @@
 
 Modules, one concept each:
 
-- :mod:`~pulseloco.loco.selection`: selection rules ``pulse`` / ``dense`` / ``topk`` with error feedback;
+- :mod:`~pulseloco.loco.selection`: selection rules ``pulse`` / ``dense`` / ``sparseloco`` with error feedback;
 - :mod:`~pulseloco.loco.outer`: the Nesterov outer optimizer;
 - :mod:`~pulseloco.loco.matchmaking`: DHT records (per-round groups, per-peer state digests);
 - :mod:`~pulseloco.loco.validation`: encoding and validation of untrusted sparse payloads;
@@ -28,10 +28,10 @@ from pulseloco.loco.optimizer import PulseLoCo
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.selection import (
     SELECTORS,
+    ChunkedSelector,
     DenseSelector,
     PulseSelector,
     Selection,
-    TopKSelector,
     compute_visible_mask,
     make_selector,
 )
@@ -39,6 +39,7 @@ from pulseloco.loco.selection import (
 __all__ = [
     "SELECTORS",
     "AveragingConfig",
+    "ChunkedSelector",
     "DenseSelector",
     "NesterovOuterOptimizer",
     "PlacementConfig",
@@ -47,7 +48,6 @@ __all__ = [
     "RoundConfig",
     "RoundMetrics",
     "Selection",
-    "TopKSelector",
     "compute_visible_mask",
     "make_selector",
 ]

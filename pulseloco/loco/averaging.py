@@ -70,9 +70,10 @@ from hivemind.proto import runtime_pb2
 
 from pulseloco.codec import FrameHeader, peek_header
 from pulseloco.errors import PayloadError, SwarmError
+from pulseloco.loco.config import MEAN_OVER
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS, RepeatOutliers, parse_scales
-from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedShard, ShardOwner, peak
+from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedShard, ShardOwner, combine_parts, peak
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
 from pulseloco.loco.validation import decode_sparse, encode_sparse
@@ -110,7 +111,13 @@ def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
 
 
 def payload_frame(
-    numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int, value_dtype: str = "float32"
+    numel: int,
+    indices_K: torch.Tensor,
+    values_K: torch.Tensor,
+    *,
+    round_index: int,
+    value_dtype: str = "float32",
+    group_starts: torch.Tensor | None = None,
 ) -> FrameHeader:
     """The header (sizes of the whole frame and of its sections) of a peer's whole selection (sorted global
     ``indices_K`` into ``numel`` entries, FP32 ``values_K``) encoded as one contribution frame of the wire's codec
@@ -119,7 +126,13 @@ def payload_frame(
 
     Raises :class:`ValueError` for unsorted or out-of-range indices or an unknown ``value_dtype``."""
     frame = encode_sparse(
-        CONTRIBUTION_NAME, numel, indices_K, values_K, round_index=round_index, value_dtype=value_dtype
+        CONTRIBUTION_NAME,
+        numel,
+        indices_K,
+        values_K,
+        round_index=round_index,
+        value_dtype=value_dtype,
+        group_starts=group_starts,
     )
     return peek_header(frame, max_elements=NO_ELEMENT_LIMIT)
 
@@ -209,7 +222,11 @@ class SparseAverager(ShardOwner, StateTransfer):
         dispute_norm_ratio: float = DEFAULT_DISPUTE_NORM_RATIO,
         dispute_rounds: int = DEFAULT_DISPUTE_ROUNDS,
         chunk_bytes: int = CHUNK_BYTES,
+        exchange: str = "sums",
+        mean_over: str = "peers",
     ) -> None:
+        if exchange not in ("sums", "gather") or mean_over not in MEAN_OVER:
+            raise ValueError(f"exchange must be sums or gather and mean_over one of {MEAN_OVER}")
         self.dht = dht
         self.run_id = run_id
         self.numel = int(numel)
@@ -221,6 +238,8 @@ class SparseAverager(ShardOwner, StateTransfer):
         self.dispute_norm_ratio = dispute_norm_ratio
         self.repeat_outliers = RepeatOutliers(dispute_rounds)
         self.chunk_bytes = chunk_bytes
+        self.exchange = exchange
+        self.mean_over = mean_over
         self.namespace = f"{run_id}_loco"
         self._owned: dict[tuple[int, str], OwnedShard] = {}
         self._traffic: dict[int, Traffic] = {}
@@ -423,11 +442,13 @@ class SparseAverager(ShardOwner, StateTransfer):
         bounds: list[tuple[int, int]],
         results: list[tuple[dict[str, Any], bytes] | None],
         own_peaks: list[float],
+        own_parts: list[bytes],
     ) -> tuple[
         list[torch.Tensor], list[torch.Tensor], list[tuple[str, ...] | None], list[tuple[float, ...] | None], set[str]
     ]:
-        """Check and divide every fetched shard sum of ``results`` (``bounds`` the shards, ``own_peaks`` the
-        largest entry of this peer's part of each): the accepted list must name members only, once each, with one
+        """Check and average every fetched shard of ``results`` (``bounds`` the shards, ``own_peaks`` the largest
+        entry of this peer's part of each, ``own_parts`` its encoded parts; :meth:`_shard_average`): the accepted
+        list must name members only, once each, with one
         valid clip scale per name (:func:`~pulseloco.loco.robust.parse_scales`), a sum with values must name
         contributors, and the average must pass :meth:`_screen_aggregate`. Returns the averages' global indices
         and values (shards with contributors only), the accepted list per shard (sorted; None where the sum is
@@ -453,11 +474,11 @@ class SparseAverager(ShardOwner, StateTransfer):
                     if len(set(names)) != len(names):
                         raise PayloadError("aggregate counts a peer twice")
                     by_name = dict(zip(names, parse_scales(reply.get("scales"), names)))
-                    sum_indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, stop - start)
-                    if not names and sum_K.numel():
-                        raise PayloadError("aggregate has values but no accepted contributors")
+                    sum_indices_K, average_K = self._shard_average(
+                        reply, payload, names, by_name, own_parts[j], stop - start
+                    )
                     if names:
-                        self._screen_aggregate(group.servers[j], sum_K / float(len(names)), own_peaks[j])
+                        self._screen_aggregate(group.servers[j], average_K, own_peaks[j])
                 except PayloadError as exc:
                     logger.warning("aggregate rejected round=%d owner=%s error=%s", group.round, group.servers[j], exc)
                 else:
@@ -465,18 +486,66 @@ class SparseAverager(ShardOwner, StateTransfer):
                     scales = tuple(by_name[name] for name in accepted)
                     if accepted:  # every part refused: nothing counted in this shard
                         all_indices.append(sum_indices_K + start)
-                        all_average.append(sum_K / float(len(accepted)))
+                        all_average.append(average_K)
                     live_peers.update(accepted)
                     live_peers.add(group.servers[j])
             accepted_lists.append(accepted)
             scale_lists.append(scales)
         return all_indices, all_average, accepted_lists, scale_lists, live_peers
 
+    def _shard_average(
+        self,
+        reply: dict[str, Any],
+        payload: bytes,
+        names: list[str],
+        scales: dict[str, float],
+        own_part: bytes,
+        numel: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fetched shard's average (local indices, FP32 values) by the owner's rules: a sum (``exchange``
+        ``sums``) divided by the peers it counted, or already the mean over senders; or the accepted parts
+        themselves (``gather``: this peer's own part is its own bytes, the others' come in ``payload``, their sizes
+        in ``parts``), clipped and combined as the owner would (:func:`combine_parts`). Raises
+        :class:`PayloadError` for a reply that does not follow its rules or a part or sum that does not decode."""
+        exchange, mean_over = reply.get("exchange", "sums"), reply.get("mean_over", "peers")
+        if exchange not in ("sums", "gather") or mean_over not in MEAN_OVER:
+            raise PayloadError(f"aggregate names an unknown exchange {exchange!r} or mean {mean_over!r}")
+        if exchange == "sums":
+            indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, numel)
+            if not names and sum_K.numel():
+                raise PayloadError("aggregate has values but no accepted contributors")
+            return indices_K, (sum_K if mean_over == "senders" else sum_K / float(max(1, len(names))))
+        sizes = reply.get("parts")
+        if (
+            not isinstance(sizes, list)
+            or len(sizes) != len(names)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+            or sum(sizes) != len(payload)
+        ):
+            raise PayloadError("gathered shard's part sizes do not match its accepted list and payload")
+        parts: list[tuple[tuple[torch.Tensor, torch.Tensor], float]] = []
+        offset = 0
+        for name, size in zip(names, sizes):
+            frame = own_part if name == self.peer_id else payload[offset : offset + size]
+            offset += size
+            if not frame:
+                raise PayloadError(f"gathered shard lacks the part of {name}")
+            parts.append((decode_sparse(frame, CONTRIBUTION_NAME, numel), scales[name]))
+        order = sorted(range(len(names)), key=names.__getitem__)
+        indices_K, sum_K = combine_parts([parts[i] for i in order], numel, mean_over)
+        return indices_K, (sum_K if mean_over == "senders" else sum_K / float(max(1, len(names))))
+
     def all_reduce(
-        self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor, value_dtype: str = "float32"
+        self,
+        group: Group,
+        indices_K: torch.Tensor,
+        values_K: torch.Tensor,
+        value_dtype: str = "float32",
+        group_starts: torch.Tensor | None = None,
     ) -> AllReduceResult:
         """Average this peer's sparse entries (sorted global ``indices_K``, FP32 ``values_K``) with ``group``; the
-        parts travel in ``value_dtype`` (``"bfloat16"`` only for values exact in BF16: the pulse rule's option).
+        parts travel in ``value_dtype`` (``"bfloat16"`` only for values exact in BF16; ``"quantized"`` for values with
+        few distinct numbers in each quantization group, the groups beginning at the global ``group_starts``).
 
         Never raises because of another peer: entries of shards whose fetched accepted list does not show this
         peer (or whose sum could not be fetched) are flagged in ``returned_K``. Waits at most
@@ -498,6 +567,7 @@ class SparseAverager(ShardOwner, StateTransfer):
                 values_K[offsets[j] : offsets[j + 1]],
                 round_index=group.round,
                 value_dtype=value_dtype,
+                group_starts=None if group_starts is None else group_starts - start,
             )
             for j, (start, stop) in enumerate(bounds)
         ]
@@ -506,13 +576,19 @@ class SparseAverager(ShardOwner, StateTransfer):
         whole_frame: Future[FrameHeader] | None = None
         if len(parts) > 1:
             whole_frame = self._payload_pool.submit(
-                payload_frame, self.numel, indices_K, values_K, round_index=group.round, value_dtype=value_dtype
+                payload_frame,
+                self.numel,
+                indices_K,
+                values_K,
+                round_index=group.round,
+                value_dtype=value_dtype,
+                group_starts=group_starts,
             )
         results, owned, traffic = self._run_exchange(group, parts)
         whole = peek_header(parts[0], max_elements=NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
         own_peaks = [peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
         all_indices, all_average, accepted_lists, scale_lists, live_peers = self._average_shards(
-            group, bounds, results, own_peaks
+            group, bounds, results, own_peaks, parts
         )
         returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
         for j, accepted in enumerate(accepted_lists):

@@ -18,11 +18,23 @@ from typing import Any
 from pulseloco.errors import ConfigError
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterStateDevice
+from pulseloco.loco.quantize import ParamLayout
 from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS
 from pulseloco.loco.selection import Selector, SelectorName, ValueDType, make_selector
 
-__all__ = ["DEFAULT_OUTER_CHUNK_BYTES", "AveragingConfig", "PlacementConfig", "RoundConfig"]
+__all__ = [
+    "DEFAULT_OUTER_CHUNK_BYTES",
+    "EXCHANGES",
+    "MEAN_OVER",
+    "STRATEGY_DEFAULTS",
+    "AveragingConfig",
+    "PlacementConfig",
+    "RoundConfig",
+]
 
+EXCHANGES = ("auto", "sums", "gather")
+"""The owner's exchange (:class:`AveragingConfig`): ``sums`` serves the FP32 sum of the shard's parts, ``gather``
+relays the parts themselves (cheaper when a part's values take fewer bytes than an FP32 sum's)."""
 DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
 """FP32 bytes of one chunk of the outer round's chunked phases: bounds their temporaries."""
 
@@ -31,46 +43,111 @@ def _help(text: str) -> dict[str, Any]:
     return {"help": text}
 
 
+MEAN_OVER = ("peers", "senders")
+"""How a shard's sum becomes the average: divided by the peers counted in the shard (DiLoCo, PULSE), or each
+entry by the peers that sent it (SparseLoCo)."""
+STRATEGY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "pulse": {"outer_lr": 0.7, "outer_momentum": 0.9, "error_decay": 1.0, "mean_over": "peers"},
+    "dense": {"outer_lr": 0.7, "outer_momentum": 0.9, "error_decay": 1.0, "mean_over": "peers"},
+    "sparseloco": {"outer_lr": 1.0, "outer_momentum": 0.0, "error_decay": 0.95, "mean_over": "senders"},
+}
+"""Per selector, the published values of the options left at None: DiLoCo's and PULSE's Nesterov outer step
+(lr 0.7, momentum 0.9) with plain error feedback, SparseLoCo's plain SGD step (lr 1, no momentum) with decayed
+error feedback (0.95) and the mean over senders."""
+
+
 @dataclass(kw_only=True)
 class RoundConfig:
     """What one outer round does: ``inner_steps`` local steps, then the selector's entries averaged over the
-    group and a Nesterov outer step."""
+    group and an outer SGD step (Nesterov momentum, or none for SparseLoCo). Options left at None take the
+    selector's published value (:data:`STRATEGY_DEFAULTS`)."""
 
     inner_steps: int = field(default=8, metadata=_help("H: optimizer steps per outer round."))
     selector: SelectorName = field(
         default="pulse",
-        metadata=_help("pulse (compute-visible gate), dense (DiLoCo) or topk (chunked top-k, SparseLoCo)."),
+        metadata=_help(
+            "pulse (compute-visible gate, PULSELoCo), dense (DiLoCo) or sparseloco (top-k per 64x64 tile, 2-bit "
+            "values, SparseLoCo)."
+        ),
     )
-    outer_lr: float = field(default=0.7, metadata=_help("Nesterov outer learning rate."))
-    outer_momentum: float = field(default=0.9, metadata=_help("Nesterov outer momentum, in [0, 1)."))
-    topk_density: float = field(default=0.01, metadata=_help("topk: fraction of each chunk sent."))
-    topk_chunk_size: int = field(default=4096, metadata=_help("topk: chunk size of the top-k selection."))
+    outer_lr: float | None = field(
+        default=None, metadata=_help("Outer learning rate; default 0.7 (pulse, dense) or 1.0 (sparseloco).")
+    )
+    outer_momentum: float | None = field(
+        default=None,
+        metadata=_help("Nesterov outer momentum in [0, 1); default 0.9 (pulse, dense) or 0 (sparseloco: plain SGD)."),
+    )
+    error_decay: float | None = field(
+        default=None,
+        metadata=_help(
+            "The residual is multiplied by this before each round's pseudo-gradient is added, in (0, 1]; default 1 "
+            "(pulse) or 0.95 (sparseloco)."
+        ),
+    )
+    mean_over: str | None = field(
+        default=None,
+        metadata=_help(
+            "peers: a shard's sum divided by the peers it counted; senders: each entry by the peers that sent it. "
+            "Default peers (pulse, dense) or senders (sparseloco). Decided by each shard's owner."
+        ),
+    )
+    topk_k: int = field(default=64, metadata=_help("sparseloco: entries kept per chunk_size x chunk_size tile."))
+    chunk_size: int = field(
+        default=64,
+        metadata=_help("Tile side of sparseloco and pulse_budget: 64x64 of a matrix, rows of 64 of a vector."),
+    )
+    quant_bits: int = field(default=2, metadata=_help("Bits per quantized value (sparseloco, pulse_values quantized)."))
     pulse_values: ValueDType = field(
         default="float32",
         metadata=_help(
-            "pulse: precision of the values sent, float32 (the paper) or bfloat16 (2 bytes a value; the rounding "
-            "remainder stays in the residual and is sent later)."
+            "pulse: precision of the values sent, float32 (the paper), bfloat16 (2 bytes a value) or quantized "
+            "(quant_bits per value, per-parameter lookup table); the rounding or quantization error stays in the "
+            "residual and is sent later."
         ),
+    )
+    pulse_budget: int | None = field(
+        default=None,
+        metadata=_help("pulse: at most this many visible entries per tile (the largest); default every visible one."),
     )
 
     def __post_init__(self) -> None:
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ConfigError(f"inner_steps must be an integer of at least 1, got {self.inner_steps!r}")
+        decay = self.resolved("error_decay")
+        if not (0.0 < decay <= 1.0):
+            raise ConfigError(f"error_decay must be in (0, 1], got {self.error_decay}")
+        if self.resolved("mean_over") not in MEAN_OVER:
+            raise ConfigError(f"mean_over must be one of {', '.join(MEAN_OVER)}, got {self.mean_over!r}")
         self.make_selector()
         self.make_outer_optimizer()
 
-    def make_selector(self) -> Selector:
-        """The selection rule; raises :class:`ConfigError` for an unknown selector or bad settings of it."""
+    def resolved(self, name: str) -> Any:
+        """The option ``name``, or the selector's default when it is None (:data:`STRATEGY_DEFAULTS`); raises
+        :class:`ConfigError` for an unknown selector."""
+        value = getattr(self, name)
+        if value is not None:
+            return value
+        if self.selector not in STRATEGY_DEFAULTS:
+            raise ConfigError(f"selector must be one of {', '.join(STRATEGY_DEFAULTS)}, got {self.selector!r}")
+        return STRATEGY_DEFAULTS[self.selector][name]
+
+    def make_selector(self, layout: ParamLayout | None = None) -> Selector:
+        """The selection rule for the parameters of ``layout`` (the chunked rules need it; None: a placeholder that
+        checks the settings); raises :class:`ConfigError` for an unknown selector or bad settings of it."""
         return make_selector(
             self.selector,
-            topk_density=self.topk_density,
-            topk_chunk_size=self.topk_chunk_size,
+            layout=layout,
             pulse_values=self.pulse_values,
+            pulse_budget=self.pulse_budget,
+            topk_k=self.topk_k,
+            chunk_size=self.chunk_size,
+            quant_bits=self.quant_bits,
         )
 
     def make_outer_optimizer(self) -> NesterovOuterOptimizer:
-        """A fresh Nesterov outer optimizer; raises :class:`ConfigError` for a bad learning rate or momentum."""
-        return NesterovOuterOptimizer(self.outer_lr, self.outer_momentum)
+        """A fresh outer optimizer (Nesterov; momentum 0 is plain SGD); raises :class:`ConfigError` for a bad
+        learning rate or momentum."""
+        return NesterovOuterOptimizer(self.resolved("outer_lr"), self.resolved("outer_momentum"))
 
 
 @dataclass(kw_only=True)
@@ -119,6 +196,13 @@ class AveragingConfig:
         default=DEFAULT_DISPUTE_ROUNDS,
         metadata=_help("Window of a peer's last parts judged for strikes (most of them exclude it); 0: never exclude."),
     )
+    exchange: str = field(
+        default="auto",
+        metadata=_help(
+            "How this peer's shard reaches the group when it owns one: sums (the FP32 sum of the parts), gather (the "
+            "parts themselves, relayed; each member averages them) or auto (gather for quantized values, else sums)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("matchmaking_time", "averaging_timeout", "request_timeout"):
@@ -135,6 +219,8 @@ class AveragingConfig:
             raise ConfigError(f"clip_to_median must be True or False, got {self.clip_to_median!r}")
         if not (self.dispute_norm_ratio > 1.0 and math.isfinite(self.dispute_norm_ratio)):
             raise ConfigError(f"dispute_norm_ratio must be a finite number above 1, got {self.dispute_norm_ratio}")
+        if self.exchange not in EXCHANGES:
+            raise ConfigError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
         rounds = self.dispute_rounds
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ConfigError(f"dispute_rounds must be an integer of at least 0 (0: never exclude), got {rounds!r}")

@@ -1,7 +1,7 @@
 """PulseLoCo: DiLoCo-style outer optimization with compute-visible sparse pseudo-gradients over a hivemind swarm.
 
     opt = PulseLoCo(model, inner_optimizer, dht=dht, run_id="run",
-                    round_config=RoundConfig(inner_steps=8, selector="pulse"))   # or "dense", "topk"
+                    round_config=RoundConfig(inner_steps=8, selector="pulse"))   # or "dense", "sparseloco"
     loss.backward(); opt.step(); opt.zero_grad()
 
 A training loop that steps its own optimizer (a ``transformers.Trainer``) passes ``inner_optimizer=None`` and calls
@@ -9,12 +9,12 @@ A training loop that steps its own optimizer (a ``transformers.Trainer``) passes
 does exactly that. Both run the same round.
 
 Every ``inner_steps`` calls to :meth:`PulseLoCo.step` run one outer round (docs/design.md section 2), in named
-phases: pseudo-gradient (``theta - theta_local``) and signal (``residual + pseudo_gradient``); catch up (download
-the state if the swarm is ahead); select (pulse / dense / topk, with error feedback); average over the swarm
-(:class:`~pulseloco.loco.averaging.SparseAverager`); return undelivered entries to the residual; outer step
-(Nesterov); check the digest against the swarm's majority and repair; reset the local model to ``theta``. Entries a
-shard counted at a clip scale below 1 (:mod:`pulseloco.loco.robust`) give back to the residual exactly what the
-scale clipped off.
+phases: pseudo-gradient (``theta - theta_local``) and signal (``error_decay * residual + pseudo_gradient``);
+catch up (download the state if the swarm is ahead); select (pulse / dense / sparseloco, with error feedback);
+average over the swarm (:class:`~pulseloco.loco.averaging.SparseAverager`); return undelivered entries to the
+residual; outer step (Nesterov, or plain SGD for SparseLoCo); check the digest against the swarm's majority and
+repair; reset the local model to ``theta``. Entries a shard counted at a clip scale below 1
+(:mod:`pulseloco.loco.robust`) give back to the residual exactly what the scale clipped off.
 
 Failure behaviour: the swarm never makes :meth:`step` raise. A round whose group cannot be formed or whose
 averaging times out keeps every unsent or undelivered entry in the residual and leaves ``theta`` unchanged
@@ -48,6 +48,7 @@ from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.placement import OuterPlacement, process_group
+from pulseloco.loco.quantize import ParamLayout
 from pulseloco.loco.robust import clip_split
 from pulseloco.loco.selection import select_in_place
 from pulseloco.loco.state import StateSnapshot
@@ -114,13 +115,14 @@ class PulseLoCo:
         dht: a running ``hivemind.DHT``, or ``None`` to train alone (each round averages over one peer).
         run_id: peers with the same ``run_id`` average together; a prefix of every DHT key.
         round_config: what a round does (:class:`~pulseloco.loco.config.RoundConfig`: ``inner_steps`` H, the
-            ``selector`` -- ``"pulse"``, ``"dense"`` (DiLoCo) or ``"topk"`` -- and its settings, the Nesterov
-            ``outer_lr`` and ``outer_momentum``); default ``RoundConfig()``.
+            ``selector`` -- ``"pulse"``, ``"dense"`` (DiLoCo) or ``"sparseloco"`` -- and its settings, the outer
+            ``outer_lr`` and ``outer_momentum``, ``error_decay`` and ``mean_over``); default ``RoundConfig()``.
         averaging_config: how a round meets the swarm and how long each wait may take
             (:class:`~pulseloco.loco.config.AveragingConfig`: ``matchmaking_time``, ``target_group_size``,
             ``averaging_timeout`` -- a peer gone mid-round delays the others by at most this --,
             ``request_timeout``, ``digest_timeout``, ``max_norm_ratio``, ``num_download_retries``, and the robust
-            aggregation of a shard owner: ``clip_to_median``, ``dispute_norm_ratio``, ``dispute_rounds``).
+            aggregation of a shard owner: ``clip_to_median``, ``dispute_norm_ratio``, ``dispute_rounds``, and its
+            ``exchange``: ``auto`` gathers the parts of quantized selections and sums the others).
         placement_config: where the outer state (``theta``, the residual and the outer momentum: flat FP32, 12
             bytes a parameter) lives and the chunk size of the round's chunked phases
             (:class:`~pulseloco.loco.config.PlacementConfig`). ``outer_state_device="auto"`` (default) and
@@ -167,8 +169,13 @@ class PulseLoCo:
             raise ConfigError("model has no trainable parameters")
         self.numel = sum(p.numel() for p in self.params)
         self.inner_steps = rounds.inner_steps
-        self.selector = rounds.make_selector()
+        self.layout = ParamLayout([tuple(p.shape) for p in self.params])
+        self.selector = rounds.make_selector(self.layout)
         self.outer_optimizer = rounds.make_outer_optimizer()
+        self.error_decay = float(rounds.resolved("error_decay"))
+        self._group_starts = self.layout.group_starts()
+        quantized = getattr(self.selector, "values", "float32") == "quantized"
+        exchange = averaging.exchange if averaging.exchange != "auto" else ("gather" if quantized else "sums")
         self.placement = OuterPlacement(self.params, placement.outer_state_device, placement.outer_chunk_bytes // 4)
         self.theta_N = self.placement.flatten_local("theta")
         self.residual_N = self.placement.empty("residual").zero_()
@@ -203,6 +210,8 @@ class PulseLoCo:
                 clip_to_median=averaging.clip_to_median,
                 dispute_norm_ratio=averaging.dispute_norm_ratio,
                 dispute_rounds=averaging.dispute_rounds,
+                exchange=exchange,
+                mean_over=rounds.resolved("mean_over"),
             )
             self.matchmaker = Matchmaker(
                 dht,
@@ -484,8 +493,12 @@ class PulseLoCo:
             return True
 
     def _add_pseudo_gradient(self, theta_start_N: torch.Tensor, finite: bool) -> None:
-        """``residual_N += theta_start_N - local``, chunk by chunk and in place: the residual becomes the round's
-        signal (``+= 0`` when the round diverged). Same bits as the out-of-place ``residual + (theta - local)``."""
+        """``residual_N = error_decay * residual_N + (theta_start_N - local)``, chunk by chunk and in place: the
+        residual becomes the round's signal (``+= 0`` when the round diverged). Same bits as the out-of-place
+        ``residual + (theta - local)`` (the decay, when below 1, multiplies first)."""
+        if self.error_decay != 1.0:
+            for start, stop in self.placement.chunk_ranges():
+                self.residual_N[start:stop].mul_(self.error_decay)
         with torch.no_grad():
             if not finite:
                 for start, stop in self.placement.chunk_ranges():
@@ -515,7 +528,14 @@ class PulseLoCo:
             self.selector, self.theta_N, self.residual_N, chunk_numel=self.placement.chunk_numel
         )
         if self.averager is None or self.matchmaker is None:
-            payload = payload_frame(self.numel, indices_K, values_K, round_index=self.round, value_dtype=value_dtype)
+            payload = payload_frame(
+                self.numel,
+                indices_K,
+                values_K,
+                round_index=self.round,
+                value_dtype=value_dtype,
+                group_starts=self._group_starts,
+            )
             return None, 1, indices_K, values_K, payload
         expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
         group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
@@ -524,7 +544,7 @@ class PulseLoCo:
             self.ledger.record(self.round, LedgerEntry(None), None)
             return None, 0, indices_K[:0], values_K[:0], None  # sat the round out: in no group
         indices_cpu, values_cpu = indices_K.cpu(), values_K.cpu()
-        result = self.averager.all_reduce(group, indices_cpu, values_cpu, value_dtype)
+        result = self.averager.all_reduce(group, indices_cpu, values_cpu, value_dtype, self._group_starts)
         if bool(result.returned_K.any()):
             returned = result.returned_K.to(indices_K.device)
             # A selected entry's residual is 0 (or the BF16 rounding remainder r of the signal s, with the value

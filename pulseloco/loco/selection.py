@@ -11,13 +11,21 @@ carries ``bf16(s)``, the signal rounded to nearest, and the residual keeps ``s -
 delivers in a later round. ``s - bf16(s)`` is exact in FP32 (it is the low bits of ``s``), so the invariant still
 holds bit for bit.
 
+Values can also be quantized (``values="quantized"``): each parameter's sent values are quantized together to
+``bits`` bits (:func:`pulseloco.loco.quantize.quantize_lut`), the decoded FP32 values are sent (the codec's ``lut``
+mode), and the residual keeps ``fl(s - q(s))``, the quantization error rounded once to FP32: ``sent + residual``
+equals the signal up to that one rounding (half a unit in the last place of the residual), not bit for bit.
+
 Rules (docs/design.md section 2.2):
 
 - ``pulse``: the compute-visibility gate. An entry fires when applying the signal would change the BF16 bit
-  pattern of the parameter: ``bits(bf16(theta)) != bits(bf16(theta - signal))``.
+  pattern of the parameter: ``bits(bf16(theta)) != bits(bf16(theta - signal))``. With a budget
+  (``pulse_budget``) or quantized values it is a :class:`ChunkedSelector`: at most ``k`` visible entries per tile,
+  the largest.
 - ``dense``: DiLoCo. Every entry, so the residual is all zeros.
-- ``topk``: SparseLoCo-style. In each contiguous chunk of ``chunk_size`` entries, the ``k`` largest by
-  magnitude, with ``k = ceil(density * chunk_size)``; the rest stays in the residual.
+- ``sparseloco``: SparseLoCo (Sarfi et al. 2025). Per ``chunk x chunk`` tile of each parameter (rows of
+  ``chunk`` for 1-D ones) the ``k`` largest magnitudes, values quantized to 2 bits per parameter
+  (:class:`ChunkedSelector`, :mod:`pulseloco.loco.quantize`).
 
 Legend: ``*_N`` has one entry per parameter element, ``*_K`` one per selected element.
 """
@@ -25,38 +33,41 @@ Legend: ``*_N`` has one entry per parameter element, ``*_K`` one per selected el
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
 import torch
 
 from pulseloco.errors import ConfigError
+from pulseloco.loco.quantize import ParamLayout, quantize_lut, tile_topk_mask
 from pulseloco.loco.validation import WIRE_FORMATS
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_BITS",
+    "DEFAULT_CHUNK",
     "SELECTORS",
     "VALUE_DTYPES",
+    "ChunkedSelector",
     "DenseSelector",
     "PulseSelector",
     "Selection",
     "Selector",
-    "TopKSelector",
     "ValueDType",
     "compute_visible_mask",
     "make_selector",
     "select_in_place",
 ]
 
-SelectorName = Literal["pulse", "dense", "topk"]
+SelectorName = Literal["pulse", "dense", "sparseloco"]
 #: Names accepted by :func:`make_selector`.
 SELECTORS: tuple[SelectorName, ...] = get_args(SelectorName)
 
-ValueDType = Literal["float32", "bfloat16"]
-#: Value precisions of the pulse rule: the dtype in which sent values are exact (and travel on the wire); the
-#: wire formats of :mod:`pulseloco.loco.validation` (checked at import).
+ValueDType = Literal["float32", "bfloat16", "quantized"]
+#: Value precisions: FP32, BF16 (the rounding remainder stays in the residual) or quantized per parameter
+#: (:func:`~pulseloco.loco.quantize.quantize_lut`); the wire formats of :mod:`pulseloco.loco.validation` (checked
+#: at import).
 VALUE_DTYPES: tuple[ValueDType, ...] = get_args(ValueDType)
 if set(VALUE_DTYPES) != set(WIRE_FORMATS):
     raise ImportError(f"pulse value dtypes {VALUE_DTYPES} differ from the wire formats {tuple(WIRE_FORMATS)}")
@@ -127,15 +138,22 @@ def compute_visible_mask(theta_N: torch.Tensor, signal_N: torch.Tensor) -> torch
     return before != after
 
 
+DEFAULT_CHUNK = 64
+"""Side of a SparseLoCo tile: 64 x 64 = 4096 entries of a matrix, rows of 64 of a vector."""
+DEFAULT_BITS = 2
+"""Bits per quantized value (SparseLoCo's setting)."""
+
+
 class PulseSelector:
-    """Compute-visibility gate with error feedback (PULSELoCo); ``values`` is the precision of the sent values
-    (:data:`VALUE_DTYPES`; see the module docstring). Raises :class:`ConfigError` for another precision."""
+    """Compute-visibility gate with error feedback (PULSELoCo), element by element; ``values`` is the precision of
+    the sent values, ``float32`` or ``bfloat16`` (quantized values need the parameters: :class:`ChunkedSelector`).
+    Raises :class:`ConfigError` for another precision."""
 
     name = "pulse"
 
     def __init__(self, values: str = "float32") -> None:
-        if values not in VALUE_DTYPES:
-            raise ConfigError(f"pulse_values must be one of {', '.join(VALUE_DTYPES)}, got {values!r}")
+        if values not in ("float32", "bfloat16"):
+            raise ConfigError(f"pulse_values must be float32 or bfloat16 here, got {values!r}")
         self.values = values
 
     def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
@@ -155,62 +173,127 @@ class DenseSelector:
         return Selection(indices_K=indices_K, values_K=signal_N.clone(), residual_N=torch.zeros_like(signal_N))
 
 
-class TopKSelector:
-    """Chunked top-k by magnitude with error feedback (SparseLoCo-style baseline).
+class ChunkedSelector:
+    """Selection per parameter, with SparseLoCo's compression (:mod:`pulseloco.loco.quantize`): per ``chunk x
+    chunk`` tile the ``k`` entries of largest magnitude, among the pulse gate's visible entries when ``gate`` (the
+    gate with a budget), or every visible entry when ``k`` is None; values sent in ``values`` precision, where
+    ``"quantized"`` quantizes each parameter's sent values to ``bits`` bits (the quantization error stays in the
+    residual). ``layout`` is the parameters' :class:`~pulseloco.loco.quantize.ParamLayout`.
 
-    ``density`` in (0, 1] is the fraction kept per chunk of ``chunk_size`` entries (rounded up, at least one
-    per chunk); the last, shorter chunk keeps the same ``k`` or all of its entries if it has fewer. Raises
-    :class:`ConfigError` for a density outside (0, 1] or a chunk size below 1.
+    ``name`` is ``"sparseloco"`` for the published algorithm (no gate, ``k`` per tile, quantized values) and
+    ``"pulse"`` for the gate's low-precision and budgeted forms. Raises :class:`ConfigError` for a ``k`` or
+    ``chunk`` below 1, ``bits`` outside 1..8, an unknown ``values``, or neither a gate nor a ``k``.
     """
 
-    name = "topk"
-
-    def __init__(self, density: float = 0.01, chunk_size: int = 4096) -> None:
-        if not 0.0 < density <= 1.0:
-            raise ConfigError(f"topk_density must be in (0, 1], got {density}")
-        if chunk_size < 1:
-            raise ConfigError(f"topk_chunk_size must be at least 1, got {chunk_size}")
-        self.density = float(density)
-        self.chunk_size = int(chunk_size)
-        self.k = max(1, math.ceil(self.density * self.chunk_size))
+    def __init__(
+        self,
+        layout: ParamLayout,
+        *,
+        gate: bool,
+        k: int | None,
+        chunk: int = DEFAULT_CHUNK,
+        values: str = "quantized",
+        bits: int = DEFAULT_BITS,
+    ) -> None:
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"the entries kept per chunk (topk_k / pulse_budget) must be at least 1, got {k!r}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ConfigError(f"chunk_size must be an integer of at least 1, got {chunk!r}")
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+            raise ConfigError(f"quant_bits must be an integer in 1..8, got {bits!r}")
+        if values not in VALUE_DTYPES:
+            raise ConfigError(f"values must be one of {', '.join(VALUE_DTYPES)}, got {values!r}")
+        if not gate and k is None:
+            raise ConfigError("a chunked selection needs the pulse gate or a number of entries per chunk")
+        self.name = "pulse" if gate else "sparseloco"
+        self.layout = layout
+        self.gate = gate
+        self.k = k
+        self.chunk = chunk
+        self.values = values
+        self.bits = bits
 
     def select(self, theta_N: torch.Tensor, signal_N: torch.Tensor) -> Selection:
-        """Select the ``k`` largest-magnitude entries of each chunk."""
+        """The selection of the whole flat space (see :meth:`select_into`)."""
         _check_inputs(theta_N, signal_N)
-        numel = signal_N.numel()
-        num_chunks = -(-numel // self.chunk_size)
-        # Pad with -1 magnitudes so padding never wins against a real entry (magnitudes are >= 0 or NaN).
-        magnitude = torch.full((num_chunks * self.chunk_size,), -1.0, dtype=torch.float32, device=signal_N.device)
-        magnitude[:numel] = signal_N.abs()
-        magnitude = magnitude.nan_to_num_(nan=float("inf")).view(num_chunks, self.chunk_size)
-        k = min(self.k, self.chunk_size)
-        # Ties at the k-th largest magnitude go to the lowest indices, so that every device selects the same
-        # entries (torch.topk breaks ties differently on CPU and CUDA; BF16 signals tie often).
-        kth_C1 = torch.topk(magnitude, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
-        above_CS = magnitude > kth_C1
-        at_CS = magnitude == kth_C1
-        room_C1 = k - above_CS.sum(dim=1, keepdim=True)
-        keep_CS = above_CS | (at_CS & (at_CS.cumsum(dim=1) <= room_C1))
-        return _from_mask(keep_CS.view(-1)[:numel], signal_N)
+        residual_N = signal_N.clone()
+        indices_K, values_K = self.select_into(theta_N, residual_N, chunk_numel=max(1, residual_N.numel()))
+        return Selection(indices_K=indices_K, values_K=values_K, residual_N=residual_N, value_dtype=self.values)
+
+    def select_into(
+        self, theta_N: torch.Tensor, signal_N: torch.Tensor, *, chunk_numel: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Select parameter by parameter, in bands of whole tile rows of about ``chunk_numel`` entries, overwrite
+        ``signal_N`` with the residual and return the sorted indices and the values sent. Raises
+        :class:`ValueError` when the flat space is not the layout's."""
+        if signal_N.numel() != self.layout.numel:
+            raise ValueError(f"the signal has {signal_N.numel()} entries, the parameter layout {self.layout.numel}")
+        indices: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        for start, (rows, cols) in zip(self.layout.starts, self.layout.shapes, strict=True):
+            band = max(self.chunk, (chunk_numel // max(cols, 1)) // self.chunk * self.chunk)
+            chosen: list[torch.Tensor] = []
+            for row in range(0, rows, band):
+                lo, hi = start + row * cols, start + min(rows, row + band) * cols
+                signal_B = signal_N[lo:hi]
+                visible_B = compute_visible_mask(theta_N[lo:hi], signal_B) if self.gate else None
+                if self.k is None and visible_B is not None:  # the constructor refuses neither a gate nor a k
+                    keep_B = visible_B
+                else:
+                    magnitude_B = signal_B.abs()
+                    if visible_B is not None:
+                        magnitude_B = torch.where(visible_B, magnitude_B, -1.0)
+                    shape = (min(rows, row + band) - row, cols)
+                    keep_B = tile_topk_mask(magnitude_B.view(shape), self.k or 1, self.chunk).reshape(-1)
+                    if visible_B is not None:
+                        keep_B &= visible_B
+                chosen.append(torch.nonzero(keep_B, as_tuple=False).reshape(-1) + lo)
+            indices_P = torch.cat(chosen) if chosen else torch.zeros(0, dtype=torch.int64, device=signal_N.device)
+            signal_P = signal_N[indices_P]
+            if self.values == "quantized":
+                values_P = quantize_lut(signal_P, self.bits)
+            elif self.values == "bfloat16":
+                values_P = signal_P.to(torch.bfloat16).to(torch.float32)
+            else:
+                values_P = signal_P
+            signal_N[indices_P] = signal_P - values_P  # 0, the BF16 remainder, or the quantization error
+            indices.append(indices_P)
+            values.append(values_P)
+        return torch.cat(indices), torch.cat(values)
 
 
 def make_selector(
-    name: str, *, topk_density: float = 0.01, topk_chunk_size: int = 4096, pulse_values: str = "float32"
+    name: str,
+    *,
+    layout: ParamLayout | None = None,
+    pulse_values: str = "float32",
+    pulse_budget: int | None = None,
+    topk_k: int = 64,
+    chunk_size: int = DEFAULT_CHUNK,
+    quant_bits: int = DEFAULT_BITS,
 ) -> Selector:
-    """Build the selection rule called ``name`` (one of :data:`SELECTORS`).
+    """Build the selection rule called ``name`` (one of :data:`SELECTORS`) for the parameters of ``layout`` (the
+    chunked rules need it; default: one vector of the tile's size, enough to check the settings).
 
-    Raises :class:`ConfigError` for an unknown name, invalid top-k settings or an unknown ``pulse_values``
-    (the pulse rule's value precision; the other rules send FP32).
+    ``pulse`` is the element-wise :class:`PulseSelector` for FP32 or BF16 values without a budget, else a gated
+    :class:`ChunkedSelector`; ``sparseloco`` keeps ``topk_k`` entries per tile with ``quant_bits``-bit values.
+    Raises :class:`ConfigError` for an unknown name or an invalid setting, or ``pulse_values`` / ``pulse_budget``
+    given to another rule.
     """
-    if name == "pulse":
-        return PulseSelector(pulse_values)
-    if pulse_values != "float32":
-        raise ConfigError(f"pulse_values={pulse_values!r} needs selector 'pulse', got {name!r}")
+    if name not in SELECTORS:
+        raise ConfigError(f"selector must be one of {SELECTORS}, got {name!r}")
+    if name != "pulse" and (pulse_values != "float32" or pulse_budget is not None):
+        raise ConfigError(f"pulse_values / pulse_budget need selector 'pulse', got {name!r}")
+    if pulse_values not in VALUE_DTYPES:
+        raise ConfigError(f"pulse_values must be one of {', '.join(VALUE_DTYPES)}, got {pulse_values!r}")
+    layout = layout or ParamLayout([(chunk_size if isinstance(chunk_size, int) and chunk_size > 0 else 1,)])
     if name == "dense":
         return DenseSelector()
-    if name == "topk":
-        return TopKSelector(topk_density, topk_chunk_size)
-    raise ConfigError(f"selector must be one of {SELECTORS}, got {name!r}")
+    if name == "sparseloco":
+        return ChunkedSelector(layout, gate=False, k=topk_k, chunk=chunk_size, values="quantized", bits=quant_bits)
+    if pulse_budget is None and pulse_values != "quantized":
+        return PulseSelector(pulse_values)
+    return ChunkedSelector(layout, gate=True, k=pulse_budget, chunk=chunk_size, values=pulse_values, bits=quant_bits)
 
 
 def select_in_place(
@@ -219,8 +302,9 @@ def select_in_place(
     """Run ``selector`` block by block and overwrite ``signal_N`` with the residual; returns ``(indices_K,
     values_K, value_dtype)`` as :class:`Selection` has them.
 
-    The result is bit-identical to ``selector.select(theta_N, signal_N)`` (every rule decides each entry from
-    that entry alone, or, for ``topk``, from its own chunk: blocks are whole multiples of ``chunk_size``), but
+    The result is bit-identical to ``selector.select(theta_N, signal_N)`` (the element-wise rules decide each entry
+    from that entry alone; a :class:`ChunkedSelector` works in bands of whole tile rows and quantizes per
+    parameter), but
     the temporaries are bounded by one block of about ``chunk_numel`` entries plus the selected entries, not by
     the model. Raises as ``selector.select`` does (:class:`TypeError` / :class:`ValueError` for non-FP32 or
     mismatched inputs) and :class:`ValueError` for ``chunk_numel < 1``; on an error ``signal_N`` may be partly
@@ -229,8 +313,10 @@ def select_in_place(
     _check_inputs(theta_N, signal_N)
     if chunk_numel < 1:
         raise ValueError(f"chunk_numel must be at least 1, got {chunk_numel}")
-    multiple = selector.chunk_size if isinstance(selector, TopKSelector) else 1
-    block = max(multiple, chunk_numel // multiple * multiple)
+    if isinstance(selector, ChunkedSelector):
+        indices_K, values_K = selector.select_into(theta_N, signal_N, chunk_numel=chunk_numel)
+        return indices_K, values_K, selector.values
+    block = chunk_numel
     numel = signal_N.numel()
     indices: list[torch.Tensor] = []
     values: list[torch.Tensor] = []

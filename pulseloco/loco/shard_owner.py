@@ -42,12 +42,33 @@ from pulseloco.p2p import asker_closes, header_message, parse_header, read_strea
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AGGREGATE_NAME", "CONTRIBUTION_NAME", "OwnedShard", "ShardOwner", "peak"]
+__all__ = ["AGGREGATE_NAME", "CONTRIBUTION_NAME", "OwnedShard", "ShardOwner", "combine_parts", "peak"]
 
 CONTRIBUTION_NAME = "pseudo_gradient"
 """The tensor name of a member's part (a contribution frame)."""
 AGGREGATE_NAME = "pseudo_gradient_sum"
 """The tensor name of a shard's sum (the frame an owner serves)."""
+
+
+def combine_parts(
+    parts: list[tuple[tuple[torch.Tensor, torch.Tensor], float]], numel: int, mean_over: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The touched indices of a shard of ``numel`` entries and, there, the sum of the ``parts`` (each
+    ``((indices, FP32 values), clip scale)``, clipped, added in the given order: sorted peer ids), divided entry by
+    entry by the number of parts that sent it when ``mean_over`` is ``"senders"`` (``"peers"``: the plain sum, which
+    the members divide by the number of parts). Every peer that combines the same parts in the same order gets the
+    same bits."""
+    sum_N = torch.zeros(numel, dtype=torch.float32)
+    count_N = torch.zeros(numel, dtype=torch.int32)
+    for (indices_K, values_K), scale in parts:
+        kept_K, _ = clip_split(values_K, scale)
+        sum_N[indices_K] += kept_K
+        count_N[indices_K] += 1
+    indices_K = torch.nonzero(count_N, as_tuple=False).reshape(-1)
+    sum_K = sum_N[indices_K]
+    if mean_over == "senders":
+        sum_K = sum_K / count_N[indices_K].to(torch.float32)
+    return indices_K, sum_K
 
 
 def peak(values_K: torch.Tensor) -> float:
@@ -72,6 +93,8 @@ class OwnedShard:
     awaiting: frozenset[str] | None = None
     header: dict[str, Any] | None = None
     payload: bytes = b""
+    parts: tuple[bytes, ...] = ()
+    """With the gather exchange, the accepted parts in the order of the header's ``accepted`` list."""
     layout: FrameLayout = field(default_factory=FrameLayout)
     num_rejected: int = 0
     largest_norm_ratio: float = 0.0
@@ -80,14 +103,16 @@ class OwnedShard:
 @dataclass(frozen=True)
 class ShardSum:
     """What :meth:`ShardOwner._sum_contributions` made of a shard's parts: the ``header`` served with the sum
-    (``accepted`` contributors, sorted, with their clip ``scales``, and the ``rejected`` ones), the encoded sum
-    ``payload``, the number of parts rejected, and the largest ratio of an accepted part's norm to the clip bar
-    (0 without a bar)."""
+    (``accepted`` contributors, sorted, with their clip ``scales``, the ``rejected`` ones, the ``exchange`` and
+    ``mean_over`` rules), the encoded sum ``payload`` (with the gather exchange, the accepted ``parts`` instead,
+    served by :meth:`ShardOwner._served`), the number of parts rejected, and the largest ratio of an accepted
+    part's norm to the clip bar (0 without a bar)."""
 
     header: dict[str, Any]
     payload: bytes
     num_rejected: int
     largest_norm_ratio: float
+    parts: tuple[bytes, ...] = ()
 
 
 def _refusal(reason: str) -> dict[str, Any]:
@@ -110,6 +135,8 @@ class ShardOwner(TrafficCounter):
     dispute_norm_ratio: float
     repeat_outliers: RepeatOutliers
     chunk_bytes: int
+    exchange: str
+    mean_over: str
     _owned: dict[tuple[int, str], OwnedShard]
     _aggregations: dict[tuple[int, str], asyncio.Task[None]]
     _current_round: int
@@ -211,14 +238,24 @@ class ShardOwner(TrafficCounter):
         if shard.expected is None or requester not in shard.expected or shard.header is None:
             yield self._reply(round_key, _refusal("not a member of this group"))
             return
-        messages = stream_messages(
-            runtime_pb2.ExpertResponse, shard.header, [shard.payload], chunk_bytes=self.chunk_bytes
-        )
-        for message in self._counted(shard.round, messages, shard.layout, is_sum=True):
+        header, frames, layout = self._served(shard, requester)
+        messages = stream_messages(runtime_pb2.ExpertResponse, header, frames, chunk_bytes=self.chunk_bytes)
+        for message in self._counted(shard.round, messages, layout, is_sum=True):
             yield message
         shard.fetched.add(requester)
         if shard.awaiting is not None and shard.awaiting <= shard.fetched:
             shard.all_fetched.set()
+
+    def _served(self, shard: OwnedShard, requester: str) -> tuple[dict[str, Any], list[bytes], FrameLayout]:
+        """What ``requester`` is sent of an aggregated shard: the sum, or with the gather exchange every accepted
+        part but the requester's own (it has it; its size is listed as 0), with the header and the layout."""
+        header = shard.header or {}
+        if header.get("exchange") != "gather":
+            return header, [shard.payload], shard.layout
+        names = header["accepted"]
+        frames = [b"" if name == requester else part for name, part in zip(names, shard.parts, strict=True)]
+        header = {**header, "parts": [len(frame) for frame in frames], "size": sum(map(len, frames))}
+        return header, frames, FrameLayout.of_frames([frame for frame in frames if frame])
 
     def _open_own_shard(self, group: Group, numel: int, part: bytes, deadline: float) -> OwnedShard:
         """Become the owner of this peer's shard (``numel`` entries) of ``group``'s round: fix the expected
@@ -258,7 +295,10 @@ class ShardOwner(TrafficCounter):
             logger.warning("own aggregation did not finish round=%d", group.round)
             return None
         owned.fetched.add(self.peer_id)
-        return (owned.header or {}), owned.payload
+        if owned.header is None:
+            return {}, b""
+        header, frames, _ = self._served(owned, self.peer_id)
+        return header, b"".join(frames)
 
     async def _serve_until_fetched(self, owned: OwnedShard, deadline: float) -> None:
         """Keep serving until every member that contributed (and this peer) has fetched the sum, at most until
@@ -294,6 +334,7 @@ class ShardOwner(TrafficCounter):
         summed = await loop.run_in_executor(None, self._sum_contributions, shard.round, shard.numel or 0, contributions)
         shard.layout = await loop.run_in_executor(None, FrameLayout.of, summed.payload)
         shard.header, shard.payload, shard.num_rejected = summed.header, summed.payload, summed.num_rejected
+        shard.parts = summed.parts
         shard.largest_norm_ratio = summed.largest_norm_ratio
         shard.done.set()
 
@@ -351,21 +392,18 @@ class ShardOwner(TrafficCounter):
                 peer,
                 reason,
             )
-        sum_N = torch.zeros(numel, dtype=torch.float32)
-        touched_N = torch.zeros(numel, dtype=torch.bool)
-        for peer in sorted(valid):
-            indices_K, values_K = valid[peer]
-            kept_K, _ = clip_split(values_K, scales[peer])
-            sum_N[indices_K] += kept_K
-            touched_N[indices_K] = True
-        indices_K = torch.nonzero(touched_N, as_tuple=False).reshape(-1)
-        payload = encode_sparse(AGGREGATE_NAME, numel, indices_K, sum_N[indices_K], round_index=round_index)
         accepted = sorted(valid)
         header = {
             "ok": True,
             "accepted": accepted,
             "scales": [scales[peer] for peer in accepted],
             "rejected": sorted(rejected),
-            "size": len(payload),
+            "exchange": self.exchange,
+            "mean_over": self.mean_over,
         }
-        return ShardSum(header, payload, len(rejected), largest_ratio)
+        if self.exchange == "gather":
+            parts = tuple(contributions[peer] for peer in accepted)
+            return ShardSum({**header, "size": sum(map(len, parts))}, b"", len(rejected), largest_ratio, parts)
+        indices_K, sum_K = combine_parts([(valid[peer], scales[peer]) for peer in accepted], numel, self.mean_over)
+        payload = encode_sparse(AGGREGATE_NAME, numel, indices_K, sum_K, round_index=round_index)
+        return ShardSum({**header, "size": len(payload)}, payload, len(rejected), largest_ratio)

@@ -48,7 +48,8 @@ class Traffic:
     """Bytes of the value sections of those frames."""
     sent_sum_index: int = 0
     """Bytes of the index sections of the shard sums this owner served to other members (the union of the
-    group's indices in its shard), once per member served."""
+    group's indices in its shard; with the gather exchange, the other members' parts it relayed), once per member
+    served."""
     sent_sum_value: int = 0
     """Bytes of the value sections of those sums."""
     sent_header: int = 0
@@ -62,28 +63,42 @@ class Traffic:
 
 @dataclass(frozen=True)
 class FrameLayout:
-    """Where a frame's index and value sections lie (byte offsets into the frame) and its number of entries."""
+    """Where the index and value sections of one frame, or of frames sent back to back (a gathered shard's parts),
+    lie: per frame ``(index_start, value_start, value_stop)`` byte offsets into the bytes sent, and the number of
+    entries of all of them."""
 
-    index_start: int = 0
-    value_start: int = 0
-    value_stop: int = 0
+    spans: tuple[tuple[int, int, int], ...] = ()
     num_entries: int = 0
 
     @classmethod
     def of(cls, frame: bytes) -> FrameLayout:
         """The layout of ``frame``; a frame that does not parse (never one this peer encoded) counts as all
         header and no entries."""
-        try:
-            header = peek_header(frame, max_elements=NO_ELEMENT_LIMIT)
-        except PayloadError:
-            return cls()
-        value_start = header.header_bytes + header.index_bytes
-        return cls(header.header_bytes, value_start, value_start + header.value_bytes, header.num_changed)
+        return cls.of_frames([frame])
+
+    @classmethod
+    def of_frames(cls, frames: list[bytes]) -> FrameLayout:
+        """The layout of ``frames`` sent one after another (each as :meth:`of` reads it)."""
+        spans: list[tuple[int, int, int]] = []
+        entries = offset = 0
+        for frame in frames:
+            try:
+                header = peek_header(frame, max_elements=NO_ELEMENT_LIMIT)
+            except PayloadError:
+                offset += len(frame)
+                continue
+            value_start = offset + header.header_bytes + header.index_bytes
+            spans.append((offset + header.header_bytes, value_start, value_start + header.value_bytes))
+            entries += header.num_changed
+            offset += len(frame)
+        return cls(tuple(spans), entries)
 
     def split(self, start: int, stop: int) -> tuple[int, int]:
-        """How many of the frame's bytes ``[start, stop)`` lie in its index section and in its value section."""
-        index = max(0, min(stop, self.value_start) - max(start, self.index_start))
-        value = max(0, min(stop, self.value_stop) - max(start, self.value_start))
+        """How many of the bytes ``[start, stop)`` lie in index sections and in value sections."""
+        index = value = 0
+        for index_start, value_start, value_stop in self.spans:
+            index += max(0, min(stop, value_start) - max(start, index_start))
+            value += max(0, min(stop, value_stop) - max(start, value_start))
         return index, value
 
 

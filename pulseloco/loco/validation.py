@@ -10,6 +10,7 @@ the screening peer's own).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 
@@ -21,7 +22,7 @@ from pulseloco.errors import NonFiniteValuesError, TensorMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WIRE_FORMATS", "decode_sparse", "encode_sparse", "screen_outliers", "theta_digest"]
+__all__ = ["WIRE_FORMATS", "decode_sparse", "encode_sparse", "lut_groups", "screen_outliers", "theta_digest"]
 
 
 def theta_digest(theta_N: torch.Tensor) -> str:
@@ -32,9 +33,20 @@ def theta_digest(theta_N: torch.Tensor) -> str:
 WIRE_FORMATS: dict[str, tuple[torch.dtype, str]] = {
     "float32": (torch.float32, "float32"),
     "bfloat16": (torch.bfloat16, "absolute"),
+    "quantized": (torch.float32, "lut"),
 }
 """Value precision of a part or sum -> its tensor dtype and the codec's value mode on the wire (the keys are the
-pulse rule's :data:`pulseloco.loco.selection.VALUE_DTYPES`)."""
+selectors' :data:`pulseloco.loco.selection.VALUE_DTYPES`)."""
+
+
+def lut_groups(indices_K: torch.Tensor, group_starts: torch.Tensor) -> tuple[int, ...]:
+    """The sizes of the non-empty runs of sorted ``indices_K`` that fall in the groups beginning at the sorted
+    ``group_starts`` (indices before the first start count with the first group): the ``lut`` mode's groups."""
+    if indices_K.numel() == 0:
+        return ()
+    cuts = torch.searchsorted(indices_K.cpu(), group_starts[1:].cpu()).tolist()
+    bounds = [0, *cuts, int(indices_K.numel())]
+    return tuple(b - a for a, b in itertools.pairwise(bounds) if b > a)
 
 
 def encode_sparse(
@@ -45,30 +57,39 @@ def encode_sparse(
     *,
     round_index: int,
     value_dtype: str = "float32",
+    group_starts: torch.Tensor | None = None,
 ) -> bytes:
     """Encode sorted local ``indices_K`` (into a flat tensor of ``numel`` entries) and ``values_K``: FP32 values in
-    the codec's ``float32`` mode, or, with ``value_dtype="bfloat16"``, values that are exact in BF16 as a BF16
-    tensor in the ``absolute`` mode (2 bytes a value; the caller rounded them, see
-    :mod:`pulseloco.loco.selection`).
+    the codec's ``float32`` mode; with ``value_dtype="bfloat16"``, values that are exact in BF16 as a BF16 tensor
+    in the ``absolute`` mode (2 bytes a value; the caller rounded them, see :mod:`pulseloco.loco.selection`); with
+    ``"quantized"``, values with few distinct numbers per group (the groups begin at ``group_starts``, local
+    indices; default one group) in the ``lut`` mode.
 
-    Raises :class:`ValueError` for unsorted or out-of-range indices or an unknown ``value_dtype`` (a caller bug).
+    Raises :class:`ValueError` for unsorted or out-of-range indices, an unknown ``value_dtype``, or quantized
+    values with more than 256 distinct numbers in a group (a caller bug).
     """
     if value_dtype not in WIRE_FORMATS:
         raise ValueError(f"value_dtype must be one of {', '.join(WIRE_FORMATS)}, got {value_dtype!r}")
     dtype, mode = WIRE_FORMATS[value_dtype]
+    groups = None
+    if mode == "lut":
+        starts = group_starts if group_starts is not None else torch.zeros(1, dtype=torch.int64)
+        groups = lut_groups(indices_K.to(torch.int64), starts)
     entry = SparseTensor(
         name=name,
         shape=(int(numel),),
         dtype=dtype,
         indices=indices_K.to(torch.int64),
         values=values_K.to(dtype),
+        groups=groups,
     )
     return encode_payload([entry], value_mode=mode, version=int(round_index), base_version=None)
 
 
 def decode_sparse(payload: bytes, name: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode a frame holding one sparse tensor ``name`` of ``numel`` entries, FP32 values (``float32`` mode) or
-    BF16 ones (``absolute`` mode, a ``bfloat16`` tensor); return (indices, FP32 values).
+    """Decode a frame holding one sparse tensor ``name`` of ``numel`` entries, FP32 values (``float32`` mode), BF16
+    ones (``absolute`` mode, a ``bfloat16`` tensor) or quantized ones (``lut`` mode); return (indices, FP32
+    values).
 
     Raises a :class:`PayloadError` subclass for a malformed frame or indices out of range
     (:class:`InvalidIndicesError`), another tensor name, shape, dtype or value mode (:class:`TensorMismatchError`),
@@ -78,7 +99,7 @@ def decode_sparse(payload: bytes, name: str, numel: int) -> tuple[torch.Tensor, 
     mode = decoded.header.value_mode
     expected = next((dtype for dtype, wire_mode in WIRE_FORMATS.values() if wire_mode == mode), None)
     if expected is None:
-        raise TensorMismatchError(f"expected value mode 'float32' or 'absolute', got {mode!r}")
+        raise TensorMismatchError(f"expected value mode 'float32', 'absolute' or 'lut', got {mode!r}")
     if len(decoded.entries) != 1:
         raise TensorMismatchError(f"expected one tensor, got {len(decoded.entries)}")
     entry = decoded.entries[0]
