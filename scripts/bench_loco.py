@@ -79,6 +79,7 @@ def run_peer(
             matchmaking_time=args.matchmaking_time,
             averaging_timeout=args.averaging_timeout,
             request_timeout=30.0,
+            exchange=args.exchange,
         ),
         metrics_path=out,
     )
@@ -201,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(SELECTORS),
         help="pulse-bf16 / pulse-2bit: the pulse rule sending BF16 / 2-bit values (the rounding or quantization "
         "error stays in the residual); -k64: at most 64 visible entries per 64x64 tile; sparseloco: SparseLoCo",
+    )
+    parser.add_argument(
+        "--exchange",
+        default="auto",
+        choices=["auto", "sums", "gather"],
+        help="how shard owners serve their shard: FP32 sums, the parts relayed, or auto (gather for 2-bit values)",
     )
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=256)

@@ -191,6 +191,36 @@ def test_two_lines_make_a_users_trl_script_a_pulseloco_peer(
     assert any(not (first[k] == original[k]).all() for k in first)
 
 
+def test_grpo_sparseloco_and_budgeted_2bit_pulse_peers(
+    runs: list[Run], tmp_path: Path, tiny_warm_model: Path, bootstrap: str
+) -> None:
+    """``--strategy sparseloco`` and ``--strategy pulseloco --pulse_values quantized --pulse_budget 64``, two
+    peers each (both pairs at once, each its own run): every round both peers end on one theta, each sends at most
+    k entries per tile, and the quantized payload is about a byte an entry."""
+    pairs = {
+        "sparse": ["--strategy", "sparseloco"],
+        "budget": ["--strategy", "pulseloco", "--pulse_values", "quantized", "--pulse_budget", "64"],
+    }
+    started = []
+    for name, flags in pairs.items():
+        swarm = ["--max_steps", "16", "--run_id", name, "--initial_peers", bootstrap, "--target_group_size", "2"]
+        swarm += ["--matchmaking_time", "60", "--num_eval_prompts", "8", "--num_eval_samples", "1", *flags]
+        for i in range(2):
+            out = tmp_path / f"{name}{i}"
+            started.append(
+                (out, start(runs, tmp_path, f"{name}{i}", grpo(tiny_warm_model, out, *swarm, "--seed", str(i))))
+            )
+    for _, run in started:
+        run.wait()
+    for name in pairs:
+        rounds = [read_json_lines(tmp_path / f"{name}{i}" / "pulseloco_rounds.jsonl") for i in range(2)]
+        assert [r["theta_digest"] for r in rounds[0]] == [r["theta_digest"] for r in rounds[1]]
+        for record in rounds[0] + rounds[1]:
+            assert record["num_peers"] == 2 and record["complete"] and record["bytes_sent"] > 0
+            assert 0 < record["density"] <= 0.02  # at most 64 of 4096 per tile (1/64 a row of a vector)
+            assert record["payload_bytes"] < 1.2 * record["num_sent"] + 4096  # 2-bit values and coded indices
+
+
 def test_grpo_ddp_two_processes(runs: list[Run], tmp_path: Path, tiny_warm_model: Path) -> None:
     """``--strategy ddp``: the Trainer's own data parallelism across the two processes of one launch."""
     out = tmp_path / "ddp"
