@@ -379,6 +379,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
                     "complete": m.complete,
                     "num_contributors": m.num_contributors,
                     "num_reconciled": m.num_reconciled,
+                    "num_averaged": m.num_averaged,
                     "num_sent": m.num_sent,
                     "bytes_sent": m.bytes_sent,
                     "seconds_sync": m.seconds_sync,

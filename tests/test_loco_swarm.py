@@ -370,6 +370,13 @@ def test_sparseloco_pair_ends_every_round_identical(initial_peers: list[str]) ->
     assert _digests(reports[0]) == _digests(reports[1])
     assert len(set(_digests(reports[0]).values())) == 3
     assert torch.equal(_theta(reports[0]), _theta(reports[1]))
+    for first, second in zip(reports[0]["rounds"], reports[1]["rounds"]):  # the union of the two selections
+        assert first["num_averaged"] == second["num_averaged"]
+        assert (
+            max(first["num_sent"], second["num_sent"])
+            <= first["num_averaged"]
+            <= first["num_sent"] + second["num_sent"]
+        )
 
 
 def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: list[str]) -> None:

@@ -65,6 +65,9 @@ class RoundMetrics:
     (``num_peers`` counts group members, whether or not their parts arrived)."""
     complete: bool = True
     """False if some shard's sum could not be fetched (that shard was not applied; the digest check repairs)."""
+    num_averaged: int = 0
+    """Entries of the round's average: the union of the group's selections in the shards this peer fetched (its own
+    selection when it averaged alone). With ``num_sent`` of every member it gives how much the peers overlap."""
     num_reconciled: int = 0
     """Entries moved into or out of the residual to match a downloaded state's ledger (docs/design.md,
     "Exactly-once contributions"): each one a contribution that would otherwise be counted twice or lost."""

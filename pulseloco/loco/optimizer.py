@@ -639,6 +639,7 @@ class PulseLoCo:
             num_contributors=result.num_contributors if result is not None else int(self.averager is None),
             complete=result.complete if result is not None else True,
             num_reconciled=self._num_reconciled,
+            num_averaged=int(result.indices_K.numel()) if result is not None else num_sent * (num_peers > 0),
             num_clipped=self._num_clipped,
             largest_norm_ratio=result.largest_norm_ratio if result is not None else 0.0,
             **_byte_split(result, payload),
