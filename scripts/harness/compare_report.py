@@ -222,9 +222,9 @@ def frontier_table(at: list[dict[str, Any]]) -> list[str]:
         return []
     diloco = next((r for r in at if r["strategy"] == "diloco"), None)
     lines = [
-        "| strategy | wire B / worker | wire vs DiLoCo | payload vs DiLoCo | held-out sampled reward after | learned "
-        "| matches DiLoCo |",
-        "|---|---|---|---|---|---|---|",
+        "| strategy | wire B / worker | wire vs DiLoCo | payload vs DiLoCo | wire / payload vs FP32 DiLoCo "
+        "| held-out sampled reward after | learned | matches DiLoCo |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sorted(at, key=lambda r: -(r["bytes_per_worker"] or 0.0)):
         b = r["bytes_per_worker"]
@@ -233,12 +233,20 @@ def frontier_table(at: list[dict[str, Any]]) -> list[str]:
             "-" if b is None else f"{human(b)}{'' if r['bytes_measured'] else ' (est.)'}",
             fraction(r["vs_diloco"]),
             fraction(r.get("payload_vs_diloco")),
+            f"{fraction(r.get('vs_fp32_diloco'))} / {fraction(r.get('payload_vs_fp32_diloco'))}",
             after_cell(r),
             ("yes" if r["improved"] else "no") if r["reward_before"] is not None else "-",
             match_cell(r, diloco),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"- frontier (`frontier.png`): error bars {spread_caption(at)}.", ""]
+    lines += [
+        "",
+        f"- frontier (`frontier.png`): error bars {spread_caption(at)}.",
+        "- FP32 DiLoCo: DiLoCo as published, uncompressed: a ring all-reduce of FP32 pseudo-gradients a round "
+        "(2 (W-1)/W x 4 bytes x parameters) and a 4-byte-a-parameter payload; the measured DiLoCo row is the "
+        "project's, whose FP32 frames the codec compresses losslessly.",
+        "",
+    ]
     return lines
 
 
@@ -261,7 +269,9 @@ def target_lines(at: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"- {SPARSELOCO_K64} (k = 64) targets: wire bytes vs DiLoCo "
             f"{verdict(sparse['vs_diloco'], TARGETS['sparseloco_wire'])}, payload vs DiLoCo "
-            f"{verdict(sparse.get('payload_vs_diloco'), TARGETS['sparseloco_payload'])}; quality: "
+            f"{verdict(sparse.get('payload_vs_diloco'), TARGETS['sparseloco_payload'])} (against FP32 DiLoCo: "
+            f"wire {verdict(sparse.get('vs_fp32_diloco'), TARGETS['sparseloco_wire'])}, payload "
+            f"{verdict(sparse.get('payload_vs_fp32_diloco'), TARGETS['sparseloco_payload'])}); quality: "
             f"{quality_verdict(sparse, diloco)}."
         )
     best, why = best_at_diloco_quality(at)

@@ -296,6 +296,12 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             p = ref.get("payload_bytes_per_worker")
             own = row["payload_bytes_per_worker"]
             row[f"payload_vs_{base}"] = own / p if own is not None and p else None
+        for key, own_key, ref_key in (
+            ("vs_fp32_diloco", "bytes_per_worker", "fp32_diloco_bytes"),
+            ("payload_vs_fp32_diloco", "payload_bytes_per_worker", "fp32_diloco_payload"),
+        ):
+            own, ref = row[own_key], row[ref_key]
+            row[key] = own / ref if own is not None and ref else None
         by_sampled = all(r["sampled_improved"] is not None for r in same_lr.values())
         row["learned_by"] = "sampled" if by_sampled else "greedy"
         row["improved"] = row["sampled_improved"] if by_sampled else row["greedy_improved"]
@@ -313,14 +319,20 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _ddp_estimate(runs: list[dict[str, Any]]) -> dict[str, float | None]:
     """What ddp would send per worker over these runs' steps, as compare estimates it for a ddp run (never
     measured): a ring all-reduce of FP32 gradients every optimizer step (``ddp_bytes_estimate``) and its payload,
-    4 bytes per parameter per step (``ddp_payload_estimate``); mean over the runs, ``None`` where a run lacks its
-    parameter count, workers or steps (results written before these fields)."""
+    4 bytes per parameter per step (``ddp_payload_estimate``); and what DiLoCo sends without compression over these
+    runs' rounds, the published baseline (``fp32_diloco_bytes``: a ring all-reduce of FP32 pseudo-gradients a
+    round; ``fp32_diloco_payload``: 4 bytes per parameter a round). Means over the runs, ``None`` where a run lacks
+    its parameter count, workers or steps (results written before these fields)."""
     known = bool(runs) and all(r.get("num_params") and r.get("workers") and r.get("steps") for r in runs)
     return {
         "ddp_bytes_estimate": mean([allreduce_bytes(r["num_params"], r["workers"]) * r["steps"] for r in runs])
         if known
         else None,
         "ddp_payload_estimate": mean([4.0 * r["num_params"] * r["steps"] for r in runs]) if known else None,
+        "fp32_diloco_bytes": mean([allreduce_bytes(r["num_params"], r["workers"]) * len(r["density"]) for r in runs])
+        if known
+        else None,
+        "fp32_diloco_payload": mean([4.0 * r["num_params"] * len(r["density"]) for r in runs]) if known else None,
     }
 
 
