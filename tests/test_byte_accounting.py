@@ -231,7 +231,8 @@ def _expected(
         k = 1 - p  # the other owner's shard (peer p owns shard p)
         base = {"round": round_index, "group": group_id, "shard": k}
         part, served = peek_header(parts[p][k]), peek_header(sums[p])
-        sum_header = {"ok": True, "accepted": sorted(ids), "scales": [1.0, 1.0], "rejected": [], "size": len(sums[p])}
+        sum_header = {"ok": True, "accepted": sorted(ids), "scales": [1.0, 1.0], "rejected": [], "exchange": "sums"}
+        sum_header |= {"mean_over": "peers", "size": len(sums[p])}
         push = list(stream_messages(runtime_pb2.ExpertRequest, base, [parts[p][k]], chunk_bytes=CHUNK))
         serve = list(stream_messages(runtime_pb2.ExpertResponse, sum_header, [sums[p]], chunk_bytes=CHUNK))
         fetch = header_message(runtime_pb2.ExpertRequest, base).ByteSize()  # the fetch of shard k

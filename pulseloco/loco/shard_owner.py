@@ -135,8 +135,10 @@ class ShardOwner(TrafficCounter):
     dispute_norm_ratio: float
     repeat_outliers: RepeatOutliers
     chunk_bytes: int
-    exchange: str
-    mean_over: str
+    exchange: str = "sums"
+    """``sums`` (serve the FP32 sum) or ``gather`` (relay the accepted parts)."""
+    mean_over: str = "peers"
+    """``peers`` (the members divide the sum by the peers counted) or ``senders`` (each entry by its senders)."""
     _owned: dict[tuple[int, str], OwnedShard]
     _aggregations: dict[tuple[int, str], asyncio.Task[None]]
     _current_round: int

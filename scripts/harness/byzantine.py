@@ -62,7 +62,9 @@ def install(opt: Any, attack: str, *, factor: float = 9.0, seed: int = 0) -> Non
     fixed_N = torch.randn(opt.numel, generator=generator)
     fixed_N /= torch.linalg.vector_norm(fixed_N)
 
-    def all_reduce(group: Any, indices_K: Any, values_K: Any, value_dtype: str = "float32") -> Any:
+    def all_reduce(
+        group: Any, indices_K: Any, values_K: Any, value_dtype: str = "float32", group_starts: Any = None
+    ) -> Any:
         bad_indices, bad_values = attack_selection(attack, indices_K, values_K, opt.numel, factor, generator, fixed_N)
         result = honest_all_reduce(group, bad_indices, bad_values.to(torch.float32), "float32")
         me = averager.peer_id
