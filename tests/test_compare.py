@@ -453,7 +453,10 @@ def test_frontier_table_and_targets_with_three_seeds() -> None:
     assert [line.split(" | ")[0] for line in body][:2] == ["| diloco", "| pulseloco"]  # most wire bytes first
     assert "| diloco | 1.5 MB | 1x | 1x | 0.350 [0.340, 0.360] (3 seeds) | yes | reference |" in lines
     assert "| sparseloco | 10.0 kB | 1/146 | 1/180 | 0.350 [0.345, 0.355] (3 seeds) | yes | yes |" in lines
-    assert "| pulseloco-2bit-k64 | 7.3 kB | 1/200 | 1/200 | 0.335 [0.335, 0.335] (3 seeds) | yes | no |" in lines
+    assert (
+        "| pulseloco-2bit-k64 | 7.3 kB | 1/200 | 1/200 | 0.335 [0.335, 0.335] (3 seeds) | yes | no: below its range |"
+        in lines
+    )
     assert any(line.startswith("| sparseloco-k128 |") and line.endswith("| no | not judged: did not learn |")
                for line in lines)  # fmt: skip
     caption = "- frontier (`frontier.png`): error bars min to max over seeds (strategies with 2 or more seeds)."
@@ -561,3 +564,21 @@ def test_report_merges_compare_jsons_and_refuses_other_settings(
     with pytest.raises(SystemExit) as exc:
         compare.main(["--report", f"{a},{a}", "--out", str(refused)])
     assert exc.value.code == 2 and "given more than once" in capsys.readouterr().err
+
+
+def test_a_strategy_above_dilocos_range_is_at_its_quality() -> None:
+    """Better than DiLoCo is at DiLoCo's quality: a mean above its range counts for the best-strategy target."""
+    runs = [r for r in frontier_runs(3) if r["strategy"] in ("diloco", "pulseloco-2bit-k64")]
+    for r in runs:
+        if r["strategy"] == "pulseloco-2bit-k64":
+            r["sampled_after"] = 0.40  # diloco's range is [0.34, 0.36]
+    rows = compare_results.aggregate(runs)
+    k64 = next(r for r in rows if r["strategy"] == "pulseloco-2bit-k64")
+    diloco = next(r for r in rows if r["strategy"] == "diloco")
+    assert k64["within_diloco_range"] is False and k64["above_diloco_range"] is True
+    assert compare_report.match_cell(k64, diloco) == "yes: above its range"
+    assert "mean of the held-out sampled reward 0.400 above DiLoCo's range" in compare_report.quality_verdict(
+        k64, diloco
+    )
+    best, _ = compare_report.best_at_diloco_quality(rows)
+    assert best is not None and best["strategy"] == "pulseloco-2bit-k64"

@@ -119,7 +119,7 @@ def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
         return f"not judged: {' and '.join(who)} did not learn ({learned_rule(row)})"
     if row["within_diloco_range"] is None:
         return "not judged: DiLoCo needs at least 2 seeds for a range"
-    where = "within" if row["within_diloco_range"] else "outside"
+    where = "within" if row["within_diloco_range"] else ("above" if row.get("above_diloco_range") else "below")
     key, name = ("sampled", " of the held-out sampled reward") if row.get("learned_by") == "sampled" else ("final", "")
     return (
         f"mean{name} {row[f'{key}_mean']:.3f} {where} DiLoCo's range [{diloco[f'{key}_min']:.3f}, "
@@ -128,21 +128,22 @@ def quality_verdict(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
 
 
 def matches_diloco(row: dict[str, Any], diloco: dict[str, Any] | None) -> bool | None:
-    """Whether ``row``'s quality matches DiLoCo's by :func:`quality_verdict`'s rule; ``None`` where that rule does
-    not judge (no DiLoCo row, either did not learn, DiLoCo with fewer than 2 seeds)."""
-    if diloco is None or not diloco["improved"] or not row["improved"]:
+    """Whether ``row``'s quality is at least DiLoCo's by :func:`quality_verdict`'s rule: its mean within DiLoCo's
+    range over seeds, or above it; ``None`` where that rule does not judge (no DiLoCo row, either did not learn,
+    DiLoCo with fewer than 2 seeds)."""
+    if diloco is None or not diloco["improved"] or not row["improved"] or row["within_diloco_range"] is None:
         return None
-    return row["within_diloco_range"]
+    return bool(row["within_diloco_range"] or row.get("above_diloco_range"))
 
 
 def match_cell(row: dict[str, Any], diloco: dict[str, Any] | None) -> str:
-    """The frontier table's "matches DiLoCo" cell: ``reference`` (DiLoCo itself), ``yes``, ``no``, or ``not judged``
-    with the reason in brief."""
+    """The frontier table's "matches DiLoCo" cell: ``reference`` (DiLoCo itself), ``yes`` (within DiLoCo's range over
+    seeds), ``yes: above its range``, ``no: below its range``, or ``not judged`` with the reason in brief."""
     if row["strategy"] == "diloco":
         return "reference"
     match = matches_diloco(row, diloco)
     if match is not None:
-        return "yes" if match else "no"
+        return ("yes" if row["within_diloco_range"] else "yes: above its range") if match else "no: below its range"
     if diloco is None:
         return "not judged: no DiLoCo run"
     if not diloco["improved"] or not row["improved"]:
@@ -163,7 +164,7 @@ def best_at_diloco_quality(at: list[dict[str, Any]]) -> tuple[dict[str, Any] | N
         return None, f"DiLoCo did not learn ({learned_rule(diloco)})"
     if diloco["seeds"] < 2:
         return None, "quality is not judged: DiLoCo needs at least 2 seeds for a range"
-    return None, "no strategy that learned has its mean within DiLoCo's range"
+    return None, "no strategy that learned has its mean within or above DiLoCo's range"
 
 
 def sampled_spread(row: dict[str, Any]) -> tuple[float, float, str] | None:

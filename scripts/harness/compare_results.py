@@ -312,6 +312,9 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if diloco and diloco["seeds"] > 1 and row[f"{key}_mean"] is not None and diloco[f"{key}_min"] is not None
             else None
         )
+        row["above_diloco_range"] = (
+            row[f"{key}_mean"] > diloco[f"{key}_max"] if row["within_diloco_range"] is False and diloco else None
+        )
         row["patch_vs_bf16"] = row["patch_bytes"] / row["bf16_copy_bytes"] if row["patch_bytes"] else None
     return rows
 
