@@ -381,8 +381,8 @@ def test_sparseloco_pair_ends_every_round_identical(initial_peers: list[str]) ->
 
 def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: list[str]) -> None:
     """The PULSE gate with a budget and 2-bit values, three peers: relaying the parts (gather) and serving their
-    FP32 sums give bit-identical thetas, and every contribution is counted once (the residuals hold the
-    quantization error)."""
+    FP32 sums give the same thetas (to the rounding of the additions' order), and every contribution is counted
+    once (the residuals hold the quantization error)."""
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="gather")
     extra = {"pulse_values": "quantized", "pulse_budget": 64}
     thetas = []
@@ -396,7 +396,9 @@ def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: l
         assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
         assert _conservation_error(reports) < 1e-5
         thetas.append(_theta(reports[0]))
-    assert torch.equal(thetas[0], thetas[1])
+    # The two swarms' peers have fresh ids, so the sorted-id order of the additions can differ: equal up to the
+    # rounding of three FP32 additions per entry, not bit for bit (within one swarm every peer has the same bits).
+    assert torch.allclose(thetas[0], thetas[1], rtol=1e-6, atol=1e-9)
 
 
 def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initial_peers: list[str]) -> None:
