@@ -22,7 +22,7 @@ def run_in_process(
     """Run ``main`` as ``common.run_recipe(prog, main)`` does in a recipe's process and return its exit code
     (0, or the ``SystemExit`` code) with what it wrote to stdout and stderr (file descriptors, as a process's
     output would be). The libraries' logging, warning filters, progress bars and the SIGINT and SIGTERM handlers
-    (which a long-running command replaces: ``pulseloco.cli.stop_on_signals``) are restored afterwards."""
+    (which a long-running command replaces: ``pulseloco.signals.stop_on_signals``) are restored afterwards."""
     _point_library_handlers_at_stderr()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     from transformers.utils import logging as hf_logging

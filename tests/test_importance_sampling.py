@@ -24,8 +24,8 @@ def make_trainer(model_dir: Path, output_dir: Path, shift: float, enable: bool) 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from pulseloco.integrations.rollout import TransformersEngine
     from pulseloco.integrations.swarm_rollouts import enable_importance_sampling
+    from pulseloco.rollouts.engines.hf import TransformersEngine
 
     def rollout_func(prompts: list[str], trainer: Any) -> dict[str, list[Any]]:
         if enable:

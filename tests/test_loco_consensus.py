@@ -6,7 +6,7 @@ rule in real swarms (late joiners, poisoned averages, split groups)."""
 from __future__ import annotations
 
 from pulseloco.loco.consensus import distrusted, majority_digest, preferred_digest, repair_target
-from pulseloco.loco.matchmaking import PeerState
+from pulseloco.loco.peers import PeerState
 
 
 def state(peer: str, round_index: int, digest: str, *, client: bool = False, complete: bool = True) -> PeerState:

@@ -270,30 +270,30 @@ def test_bad_option_value_is_argparse_usage_error(capsys: pytest.CaptureFixture[
 def test_state_records_old_and_new_and_malformed() -> None:
     """Records without ``rounds`` (older peers) read as before; later elements of a round entry are ignored (room
     to grow); a malformed ``rounds`` list is dropped alone; a malformed record is skipped."""
-    from pulseloco.loco.matchmaking import RoundRecord, _parse_state
+    from pulseloco.loco.peers import RoundRecord, parse_state
 
     old = {"round": 3, "digest": "d" * 32, "client": False, "complete": True, "disputed": []}
-    state, dropped = _parse_state("peer", old) or (None, None)
+    state, dropped = parse_state("peer", old) or (None, None)
     assert state is not None and state.rounds == () and not dropped
     newer = {**old, "rounds": [[1, 3, 3, 10, 20, 99], [2, 3, 2, 11, 21]]}
-    state, dropped = _parse_state("peer", newer) or (None, None)
+    state, dropped = parse_state("peer", newer) or (None, None)
     assert state is not None and state.rounds == (RoundRecord(1, 3, 3, 10, 20), RoundRecord(2, 3, 2, 11, 21))
     for rounds in ([[3, 3, 3, 1, 1]], [[2, 3, 3, 1, 1], [1, 3, 3, 1, 1]], [[1, 3, 3, -1, 1]], [[1, True, 3, 1, 1]]):
-        state, dropped = _parse_state("peer", {**old, "rounds": rounds}) or (None, None)
+        state, dropped = parse_state("peer", {**old, "rounds": rounds}) or (None, None)
         assert state is not None and state.rounds == () and dropped, rounds
-    assert _parse_state("peer", {**old, "rounds": [[0, 1, 1, 1, 1]] * 17}) == (state, True)
+    assert parse_state("peer", {**old, "rounds": [[0, 1, 1, 1, 1]] * 17}) == (state, True)
     for peer, record in (
         ("pe\x1b[2Jer", old),
         ("peer", {**old, "round": True}),
         ("peer", {**old, "digest": "x" * 200}),
     ):
-        assert _parse_state(peer, record) is None
+        assert parse_state(peer, record) is None
 
 
 def _report(peers: list[tuple[str, int, list[tuple[int, int, int, int, int]]]]) -> Any:
     """A :class:`SwarmStatus` of peers ``(peer id, round, [round record])`` classified by the status rule."""
-    from pulseloco.loco.matchmaking import PeerState, RoundRecord
-    from pulseloco.status import SwarmStatus, classify_peers
+    from pulseloco.cli.status import SwarmStatus, classify_peers
+    from pulseloco.loco.peers import PeerState, RoundRecord
 
     states = [PeerState(p, r, "d", False, True, (), tuple(RoundRecord(*e) for e in rs)) for p, r, rs in peers]
     reference, majority, reports = classify_peers(states)
@@ -318,7 +318,7 @@ def test_a_peer_one_round_ahead_at_every_poll_still_counts_for_the_rounds_the_sw
     Its records of the rounds the swarm completed count: every round is logged with all three reports and bytes
     (it was once left out, and rounds settled without it: a flaky end-to-end test); its record of the round the
     swarm has not completed does not, until the swarm completes it."""
-    from pulseloco.monitor import SwarmMonitor
+    from pulseloco.cli.monitor import SwarmMonitor
 
     monitor = SwarmMonitor(_Collect())
     e = lambda r: (r, 3, 3, 100 * (r + 1), 50)  # noqa: E731
@@ -333,7 +333,7 @@ def test_a_peer_one_round_ahead_at_every_poll_still_counts_for_the_rounds_the_sw
 def test_round_released_when_complete_or_settled_and_steps_never_go_back() -> None:
     """A round all members reported is logged at once; a round a dead member never reported is logged once the
     swarm completed two more; steps only increase; a swarm round that goes back restarts the series."""
-    from pulseloco.monitor import SwarmMonitor
+    from pulseloco.cli.monitor import SwarmMonitor
 
     tracker = _Collect()
     monitor = SwarmMonitor(tracker)

@@ -451,7 +451,7 @@ class Swarm:
 
     def verifier(self, **options: Any) -> Any:
         """The trainer's check of the workers' leases, holding the published versions."""
-        from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig
+        from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig
 
         return RolloutVerifier(VerifyConfig(**options), states=self.states, states_wait=5.0, seed=0)
 
@@ -680,7 +680,7 @@ def test_a_rogue_worker_is_refused_and_the_honest_one_completes_the_batch(
 
 
 def settle_batch(swarm: Swarm, client: RolloutClient, groups: list[list[int]], verifier: Any) -> Any:
-    """A batch through the trainer's path (:func:`pulseloco.integrations.verify.settle`): leased, checked with the
+    """A batch through the trainer's path (:func:`pulseloco.rollouts.verify.settle`): leased, checked with the
     trainer's FP32 model, failed leases generated again by the workers (never by the trainer here: a batch that
     needs it fails the test)."""
     from pulseloco.integrations.settle import settle
@@ -823,7 +823,7 @@ def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swa
     its own DHT peer, BF16 copies of the newest few): a batch generated at version v and checked after two more
     versions is checked with v's weights (gaps within BF16 rounding), and passes in both modes. A version older
     than every one held is not waited for."""
-    from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig
+    from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig
 
     template = {n: t for n, t in swarm.model.state_dict().items() if t.is_floating_point()}
     trainer_dht = start_dht(maddrs(swarm.dht))  # another peer: this process publishes, and cannot fetch from itself

@@ -21,10 +21,7 @@ from hivemind.utils import get_dht_time
 from sync_helpers import maddrs, start_dht, wait_for
 
 from pulseloco.cli import main
-from pulseloco.keys import refused_key, workers_key
-from pulseloco.loco.matchmaking import Matchmaker, PeerState
-from pulseloco.rollouts.protocol import WorkerInfo
-from pulseloco.status import (
+from pulseloco.cli.status import (
     RefusalReport,
     SwarmStatus,
     WorkerReport,
@@ -33,6 +30,10 @@ from pulseloco.status import (
     render_text,
     to_json,
 )
+from pulseloco.keys import refused_key, workers_key
+from pulseloco.loco.matchmaking import Matchmaker
+from pulseloco.loco.peers import PeerState
+from pulseloco.rollouts.protocol import WorkerInfo
 from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import generate_key, load_public_key, save_keypair
 from pulseloco.sync.transport import SwarmEndpoint

@@ -837,3 +837,15 @@ def test_a_damaged_store_is_reported_as_damaged_not_as_a_key_problem(key, tmp_pa
     message = str(info.value)
     assert f"{anchor} is truncated" in message and "restore it from a good copy" in message
     assert "use the key that wrote it" not in message
+
+
+@pytest.mark.parametrize("run_id", ["", "two words", "x" * 101 + ".policy", "tab\t.policy"])
+def test_publisher_refuses_a_run_id_the_swarm_keys_refuse(key, tmp_path: Path, run_id: str) -> None:
+    # the same rule as every other run id (pulseloco.keys.check_run_id), and nothing written before the refusal
+    with pytest.raises(ConfigError, match="run_id must be 1-100 characters without spaces"):
+        Publisher(None, run_id, key, tmp_path / "store")
+    assert not (tmp_path / "store").exists()
+
+
+def test_publisher_accepts_a_training_runs_policy_id_of_the_longest_run_id(key, tmp_path: Path) -> None:
+    Publisher(None, "x" * 100 + ".policy", key, tmp_path).close()

@@ -113,7 +113,7 @@ class ArithmeticTrainer:
 
 @pytest.fixture(scope="module")
 def engine(vllm_model_dir: Path) -> Iterator[Any]:
-    from pulseloco.integrations.vllm import VLLMEngine
+    from pulseloco.rollouts.engines.vllm import VLLMEngine
 
     # float32 compute on the BF16 weights: greedy argmax then matches the transformers reference without ties
     # decided by BF16 rounding of two different kernel libraries
@@ -399,8 +399,8 @@ def test_vllm_worker_answers_leases_with_the_published_version(
     ``recipes/rollout_worker.py --engine vllm --serve_rollouts`` runs it) answers a trainer's leases over the swarm
     with the version it follows; every completion's log-probabilities are those of that version's BF16 weights at
     the lease's temperature (a transformers forward pass)."""
-    from pulseloco.integrations.rollout import Completion
     from pulseloco.rollouts.client import LeaseConfig, RolloutClient
+    from pulseloco.rollouts.engines.hf import Completion
     from pulseloco.rollouts.worker import RolloutServer
 
     key = generate_key()

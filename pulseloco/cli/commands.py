@@ -1,8 +1,8 @@
 """The ``pulseloco`` command.
 
 One argparse parser with one subparser per command. ``main`` returns a process exit code instead of exiting,
-so tests can call it in-process; the console script and ``python -m pulseloco.cli`` turn that code into the
-exit status.
+so tests can call it in-process; the console script, ``python -m pulseloco`` and ``python -m pulseloco.cli`` turn
+that code into the exit status.
 """
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,20 +18,12 @@ from typing import Any, NamedTuple
 from pulseloco import __version__
 from pulseloco.errors import ConfigError, PulseLocoError, SwarmUnreachableError
 from pulseloco.keys import check_run_id
+from pulseloco.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
 
 EXIT_USAGE = 2
 """Exit code for command-line usage errors (argparse's convention)."""
-
-
-def stop_on_signals() -> threading.Event:
-    """An event set on SIGINT or SIGTERM, for a long-running command's loop to end cleanly (it replaces the
-    handlers of both signals; call it from the main thread)."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
 
 
 def _cmd_version(args: argparse.Namespace) -> int:
@@ -235,9 +225,9 @@ def _add_sync_follow_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    """Print what the DHT says about a run (:mod:`pulseloco.status`); 0 agree, 1 digests disagree, 2 bad
+    """Print what the DHT says about a run (:mod:`pulseloco.cli.status`); 0 agree, 1 digests disagree, 2 bad
     arguments or the swarm cannot be joined (one line on stderr). Joins in client mode; shuts its DHT down."""
-    from pulseloco.status import EXIT_CANNOT_JOIN, collect_status, render_text, to_json
+    from pulseloco.cli.status import EXIT_CANNOT_JOIN, collect_status, render_text, to_json
     from pulseloco.sync.signing import load_public_key
 
     try:
@@ -284,11 +274,11 @@ def _add_status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_monitor(args: argparse.Namespace) -> int:
-    """Poll the run's DHT records and log the swarm's progress to a tracker (:mod:`pulseloco.monitor`) until
+    """Poll the run's DHT records and log the swarm's progress to a tracker (:mod:`pulseloco.cli.monitor`) until
     interrupted (SIGINT, SIGTERM) or ``--duration`` passed; 0 then, 2 for bad arguments, a swarm that cannot be
     joined or a tracker that cannot start, 1 when its DHT process dies (one line on stderr). Joins in client mode;
     flushes the tracker and shuts its DHT down on the way out."""
-    from pulseloco.monitor import AccelerateTracker, SwarmMonitor, check_report_to, run_monitor
+    from pulseloco.cli.monitor import AccelerateTracker, SwarmMonitor, check_report_to, run_monitor
 
     try:
         if not args.initial_peers:
@@ -482,7 +472,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PulseLocoError as exc:  # bad configuration or input: one line that says what to fix
         print(f"pulseloco: error: {exc}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """``pulseloco monitor``: the whole swarm's progress, polled from the DHT and logged to an experiment tracker.
 
-Each poll reads the run's records with :func:`pulseloco.status.collect_status` (the reading, validation and
+Each poll reads the run's records with :func:`pulseloco.cli.status.collect_status` (the reading, validation and
 agreement rule of ``pulseloco status``; providers are not probed) and logs two families of series through
 accelerate's tracker API (``Accelerator(log_with=..., project_dir=...)``: tensorboard, wandb, trackio, mlflow, ...).
 
@@ -16,7 +16,7 @@ non-decreasing, which wandb and others require; a step is never logged below one
   of its group has reported it, or when the swarm has completed :data:`SETTLE_ROUNDS` more rounds (a member died;
   only for rounds that had not completed at the monitor's first poll: :class:`RoundLedger`).
   The numbers come from the ``rounds`` list of the peers' state records
-  (:class:`pulseloco.loco.matchmaking.RoundRecord`): each peer's last 16 rounds, so a monitor started late logs
+  (:class:`pulseloco.loco.peers.RoundRecord`): each peer's last 16 rounds, so a monitor started late logs
   the rounds still in the records, and a poll interval shorter than 16 rounds loses none. Rounds not final when
   the monitor stops are not logged.
 
@@ -38,9 +38,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO, get_args
 
+from pulseloco.cli.status import PeerReport, PeerStatus, SwarmStatus, collect_status
 from pulseloco.errors import ConfigError, SwarmError
-from pulseloco.loco.matchmaking import RoundRecord
-from pulseloco.status import PeerReport, PeerStatus, SwarmStatus, collect_status
+from pulseloco.loco.peers import RoundRecord
 
 logger = logging.getLogger(__name__)
 

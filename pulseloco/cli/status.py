@@ -52,7 +52,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pulseloco.errors import PayloadError, UnauthorizedError
 from pulseloco.keys import loco_state_key, policy_run_id, refused_key, workers_key
 from pulseloco.loco.consensus import distrusted, majority_digest
-from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord
+from pulseloco.loco.matchmaking import Matchmaker
+from pulseloco.loco.peers import PeerState, RoundRecord
 from pulseloco.rollouts.protocol import parse_refusals, parse_worker_record
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,9 @@
-"""What users add to the tools they already run.
+"""The glue to the tools users already run: TRL, transformers and accelerate.
 
 - :class:`PulseLoCoCallback` / :class:`PulseSyncCallback` (``transformers.TrainerCallback``): make any Trainer
   (TRL's ``GRPOTrainer``, ``SFTTrainer``, a plain ``Trainer``) a PULSELoCo peer that publishes its versions;
 - :class:`PulseLoCoArguments`: the same options as one dataclass for ``TrlParser`` / ``HfArgumentParser``;
 - :mod:`~pulseloco.integrations.models`: loading pretrained checkpoints with one-line errors;
-- :mod:`~pulseloco.integrations.rollout`: rollout engines that PULSESync keeps current;
 - :class:`SwarmRollouts`: a TRL ``rollout_func`` whose completions come from the swarm's rollout workers;
 - :func:`skip_vllm_import`: keep TRL from importing vLLM in a process that will not use it.
 
@@ -21,7 +20,6 @@ from pulseloco._lazy import lazy_attributes
 if TYPE_CHECKING:
     from pulseloco.integrations.args import PulseLoCoArguments
     from pulseloco.integrations.pulsesync import PulseSyncCallback
-    from pulseloco.integrations.rollout import RolloutEngine, TransformersEngine
     from pulseloco.integrations.swarm_rollouts import SwarmRollouts
     from pulseloco.integrations.trainer import PulseLoCoCallback
 
@@ -29,9 +27,7 @@ __all__ = [
     "PulseLoCoArguments",
     "PulseLoCoCallback",
     "PulseSyncCallback",
-    "RolloutEngine",
     "SwarmRollouts",
-    "TransformersEngine",
     "skip_vllm_import",
 ]
 
@@ -39,8 +35,6 @@ _LAZY = {
     "PulseLoCoArguments": "pulseloco.integrations.args",
     "PulseLoCoCallback": "pulseloco.integrations.trainer",
     "PulseSyncCallback": "pulseloco.integrations.pulsesync",
-    "RolloutEngine": "pulseloco.integrations.rollout",
-    "TransformersEngine": "pulseloco.integrations.rollout",
     "SwarmRollouts": "pulseloco.integrations.swarm_rollouts",
 }
 

@@ -7,7 +7,7 @@
 Every field is a command-line flag (``--strategy pulseloco``, ``--initial_peers MADDR``, ``--inner_steps 8``) and a
 key of the YAML ``--config`` file. The fields are those of the library's option dataclasses, which these inherit
 (:class:`~pulseloco.swarm.SwarmConfig`, :mod:`pulseloco.loco.config`,
-:class:`~pulseloco.integrations.swarm_rollouts.RolloutConfig`, :class:`~pulseloco.integrations.verify.VerifyConfig`),
+:class:`~pulseloco.integrations.swarm_rollouts.RolloutConfig`, :class:`~pulseloco.rollouts.verify.VerifyConfig`),
 so each option is defined, documented and checked once. Invalid values raise :class:`pulseloco.errors.ConfigError`
 naming the field, when the parser builds the dataclass.
 """
@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.swarm_rollouts import RolloutConfig
-from pulseloco.integrations.verify import VerifyConfig
 from pulseloco.keys import check_run_id, policy_run_id
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.selection import SelectorName
+from pulseloco.rollouts.verify import VerifyConfig
 from pulseloco.swarm import SwarmConfig
 from pulseloco.sync.publisher import DEFAULT_ANCHOR_EVERY
 
@@ -209,7 +209,7 @@ class RolloutArguments(PublicKeyArguments, VerifyConfig, RolloutConfig):
     workers (:class:`pulseloco.integrations.swarm_rollouts.SwarmRollouts`, TRL's ``rollout_func``). How the
     workers are used and how their completions are checked are the fields of
     :class:`~pulseloco.integrations.swarm_rollouts.RolloutConfig` and
-    :class:`~pulseloco.integrations.verify.VerifyConfig`, defined and checked there once."""
+    :class:`~pulseloco.rollouts.verify.VerifyConfig`, defined and checked there once."""
 
     rollouts: str = field(
         default="local",
@@ -240,7 +240,7 @@ class RolloutArguments(PublicKeyArguments, VerifyConfig, RolloutConfig):
         if self.rollouts == "local":
             return None
         from pulseloco.integrations.swarm_rollouts import SwarmRollouts
-        from pulseloco.integrations.verify import RolloutVerifier
+        from pulseloco.rollouts.verify import RolloutVerifier
 
         if not self.public_key and not pulse_args.publish:
             raise ConfigError(

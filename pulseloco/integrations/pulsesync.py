@@ -152,7 +152,7 @@ class PulseSyncCallback(LogsContributor):
         self._loco: PulseLoCo | None = None  # that of a PulseLoCoCallback on the same model, once attached
         self._round_at_step_begin: tuple[int, int] | None = None  # (round, inner step) when the step began
         #: called with (version, BF16 state) after each version this process publishes (the trainer's own check
-        #: of rollouts keeps them: :class:`pulseloco.integrations.verify.VersionStates`)
+        #: of rollouts keeps them: :class:`pulseloco.rollouts.verify.VersionStates`)
         self.version_listeners: list[Callable[[int, dict[str, torch.Tensor]], None]] = []
         self._last_published: tuple[int, int] | None = None  # (version, step) of the last version published
         self._versions_lock = threading.Lock()

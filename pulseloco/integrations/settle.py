@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pulseloco.integrations.verify import RolloutVerifier
 from pulseloco.rollouts.client import GroupResult, RolloutClient
+from pulseloco.rollouts.verify import RolloutVerifier
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ TRL then decodes the completions and computes the rewards itself: a worker's own
   ``repetition_penalty`` must be off, since the workers' log-probabilities would otherwise not be those of the
   distribution sampled from.
 - **Checks**: before TRL sees a worker's completions, the trainer checks them
-  (:class:`pulseloco.integrations.verify.RolloutVerifier`): every token must be the replayable sampler's choice
+  (:class:`pulseloco.rollouts.verify.RolloutVerifier`): every token must be the replayable sampler's choice
   (:mod:`pulseloco.rollouts.sampling`) under the weights of the version the lease claims (followed here by a
-  :class:`pulseloco.integrations.verify.VersionStates`), every log-probability near the trainer's, and a completion
+  :class:`pulseloco.rollouts.verify.VersionStates`), every log-probability near the trainer's, and a completion
   may end early only on an end-of-sequence token. The groups of a lease that fails are generated again by other
   workers; a worker whose leases fail ``max_refusals`` times is refused for the run (logged, in the metrics, and in
   the DHT for ``pulseloco status``), so a dishonest worker's completions never reach the loss.
@@ -69,11 +69,11 @@ from pulseloco.errors import ConfigError
 from pulseloco.integrations.pulsesync import PulseSyncCallback
 from pulseloco.integrations.settle import settle
 from pulseloco.integrations.trainer import PulseLoCoCallback
-from pulseloco.integrations.verify import RolloutVerifier, stop_ids
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id
 from pulseloco.rollouts.client import GroupResult, LeaseConfig, NoWorkersError, RolloutClient
+from pulseloco.rollouts.verify import RolloutVerifier, stop_ids
 from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ class SwarmRollouts:
             (send the next batch to the workers before TRL asks for it); ``leases_per_worker`` (this trainer's
             leases running on one worker at once); ``max_refusals`` (failed leases before a worker is refused).
         verify: check every worker's completions with the trainer's model before TRL sees them
-            (:class:`pulseloco.integrations.verify.RolloutVerifier`); a lease that fails is generated again by
+            (:class:`pulseloco.rollouts.verify.RolloutVerifier`); a lease that fails is generated again by
             other workers and counts against its worker, refused after ``max_refusals``.
         verifier: the checks (default: a :class:`RolloutVerifier` with its default thresholds).
         metrics_path: append one JSON line per generation round (lag histogram, dropped, refused, wait seconds).
@@ -471,7 +471,7 @@ class SwarmRollouts:
                     yield [row["prompt"] for row in batch]
 
     def _generate_locally(self, trainer: Any, groups: list[list[int]], num_samples: int) -> list[GroupResult]:
-        from pulseloco.integrations.rollout import TransformersEngine
+        from pulseloco.rollouts.engines.hf import TransformersEngine
 
         if self._local_engine is None:
             model = trainer.accelerator.unwrap_model(trainer.model)

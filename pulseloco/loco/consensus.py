@@ -1,7 +1,7 @@
 """The consensus vote: which global state a peer should hold, from the state records of the swarm.
 
 Every peer publishes its latest ``(round, digest, complete, disputed)``
-(:class:`~pulseloco.loco.matchmaking.PeerState`). After a round, and before the next, a trainer applies
+(:class:`~pulseloco.loco.peers.PeerState`). After a round, and before the next, a trainer applies
 :func:`repair_target` to what it read: it downloads the state when server-mode peers hold a newer round that at
 least as many peers report as its own, or when most peers at its own round hold another digest. ``pulseloco
 status`` applies the same rule (:func:`majority_digest`, :func:`distrusted`) to say which peers agree. Pure
@@ -17,10 +17,8 @@ source, it never makes anyone adopt a state.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from pulseloco.loco.matchmaking import PeerState
+from pulseloco.loco.peers import PeerState
 
 __all__ = ["distrusted", "majority_digest", "preferred_digest", "repair_target"]
 

@@ -44,9 +44,10 @@ from pulseloco.loco.averaging import AllReduceResult, SparseAverager, payload_fr
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.consensus import distrusted, repair_target
 from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
-from pulseloco.loco.matchmaking import Matchmaker, PeerState, RoundRecord
+from pulseloco.loco.matchmaking import Matchmaker
 from pulseloco.loco.metrics import RoundMetrics
 from pulseloco.loco.outer import NesterovOuterOptimizer
+from pulseloco.loco.peers import PeerState, RoundRecord
 from pulseloco.loco.placement import OuterPlacement, process_group
 from pulseloco.loco.quantize import ParamLayout
 from pulseloco.loco.robust import clip_split

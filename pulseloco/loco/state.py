@@ -28,7 +28,7 @@ from hivemind.proto import runtime_pb2
 
 from pulseloco.errors import PayloadError, StateDownloadError, SwarmError
 from pulseloco.loco.ledger import Ledger, LedgerEntry
-from pulseloco.loco.matchmaking import PeerState
+from pulseloco.loco.peers import PeerState
 from pulseloco.loco.validation import theta_digest
 from pulseloco.p2p import P2PHost, asker_closes, read_stream, stream_messages
 

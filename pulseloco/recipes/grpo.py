@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
 
     from accelerate import PartialState
 
-    from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.rollouts.engines.hf import TransformersEngine
 
     state = PartialState()
     trainer = build_trainer(

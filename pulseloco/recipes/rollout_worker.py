@@ -12,7 +12,7 @@ changed elements, bytes received, seconds the update took, seconds from the publ
 this worker serving it (``seconds_to_serve``; the two clocks must agree), the engine's weight version, digest (equal
 to the one the publisher logged), path.
 
-``--engine vllm`` generates with vLLM (:class:`pulseloco.integrations.vllm.VLLMEngine`, the ``pulseloco[vllm]``
+``--engine vllm`` generates with vLLM (:class:`pulseloco.rollouts.engines.vllm.VLLMEngine`, the ``pulseloco[vllm]``
 extra): the subscriber patches the engine's BF16 state in checkpoint coordinates, then only what changed is
 loaded into the running engine. ``--compare_full_reload`` also times loading every tensor into the same engine
 for each version (``seconds_full_reload``), the baseline that a full-checkpoint push would need at the least.
@@ -116,13 +116,13 @@ class WorkerArguments(PublicKeyArguments, tasks.TaskArguments):
 
 def _load_engine(args: WorkerArguments) -> tuple[Any, Any]:
     """``(engine, the vLLM engine or None)`` for ``--engine``; raises what loading the checkpoint raises."""
-    from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.rollouts.engines.hf import TransformersEngine
 
     dtype = args.compute_dtype
     if dtype == "auto":  # the transformers engine runs on the CPU, where FP32 is the faster
         dtype = "bfloat16" if args.engine == "vllm" else "float32"
     if args.engine == "vllm":
-        from pulseloco.integrations.vllm import VLLMEngine
+        from pulseloco.rollouts.engines.vllm import VLLMEngine
 
         engine = VLLMEngine.from_pretrained(args.model_path, dtype=dtype)
         print(f"rollout: vLLM engine loaded in {engine.load_seconds:.1f} s", flush=True)
@@ -242,8 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     if not swarm.initial_peers:
         raise common.ConfigError("--initial_peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
 
-    from pulseloco.cli import stop_on_signals
     from pulseloco.errors import VersionTimeoutError
+    from pulseloco.signals import stop_on_signals
     from pulseloco.swarm import make_dht
     from pulseloco.sync.signing import load_public_key
     from pulseloco.sync.subscriber import Subscriber

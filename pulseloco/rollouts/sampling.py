@@ -13,8 +13,8 @@ regenerate the noise for any position without replaying the others and recompute
 (:func:`check_completions`). A worker that samples with other weights, another seed of its own (cherry-picking the
 best of several samples), or writes a chosen text, picks tokens that are not the perturbed argmax.
 
-Both engines sample with this rule: :class:`pulseloco.integrations.rollout.TransformersEngine` through a
-``transformers`` logits processor, :class:`pulseloco.integrations.vllm.VLLMEngine` through a vLLM logits processor.
+Both engines sample with this rule: :class:`pulseloco.rollouts.engines.hf.TransformersEngine` through a
+``transformers`` logits processor, :class:`pulseloco.rollouts.engines.vllm.VLLMEngine` through a vLLM logits processor.
 The processors (:func:`choose`) turn each row of logits into a row that is ``-inf`` except at the chosen token,
 whose value is that token's log-probability; the engines then decode greedily and report that value (vLLM's
 ``processed_logits``, transformers' processed scores) as the sampling log-probability.

@@ -118,7 +118,7 @@ class RolloutServicer(ServicerBase):
 
 
 class RolloutServer:
-    """Serves leases with ``engine`` (a :class:`pulseloco.integrations.rollout.RolloutEngine`) at the version
+    """Serves leases with ``engine`` (a :class:`pulseloco.rollouts.engines.hf.RolloutEngine`) at the version
     ``subscriber`` holds.
 
     Args:

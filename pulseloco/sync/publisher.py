@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pulseloco.codec import peek_header
 from pulseloco.digest import state_digest
 from pulseloco.errors import ConfigError, PatchError, PayloadError, UnauthorizedError
+from pulseloco.keys import check_run_id, training_run_id
 from pulseloco.sync.anchor import anchor_bytes, load_anchor
 from pulseloco.sync.patch import apply_patch, make_patch, squash
 from pulseloco.sync.signing import Envelope, check_payload, sign_envelope, verify_envelope
@@ -115,7 +116,9 @@ class Publisher:
     Args:
         dht: a running hivemind DHT, or None to only write the store (for deployments that share the
             directory or serve it over HTTP).
-        run_id: names the run in the DHT and in every envelope.
+        run_id: names the run in the DHT and in every envelope (``<training run id>.policy`` for a training run);
+            ConfigError if it or its training run id fails :func:`pulseloco.keys.check_run_id` (empty, too long,
+            whitespace).
         signing_key: the publisher's Ed25519 key; subscribers trust its public half.
         store_dir: the version store; a publisher restarted on the same directory resumes its chain.
         anchor_every: a full BF16 anchor every this many versions (the first version is always one).
@@ -161,8 +164,7 @@ class Publisher:
             raise ConfigError(f"keep_anchors must be >= 1, got {keep_anchors}")
         if values not in ("absolute", "delta"):
             raise ConfigError(f"values must be 'absolute' or 'delta', got {values!r}")
-        if not run_id or len(run_id) > 128:
-            raise ConfigError("run_id must be a non-empty string of at most 128 characters")
+        check_run_id(training_run_id(run_id))  # a training run's id, or a plain sync run's
         self.run_id = run_id
         self.anchor_every = anchor_every
         self.keep_anchors = keep_anchors

@@ -5,7 +5,7 @@ trainer's ``state_dict``), which a :class:`pulseloco.sync.subscriber.Subscriber`
 and verified by digest; then :meth:`RolloutEngine.weights_updated` tells the engine that those tensors changed
 (an engine that keeps its own repacked copy reloads them there), and :meth:`RolloutEngine.generate` samples with
 them. :class:`TransformersEngine` is the baseline: the BF16 weights *are* the model's parameters, so there is
-nothing to reload. :class:`pulseloco.integrations.vllm.VLLMEngine` implements the same three methods on vLLM.
+nothing to reload. :class:`pulseloco.rollouts.engines.vllm.VLLMEngine` implements the same three methods on vLLM.
 """
 
 from __future__ import annotations

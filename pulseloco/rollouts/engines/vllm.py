@@ -2,7 +2,7 @@
 
 Two halves, one in each process:
 
-- :class:`VLLMEngine` (the rollout worker's process) implements :class:`pulseloco.integrations.rollout.RolloutEngine`.
+- :class:`VLLMEngine` (the rollout worker's process) implements :class:`pulseloco.rollouts.engines.hf.RolloutEngine`.
   It holds the policy's BF16 weights in *checkpoint coordinates* (the names and shapes of the trainer's
   ``state_dict``), which a :class:`pulseloco.sync.subscriber.Subscriber` patches in place: atomically, after the
   envelope's signature, the payload's SHA-256 and the base digest are checked, and verified against the result
@@ -10,8 +10,8 @@ Two halves, one in each process:
   :meth:`VLLMEngine.weights_updated` sends the elements that changed (flat indices and their new BF16 values) to
   the engine through vLLM's weight-transfer API (``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update``) and tags the engine with the version (``weight_version``).
-- :class:`~pulseloco.integrations.vllm_backend.PulseSyncWeightTransferEngine` (inside vLLM's worker processes,
-  :mod:`pulseloco.integrations.vllm_backend`) is the ``pulsesync`` weight-transfer backend, registered with vLLM's
+- :class:`~pulseloco.rollouts.engines.vllm_backend.PulseSyncWeightTransferEngine` (inside vLLM's worker processes,
+  :mod:`pulseloco.rollouts.engines.vllm_backend`) is the ``pulsesync`` weight-transfer backend, registered with vLLM's
   ``WeightTransferEngineFactory`` by the ``vllm.general_plugins`` entry point :func:`register` (vLLM loads it in
   every process it starts; defined there, importable from here for the entry point). It loads the received
   elements with ``load_checkpoint_weight_patches``, which goes through the model's own ``load_weights``:
@@ -27,8 +27,8 @@ too, :class:`EngineStateError` is raised and :meth:`VLLMEngine.generate` and :me
 to run until a later update loads completely.
 
 :meth:`VLLMEngine.generate_ids` samples in token ids by the replayable rule of :mod:`pulseloco.rollouts.sampling`
-(:class:`~pulseloco.integrations.vllm_sampler.GumbelSampler`, a vLLM logits processor in
-:mod:`pulseloco.integrations.vllm_sampler`, with greedy decoding taking its choice) and returns each sampled
+(:class:`~pulseloco.rollouts.engines.vllm_sampler.GumbelSampler`, a vLLM logits processor in
+:mod:`pulseloco.rollouts.engines.vllm_sampler`, with greedy decoding taking its choice) and returns each sampled
 token's log-probability under ``softmax(logits / temperature)``: vLLM runs with ``logprobs_mode="processed_logits"``,
 which reports the processor's output, where the chosen token holds exactly that value.
 
@@ -51,14 +51,14 @@ import torch
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.models import load_causal_lm, load_tokenizer
-from pulseloco.integrations.rollout import Completion, check_generate_ids
-from pulseloco.integrations.vllm_backend import BACKEND, needs_layerwise, register
-from pulseloco.integrations.vllm_sampler import LOGPROBS_MODE, SAMPLER_ARGS, GumbelSampler
+from pulseloco.rollouts.engines.hf import Completion, check_generate_ids
+from pulseloco.rollouts.engines.vllm_backend import BACKEND, needs_layerwise, register
+from pulseloco.rollouts.engines.vllm_sampler import LOGPROBS_MODE, SAMPLER_ARGS, GumbelSampler
 
 logger = logging.getLogger(__name__)
 
 # ``register`` is defined in vllm_backend and listed here because pyproject.toml's vllm.general_plugins entry point
-# names it as ``pulseloco.integrations.vllm:register``.
+# names it as ``pulseloco.rollouts.engines.vllm:register``.
 __all__ = ["EngineStateError", "VLLMEngine", "register"]
 
 #: KV cache of the CPU build unless given: enough for rollouts of small models beside the trainers on one machine.

@@ -1,7 +1,7 @@
-"""The ``pulsesync`` weight-transfer backend of vLLM: how :class:`pulseloco.integrations.vllm.VLLMEngine` writes a
+"""The ``pulsesync`` weight-transfer backend of vLLM: how :class:`pulseloco.rollouts.engines.vllm.VLLMEngine` writes a
 verified PULSESync version into vLLM's weights, inside vLLM's worker processes.
 
-:func:`register` (the ``vllm.general_plugins`` entry point ``pulseloco.integrations.vllm:register``, which vLLM
+:func:`register` (the ``vllm.general_plugins`` entry point ``pulseloco.rollouts.engines.vllm:register``, which vLLM
 loads in every process it starts) registers :class:`PulseSyncWeightTransferEngine` with vLLM's
 ``WeightTransferEngineFactory`` under :data:`BACKEND`. Each ``update_weights`` call carries one
 :class:`PulseSyncUpdateInfo`: elements of checkpoint tensors (flat indices and their new values) or whole tensors,
@@ -14,7 +14,7 @@ This module imports without vLLM (the engine's base is then ``object``); :func:`
 :func:`needs_layerwise` need it.
 
 Failure behaviour: :meth:`PulseSyncUpdateInfo.tensors` raises ``ValueError`` on anything inconsistent (lengths,
-dtypes, sizes); every error of a load propagates to vLLM's caller, :class:`~pulseloco.integrations.vllm.VLLMEngine`,
+dtypes, sizes); every error of a load propagates to vLLM's caller, :class:`~pulseloco.rollouts.engines.vllm.VLLMEngine`,
 which reloads every tensor.
 """
 

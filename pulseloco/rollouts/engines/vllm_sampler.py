@@ -1,5 +1,5 @@
 """The replayable sampling rule as a vLLM logits processor: :class:`GumbelSampler`, with which
-:meth:`pulseloco.integrations.vllm.VLLMEngine.generate_ids` samples.
+:meth:`pulseloco.rollouts.engines.vllm.VLLMEngine.generate_ids` samples.
 
 A request whose ``SamplingParams.extra_args`` hold :data:`SAMPLER_ARGS` (the lease's seed, the request's sequence
 index and the temperature) and that vLLM decodes greedily gets the token :func:`pulseloco.rollouts.sampling.choose`
