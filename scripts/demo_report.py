@@ -15,8 +15,8 @@ rounds). It prints:
   a ring all-reduce sends ``2 (W - 1) / W * 4 * params`` bytes per worker (``4 * params`` with W = 2 workers);
   then those bytes per selected entry, split (:func:`pulseloco.loco.metrics.traffic_summary`): the payload (the
   whole selection as one frame, what the paper's all-gather uploads), indices in bits per entry against their
-  entropy bound, values, the shard sums served per union entry, and headers; ``-`` for metrics files written
-  before the split existed;
+  entropy bound, values, the shard sums served per union entry, and headers; ``-`` where a metrics file
+  lacks the split;
 * PULSESync: the version store's patches against full BF16 checkpoints (``2 * params`` bytes, the store's anchor
   size), and what the rollout worker received against one full checkpoint per version;
 * rollouts: per trainer, the completions each rollout worker generated (and any generated locally), the version

@@ -1,4 +1,4 @@
-"""Byte accounting users can compare with the paper (issue 22): the split of the bytes a peer sends into index,
+"""Byte accounting users can compare with the paper: the split of the bytes a peer sends into index,
 value, shard-sum and header bytes, the payload (the whole selection as one frame), and the per-entry summary.
 
 Hand-checked small cases: one frame's sections against its length; two real :class:`SparseAverager` peers over

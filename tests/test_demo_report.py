@@ -1,5 +1,5 @@
 """The demo's closing table (scripts/demo_report.py) says what RL gained and whether the run was in PULSE's sparse
-regime (issue 22), and the task's evaluation problems cover a small task exactly once (pulseloco/recipes/tasks.py).
+regime, and the task's evaluation problems cover a small task exactly once (pulseloco/recipes/tasks.py).
 
 The run directory is written here by hand, in the formats the recipes write (``grpo_eval.json``,
 ``trainer_state.json``, ``pulseloco_rounds.jsonl``), so every number in the report can be checked by hand.

@@ -79,30 +79,28 @@ class WarmSpec:
 
 
 SIZES: dict[str, WarmSpec] = {
-    # for tests: 0.12M parameters; 36 CPU-s on one thread, greedy reward 0.49 (2026-11-27; 300 pretraining and 80
-    # supervised steps: 600 and 40 took 55 CPU-s for a reward of 0.26, and the suite builds it every run)
+    # for tests: 0.12M parameters, built by every suite run (about 36 CPU-s on one thread; docs/results.md)
     "tiny": WarmSpec(
         hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         pretrain_steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=30, max_bytes=1_000_000,
         max_operand=9, sft_steps=80, sft_learning_rate=3e-3,
     ),
-    # for scripts/demo.sh: 1.64M parameters, wide and shallow; single-digit sums (100 problems, all of them scored),
-    # greedy reward 0.52; 334 s on 2 cores shared with another job (2026-11-25; about 90 s when idle). Built again on
-    # a fresh machine: greedy 0.48, 101 s (same spec and seed; the build is not bit-reproducible across machines)
+    # for scripts/demo.sh: 1.64M parameters, wide and shallow; single-digit sums (100 problems, all of them scored);
+    # the build is not bit-reproducible across machines (its greedy reward and build time: docs/results.md)
     "demo": WarmSpec(
         hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         pretrain_steps=500, batch_size=16, learning_rate=2e-3, warmup_steps=50,
         max_operand=9, sft_steps=100, sft_learning_rate=2e-3,
     ),
-    # for the sparse regime (issue 22): 9.18M parameters, wide and shallow, where each weight moves little per step
-    # while a pre-activation sums 1024 of them; single-digit sums; 433 s on 2 cores (2026-11-25), greedy reward
-    # 0.73 on the 100 problems (sft_steps 80 gave 0.11, 240 gave 0.84); scripts/sparsity_study.py --warm-size wide
+    # for the sparse regime: 9.18M parameters, wide and shallow, where each weight moves little per step while a
+    # pre-activation sums 1024 of them; single-digit sums (its greedy reward and build time: docs/results.md);
+    # experiments/sparsity/sparsity_study.py --warm-size wide
     "wide": WarmSpec(
         hidden_size=1024, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
         pretrain_steps=400, batch_size=16, learning_rate=1.5e-3, warmup_steps=40,
         max_operand=9, sft_steps=140, sft_learning_rate=1e-3,
     ),
-    # for scripts/compare.py: 9.5M parameters; 12.5 min, greedy reward 0.19
+    # for experiments/compare/compare.py: 9.5M parameters; 12.5 min, greedy reward 0.19
     "compare": WarmSpec(
         hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
         pretrain_steps=900, batch_size=16, learning_rate=1e-3, warmup_steps=90, max_bytes=4_000_000,
