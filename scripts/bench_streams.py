@@ -15,10 +15,9 @@ after ``--read-delay`` seconds (an asker whose event loop is busy: the reply wai
 processes spin on the CPU meanwhile (the race is lost when a daemon thread is descheduled at the wrong moment).
 Reported per handler: replies complete, replies cut short (after how many bytes), other errors.
 
-Output: a table on stdout and ``results/bench-streams/bench_streams.json`` / ``.md`` (``--out``). Bad flags exit 2
-with argparse's one line; a server that does not start within 60 s raises ``harness.procs.ProcFailed`` (a
-RuntimeError) with its log.
-"""
+Output: a table on stdout and ``bench_streams.json`` / ``.md`` in ``--out`` (default: a new folder under
+``experiments/benchmarks/results/``). Bad flags exit 2 with argparse's one line; a server that does not start within 60
+s raises ``harness.procs.ProcFailed`` (a RuntimeError) with its log."""
 
 from __future__ import annotations
 
@@ -34,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-from harness import REPO, procs
+from harness import procs
 from harness.machine import machine_note
-from harness.report import md_table
+from harness.report import default_out, md_table
 from hivemind.p2p import P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
@@ -165,7 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", type=int, default=216_336, help="reply bytes (default 216336)")
     parser.add_argument("--read-delay", type=float, default=0.02, help="seconds before reading a reply (0.02)")
     parser.add_argument("--burners", type=int, default=2, help="CPU-spinning processes meanwhile (default 2)")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "bench-streams", help="output directory")
+    parser.add_argument(
+        "--out", type=Path, default=None,
+        help="output directory (default: a new folder experiments/benchmarks/results/bench-streams-ASKERSaskers-STAMP)",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.seconds <= 0 or args.askers < 1 or args.size < 0 or args.read_delay < 0 or args.burners < 0:
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         serve(args.size)
         return
+    if args.out is None:
+        args.out = default_out("benchmarks", f"bench-streams-{args.askers}askers")
     data = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_streams.json").write_text(json.dumps(data, indent=2, default=str) + "\n")

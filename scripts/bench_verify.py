@@ -11,7 +11,7 @@ What it does: loads the model (default: the demo's warm model, ``scripts/warm_mo
 worker would (BF16 weights; transformers in BF16 and in FP32, vLLM in BF16 and in FP32 on the same BF16 values) and
 as a trainer does (FP32), has each engine sample ``--samples`` completions of ``--prompts`` arithmetic problems with
 the replayable rule (:mod:`pulseloco.rollouts.sampling`, one lease seed), then runs the trainer's check
-(:class:`pulseloco.integrations.verify.RolloutVerifier`, with the version's weights) on them with the tolerances of
+(:class:`pulseloco.rollouts.verify.RolloutVerifier`, with the version's weights) on them with the tolerances of
 the engine's precision, every gap recorded. Reported per engine: positions, positions whose token is not the
 trainer's perturbed argmax, the largest gap and the margin, the near misses and positions per band of spread (the
 near-miss guard's rates), the mean and largest per-token log-probability error,
@@ -19,9 +19,9 @@ whether the lease passed; then the check's seconds against a GRPO step on the sa
 pass of the trainer's model over it, as TRL's loss does, plus TRL's own no-gradient forward for the old
 log-probabilities when importance sampling is on).
 
-Output: a table on stdout and ``results/bench-verify/bench_verify.json`` / ``.md`` (``--out``). Bad flags exit 2
-with argparse's one line; a warm model that cannot be built raises RuntimeError; the engines' errors pass through.
-"""
+Output: a table on stdout and ``bench_verify.json`` / ``.md`` in ``--out`` (default: a new folder under
+``experiments/benchmarks/results/``). Bad flags exit 2 with argparse's one line; a warm model that cannot be built
+raises RuntimeError; the engines' errors pass through."""
 
 from __future__ import annotations
 
@@ -33,15 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import REPO
 from harness.models import warm_model_dir
-from harness.report import md_table, write_report
+from harness.report import default_out, md_table, write_report
 
-from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig, stop_ids
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.recipes import tasks
 from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.tolerances import precision_of
+from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig, stop_ids
 
 ENGINES = ("transformers", "transformers-fp32", "vllm-bf16", "vllm-fp32")
 
@@ -50,11 +49,11 @@ def make_engine(name: str, model: str, device: str) -> Any:
     """A rollout engine of ``ENGINES`` on ``model`` (transformers in BF16 on ``device``; vLLM in BF16 or FP32).
     Raises ImportError where the engine's library is missing."""
     if name.startswith("transformers"):
-        from pulseloco.integrations.rollout import TransformersEngine
+        from pulseloco.rollouts.engines.hf import TransformersEngine
 
         dtype = torch.float32 if name == "transformers-fp32" else torch.bfloat16
         return TransformersEngine.from_pretrained(model, device=device, dtype=dtype)
-    from pulseloco.integrations.vllm import VLLMEngine
+    from pulseloco.rollouts.engines.vllm import VLLMEngine
 
     return VLLMEngine.from_pretrained(model, dtype="bfloat16" if name == "vllm-bf16" else "float32", max_model_len=128)
 
@@ -136,13 +135,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cpu", help="the transformers worker's device (cpu, cuda)")
     ap.add_argument("--trainer-device", default=None, help="the trainer's replay device (default: --device)")
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench-verify")
+    ap.add_argument(
+        "--out", type=Path, default=None,
+        help="where bench_verify.json and .md go (default: a new folder experiments/benchmarks/results/"
+        "bench-verify-ENGINES-STAMP, named after the engines and start time)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     args.engines = [e for e in args.engines.split(",") if e]
     unknown = [e for e in args.engines if e not in ENGINES]
     if unknown or not args.engines or args.prompts < 1 or args.samples < 1 or args.max_new_tokens < 1:
         ap.error(f"--engines must name some of {', '.join(ENGINES)}; counts must be positive (got {unknown or ''})")
     args.trainer_device = args.trainer_device or args.device
+    if args.out is None:
+        engines = "all" if args.engines == list(ENGINES) else "_".join(args.engines)
+        args.out = default_out("benchmarks", f"bench-verify-{engines}-{args.device}")
     for flag, device in (("--device", args.device), ("--trainer-device", args.trainer_device)):
         if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
             ap.error(f"{flag} {device}: only cpu, or cuda where torch sees a CUDA GPU")

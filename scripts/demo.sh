@@ -12,7 +12,7 @@
 #                                     regime's, about 9 minutes to make the first time)
 #   scripts/demo.sh -- ARGS           ARGS to both trainers' recipes/grpo.py, after the demo's own (they win), for
 #                                     example -- --learning_rate 3e-6
-#   scripts/demo.sh --codec [ARGS]    the codec benchmark instead: scripts/bench_codec.py ARGS
+#   scripts/demo.sh --codec [ARGS]    the codec benchmark instead: experiments/codec/bench_codec.py ARGS
 #                                     (for example --codec --small for a quick run)
 #
 # What runs, all on 127.0.0.1, each in its own process group:
@@ -41,7 +41,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 
 if [[ "${1:-}" == "--codec" ]]; then
     shift
-    exec "$PYTHON" scripts/bench_codec.py "$@"
+    exec "$PYTHON" experiments/codec/bench_codec.py "$@"
 fi
 
 OUT="runs/demo-$(date +%Y%m%d)"
@@ -185,10 +185,9 @@ LAUNCH=(accelerate launch -q --config_file recipes/accelerate_configs/single_pro
 PEER_ARGS=(recipes/grpo.py --config "$CONFIG" --model_name_or_path "$MODEL" --strategy pulseloco --run_id "$RUN_ID"
     --initial_peers "$BOOTSTRAP" --target_group_size 2 --matchmaking_time 60 --max_steps "$STEPS"
     --rollouts swarm --rollout_fallback wait --per_device_train_batch_size 256)
-# 32 prompts x 8 completions per step, twice the config's (which scripts/compare.py measures with): with 16 x 8 the
-# greedy gain was +0.12 on average over four runs (-0.03..+0.23), with 32 x 8 +0.17 / +0.17 / +0.20 over seeds
-# 0 / 2 / 4 and +0.16 for seed 0 again, in about the same time (a step's cost here is mostly the version round
-# trip, not the batch)
+# 32 prompts x 8 completions per step, twice the config's (which experiments/compare/compare.py measures with): a
+# larger and steadier greedy gain in about the same time, since a step's cost here is mostly the version round trip,
+# not the batch (the runs: docs/log.md)
 # peer 0 lingers after its last round so that the rollout worker can fetch the last version from it
 start peer0 "${LAUNCH[@]}" "${PEER_ARGS[@]}" --seed "$SEED" --output_dir "$OUT/peer0" --linger 20 \
     --publish --publish_every 1 --signing_key "$KEYS/publisher" ${TRAINER_EXTRA[@]+"${TRAINER_EXTRA[@]}"}

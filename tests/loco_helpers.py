@@ -91,7 +91,7 @@ class PeerConfig:
     faults: dict[int, str] = field(default_factory=dict)
     """Faults to inject, by round (see :func:`_inject_faults`)."""
     attack: str | None = None
-    """A Byzantine trainer: send this attack of ``scripts/harness/byzantine.py`` at 9x the honest norm."""
+    """A Byzantine trainer: send this attack of ``experiments/byzantine/byzantine.py`` at 9x the honest norm."""
     record_parts: bool = False
     """Report every round's parts as sent (dense), their shard norms, and the shards' accepted lists and scales."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -342,7 +342,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     if opt.averager is not None:
         _record_parts(opt, report, config.record_parts)
         if config.attack is not None:
-            from harness import byzantine
+            import byzantine
 
             byzantine.install(opt, config.attack, seed=config.index)
         _record_ledger(opt, report)

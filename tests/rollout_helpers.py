@@ -72,7 +72,7 @@ to half their length without an end-of-sequence token).
 And those that aim just inside the check's tolerances (:mod:`pulseloco.rollouts.tolerances`, the worker's
 precision): ``steer`` (at every position, of the tokens whose perturbed score trails the sampler's choice by less
 than 95% of the margin, the one with the lowest id: a worker that picks its tokens where the margin lets it, with
-their true log-probabilities; :func:`harness.steering.steer`); ``forged_within`` (honest tokens, every
+their true log-probabilities; :func:`steering.steer`); ``forged_within`` (honest tokens, every
 log-probability lowered by 90% of the per-token tolerance)."""
 
 LEASE_MAX_NEW_TOKENS = 64
@@ -120,7 +120,7 @@ def reference_logprobs(
 
 
 def lowest_id(row: int, ids: list[int], close: list[int]) -> int:
-    """A steering worker's pick (:func:`harness.steering.steer`): the lowest token id of those close enough."""
+    """A steering worker's pick (:func:`steering.steer`): the lowest token id of those close enough."""
     return min(close)
 
 
@@ -158,7 +158,7 @@ class _Behaviour:
         if self.mode in ("other_weights", "cherry_pick", "inject"):
             return self._dishonest(prompt_ids, **options)
         if self.mode == "steer":
-            from harness.steering import steer
+            from steering import steer
 
             from pulseloco.rollouts.tolerances import TOLERANCES
 

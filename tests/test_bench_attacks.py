@@ -1,11 +1,11 @@
-"""scripts/bench_attacks.py: a small run on the tiny warm model, and bad flags refused with one line."""
+"""experiments/attacks/bench_attacks.py: a small run on the tiny warm model, and bad flags refused with one line."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import bench_attacks as ba  # scripts/bench_attacks.py (scripts/ is on the tests' path)
+import bench_attacks as ba  # experiments/attacks/bench_attacks.py (on the tests' path: pyproject.toml)
 import pytest
 
 

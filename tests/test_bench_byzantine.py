@@ -1,7 +1,9 @@
-"""scripts/bench_byzantine.py: a smoke run end to end on loopback (two runs of four peer processes, two rounds).
+"""experiments/byzantine/bench_byzantine.py: a smoke run end to end on loopback (two runs of four peer processes,
+two rounds).
 
-The measured losses are not asserted here (they are the script's output, results/byzantine/README.md); this checks
-that the script runs a group of four with and without the attacker and writes its report.
+The measured losses are not asserted here (they are the script's output,
+experiments/byzantine/results/byzantine/README.md); this checks that the script runs a group of four with and
+without the attacker and writes its report.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "bench_byzantine.py"
+SCRIPT = REPO / "experiments" / "byzantine" / "bench_byzantine.py"
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""scripts/bench_codec.py: a smoke run end to end, and its baseline codecs on awkward shapes.
+"""experiments/codec/bench_codec.py: a smoke run end to end, and its baseline codecs on awkward shapes.
 
 The benchmark's numbers are not asserted here (performance lives in the script's own output);
 these tests check that it runs, reports every codec, and that its baselines are lossless.
@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 
 import bench_codec as bench
+import codec_timing
 import pytest
 import torch
-from harness import codec_timing
-from harness.codec_baselines import BASELINES
+from codec_baselines import BASELINES
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "bench_codec.py"
+SCRIPT = REPO / "experiments" / "codec" / "bench_codec.py"
 
 
 @pytest.mark.timeout(120)

@@ -1,10 +1,11 @@
-"""Smoke tests of scripts/bench_rollouts.py's pure parts: argument checks and tables from sample JSON lines."""
+"""Smoke tests of experiments/rollouts/bench_rollouts.py's pure parts: argument checks and tables from sample JSON
+lines."""
 
 from __future__ import annotations
 
 import bench_rollouts as br
 import pytest
-from harness import rollouts_report as rr
+import rollouts_report as rr
 
 
 def _args(*argv: str):

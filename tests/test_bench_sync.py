@@ -1,4 +1,4 @@
-"""scripts/bench_sync.py: a smoke run end to end on loopback (a publisher and two subscriber processes).
+"""experiments/sync/bench_sync.py: a smoke run end to end on loopback (a publisher and two subscriber processes).
 
 The benchmark's timings are not asserted here (performance lives in the script's own output); this checks that
 it runs both modes, that every subscriber ended every version with the publisher's digest, and that a patch is
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "bench_sync.py"
+SCRIPT = REPO / "experiments" / "sync" / "bench_sync.py"
 
 
 @pytest.mark.timeout(300)

@@ -1,5 +1,5 @@
-"""scripts/compare.py: a minimal comparison end to end (GRPO from the tiny warm model, two strategies, one outer
-round, on 127.0.0.1), its aggregation over seeds and its verdicts on hand-made runs (the frontier table, the
+"""experiments/compare/compare.py: a minimal comparison end to end (GRPO from the tiny warm model, two strategies, one
+outer round, on 127.0.0.1), its aggregation over seeds and its verdicts on hand-made runs (the frontier table, the
 targets, the plots of every strategy), ``--report`` over several compare.json, and the one-line refusals (bad
 flags; a Python that is not the project's; compare.json files run with other settings).
 
@@ -21,12 +21,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import compare  # scripts/compare.py (scripts/ is on the tests' path)
+import compare  # experiments/compare/compare.py (on the tests' path: pyproject.toml)
+import compare_report
+import compare_results
+import compare_runs
 import pytest
-from harness import compare_report, compare_results, compare_runs
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "compare.py"
+SCRIPT = REPO / "experiments" / "compare" / "compare.py"
 TINY_CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 """The tiny model's config (2 prompts a step): the default, grpo-demo.yaml, is for the demo warm model."""
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -300,14 +302,15 @@ def assert_one_line_refusal(proc: subprocess.CompletedProcess[str], tmp: Path, o
     assert len(lines) == 1 and not proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in lines[0]
     assert "scripts/demo.sh" in lines[0] and "scripts/test.sh" in lines[0]
-    assert ".venv/bin/python scripts/compare.py" in lines[0]
+    assert ".venv/bin/python experiments/compare/compare.py" in lines[0]
     assert list(tmp.iterdir()) == [] and not out.exists()  # no runs directory, nothing written
     return lines[0]
 
 
 @pytest.mark.timeout(60)
 def test_python_without_the_dependencies_gets_one_line(tmp_path: Path) -> None:
-    """The system Python (isolated: no user site-packages), as a new user who ran `python3 scripts/compare.py`."""
+    """The system Python (isolated: no user site-packages), as a new user who ran
+    `python3 experiments/compare/compare.py`."""
     if not SYSTEM_PYTHON.exists():
         pytest.skip(f"no {SYSTEM_PYTHON}")
     probe = subprocess.run([str(SYSTEM_PYTHON), "-I", "-c", HAS_DEPS], check=False,
@@ -494,7 +497,8 @@ def test_frontier_with_one_seed_shows_the_sampling_error_and_judges_no_quality()
 def fake_meta(**overrides: Any) -> dict[str, Any]:
     """A compare.json's meta as make_meta() writes it (the fields the report reads and merge_reports compares)."""
     return {
-        "command": ".venv/bin/python scripts/compare.py", "recipe": "grpo", "recipe_path": "recipes/grpo.py",
+        "command": ".venv/bin/python experiments/compare/compare.py", "recipe": "grpo",
+        "recipe_path": "recipes/grpo.py",
         "config": "recipes/configs/grpo-demo.yaml", "model": "/models/warm-wide", "strategies": ["diloco"],
         "lrs": [1e-5], "seeds": [1], "seed_note": "0 + 1000 j", "steps": 16, "extra": ["--num_eval_samples", "32"],
         "workers": 4, "parallel": False, "network": "loopback", "bandwidth": None, "ddp_launch": "one launch",
@@ -541,7 +545,8 @@ def test_report_merges_compare_jsons_and_refuses_other_settings(
     assert report["meta"]["seconds"] == 1200 and report["meta"]["targets"] == compare_report.TARGETS
     md = (out / "compare.md").read_text()
     assert "Runs of 2 compare.json (20 min in all), listed under 'Reported from'." in md
-    assert f"- `{a}`: commit abc1234, today, 2 cores, `.venv/bin/python scripts/compare.py`; runs kept: " in md
+    command = ".venv/bin/python experiments/compare/compare.py"
+    assert f"- `{a}`: commit abc1234, today, 2 cores, `{command}`; runs kept: " in md
     assert "runs kept: pulseloco x1." in md
     assert f"- `{b}`: commit def5678" in md and "runs kept: diloco x3, sparseloco x3; replaced 1 run(s)" in md
     assert "- best strategy at DiLoCo's quality: sparseloco, wire bytes vs DiLoCo 1/146 (met)." in md

@@ -291,7 +291,7 @@ def test_malicious_payloads_are_rejected(initial_peers: list[str]) -> None:
 
 def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peers: list[str]) -> None:
     """Four peers, one Byzantine: from round 0 it sends its selection sign-flipped at 9x its norm
-    (scripts/harness/byzantine.py). Each owner clips it to the median norm of its shard's parts (the honest parts
+    (experiments/byzantine/byzantine.py). Each owner clips it to the median norm of its shard's parts (the honest parts
     are never struck), the honest consensus still moves along the honest pseudo-gradients every round, every
     honest peer's exact ledger holds (produced = counted at the reported scales + residual), and after strikes in
     five rounds every owner excludes the attacker and names it disputed (and no one else)."""
@@ -417,7 +417,7 @@ def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initia
 
 
 def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list[str]) -> None:
-    """Issue 11's four failure modes, one per round, on three peers with the dense selector (every entry sent),
+    """Four failure modes, one per round, on three peers with the dense selector (every entry sent),
     checked against an exact outside ledger (tests/loco_helpers.py ``_record_ledger``):
 
     round 1: peer 1's DHT view fails at the round's start: it averages in a group of itself alone;

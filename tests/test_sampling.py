@@ -12,8 +12,8 @@ import random
 
 import pytest
 import torch
-from harness.steering import steer
 from rollout_helpers import byte_tokenizer, lowest_id, save_tiny_model
+from steering import steer
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.rollout import TransformersEngine

@@ -1,5 +1,5 @@
-"""The churn soak's short version: scripts/soak.py with 4 peers (one in client mode, one poisoning its payloads)
-for 8 rounds, a peer SIGKILLed right after pushing and restarted, a short and a long SIGSTOP stall, and a
+"""The churn soak's short version: experiments/soak/soak.py with 4 peers (one in client mode, one poisoning its
+payloads) for 8 rounds, a peer SIGKILLed right after pushing and restarted, a short and a long SIGSTOP stall, and a
 PULSESync subscriber killed and restarted. The full run (6 peers, 50 rounds) is a benchmark; see the README."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_short_churn_soak_counts_every_contribution_once(tmp_path: Path) -> None
     out, summary_path = tmp_path / "soak", tmp_path / "summary.json"
     cmd = [
         sys.executable,
-        str(REPO / "scripts" / "soak.py"),
+        str(REPO / "experiments" / "soak" / "soak.py"),
         "--peers",
         "4",
         "--rounds",

@@ -1,6 +1,6 @@
-"""scripts/sparsity_study.py: the sparsity and mechanism computations (scripts/harness/sparsity.py) on hand-made
-tensors (fast), and a smoke run end to end on the tiny warm model (TRL GRPO in process, two learning rates, both
-precisions, a few steps).
+"""experiments/sparsity/sparsity_study.py: the sparsity and mechanism computations (experiments/sparsity/sparsity.py) on
+hand-made tensors (fast), and a smoke run end to end on the tiny warm model (TRL GRPO in process, two learning rates,
+both precisions, a few steps).
 
 The smoke run checks what must hold whatever the numbers: the outputs exist, every S is a fraction, the minimum is
 at most the mean, the changed set over k steps is within the union of the per-step changed sets, and FP32 master
@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import sparsity_study  # scripts/sparsity_study.py (scripts/ is on the tests' path)
+import sparsity
+import sparsity_study  # experiments/sparsity/sparsity_study.py (on the tests' path: pyproject.toml)
 import torch
-from harness import sparsity
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "sparsity_study.py"
+SCRIPT = REPO / "experiments" / "sparsity" / "sparsity_study.py"
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -101,7 +101,7 @@ def test_error_feedback_rounds_by_hand() -> None:
     assert density == 1 / 4  # ... but with the 0.003 owed from round 1 its signal 0.0035 is visible: sent
     assert residual.tolist() == pytest.approx([0.0, 0.0, 0.0, -0.001], abs=1e-6)
     run = {"density_per_round_ef": [0.5, 0.1, 0.2, 0.3, 0.4]}
-    from harness import sparsity_report
+    import sparsity_report
 
     assert sparsity_report.late_round_density_ef(run) == pytest.approx(0.4)  # 5 rounds: the last one
     assert sparsity_report.late_round_density_ef({"density_per_round_ef": []}) is None
@@ -109,7 +109,7 @@ def test_error_feedback_rounds_by_hand() -> None:
 
 
 def test_report_quarters_and_late_windows_by_hand() -> None:
-    from harness import sparsity_report
+    import sparsity_report
 
     assert sparsity_report.mean_and_se([]) is None
     assert sparsity_report.mean_and_se([0.5]) == (0.5, 0.0)

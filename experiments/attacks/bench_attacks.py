@@ -2,14 +2,14 @@
 """Measure what dishonest rollout workers achieve against the trainer's check, on the demo's task and model.
 
     source .venv/bin/activate
-    python scripts/bench_attacks.py                          # every attack, 6 leases each (~5 min on 2 cores)
-    python scripts/bench_attacks.py --attacks steer-right,forged-within --leases 3
+    python experiments/attacks/bench_attacks.py                        # every attack, 6 leases each (~5 min on 2 cores)
+    python experiments/attacks/bench_attacks.py --attacks steer-right,forged-within --leases 3
 
 What it does: loads the demo's warm model (``scripts/warm_model.py --size demo``; ``--model_name_or_path``) as the
 trainer holds it (FP32 holding the published BF16 values: the version's weights, which are also its current ones)
 and as a worker serves it (BF16). Each attack is one worker answering ``--leases`` leases of ``--prompts`` addition
 problems x ``--samples`` completions (the demo's batch), each lease with its own seed, checked in order by one
-:class:`pulseloco.integrations.verify.RolloutVerifier` (the default shared check, with its near-miss guard) until
+:class:`pulseloco.rollouts.verify.RolloutVerifier` (the default shared check, with its near-miss guard) until
 the worker would be refused: a lease that fails counts toward ``--max-refusals`` (the recipes' default), a lease
 the guard refuses ends it at once. The honest engine's completions of the same seeds, in the precision the attack
 declares, are the reference. Attacks:
@@ -25,13 +25,12 @@ declares, are the reference. Attacks:
 - ``forged-within``: honest tokens, every log-probability lowered by 90% of the per-token tolerance (the rest
   left for the engine's own error).
 
-Reported per attack: the declared precision, leases answered, the lease at which the worker is refused (and why),
-the share of its completions that passed before (what reaches the trained batch), among those the share that are
-not the honest sample and the share whose reward differs from the honest sample's (with the mean reward change),
-and the largest change to the importance-sampling ratio's denominators (the log-probabilities handed on, against
-the honest lease's). Output: a table on stdout and ``results/bench-attacks/bench_attacks.json`` / ``.md``
-(``--out``). Bad flags exit 2 with argparse's one line; the engines' errors pass through.
-"""
+Reported per attack: the declared precision, leases answered, the lease at which the worker is refused (and why), the
+share of its completions that passed before (what reaches the trained batch), among those the share that are not the
+honest sample and the share whose reward differs from the honest sample's (with the mean reward change), and the largest
+change to the importance-sampling ratio's denominators (the log-probabilities handed on, against the honest lease's).
+Output: a table on stdout and ``bench_attacks.json`` / ``.md`` in ``--out`` (default: a new folder under
+``experiments/attacks/results/``). Bad flags exit 2 with argparse's one line; the engines' errors pass through."""
 
 from __future__ import annotations
 
@@ -43,18 +42,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from harness import REPO
-from harness.models import warm_model_dir
-from harness.report import md_table, write_report
-from harness.steering import steer
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
 
-from pulseloco.integrations.rollout import Completion, TransformersEngine
-from pulseloco.integrations.verify import RolloutVerifier, VerifyConfig, stop_ids
+import torch
+from harness.models import warm_model_dir
+from harness.report import default_out, md_table, write_report
+from steering import steer
+
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.recipes import tasks
 from pulseloco.rollouts.client import GroupResult
+from pulseloco.rollouts.engines.hf import Completion, TransformersEngine
 from pulseloco.rollouts.tolerances import TOLERANCES
+from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig, stop_ids
 
 ATTACKS = (
     "honest",
@@ -79,12 +79,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--samples", type=int, default=8, help="completions per problem (the demo's: 8)")
     ap.add_argument("--max-new-tokens", type=int, default=4, help="the demo's max_completion_length")
     ap.add_argument("--max-refusals", type=int, default=3, help="failed leases before a worker is refused")
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench-attacks")
+    ap.add_argument(
+        "--out", type=Path, default=None,
+        help="where bench_attacks.json and .md go (default: a new folder experiments/attacks/results/"
+        "ATTACKS-LEASES-STAMP, named after the attacks, leases and start time)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     args.attacks = [a for a in args.attacks.split(",") if a]
     unknown = [a for a in args.attacks if a not in ATTACKS]
     if unknown or not args.attacks or min(args.leases, args.prompts, args.samples, args.max_new_tokens) < 1:
         ap.error(f"--attacks must name some of {', '.join(ATTACKS)}; counts must be positive (got {unknown or ''})")
+    if args.out is None:
+        attacks = "all" if args.attacks == list(ATTACKS) else "_".join(args.attacks)
+        args.out = default_out("attacks", f"{attacks}-{args.leases}leases")
     return args
 
 

@@ -1,6 +1,6 @@
 """A steering rollout worker: the replayable sampler, except that at each position it picks, of the tokens close to
-the sampler's choice, the one it prefers. What ``scripts/bench_attacks.py`` measures and the rollout tests' rogue
-worker sends (tests/rollout_helpers.py)."""
+the sampler's choice, the one it prefers. What ``experiments/attacks/bench_attacks.py`` measures and the rollout tests'
+rogue worker sends (tests/rollout_helpers.py)."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ def steer(
     temperature: float,
     eos: int,
 ) -> list[Any]:
-    """Completions (:class:`pulseloco.integrations.rollout.Completion`) of ``prompts`` (row ``i`` is sequence
+    """Completions (:class:`pulseloco.rollouts.engines.hf.Completion`) of ``prompts`` (row ``i`` is sequence
     ``sequences[i]``, default ``i``, of the noise keyed by ``seed``) where, at each position, the worker takes
     ``choose(i, ids, close)`` of the tokens whose perturbed score trails the best by less than ``aim`` nats (best
     first), reporting that token's true log-probability under ``model`` (the served weights); it stops after ``eos``.
     One unbatched forward pass per position (slow; for benchmarks and tests on small models)."""
     import torch
 
-    from pulseloco.integrations.rollout import Completion
+    from pulseloco.rollouts.engines.hf import Completion
     from pulseloco.rollouts.sampling import gumbel_noise
 
     out = []

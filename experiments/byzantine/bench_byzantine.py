@@ -10,9 +10,10 @@ selector, H = ``--inner-steps``, every round formed by all four), for ``--rounds
 consensus theta after every round: the cross-entropy of the answer and end-of-sequence tokens of 256 held-out problems
 (:func:`pulseloco.recipes.tasks.eval_problems`).
 
-With an attack, peer 3 trains honestly but sends, instead of its selection (``scripts/harness/byzantine.py``): ``flip``
-its selection sign-flipped, ``fixed`` one fixed random direction, ``noise`` fresh Gaussian noise, each at ``--factor``
-(9) times the norm of the selection it replaces (``flip@3``: at 3x, under the strike ratio: never excluded). Rules:
+With an attack, peer 3 trains honestly but sends, instead of its selection (``experiments/byzantine/byzantine.py``):
+``flip`` its selection sign-flipped, ``fixed`` one fixed random direction, ``noise`` fresh Gaussian noise, each at
+``--factor`` (9) times the norm of the selection it replaces (``flip@3``: at 3x, under the strike ratio: never
+excluded). Rules:
 
 - ``screen``: ``clip_to_median=False, dispute_rounds=0``: a part is refused only above ``max_norm_ratio`` (10) times
   the others' median norm;
@@ -24,8 +25,8 @@ The table gives, per run, the held-out loss before and after, the reduction, and
 without an attacker under the same rule (the target: at least 0.5 with the ``clip`` rule), the round from which the
 honest owners stopped counting the attacker, and whether any honest peer was ever excluded (disputed).
 
-    .venv/bin/python scripts/bench_byzantine.py                           # every rule and attack: ~15 minutes
-    .venv/bin/python scripts/bench_byzantine.py --out results/byzantine   # and README.md + bench_byzantine.json
+    .venv/bin/python experiments/byzantine/bench_byzantine.py             # every rule and attack: ~15 minutes
+    .venv/bin/python experiments/byzantine/bench_byzantine.py --out DIR   # and DIR/README.md + bench_byzantine.json
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+
+import byzantine
 import torch
-from harness import byzantine, machine, models, procs
+from harness import machine, models, procs
 from harness.report import md_table
 
 NUM_PEERS = 4
@@ -360,7 +364,8 @@ def write_report(
 ) -> None:
     """``README.md`` (command, commit, date, machine, table) and ``bench_byzantine.json`` (everything) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    command = " ".join([".venv/bin/python scripts/bench_byzantine.py", *(sys.argv[1:] if argv is None else argv)])
+    argv = sys.argv[1:] if argv is None else argv
+    command = " ".join([".venv/bin/python experiments/byzantine/bench_byzantine.py", *argv])
     meta = {
         "command": command,
         "commit": machine.git_revision(),

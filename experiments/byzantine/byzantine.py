@@ -10,7 +10,8 @@ norm of the honest selection it replaces (9 in issue 48), as dense FP32 entries 
 
 The attacker keeps its own state as if its honest selection had been counted whole (no entries returned, clip scale
 1), so that "the honest norm" stays the norm an honest peer would send; its shard owner code is left as it is (it
-serves honest sums of its own shard). Used by ``scripts/bench_byzantine.py`` and ``tests/loco_helpers.py``.
+serves honest sums of its own shard). Used by ``experiments/byzantine/bench_byzantine.py`` and
+``tests/loco_helpers.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Inputs:
   * synthetic: a Gaussian (std 0.02) BF16 state with the model's tensor shapes, in which a seeded random
     mask of each --densities fraction of elements moves to the neighbouring BF16 value.
 
-Codecs: pulseloco absolute and delta (`make_patch`), and two baselines (scripts/harness/codec_baselines.py:
+Codecs: pulseloco absolute and delta (`make_patch`), and two baselines (experiments/codec/codec_baselines.py:
 ``naive``: flat int32 indices + BF16 values + zstd-1; ``authors``: the PULSE authors' production
 codec as docs/design.md section 6.2 describes it, per-tensor 2-D row/column gaps narrowed to u8/u16 + raw BF16
 values + zstd-1). Every codec is timed as encode (diff + pack) and apply (decode + scatter into a copy of
@@ -30,11 +30,14 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
 
 import torch
+from codec_baselines import State
+from codec_timing import CLONES_PER_RUN, CODECS, Row, make_codec, measure_input, to_device
 from harness import memory
-from harness.codec_baselines import State
-from harness.codec_timing import CLONES_PER_RUN, CODECS, Row, make_codec, measure_input, to_device
 from harness.logs import progress
 from harness.models import MODEL_CONFIGS, SyntheticLM, build_model
 from harness.report import Column, fixed_table, fmt, parse_floats, parse_ints

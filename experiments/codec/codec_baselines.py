@@ -1,4 +1,5 @@
-"""Two baseline codecs of sparse BF16 updates, to measure PULSESync's patch codec against (scripts/bench_codec.py).
+"""Two baseline codecs of sparse BF16 updates, to measure PULSESync's patch codec against
+(experiments/codec/bench_codec.py).
 
 - ``naive``: per tensor, a u64 count and flat int32 indices, then the raw BF16 values;
 - ``authors``: the PULSE authors' production codec as docs/design.md section 6.2 describes it: per tensor viewed 2-D,

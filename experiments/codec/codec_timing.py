@@ -1,5 +1,5 @@
-"""How ``scripts/bench_codec.py`` times a codec: every codec of :data:`CODECS` (pulseloco's absolute and delta
-patches, and the baselines of :mod:`harness.codec_baselines`) encodes one (base, new) pair of BF16 states and applies
+"""How ``experiments/codec/bench_codec.py`` times a codec: every codec of :data:`CODECS` (pulseloco's absolute and delta
+patches, and the baselines of :mod:`codec_baselines`) encodes one (base, new) pair of BF16 states and applies
 the payload to a copy of the base, each call timed right after timed ``torch.clone``\\ s of the same state
 (:func:`timed_with_clone`), so that a row's times are ratios to a clone measured under the same load; every round
 trip is checked bit for bit (:func:`states_equal`). :func:`measure_input` gives one :class:`Row` per codec.
@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from harness.codec_baselines import BASELINES, State
+from codec_baselines import BASELINES, State
 from harness.logs import progress
 
 CODECS = ("pulseloco-abs", "pulseloco-delta", "naive", "authors")

@@ -3,13 +3,15 @@
 top-64 budget) and SparseLoCo (k = 64 and 128) in GRPO post-training of a warm model; reward against bytes sent,
 the frontier of held-out reward against bytes, wall time, density per round and PULSESync patch sizes.
 
-    .venv/bin/python scripts/compare.py                       # about 85 minutes: 7 strategies, one seed
-    .venv/bin/python scripts/compare.py --seeds 3 --strategies diloco,sparseloco,pulseloco-2bit-k64  # the frontier
-    .venv/bin/python scripts/compare.py --quick               # the demo model, 32 steps, every strategy (a smoke run)
-    .venv/bin/python scripts/compare.py --bandwidth 100mbit   # each worker behind a 100 Mbit/s link (root)
-    .venv/bin/python scripts/compare.py --recipe pretrain     # recipes/pretrain.py, configs/pretrain-tiny.yaml
-    .venv/bin/python scripts/compare.py -- --beta 0.04        # after --: to every recipe run
-    .venv/bin/python scripts/compare.py --report a/compare.json,b/compare.json  # no runs: report both together
+    .venv/bin/python experiments/compare/compare.py                      # about 85 minutes: 7 strategies, one seed
+    .venv/bin/python experiments/compare/compare.py --quick              # the demo model, 32 steps, every strategy
+    .venv/bin/python experiments/compare/compare.py --bandwidth 100mbit  # each worker behind a 100 Mbit/s link (root)
+    .venv/bin/python experiments/compare/compare.py --recipe pretrain    # recipes/pretrain.py, pretrain-tiny.yaml
+    .venv/bin/python experiments/compare/compare.py -- --beta 0.04       # after --: to every recipe run
+    # the frontier's three strategies, three seeds each
+    .venv/bin/python experiments/compare/compare.py --seeds 3 --strategies diloco,sparseloco,pulseloco-2bit-k64
+    # no runs: the table and plots of earlier runs, reported together
+    .venv/bin/python experiments/compare/compare.py --report a/compare.json,b/compare.json
 
 Run it with the project's Python (``.venv/bin/python``, made by ``scripts/demo.sh`` or ``scripts/test.sh``): it
 starts the ``pulseloco`` command from beside ``sys.executable`` (and says so in one line if it is not there), and
@@ -28,7 +30,7 @@ and pulseloco-2bit-k64, every run evaluated with ``--num_eval_samples 32`` (adde
 run takes about 11-12 minutes on this 2-core machine: about 85 minutes in all. With one seed quality is not judged
 against DiLoCo (no range over seeds). The frontier's three strategies with three seeds each,
 
-    .venv/bin/python scripts/compare.py --seeds 3 --strategies diloco,sparseloco,pulseloco-2bit-k64
+    .venv/bin/python experiments/compare/compare.py --seeds 3 --strategies diloco,sparseloco,pulseloco-2bit-k64
 
 are 9 runs, about 105 minutes; their compare.json and the default's can be reported together (``--report``; the
 3-seed runs replace the default's seed-0 runs of the same strategies). ``--quick`` runs the demo warm model at 5e-5
@@ -76,21 +78,21 @@ every seed improved on the warm model and the mean gain is at least ``MIN_GAIN``
 Where it did not learn, no quality is claimed for it. PULSELoCo "matches DiLoCo" at a learning rate when its mean
 lies within DiLoCo's range over seeds (needs at least 2 seeds). The rule used is printed under each table.
 
-**Outputs** (``--out``, default ``results/``): ``compare.md`` (per learning rate a table, one of wire and payload
-bytes per worker and round, one of the sparse strategies' bytes per selected entry, the frontier table: per
-strategy its wire bytes per worker, wire and payload bytes against DiLoCo's, the held-out sampled reward after
-training with its spread, whether it learned and whether it matches DiLoCo; and the targets, each "met" or "missed
-by" a factor: every pulseloco strategy's wire and payload bytes <= 1/17 of DiLoCo's and <= 1/100 of DDP's,
-PULSESync patches <= 1/50 of a BF16 copy; sparseloco's (k = 64) wire bytes <= 1/146 and payload <= 1/180 of
-DiLoCo's; the strategy with the fewest wire bytes among those whose quality matches DiLoCo's <= 1/146 of DiLoCo's
-wire bytes, or why none qualifies; the command, date, commit and machine; also printed), ``compare.json`` (every
-run and every aggregate), ``compare_reward_bytes.png`` and ``compare_reward_time.png`` (the sampled training reward,
-seed mean, against bytes sent and training time), ``compare_final.png`` (final greedy reward, mean and range,
+**Outputs** (``--out``, default a new folder ``experiments/compare/results/MODEL-LRS-STEPS-STAMP``): ``compare.md`` (per
+learning rate a table, one of wire and payload bytes per worker and round, one of the sparse strategies' bytes per
+selected entry, the frontier table: per strategy its wire bytes per worker, wire and payload bytes against DiLoCo's, the
+held-out sampled reward after training with its spread, whether it learned and whether it matches DiLoCo; and the
+targets, each "met" or "missed by" a factor: every pulseloco strategy's wire and payload bytes <= 1/17 of DiLoCo's and
+<= 1/100 of DDP's, PULSESync patches <= 1/50 of a BF16 copy; sparseloco's (k = 64) wire bytes <= 1/146 and payload <=
+1/180 of DiLoCo's; the strategy with the fewest wire bytes among those whose quality matches DiLoCo's <= 1/146 of
+DiLoCo's wire bytes, or why none qualifies; the command, date, commit and machine; also printed), ``compare.json``
+(every run and every aggregate), ``compare_reward_bytes.png`` and ``compare_reward_time.png`` (the sampled training
+reward, seed mean, against bytes sent and training time), ``compare_final.png`` (final greedy reward, mean and range,
 against bytes sent), ``compare_density.png`` (the fraction of entries each round sent, against the round) and
-``frontier.png`` (the held-out sampled reward after training, mean over seeds, against wire bytes and against
-payload bytes per worker on a log axis, one point per strategy; error bars: the range over seeds, or for one seed
-the sampling standard error the runs recorded). The runs' logs and output directories go to ``--runs-dir``
-(default: a temporary directory, removed unless ``--keep-runs``).
+``frontier.png`` (the held-out sampled reward after training, mean over seeds, against wire bytes and against payload
+bytes per worker on a log axis, one point per strategy; error bars: the range over seeds, or for one seed the sampling
+standard error the runs recorded). The runs' logs and output directories go to ``--runs-dir`` (default: a temporary
+directory, removed unless ``--keep-runs``).
 
 **Reporting again.** ``--report FILE`` runs nothing: it writes the table, JSON and plots from the runs of earlier
 compare.json files (this version's aggregation and verdicts). Several files (comma-separated, or ``--report``
@@ -109,9 +111,10 @@ Runs go one after the other (``--parallel``: the strategies of one learning rate
 times are not comparable). Every process has a timeout (``--timeout`` per run) and is stopped (its process group)
 when the script ends, also on errors and Ctrl-C.
 
-**Code.** This script: the flags and the plans' execution. In ``scripts/harness/``: ``compare_runs`` (plans, one
-run's start), ``compare_results`` (what runs wrote, rows over seeds), ``compare_report`` (compare.md, plots, JSON),
-``recipe_runs`` (launches, bootstrap node, signing key), and the shared ``procs``, ``netns``, ``models``, ``machine``.
+**Code.** This script: the flags and the plans' execution. Beside it in ``experiments/compare/``: ``compare_runs``
+(plans, one run's start), ``compare_results`` (what runs wrote, rows over seeds), ``compare_report`` (compare.md,
+plots, JSON). In the shared ``scripts/harness/``: ``recipe_runs`` (launches, bootstrap node, signing key),
+``procs``, ``netns``, ``models``, ``machine``.
 """
 
 from __future__ import annotations
@@ -132,17 +135,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+
 REQUIRED_MODULES = ("torch", "transformers", "trl", "accelerate", "hivemind", "matplotlib", "yaml", "pulseloco")
 """What the recipe runs and the plots import; checked (without importing) before anything starts."""
 REQUIRED_COMMANDS = ("pulseloco",)
 """Executables started from beside ``sys.executable``."""
-SETUP_HINT = "run scripts/demo.sh or scripts/test.sh once to create .venv, then use .venv/bin/python scripts/compare.py"
+SETUP_HINT = (
+    "run scripts/demo.sh or scripts/test.sh once to create .venv, "
+    "then use .venv/bin/python experiments/compare/compare.py"
+)
 
 
 def environment_problem(python: str | None = None) -> str | None:
     """Why this Python cannot run the comparison (``None``: it can): modules of the project's dependencies that it
-    cannot import, the ``pulseloco`` command missing beside it, or ``scripts/harness`` not importable (``python -I``
-    leaves ``scripts/`` off ``sys.path``). Nothing is imported; never raises."""
+    cannot import, the ``pulseloco`` command missing beside it, or ``scripts/harness`` or this folder's modules not
+    importable (``python -I`` leaves the script's folder off ``sys.path``). Nothing is imported; never raises."""
     python = python if python is not None else sys.executable
     if not python:
         return "the Python running compare.py has no known executable path"
@@ -160,27 +168,28 @@ def environment_problem(python: str | None = None) -> str | None:
     absent = [name for name in REQUIRED_COMMANDS if not os.access(bin_dir / name, os.X_OK)]
     if absent:
         return f"{python} has no {' or '.join(absent)} command beside it in {bin_dir}"
-    if importlib.util.find_spec("harness") is None:
-        return f"{python} cannot import scripts/harness (run compare.py as a script, without -I)"
+    if importlib.util.find_spec("harness") is None or importlib.util.find_spec("compare_runs") is None:
+        return f"{python} cannot import scripts/harness or compare.py's modules (run it as a script, without -I)"
     return None
 
 
-if __name__ == "__main__" and importlib.util.find_spec("harness") is None:
-    # Before the harness imports below, which need scripts/ on sys.path: Python puts it there when it runs a script,
-    # except under `python -I` (3.11: -P). One line instead of an ImportError's traceback.
+if __name__ == "__main__" and importlib.util.find_spec("compare_runs") is None:
+    # Before the imports below of this folder's modules: Python puts the script's folder first on sys.path when it
+    # runs a script, except under `python -I` (3.11: -P). One line instead of an ImportError's traceback.
     print(f"compare.py: error: {environment_problem()}; {SETUP_HINT}", file=sys.stderr, flush=True)
     sys.exit(2)
 
+from compare_report import TARGETS, merge_reports, write_outputs  # noqa: E402
+from compare_results import aggregate, summarize  # noqa: E402
+from compare_runs import SEED_STRIDE, STRATEGIES, Plan, StrategyRun, make_plans, start_run  # noqa: E402
 from harness import REPO  # noqa: E402
-from harness.compare_report import TARGETS, merge_reports, write_outputs  # noqa: E402
-from harness.compare_results import aggregate, summarize  # noqa: E402
-from harness.compare_runs import SEED_STRIDE, STRATEGIES, Plan, StrategyRun, make_plans, start_run  # noqa: E402
 from harness.logs import progress  # noqa: E402
 from harness.machine import git_revision, machine_note  # noqa: E402
 from harness.models import warm_model_dir  # noqa: E402
 from harness.netns import NetNS, open_netns, rate_label  # noqa: E402
 from harness.procs import Runner, exit_on_signals, stop_all, wait_all  # noqa: E402
 from harness.recipe_runs import make_signing_key, recipe_env, start_bootstrap  # noqa: E402
+from harness.report import default_out, lr_label  # noqa: E402
 
 CONFIGS = REPO / "recipes" / "configs"
 DEFAULT_CONFIGS = {"pretrain": CONFIGS / "pretrain-tiny.yaml", "grpo": CONFIGS / "grpo-demo.yaml"}
@@ -282,7 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-publish", action="store_true", help="no PULSESync publishing by the swarm's peer 0")
     ap.add_argument("--bandwidth", default=None, help="limit each worker's link, e.g. 100mbit (needs root)")
     ap.add_argument("--parallel", action="store_true", help="the strategies of a run at once (times not comparable)")
-    ap.add_argument("--out", type=Path, default=REPO / "results", help="where compare.md, .json and the plots go")
+    ap.add_argument(
+        "--out", type=Path, default=None,
+        help="where compare.md, .json and the plots go (default: a new folder experiments/compare/results/"
+        "MODEL-LRS-STEPS-STAMP, named after the run's model, learning rates, steps and start time; --report: "
+        "report-STAMP)",
+    )  # fmt: skip
     ap.add_argument("--runs-dir", type=Path, default=None, help="logs and outputs (default: a temporary directory)")
     ap.add_argument("--keep-runs", action="store_true", help="keep the temporary runs directory")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take (default 1800)")
@@ -506,7 +520,7 @@ def report_paths(values: list[str]) -> list[Path]:
 
 def report_again(sources: list[Path], out: Path, json_path: Path) -> int:
     """``--report``: the table, plots and JSON from the runs of earlier compare.json files, merged
-    (:func:`harness.compare_report.merge_reports`), with this version's aggregation, verdicts and targets; the runs'
+    (:func:`compare_report.merge_reports`), with this version's aggregation, verdicts and targets; the runs'
     numbers, commands, dates and machines as recorded. Exit code 2 (one line) on an unreadable file or files run
     with other settings."""
     reports = []
@@ -547,14 +561,15 @@ def main(argv: list[str] | None = None) -> int:
     is listed) or the warm model, key or a bootstrap node failed (nothing written); 2 for bad flags or a Python
     that cannot run it (one line); 130 on Ctrl-C, 143 on SIGTERM (every process stopped)."""
     argv = sys.argv[1:] if argv is None else argv
-    command = shlex.join([".venv/bin/python", "scripts/compare.py", *argv])
+    command = shlex.join([".venv/bin/python", "experiments/compare/compare.py", *argv])
     extra: list[str] = []
     if "--" in argv:
         argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     ap = build_parser()
     args = ap.parse_args(argv)
-    json_path = args.json or args.out / "compare.json"
     if args.report is not None:
+        args.out = args.out or default_out("compare", "report")
+        json_path = args.json or args.out / "compare.json"
         try:
             sources = report_paths(args.report)
         except ValueError as exc:
@@ -565,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare.py: error: {problem}; {SETUP_HINT}", file=sys.stderr, flush=True)
         return 2
     strategies, lrs, seeds, extra = validate(ap, args, extra)
+    if args.out is None:
+        model = Path(args.model_name_or_path).name if args.model_name_or_path else args.warm_size
+        args.out = default_out("compare", f"{model}-{lr_label(lrs)}-{args.steps}")
+    json_path = args.json or args.out / "compare.json"
     runs_dir, temp_runs = prepare_runs_dir(args.runs_dir)
 
     def remove_temp_runs() -> None:  # a temporary runs directory goes unless --keep-runs

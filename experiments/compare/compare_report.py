@@ -1,11 +1,11 @@
-"""The outputs of ``scripts/compare.py``: ``compare.md`` (a table per learning rate, the byte tables, the frontier
-table, the targets and quality verdicts, where the runs came from, how the numbers were made), the five plots and
-``compare.json``, from the runs' results and the rows of :func:`harness.compare_results.aggregate`; and the merge of
+"""The outputs of ``experiments/compare/compare.py``: ``compare.md`` (a table per learning rate, the byte tables, the
+frontier table, the targets and quality verdicts, where the runs came from, how the numbers were made), the five plots
+and ``compare.json``, from the runs' results and the rows of :func:`compare_results.aggregate`; and the merge of
 several ``compare.json`` files for ``--report`` (:func:`merge_reports`).
 
-The functions read the keys ``scripts/compare.py`` writes (``meta``, rows, results): a dictionary without one raises
-``KeyError``; rows of an older ``compare.json`` without the newer byte fields print ``-``. Files that cannot be
-written raise ``OSError``; the plots need matplotlib (``ImportError`` without it).
+The functions read the keys ``experiments/compare/compare.py`` writes (``meta``, rows, results): a dictionary without
+one raises ``KeyError``; rows of an older ``compare.json`` without the newer byte fields print ``-``. Files that cannot
+be written raise ``OSError``; the plots need matplotlib (``ImportError`` without it).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from harness.compare_results import MIN_GAIN, SAMPLED_Z, aggregate
-from harness.compare_runs import STRATEGIES
+from compare_results import MIN_GAIN, SAMPLED_Z, aggregate
+from compare_runs import STRATEGIES
 from harness.report import fmt, human, pyplot
 
 TARGETS = {
@@ -102,7 +102,7 @@ def verdict(value: float | None, target: float) -> str:
 
 
 def learned_rule(row: dict[str, Any]) -> str:
-    """What ``learned`` meant for ``row`` (:func:`harness.compare_results.aggregate`'s ``learned_by``)."""
+    """What ``learned`` meant for ``row`` (:func:`compare_results.aggregate`'s ``learned_by``)."""
     if row.get("learned_by") == "sampled":
         return f"every seed's held-out sampled gain beyond {SAMPLED_Z:g} standard errors"
     return f"every seed above the warm model, mean gain >= {MIN_GAIN:g}"

@@ -1,5 +1,5 @@
-"""The numbers of ``scripts/compare.py``: what each run's workers wrote (:func:`summarize_worker`, :func:`summarize`)
-and the rows of its tables, per learning rate and strategy over the seeds (:func:`aggregate`).
+"""The numbers of ``experiments/compare/compare.py``: what each run's workers wrote (:func:`summarize_worker`,
+:func:`summarize`) and the rows of its tables, per learning rate and strategy over the seeds (:func:`aggregate`).
 
 A run's files are read tolerantly (:mod:`harness.report`, :mod:`harness.run_outputs`): a file that is missing or cut
 short gives ``None`` values, never an exception. :func:`aggregate` also reads the results of a ``compare.json``
@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from harness.compare_runs import StrategyRun
+from compare_runs import StrategyRun
 from harness.report import mean, read_json, read_records
 from harness.run_outputs import allreduce_bytes, count_parameters, store_summary
 

@@ -1,4 +1,4 @@
-"""The runs of ``scripts/compare.py``: which strategy runs at which learning rate and seed (:class:`Plan`,
+"""The runs of ``experiments/compare/compare.py``: which strategy runs at which learning rate and seed (:class:`Plan`,
 :func:`make_plans`), and how one run starts (:func:`start_run`: ddp as one data-parallel launch, or W launches in
 network namespaces; the swarm strategies as W peers of one process each through a bootstrap node, peer 0
 publishing with PULSESync).

@@ -2,11 +2,11 @@
 """Benchmark the rollout loop: one GRPO trainer (recipes/grpo.py) with rollout workers (recipes/rollout_worker.py).
 
     source .venv/bin/activate
-    python scripts/bench_rollouts.py                                    # every case below (~25 min on 2 cores)
-    python scripts/bench_rollouts.py --cases local,swarm1,swarm2,swarm4 --steps 32
-    python scripts/bench_rollouts.py --cases nolimit-patch,netns-patch,netns-full --net-steps 16 --rate 100mbit
-    python scripts/bench_rollouts.py --cases local,swarm1 --seeds 0,1,2   # quality: local vs swarm over seeds
-    python scripts/bench_rollouts.py --report-only                      # rebuild the tables from the JSON
+    python experiments/rollouts/bench_rollouts.py                     # every case below (~25 min on 2 cores)
+    python experiments/rollouts/bench_rollouts.py --cases local,swarm1,swarm2,swarm4 --steps 32
+    python experiments/rollouts/bench_rollouts.py --cases nolimit-patch,netns-patch,netns-full --rate 100mbit
+    python experiments/rollouts/bench_rollouts.py --cases local,swarm1 --seeds 0,1,2  # quality: local vs swarm, seeds
+    python experiments/rollouts/bench_rollouts.py --report-only --out DIR  # rebuild DIR's tables from its JSON
 
 Cases (``--cases``, comma-separated):
   * ``local``: the trainer generates its own completions (``--rollouts local``), the reference for (a).
@@ -39,8 +39,8 @@ N(0, 0.02), the new layers' RMSNorm weights scaled by ``--net-norm-scale`` so th
 survive), so that GRPO still has rewards to learn from while a full BF16 copy is tens of MB. It is written once to
 ``$PULSELOCO_CACHE``/``~/.cache/pulseloco``/models/bench-rollouts-<hash>.
 
-Output: tables on stdout, ``results/bench-rollouts/bench_rollouts.json`` and
-``bench_rollouts.md``; run directories (logs, jsonl files) under ``--workdir`` (kept with ``--keep``).
+Output: tables on stdout, ``bench_rollouts.json`` and ``bench_rollouts.md`` in ``--out`` (default: a new folder under
+``experiments/rollouts/results/``); run directories (logs, jsonl files) under ``--workdir`` (kept with ``--keep``).
 Every process this script starts is killed (its process group) and every namespace deleted on exit, errors and
 Ctrl-C included; every wait is bounded (``--case-timeout``).
 """
@@ -59,14 +59,15 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+
 from harness import REPO, models, procs
 from harness.logs import progress
 from harness.netns import NetNS, open_netns, rate_label
 from harness.recipe_runs import LAUNCH, SINGLE_PROCESS, recipe_path, start_bootstrap
-from harness.report import read_records
-from harness.rollouts_report import summarize_run, write_outputs
+from harness.report import default_out, read_records
+from rollouts_report import summarize_run, write_outputs
 
-RESULTS = REPO / "results" / "bench-rollouts"
 CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 TINY_CASES = ("local", "swarm1", "swarm2", "swarm4")
 NET_CASES = ("nolimit-patch", "netns-patch", "netns-full")
@@ -149,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=240.0, help="seconds for the workers to be serving")
     ap.add_argument("--workdir", default=None, help="run directories (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
-    ap.add_argument("--out", default=str(RESULTS), help="where bench_rollouts.json and .md go")
+    ap.add_argument(
+        "--out", default=None,
+        help="where bench_rollouts.json and .md go (default: a new folder experiments/rollouts/results/"
+        "CASES-STAMP, named after the cases and start time; --report-only needs it)",
+    )  # fmt: skip
     ap.add_argument("--report-only", action="store_true", help="rebuild the tables from <out>/bench_rollouts.json")
     return ap
 
@@ -362,14 +367,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = build_parser()
     args = ap.parse_args(argv)
-    out = Path(args.out)
     if args.report_only:
+        if args.out is None:
+            ap.error("--report-only needs --out DIR (the folder whose bench_rollouts.json to report)")
+        out = Path(args.out)
         print(write_outputs(json.loads((out / "bench_rollouts.json").read_text()), out))
         return 0
     try:
         names = validate(args)
     except ValueError as exc:
         ap.error(str(exc))
+    label = "all" if list(names) == list(ALL_CASES) else "_".join(names)
+    out = Path(args.out) if args.out is not None else default_out("rollouts", label)
+    args.out = str(out)
     procs.exit_on_signals()
     seeds = [int(x) for x in args.seeds.split(",")]
     cases = [replace(make_case(n, args.net_workers), seed=seed) for seed in seeds for n in names]
@@ -377,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     net: NetNS | None = None
     payload: dict[str, Any] = {
-        "command": "python scripts/bench_rollouts.py " + " ".join(argv),
+        "command": "python experiments/rollouts/bench_rollouts.py " + " ".join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpus": os.cpu_count(),
         "rate_label": rate_label(args.rate),

@@ -1,6 +1,6 @@
-"""What ``scripts/bench_rollouts.py`` makes of its runs: one run's metrics from its records (:func:`summarize_run`),
-the markdown tables over every case (:func:`build_tables`) and the two output files (:func:`write_outputs`:
-``bench_rollouts.json`` and ``bench_rollouts.md``, also what ``--report-only`` rebuilds).
+"""What ``experiments/rollouts/bench_rollouts.py`` makes of its runs: one run's metrics from its records
+(:func:`summarize_run`), the markdown tables over every case (:func:`build_tables`) and the two output files
+(:func:`write_outputs`: ``bench_rollouts.json`` and ``bench_rollouts.md``, also what ``--report-only`` rebuilds).
 
 ``summarize_run`` and ``build_tables`` are pure (the tests feed them sample JSON lines); a metric that cannot be
 computed (no train seconds, no samples) is None, and a case without measurements is left out of a table.

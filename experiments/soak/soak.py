@@ -26,7 +26,7 @@ supervisor checks:
   are reported);
 - **processes**: no peer, DHT or ``p2pd`` process is left once everything was asked to stop;
 - **PULSESync**: every version a subscriber printed has the publisher's digest, and both end on the last one.
-- **status**: ``pulseloco status`` (:func:`pulseloco.status.collect_status`), read at the end, joins the swarm and
+- **status**: ``pulseloco status`` (:func:`pulseloco.cli.status.collect_status`), read at the end, joins the swarm and
   finds the PULSESync head verified. Whether every lingering peer agrees is reported, not required: churn in the
   last rounds can leave a peer that has not repaired yet (it would at its next round, which never comes).
 
@@ -34,8 +34,8 @@ It prints a table (rounds, group splits, diverged rounds, peers left out, repair
 disagreements, leaked processes, sync mismatches) and, with ``--json``, writes it. Exit code 0 when every check
 passed, 1 otherwise.
 
-    .venv/bin/python scripts/soak.py                                  # 6 peers, 50 rounds (about 10 minutes)
-    .venv/bin/python scripts/soak.py --peers 4 --rounds 8 --json s.json   # the short version the tests run
+    .venv/bin/python experiments/soak/soak.py                                  # 6 peers, 50 rounds (about 10 minutes)
+    .venv/bin/python experiments/soak/soak.py --peers 4 --rounds 8 --json s.json   # the short version the tests run
 """
 
 from __future__ import annotations
@@ -54,18 +54,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+
 import psutil
 import torch
 from harness import models, procs
 from harness.report import read_records
-from harness.soak_audit import Audit, check_ledger
-from harness.soak_report import followed, print_table, summarize, sync_check
-from harness.soak_schedule import Event, Member, schedule
+from soak_audit import Audit, check_ledger
+from soak_report import followed, print_table, summarize, sync_check
+from soak_schedule import Event, Member, schedule
 
 VOCAB, SEQ_LEN, BATCH = 64, 16, 4
 PRELOAD = (
     "torch", "hivemind", "transformers.models.llama.modeling_llama", "pulseloco.loco", "pulseloco.sync.publisher",
-    "pulseloco.sync.subscriber", "pulseloco.swarm", "pulseloco.cli", "harness.soak_audit",
+    "pulseloco.sync.subscriber", "pulseloco.swarm", "pulseloco.cli", "soak_audit",
 )  # fmt: skip
 """What the peers, the publisher and the subscribers import: their processes are forks of a fork server that
 imported these once (:class:`harness.procs.Runner`), not interpreters that import them again (5 CPU-s each)."""
@@ -295,7 +297,7 @@ class Soak:
 
     def _swarm_status(self, dht: Any) -> dict[str, Any]:
         """What ``pulseloco status`` reports at the end (peers lingering at the last round), as its JSON."""
-        from pulseloco.status import collect_status
+        from pulseloco.cli.status import collect_status
         from pulseloco.sync.signing import load_public_key
 
         key = load_public_key(self.out / "keys" / "publisher.pub")
@@ -417,7 +419,7 @@ class Soak:
 
     # -- the checks ---------------------------------------------------------------------------------------------
     def _summary(self, leaked_processes: int) -> dict[str, Any]:
-        """The checks over what the run left (:func:`harness.soak_report.summarize`)."""
+        """The checks over what the run left (:func:`soak_report.summarize`)."""
         records = self.peer_records()
         ledger = check_ledger(
             self.out, records, initial_digest=self._initial_digest, rounds=self.args.rounds, peers=self.args.peers,

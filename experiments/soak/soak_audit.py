@@ -1,4 +1,4 @@
-"""The outside ledger of ``scripts/soak.py``, both ends: what every peer process records as it trains
+"""The outside ledger of ``experiments/soak/soak.py``, both ends: what every peer process records as it trains
 (:class:`Audit`, hooked into its PulseLoCo optimizer) and the exactly-once check the supervisor runs over those
 records at the end (:func:`check_ledger`).
 
@@ -175,8 +175,8 @@ def check_ledger(
     peers: int,
     notes: list[str],
 ) -> dict[str, Any]:
-    """The exactly-once check (see ``scripts/soak.py``'s docstring) over the :class:`Audit` files under ``out`` and
-    the peers' round ``records``. Transitions are keyed by the digest they lead to; a finished peer is checked
+    """The exactly-once check (see ``experiments/soak/soak.py``'s docstring) over the :class:`Audit` files under ``out``
+    and the peers' round ``records``. Transitions are keyed by the digest they lead to; a finished peer is checked
     against the lineage of the theta it holds, a killed one against the lineage of the theta most finished peers
     hold. Poisoned contributions (of ``peer<peers - 1>``) are counted in the latter.
 

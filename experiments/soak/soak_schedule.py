@@ -1,5 +1,5 @@
-"""The churn of ``scripts/soak.py``: its processes across their incarnations (:class:`Member`) and the events that
-kill, restart, start late and stall them, at fractions of the run (:func:`schedule`, :class:`Event`).
+"""The churn of ``experiments/soak/soak.py``: its processes across their incarnations (:class:`Member`) and the events
+that kill, restart, start late and stall them, at fractions of the run (:func:`schedule`, :class:`Event`).
 
 Pure data: the supervisor applies the events (``Soak.apply``); nothing here starts or signals a process.
 """

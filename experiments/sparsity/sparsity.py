@@ -1,10 +1,11 @@
-"""The measurements of ``scripts/sparsity_study.py``: how many BF16 values of a model change per optimizer step.
+"""The measurements of ``experiments/sparsity/sparsity_study.py``: how many BF16 values of a model change per optimizer
+step.
 
 Pure functions of tensors (the BF16 view of the parameters, the k-step sparsity S_k, the ratio r of an update to
 about one BF16 unit in the last place and its bins, the AdamW step rebuilt from the optimizer's state) and the
 ``TrainerCallback`` that applies them to a training run step by step. The module docstring of
-``scripts/sparsity_study.py`` says what they mean; ``tests/test_sparsity_study.py`` checks them on hand-made
-tensors. Importing this module imports torch; transformers loads inside :func:`make_callback`.
+``experiments/sparsity/sparsity_study.py`` says what they mean; ``tests/test_sparsity_study.py`` checks them on
+hand-made tensors. Importing this module imports torch; transformers loads inside :func:`make_callback`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The report of ``scripts/sparsity_study.py``: ``sparsity.md`` (the tables in the PULSE paper's layout, notes, and
-sentences written from the numbers) and the plots ``sparsity_ratio.png`` and ``sparsity_k.png``, all from the
+"""The report of ``experiments/sparsity/sparsity_study.py``: ``sparsity.md`` (the tables in the PULSE paper's layout,
+notes, and sentences written from the numbers) and the plots ``sparsity_ratio.png`` and ``sparsity_k.png``, all from the
 report dictionary the study writes as ``sparsity.json``. matplotlib loads inside :func:`write_plots`.
 
-The functions read the report's keys as ``scripts/sparsity_study.py`` writes them: a report without one raises
-``KeyError``; files that cannot be written raise ``OSError``.
+The functions read the report's keys as ``experiments/sparsity/sparsity_study.py`` writes them: a report without one
+raises ``KeyError``; files that cannot be written raise ``OSError``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.report import pyplot
-from harness.sparsity import NUM_BINS, RATIO_EDGES, band_density
+from sparsity import NUM_BINS, RATIO_EDGES, band_density
 
 BANDS = (
     (0.0, 0.1, "r < 0.1"), (0.1, 10**-0.5, "0.1 <= r < 0.32"), (10**-0.5, 1.0, "0.32 <= r < 1"),

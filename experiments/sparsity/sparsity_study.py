@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """How sparse are the per-step BF16 weight updates of GRPO on our warm model? (PULSE's ~99% observation.)
 
-    .venv/bin/python scripts/sparsity_study.py                            # demo warm model, 5 lrs x fp32,bf16
-    .venv/bin/python scripts/sparsity_study.py --lrs 1e-6,1e-5 --precisions fp32 --steps 32 --ks 1,2,4,8
-    .venv/bin/python scripts/sparsity_study.py --model_name_or_path DIR --out /tmp/sp --json /tmp/sp.json
-    .venv/bin/python scripts/sparsity_study.py -- --per_device_train_batch_size 32   # after --: GRPO flags
+    .venv/bin/python experiments/sparsity/sparsity_study.py                         # demo warm model, 5 lrs x fp32,bf16
+    .venv/bin/python experiments/sparsity/sparsity_study.py --lrs 1e-6,1e-5 --precisions fp32 --steps 32 --ks 1,2,4,8
+    .venv/bin/python experiments/sparsity/sparsity_study.py --model_name_or_path DIR --out /tmp/sp --json /tmp/sp.json
+    .venv/bin/python experiments/sparsity/sparsity_study.py -- --per_device_train_batch_size 32   # after --: GRPO flags
 
 For every learning rate (``--lrs``, default 5e-7,1e-6,3e-6,5e-6,1e-5) and precision (``--precisions``) it trains
 the warm model with TRL's ``GRPOTrainer`` in this process (CPU) for ``--steps`` optimizer steps: the task and GRPO
@@ -29,14 +29,14 @@ after every optimizer step. From the snapshots theta_0 .. theta_T:
   bf16 moments as stored: within ~1% of the kernel's own). For ``fp32`` runs the same rebuild is compared with the
   exact change (``adam_rebuild_rel_error``), a check of the formula the bf16 runs rely on;
 * error feedback: the steps cut into rounds of the largest k (H), and in each PULSELoCo's selection as one peer
-  runs it (``harness.sparsity.error_feedback_round``: the round's change theta_start - theta_end plus the residual
+  runs it (``sparsity.error_feedback_round``: the round's change theta_start - theta_end plus the residual
   of entries not sent before; the entries whose BF16 value at theta_start it would change are sent, the rest stays
   in the residual). Its density per round, beside 1 - S_H (which carries nothing from round to round), is the
   density a swarm's peer sends. It is simulated on the one trajectory: the run's weights go on from theta_end,
   where a peer restarts from the averaged weights (only the sent entries applied);
 * per run: the seconds it took and the sampled reward TRL logged (mean over all steps, the first and last quarter).
 
-Outputs in ``--out`` (default ``results/`` at the repo root):
+Outputs in ``--out`` (default: a new folder ``experiments/sparsity/results/MODEL-LRS-STEPS-STAMP``):
 
 * ``sparsity.md``: a table in the layout of the PULSE paper's: one row per (precision, lr), S_1 mean, S_1 min, then
   S_k mean (min) for every k, in percent; a second table per run (density, median r, fraction r >= 1, sampled
@@ -54,8 +54,8 @@ minutes, and cached; its last line ``warm model: DIR`` is used). ``--threads`` s
 ``recipes/grpo.py``) except those the study sets itself. Progress goes to stderr, one line per run; a failure ends
 the script with one line ``sparsity_study.py: error: ...`` and exit code 2 (bad configuration) or 1.
 
-The measurements are :mod:`harness.sparsity` (scripts/harness/sparsity.py), the tables, sentences and plots
-:mod:`harness.sparsity_report`.
+The measurements are :mod:`sparsity` (experiments/sparsity/sparsity.py), the tables, sentences and plots
+:mod:`sparsity_report`.
 """
 
 from __future__ import annotations
@@ -76,14 +76,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+
+import sparsity
 import torch
-from harness import REPO, sparsity
+from harness import REPO
 from harness.logs import progress
 from harness.machine import git_revision, versions
 from harness.models import warm_model_dir
-from harness.report import mean, parse_list
-from harness.sparsity_report import pct, run_facts, write_markdown, write_plots
+from harness.report import default_out, lr_label, mean, parse_list
 from harness.warm import read_marker
+from sparsity_report import pct, run_facts, write_markdown, write_plots
 
 from pulseloco.errors import ConfigError
 from pulseloco.recipes import common, grpo, tasks  # config parsing, TaskArguments, dataset and reward
@@ -241,12 +244,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="window lengths k (1 always included)")
     ap.add_argument("--seed", type=int, default=0, help="--seed of every run (default 0)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: usable CPUs)")
-    ap.add_argument("--out", type=Path, default=REPO / "results", help="where sparsity.md/.json/*.png go")
+    ap.add_argument(
+        "--out", type=Path, default=None,
+        help="where sparsity.md/.json/*.png go (default: a new folder experiments/sparsity/results/"
+        "MODEL-LRS-STEPS-STAMP, named after the run's model, learning rates, steps and start time)",
+    )  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="also write sparsity.json to this path")
     args = ap.parse_args(argv)
     args.extra = extra
     args.warm_size = args.warm_size or "demo"
     validate(ap, args)
+    if args.out is None:
+        model = Path(args.model_name_or_path).name if args.model_name_or_path else args.warm_size
+        args.out = default_out("sparsity", f"{model}-{lr_label(args.lrs)}-{args.steps}")
     return args
 
 
@@ -336,7 +346,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "commit": git_revision(),
-        "command": shlex.join([".venv/bin/python", "scripts/sparsity_study.py", *sys.argv[1:]]),
+        "command": shlex.join([".venv/bin/python", "experiments/sparsity/sparsity_study.py", *sys.argv[1:]]),
         "seconds": round(time.monotonic() - started, 1),
         "versions": versions("torch", "transformers", "trl"),
         "model": facts,

@@ -40,15 +40,17 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+
 from harness import memory, procs
 from harness.logs import progress
 from harness.machine import library_revision
 from harness.models import MODEL_CONFIGS
 from harness.netns import NetNS, open_netns, rate_label
 from harness.report import comma_list, parse_ints
-from harness.sync_coordinator import Coordinator, WorkerFailed
-from harness.sync_report import PUBLISHER_FANOUT, CaseResult, format_bound_table, format_table, summarize
-from harness.sync_workers import BATCH_SIZE, LR, SEQ_LEN, worker_main
+from sync_coordinator import Coordinator, WorkerFailed
+from sync_report import PUBLISHER_FANOUT, CaseResult, format_bound_table, format_table, summarize
+from sync_workers import BATCH_SIZE, LR, SEQ_LEN, worker_main
 
 MODES = ("patches", "full")
 GB = memory.GB

@@ -1,6 +1,6 @@
-"""The coordinator of ``scripts/bench_sync.py``: it starts each case's publisher and subscribers
-(:mod:`harness.sync_workers`, one process each, in their peers' network namespaces when there are some), drives
-them over a :class:`harness.channel.Hub` and measures every version (:class:`harness.sync_report.VersionResult`).
+"""The coordinator of ``experiments/sync/bench_sync.py``: it starts each case's publisher and subscribers
+(:mod:`sync_workers`, one process each, in their peers' network namespaces when there are some), drives
+them over a :class:`harness.channel.Hub` and measures every version (:class:`sync_report.VersionResult`).
 
 A worker that exits, closes its connection or sends what the protocol does not expect raises :class:`WorkerFailed`;
 a wait past its bound raises ``TimeoutError`` with the tails of the workers' logs. Either way the case measured so
@@ -27,14 +27,14 @@ from harness.logs import progress
 from harness.machine import library_revision
 from harness.models import state_shapes
 from harness.netns import NetNS, parse_rate
-from harness.sync_report import CaseResult, VersionResult, min_tree_depth, tree_depth
-from harness.sync_workers import WorkerSpec
+from sync_report import CaseResult, VersionResult, min_tree_depth, tree_depth
+from sync_workers import WorkerSpec
 
 STARTUP_TIMEOUT = 300.0  # importing torch/transformers/hivemind in 9 processes on 2 shared cores is slow
 STOP_TIMEOUT = 30.0
 WORKER_PRELOAD = (
     "torch", "hivemind", "transformers.models.qwen2.modeling_qwen2", "pulseloco.swarm", "pulseloco.sync.publisher",
-    "pulseloco.sync.subscriber", "harness.sync_workers",
+    "pulseloco.sync.subscriber", "sync_workers",
 )  # fmt: skip
 """What a publisher or subscriber worker imports: on loopback the workers are forks of a fork server that imported
 these once (:class:`harness.procs.Runner`); in a network namespace each is a new interpreter."""

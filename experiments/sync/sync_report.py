@@ -1,4 +1,4 @@
-"""The measurements of ``scripts/bench_sync.py`` and what it prints of them: a version's and a case's results
+"""The measurements of ``experiments/sync/bench_sync.py`` and what it prints of them: a version's and a case's results
 (:class:`VersionResult`, :class:`CaseResult` with its summary), the bound of issue 14 (the minimal relay-tree depth
 times one transfer at the link rate: :func:`min_tree_depth`, :func:`tree_depth`), the cases' tables and the
 patches-against-full-checkpoints summary.

@@ -1,5 +1,5 @@
-"""The peers of ``scripts/bench_sync.py``: a trainer that publishes with PULSESync and rollout workers that follow it,
-one process each, driven by the coordinator (:mod:`harness.sync_coordinator`) over :mod:`harness.channel`.
+"""The peers of ``experiments/sync/bench_sync.py``: a trainer that publishes with PULSESync and rollout workers that
+follow it, one process each, driven by the coordinator (:mod:`sync_coordinator`) over :mod:`harness.channel`.
 
 A worker is the script itself run as ``bench_sync.py --role publisher|subscriber --spec PATH`` (the coordinator
 starts it, in its peer's network namespace when there is one); the script hands both flags to :func:`worker_main`.

@@ -1,4 +1,4 @@
-"""What the scripts in ``scripts/`` share: the harness around each benchmark's experiment.
+"""What the scripts in ``scripts/`` and the experiments in ``experiments/`` share: the harness around them.
 
 A script imports it by name (``from harness import procs``): Python puts ``scripts/`` first on ``sys.path`` when it
 runs a script there, and pytest does the same for the tests (``pythonpath = ["scripts"]`` in pyproject.toml). The
@@ -24,19 +24,10 @@ that need them), so a coordinator process stays light.
 - :mod:`harness.recipe_runs`: launching the recipes as a benchmark does (accelerate's launcher, a bootstrap node, a
   signing key, swarm flags); :mod:`harness.run_outputs`: a recipe run's output directory read back.
 
-- :mod:`harness.steering`: a rollout worker that steers its samples within a margin (bench_attacks and the rollout
-  tests' rogue worker).
+Also :mod:`harness.warm`: warm_model's sizes, training and cache (its command line is ``scripts/warm_model.py``).
 
-Pieces of one experiment that stand on their own (each named after its script): :mod:`harness.codec_baselines`
-(bench_codec's naive and authors' codecs) and :mod:`harness.codec_timing` (how it times and checks each codec),
-:mod:`harness.warm` (warm_model's sizes, training and cache), :mod:`harness.sparsity` and
-:mod:`harness.sparsity_report` (sparsity_study's measurements and report),
-:mod:`harness.compare_runs`, :mod:`harness.compare_results` and :mod:`harness.compare_report` (compare's plans and
-launches, aggregation, and outputs), :mod:`harness.rollouts_report` (bench_rollouts' run metrics, tables and output
-files), :mod:`harness.sync_workers`, :mod:`harness.sync_coordinator` and :mod:`harness.sync_report` (bench_sync's
-publisher and subscriber processes, the coordinator that drives and measures them, and the results, relay-tree
-bound and tables), :mod:`harness.soak_audit`, :mod:`harness.soak_schedule` and :mod:`harness.soak_report` (soak's
-outside ledger, written by every peer and checked at the end; its churn schedule; its other checks and table).
+An experiment under ``experiments/`` (one folder each: its program, the modules only it uses, its results) imports
+this package the same way: its program puts ``scripts/`` on ``sys.path`` in one line before its imports.
 """
 
 from __future__ import annotations

@@ -164,8 +164,8 @@ def grow_llama(base: str, layers: int, intermediate: int, norm_scale: float, see
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from pulseloco.integrations.rollout import TransformersEngine
     from pulseloco.recipes import tasks
+    from pulseloco.rollouts.engines.hf import TransformersEngine
 
     key = json.dumps([base, layers, intermediate, norm_scale, seed, 1])
     cache = cache_dir()

@@ -16,13 +16,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from harness import REPO
+
 T = TypeVar("T")
 Column = tuple[str, int, Callable[[T], str]]
 """A column of :func:`fixed_table`: its name, its width, and the text of an item's cell."""
+
+
+# ---- output folders ---------------------------------------------------------------------------------------------
+
+
+def default_out(study: str, config: str) -> Path:
+    """Where a run of ``experiments/STUDY`` given no ``--out`` writes: ``experiments/STUDY/results/CONFIG-STAMP``, a
+    new folder named after the run's configuration and its start time (UTC, to the second), so that it never
+    overwrites a results folder kept in the repository. Creates nothing."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return REPO / "experiments" / study / "results" / f"{config}-{stamp}"
+
+
+def lr_label(lrs: Iterable[float | None]) -> str:
+    """Learning rates for a folder name: ``3e-06,1e-05`` as ``3e-6_1e-5`` (``None``, the config's own: ``cfg``)."""
+    return "_".join("cfg" if lr is None else f"{lr:g}".replace("e-0", "e-") for lr in lrs)
 
 
 # ---- numbers ---------------------------------------------------------------------------------------------------
@@ -193,7 +212,6 @@ def write_report(
     headed by the command (the script and ``argv``, default the process's arguments), the commit, the machine and
     the date, which are added to ``meta``. Creates ``out``; errors of the file system propagate."""
     import sys
-    import time
 
     from harness.machine import git_revision, torch_note
 

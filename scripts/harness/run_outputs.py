@@ -1,10 +1,10 @@
 """What a recipe run leaves in its output directory, read back: the model's parameter count from its safetensors
 headers, the sizes in a PULSESync version store, and the bytes a ring all-reduce would have sent instead.
 
-``scripts/compare.py`` (every strategy's workers) and ``scripts/demo_report.py`` (the demo's peers) read the same
-files; the JSON files themselves go through :func:`harness.report.read_json` and :func:`harness.report.read_records`,
-which tolerate a file that is missing or was cut short. Nothing here raises for a missing directory or file: each
-function says what it returns instead.
+``experiments/compare/compare.py`` (every strategy's workers) and ``scripts/demo_report.py`` (the demo's peers) read the
+same files; the JSON files themselves go through :func:`harness.report.read_json` and
+:func:`harness.report.read_records`, which tolerate a file that is missing or was cut short. Nothing here raises for a
+missing directory or file: each function says what it returns instead.
 """
 
 from __future__ import annotations
