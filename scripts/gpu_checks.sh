@@ -44,8 +44,8 @@ step verify-cuda 120 "$PY" scripts/bench_verify.py --engines transformers --devi
 step verify-cuda-worker-cpu-trainer 120 "$PY" scripts/bench_verify.py --engines transformers --device cuda \
     --trainer-device cpu --model_name_or_path "$model" --prompts 128 --samples 8 --max-new-tokens 8 \
     --out "$out/verify-cuda-cpu"
-step codec-1b 180 "$PY" experiments/codec/bench_codec.py --model 1b --device cuda --lrs 1e-6 --steps 1 --densities 0.01,0.1 \
-    --codecs pulseloco-abs,pulseloco-delta --json "$out/bench_codec_1b_cuda.json"
+step codec-1b 180 "$PY" experiments/codec/bench_codec.py --model 1b --device cuda --lrs 1e-6 --steps 1 \
+    --densities 0.01,0.1 --codecs pulseloco-abs,pulseloco-delta --json "$out/bench_codec_1b_cuda.json"
 step loco-1b 300 "$PY" scripts/bench_loco.py --device cuda --num-peers 2 --rounds 2 --inner-steps 4 --hidden 2048 \
     --layers 22 --heads 32 --vocab 32000 --seq-len 256 --batch 2 --selectors pulse dense --lrs 3e-6 \
     --matchmaking-time 5 --timeout 140 --json "$out/bench_loco_1b_cuda.json"

@@ -9,7 +9,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 
 lint_dirs=()
-for dir in pulseloco tests scripts recipes; do
+for dir in pulseloco tests scripts experiments recipes; do
     [[ -d "$dir" ]] && lint_dirs+=("$dir")
 done
 echo "[test] ruff check ${lint_dirs[*]}" >&2
@@ -25,7 +25,7 @@ echo "[test] pytest" >&2
 # every test module's asserts again. Compile once here and let the processes cache the rest (__pycache__ is
 # ignored by git).
 unset PYTHONDONTWRITEBYTECODE
-"$PYTHON" -m compileall -q -j 0 pulseloco scripts tests recipes >/dev/null
+"$PYTHON" -m compileall -q -j 0 pulseloco scripts experiments tests recipes >/dev/null
 rc=0
 workers="${PULSELOCO_TEST_WORKERS:-auto}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

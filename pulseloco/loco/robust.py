@@ -40,16 +40,15 @@ received (one owner's word never excludes a peer from another owner's shard), so
 accused its contributions to one shard, and its vote and its role as a state source (the consensus rule's cost of
 any accusation).
 
-*Why 4 and a majority of 8.* Honest peers of one run draw their data from the same distribution, so their parts'
-norms stay within a small factor of the median (the four honest peers of ``scripts/bench_byzantine.py``: at most
-2.9 times it in any shard and round, 95% of owner-rounds below 1.65; results/byzantine/README.md), while the 9x
-attacks sit at 8-10 times it. A single honest round above 4 (a peer whose residual holds two rounds after a failed
-one, a shard its data happens to dominate) is one strike; a majority of eight is needed to exclude. The hazard that
-remains: an honest peer whose pseudo-gradients are *systematically* larger than the others' and point the same way
-round after round (another learning rate or batch size) is clipped every round, its clipped-off excess accumulates
-in its residual, and its norm grows by about ``(rho - 1) x bar`` a round at ``rho`` times the median, so it can
-reach the strike ratio after ``(4 - rho) / (rho - 1)`` rounds. Swarms of peers configured alike do not do this;
-``dispute_rounds = 0`` turns exclusion off.
+*Why 4 and a majority of 8.* Honest peers of one run draw their data from the same distribution, so their parts' norms
+stay within a small factor of the median (the four honest peers of ``experiments/byzantine/bench_byzantine.py``: at most
+2.9 times it in any shard and round, 95% of owner-rounds below 1.65; docs/results.md), while the 9x attacks sit at 8-10
+times it. A single honest round above 4 (a peer whose residual holds two rounds after a failed one, a shard its data
+happens to dominate) is one strike; a majority of eight is needed to exclude. The hazard that remains: an honest peer
+whose pseudo-gradients are *systematically* larger than the others' and point the same way round after round (another
+learning rate or batch size) is clipped every round, its clipped-off excess accumulates in its residual, and its norm
+grows by about ``(rho - 1) x bar`` a round at ``rho`` times the median, so it can reach the strike ratio after ``(4 -
+rho) / (rho - 1)`` rounds. Swarms of peers configured alike do not do this; ``dispute_rounds = 0`` turns exclusion off.
 
 Exact split: for ``s >= 1/2``, ``y = fl(s x)`` lies in ``[x/2, x]``, so ``x - y`` is exact (Sterbenz); for ``s < 1/2``
 the returned part ``r = fl(fl(1 - s) x)`` lies in ``[x/2, x]`` and ``y = x - r`` is exact, but ``y`` is then off

@@ -125,7 +125,7 @@ def build_trainer(
     ``ConfigError`` as ``load_causal_lm`` does (missing or unreadable weights, too large for this machine).
     ``rollout_func``: TRL's, for completions generated elsewhere (``--rollouts swarm``). TensorBoard's event
     files (``report_to``) go to ``<output_dir>/tensorboard`` (:func:`common.tensorboard_logging_dir`).
-    Also used by ``scripts/sparsity_study.py``."""
+    Also used by ``experiments/sparsity/sparsity_study.py``."""
     from trl import GRPOTrainer
 
     from pulseloco.integrations.models import load_causal_lm, load_tokenizer
