@@ -4,7 +4,7 @@
 Everything is real: the model is a randomly initialized ``transformers`` Llama saved with ``save_pretrained`` beside
 the recipes' byte-level tokenizer (no download, seconds to build), the workers are ``spawn`` processes with their
 own hivemind DHT on 127.0.0.1, a :class:`pulseloco.sync.subscriber.Subscriber` following the publisher, a
-:class:`pulseloco.integrations.rollout.TransformersEngine` in BF16 and a
+:class:`pulseloco.rollouts.engines.hf.TransformersEngine` in BF16 and a
 :class:`pulseloco.rollouts.worker.RolloutServer`, exactly as ``recipes/rollout_worker.py --serve_rollouts`` sets
 them up. A worker can be told to misbehave (:data:`MODES`) by wrapping its engine or the reply encoding of its
 real server, so a rogue speaks the real protocol on the real handler.
@@ -149,7 +149,7 @@ class _Behaviour:
         seed: int | None = None,
         sequences: Any = None,
     ) -> Any:
-        from pulseloco.integrations.rollout import Completion
+        from pulseloco.rollouts.engines.hf import Completion
 
         self.started += 1
         if self.mode == "slow":
@@ -198,7 +198,7 @@ class _Behaviour:
     def _dishonest(
         self, prompt_ids: Any, *, max_new_tokens: int, temperature: float, seed: int | None, sequences: Any
     ) -> Any:
-        from pulseloco.integrations.rollout import Completion, TransformersEngine
+        from pulseloco.rollouts.engines.hf import Completion, TransformersEngine
 
         engine = self.engine
         if self.mode == "other_weights":
@@ -255,7 +255,7 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
     _worker_logging()
     torch.set_num_threads(1)
     import pulseloco.rollouts.worker as worker_module
-    from pulseloco.integrations.rollout import TransformersEngine
+    from pulseloco.rollouts.engines.hf import TransformersEngine
     from pulseloco.rollouts.worker import RolloutServer
     from pulseloco.sync.signing import Envelope, generate_key, load_public_key, sign_envelope
     from pulseloco.sync.subscriber import Subscriber

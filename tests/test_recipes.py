@@ -441,8 +441,8 @@ def test_sampled_reward_by_hand_on_the_tiny_warm_model(tiny_warm_model: Path) ->
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pulseloco.integrations.rollout import TransformersEngine
     from pulseloco.recipes import grpo, tasks
+    from pulseloco.rollouts.engines.hf import TransformersEngine
 
     engine = TransformersEngine(
         AutoModelForCausalLM.from_pretrained(tiny_warm_model), AutoTokenizer.from_pretrained(tiny_warm_model)

@@ -16,13 +16,13 @@ from rollout_helpers import byte_tokenizer, lowest_id, save_tiny_model
 from steering import steer
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.rollout import TransformersEngine
-from pulseloco.integrations.verify import LeaseCheck, RolloutVerifier, VerifyConfig
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.rollouts import sampling
 from pulseloco.rollouts.client import GroupResult
+from pulseloco.rollouts.engines.hf import TransformersEngine
 from pulseloco.rollouts.sampling import check_completions, choose, gumbel_noise
 from pulseloco.rollouts.tolerances import TOLERANCES, NearMissGuard, poisson_tail, precision_of, tolerance_for
+from pulseloco.rollouts.verify import LeaseCheck, RolloutVerifier, VerifyConfig
 
 MASK = 0xFFFFFFFF
 
@@ -278,7 +278,7 @@ def test_shared_prompts_give_the_logits_of_a_whole_forward_pass(engine: Transfor
     """The check runs each distinct prompt once and its completions on the prompt's KV cache: the logits that predict
     every completion token are those of one forward pass over prompt and completion (FP32, to rounding), for
     prompts of several lengths, repeated prompts, and completions of 0, 1 and more tokens."""
-    from pulseloco.integrations.verify import Row
+    from pulseloco.rollouts.verify import Row
 
     model = copy.deepcopy(engine.model).float()
     rows = [
@@ -336,7 +336,7 @@ def test_a_lease_is_checked_with_its_versions_weights_even_when_the_trainer_wrap
     config and loads the held version into it, so the worker's completions pass with the BF16 tolerance in both
     modes; a version the trainer does not hold makes the lease unverifiable, not failed, until the worker has more
     such leases than :data:`UNVERIFIABLE_ALLOWANCE`."""
-    from pulseloco.integrations.verify import UNVERIFIABLE_ALLOWANCE
+    from pulseloco.rollouts.verify import UNVERIFIABLE_ALLOWANCE
 
     trainer = copy.deepcopy(engine.model).float()
     original = trainer.forward
