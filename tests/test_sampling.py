@@ -1,5 +1,5 @@
 """The replayable sampling rule (pulseloco/rollouts/sampling.py) and the trainer's check of it
-(pulseloco/integrations/verify.py, pulseloco/rollouts/tolerances.py), without a network: the hash against a
+(pulseloco/rollouts/verify.py, pulseloco/rollouts/tolerances.py), without a network: the hash against a
 plain-Python reference, the noise's counter-based property, the sampling distribution, the transformers engine's
 completions replayed exactly, the check's verdicts on hand-made dishonest completions and on attackers that aim just
 inside its tolerances, the shared check's drift bound, and the near-miss guard's statistics."""
