@@ -147,7 +147,7 @@ class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArg
         when ``output_dir`` is given. With ``max_steps`` (the Trainer's), a swarm strategy checks at once that the
         run ends on an outer-round boundary (the callback checks again when training starts); raises
         :class:`ConfigError` naming the flags."""
-        from pulseloco.integrations.pulsesync import PulseSyncCallback
+        from pulseloco.integrations.pulsesync import VERSIONS_FILE, PulseSyncCallback
         from pulseloco.integrations.trainer import PulseLoCoCallback, check_round_boundary
 
         if self.selector is not None and max_steps is not None:
@@ -175,13 +175,13 @@ class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArg
             callbacks.append(
                 PulseSyncCallback(
                     signing_key=self.signing_key,
-                    run_id=self.policy_run_id,
+                    run_id=self.run_id,
                     store_dir=store,
                     anchor_every=self.anchor_every,
                     every=self.publish_every or "round",
                     swarm=None if loco is not None else self.swarm_config(),
                     linger=self.linger,
-                    metrics_path=None if out is None else out / "pulsesync_versions.jsonl",
+                    metrics_path=False if out is None else out / VERSIONS_FILE,
                 )
             )
         return callbacks
@@ -239,7 +239,7 @@ class RolloutArguments(PublicKeyArguments, VerifyConfig, RolloutConfig):
         ``--public_key`` nor ``--publish`` says which versions exist."""
         if self.rollouts == "local":
             return None
-        from pulseloco.integrations.swarm_rollouts import SwarmRollouts
+        from pulseloco.integrations.swarm_rollouts import ROLLOUTS_FILE, SwarmRollouts
         from pulseloco.rollouts.verify import RolloutVerifier
 
         if not self.public_key and not pulse_args.publish:
@@ -253,5 +253,5 @@ class RolloutArguments(PublicKeyArguments, VerifyConfig, RolloutConfig):
             config=_part(self, RolloutConfig),
             verify=self.verify_rollouts,
             verifier=RolloutVerifier(_part(self, VerifyConfig)),
-            metrics_path=None if output_dir is None else Path(output_dir) / "rollouts.jsonl",
+            metrics_path=False if output_dir is None else Path(output_dir) / ROLLOUTS_FILE,
         )

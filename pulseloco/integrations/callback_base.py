@@ -37,7 +37,14 @@ from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LogsContributor", "check_linger", "join_swarm", "loco_callback_of", "register_loco_callback"]
+__all__ = [
+    "LogsContributor",
+    "calling_trainer",
+    "check_linger",
+    "join_swarm",
+    "loco_callback_of",
+    "register_loco_callback",
+]
 
 _CALLBACK_OF_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 """The PulseLoCoCallback driving a model, so that a PulseSyncCallback on the same Trainer can find its rounds."""
@@ -104,6 +111,26 @@ def _calling_handler(callback: TrainerCallback) -> CallbackHandler | None:
         return None
     finally:
         del frame  # a frame kept in a local makes a reference cycle through this function's own frame
+
+
+def calling_trainer(callback: TrainerCallback) -> Any | None:
+    """The Trainer whose ``CallbackHandler`` is calling one of ``callback``'s events (the caller on the call stack
+    whose ``callback_handler`` holds ``callback``: ``Trainer.train`` calls ``on_train_begin`` from its own method),
+    so that a callback can see what the Trainer was given (its ``rollout_func``); ``None`` when there is none within
+    :data:`_HANDLER_SEARCH_FRAMES` + 2 callers. Never raises."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_HANDLER_SEARCH_FRAMES + 2):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            handler = getattr(owner, "callback_handler", None)
+            if isinstance(handler, CallbackHandler) and any(cb is callback for cb in handler.callbacks):
+                return owner
+        return None
+    finally:
+        del frame
 
 
 def _reads_logs(callback: Any) -> bool:

@@ -6,14 +6,21 @@ every ``every`` optimizer steps; with PULSELoCo and ``every=N`` it publishes bot
 and, between rounds, this peer's own weights every N optimizer steps). Its numbers reach the Trainer's logs as
 ``pulsesync/*`` (:mod:`pulseloco.integrations.callback_base`).
 
+Without PULSELoCo, a Trainer publishes every N steps and joins the swarm itself::
+
+    PulseSyncCallback(signing_key="keys/publisher", run_id="my-run", every=1,
+                      swarm=SwarmConfig(initial_peers=["/ip4/.../p2p/..."]))
+
 Failure behaviour: bad arguments raise :class:`~pulseloco.errors.ConfigError` at construction or at train begin
-(``every="round"`` without a PulseLoCoCallback); a swarm that cannot be joined raises
-:class:`~pulseloco.errors.SwarmUnreachableError` on every process; publishing runs in the publisher's thread and
-never fails a step.
+(``every="round"`` without a PulseLoCoCallback, no run id to be found, run ids that disagree); a swarm that cannot
+be joined raises :class:`~pulseloco.errors.SwarmUnreachableError` on every process; publishing runs in the
+publisher's thread and never fails a step; the wait for a copy at train end is bounded (``wait_for_copy``) and
+never raises.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -21,16 +28,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from accelerate import PartialState
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.callback_base import LogsContributor, check_linger, join_swarm, loco_callback_of
+from pulseloco.integrations.callback_base import (
+    LogsContributor,
+    calling_trainer,
+    check_linger,
+    join_swarm,
+    loco_callback_of,
+)
 from pulseloco.jsonl import JsonLinesWriter
-from pulseloco.keys import policy_run_id
+from pulseloco.keys import POLICY_SUFFIX, check_run_id, policy_run_id
 from pulseloco.swarm import SwarmConfig
 from pulseloco.sync.publisher import DEFAULT_ANCHOR_EVERY, check_anchor_every
 
@@ -41,7 +54,28 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PulseSyncCallback"]
+__all__ = ["DEFAULT_WAIT_FOR_COPY", "VERSIONS_FILE", "PulseSyncCallback", "check_training_run_id"]
+
+VERSIONS_FILE = "pulsesync_versions.jsonl"
+"""The published versions' JSON lines, in the Trainer's ``output_dir`` unless ``metrics_path`` says otherwise (the
+name the recipes use)."""
+
+DEFAULT_WAIT_FOR_COPY = 60.0
+"""Seconds a publisher waits at train end, at most, for another peer to hold its last version."""
+
+_COPY_POLL_SECONDS = 0.5
+
+
+def check_training_run_id(run_id: str, option: str = "run_id") -> str:
+    """``run_id`` when it is a bare training run id (:func:`pulseloco.keys.check_run_id`, and not already a PULSESync
+    run id ending in ``.policy``: the code derives that one). Raises :class:`ConfigError` naming ``option``."""
+    check_run_id(run_id, option)
+    if run_id.endswith(POLICY_SUFFIX):
+        raise ConfigError(
+            f"{option} is the training run id, without {POLICY_SUFFIX!r} (workers follow '<run_id>{POLICY_SUFFIX}', "
+            f"derived from it): give {option}={run_id.removesuffix(POLICY_SUFFIX)!r}, not {run_id!r}"
+        )
+    return run_id
 
 
 @dataclass
@@ -83,13 +117,27 @@ class PulseSyncCallback(LogsContributor):
             consensus is still published after every round (never the pre-averaging weights of a round's last
             step), and between rounds the publishing peer's local weights every N steps.
         signing_key: the publisher's Ed25519 private key, or a path to it (``pulseloco keygen --out PATH``).
-        run_id: the PULSESync run (default: ``<PulseLoCo run_id>.policy``).
+        run_id: the training run id, the same everywhere (``SwarmRollouts(run_id=...)``, the worker's ``--run_id``):
+            versions are published under ``<run_id>.policy`` (:func:`pulseloco.keys.policy_run_id`), which the
+            workers follow. Default: the ``run_id`` of the :class:`PulseLoCoCallback` on the same Trainer, else that
+            of the Trainer's ``rollout_func`` when it is a :class:`~pulseloco.integrations.SwarmRollouts`; with
+            neither, training begins with a :class:`ConfigError` asking for it (no default run id that no worker
+            follows). A ``run_id`` that disagrees with theirs raises :class:`ConfigError` when training begins.
         store_dir: the version store (default: ``<output_dir>/versions``).
         anchor_every: a full BF16 anchor every this many versions.
-        dht, swarm: the DHT to publish on, or how to start one, when there is no PulseLoCoCallback.
-        linger: seconds to keep serving after training, when this callback started the DHT.
-        metrics_path: append one JSON line per stored version (``version``, ``digest``, ``patch_bytes``,
-            ``seconds_publish``, ``announced``: :class:`pulseloco.sync.publisher.PublishedVersion`).
+        dht, swarm: the DHT to publish on, or how to start one (``SwarmConfig(initial_peers=[MADDR])`` to join a
+            bootstrap peer), when there is no PulseLoCoCallback.
+        linger: seconds to keep serving after training (before the wait below), when this callback started the DHT.
+        wait_for_copy: at train end, a publisher this callback made keeps serving until its last version is held
+            by another peer: a relaying subscriber announcing it in the providers record or a rollout worker whose
+            record says it serves it (what ``pulseloco status`` shows), for at most this many seconds, so that a
+            trainer that leaves at once does not take the last version with it. It prints one line saying what it
+            waits for and one when a copy is held or the time ran out. It does not wait when no other peer follows
+            the run (no worker or provider record besides its own). ``0``: leave at once.
+        metrics_path: where to append one JSON line per stored version (``version``, ``digest``, ``patch_bytes``,
+            ``seconds_publish``, ``announced``: :class:`pulseloco.sync.publisher.PublishedVersion`). ``None`` (the
+            default): ``<output_dir>/pulsesync_versions.jsonl`` of the Trainer's ``args.output_dir`` on the main
+            process; ``False``: no file.
         flush_timeout: seconds to wait at the end for the last version to be encoded and stored.
 
     Metrics: the Trainer's next log after one or more versions were stored gets (on the main process, the one
@@ -119,7 +167,8 @@ class PulseSyncCallback(LogsContributor):
         dht: Any | None = None,
         swarm: SwarmConfig | None = None,
         linger: float = 0.0,
-        metrics_path: str | os.PathLike[str] | None = None,
+        wait_for_copy: float = DEFAULT_WAIT_FOR_COPY,
+        metrics_path: str | os.PathLike[str] | Literal[False] | None = None,
         flush_timeout: float = 120.0,
     ) -> None:
         if every != "round" and not (isinstance(every, int) and every >= 1):
@@ -128,21 +177,33 @@ class PulseSyncCallback(LogsContributor):
             raise ConfigError("give publisher= or signing_key=, not both")
         check_anchor_every(anchor_every)  # here, not when training starts
         check_linger(linger)
+        if not (wait_for_copy >= 0 and wait_for_copy < float("inf")):
+            raise ConfigError(f"wait_for_copy must be >= 0 seconds, got {wait_for_copy}")
+        if run_id is not None:
+            check_training_run_id(run_id)
+        #: the file the key was read from, so that a hint can name its ``.pub`` (None for a key object)
+        self.signing_key_path: str | None = None
         if isinstance(signing_key, str | os.PathLike):
             from pulseloco.sync.signing import load_private_key
 
+            self.signing_key_path = str(signing_key)
             signing_key = load_private_key(signing_key)  # fails here, with a clear message, not mid-training
         self.publisher = publisher
         self.every = every
         self.signing_key = signing_key
+        #: the training run id as given; :attr:`training_run_id` is the one in use once training began
         self.run_id = run_id
+        self.training_run_id: str | None = run_id
         self.store_dir = store_dir
         self.anchor_every = anchor_every
         self.dht = dht
         self.swarm = swarm
         self.linger = linger
+        self.wait_for_copy = wait_for_copy
         self.flush_timeout = flush_timeout
-        self.metrics = JsonLinesWriter(metrics_path, stamp=True) if metrics_path is not None else None
+        self.metrics_path = metrics_path
+        self.metrics: JsonLinesWriter | None = None  # opened when training begins (the default is in output_dir)
+        self._rollouts_run_id: str | None = None  # that of the Trainer's SwarmRollouts, seen at train begin
         self._model: torch.nn.Module | None = None
         self._owned_dht: Any | None = None
         self._owns_publisher = False
@@ -166,6 +227,11 @@ class PulseSyncCallback(LogsContributor):
         if self._model is None:
             raise ConfigError("PulseSyncCallback needs the Trainer's model (transformers passes it to callbacks)")
         self._step = state.global_step
+        from pulseloco.integrations.swarm_rollouts import SwarmRollouts
+
+        rollouts = getattr(calling_trainer(self), "rollout_func", None)
+        if isinstance(rollouts, SwarmRollouts):
+            self._rollouts_run_id = rollouts.run_id
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -188,9 +254,17 @@ class PulseSyncCallback(LogsContributor):
                 "PulseSyncCallback(every='round') needs a PulseLoCoCallback on the same Trainer; without "
                 "PULSELoCo, publish every N optimizer steps with every=N"
             )
+        self.training_run_id = self._resolve_run_id(loco)
+        from pulseloco.integrations import explain_trl_warnings
+
+        explain_trl_warnings()
         if self.publisher is None and self.signing_key is not None:
             self._make_publisher(args, loco)
         if self.publisher is not None:
+            if self.metrics_path is None:
+                self.metrics = JsonLinesWriter(Path(str(args.output_dir)) / VERSIONS_FILE, stamp=True)
+            elif self.metrics_path is not False:
+                self.metrics = JsonLinesWriter(self.metrics_path, stamp=True)
             self.publisher.add_announce_listener(self._record)
         if loco is not None:
             assert loco.loco is not None  # noqa: S101 (checked above)
@@ -198,6 +272,26 @@ class PulseSyncCallback(LogsContributor):
             self._loco.add_round_listener(lambda _loco, _metrics: self._publish("round"))
             loco.add_close_hooks(self.flush, self.close)  # serve the last version while the peer lingers
         self._publish("start")
+
+    def _resolve_run_id(self, loco: PulseLoCoCallback | None) -> str:
+        """The training run id to publish under (see ``run_id`` in the class docstring); raises
+        :class:`ConfigError` when there is none or the given ones disagree."""
+        given, rollouts = self.run_id, self._rollouts_run_id
+        others = {"PulseLoCoCallback": loco.run_id if loco is not None else None, "SwarmRollouts": rollouts}
+        for name, other in others.items():
+            if other is not None and given is not None and other != given:
+                raise ConfigError(
+                    f"PulseSyncCallback(run_id={given!r}) and the Trainer's {name}(run_id={other!r}) disagree: "
+                    f"workers follow one run; give the same training run id to both"
+                )
+            given = given or other
+        if given is None:
+            raise ConfigError(
+                "PulseSyncCallback needs the training run id: give run_id='RUN' (the rollout workers' --run_id; "
+                f"versions go to 'RUN{POLICY_SUFFIX}'), or put a PulseLoCoCallback or SwarmRollouts with one on the "
+                "same Trainer"
+            )
+        return given
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._step = state.global_step
@@ -229,8 +323,8 @@ class PulseSyncCallback(LogsContributor):
             logger.warning("the last version was still being encoded after %.0f s", self.flush_timeout)
 
     def close(self) -> None:
-        """Flush and, for a publisher this callback made, close it and the DHT it started (after lingering).
-        Idempotent."""
+        """Flush and, for a publisher this callback made, wait for a copy of the last version (``wait_for_copy``),
+        then close it and the DHT it started (after lingering). Idempotent; never raises for the swarm."""
         if self._closed or self.publisher is None:
             return
         self.flush()
@@ -238,9 +332,88 @@ class PulseSyncCallback(LogsContributor):
         if self._owns_publisher:
             if self._owned_dht is not None and self.linger > 0:
                 time.sleep(self.linger)
+            self.wait_until_copied(self.wait_for_copy)
             self.publisher.close()
             if self._owned_dht is not None:
                 self._owned_dht.shutdown()
+
+    def wait_until_copied(self, timeout: float) -> bool:
+        """Keep serving until another peer holds the publisher's last version (class docstring, ``wait_for_copy``),
+        for at most ``timeout`` seconds (every DHT read is bounded by what is left). Prints what it waits for and
+        how it ended. Returns whether a copy is held; True at once with nothing to wait for (no version, no DHT, a
+        ``timeout`` of 0, no other peer following the run). Never raises: a DHT error ends the wait, logged."""
+        publisher = self.publisher
+        version = publisher.version if publisher is not None else None
+        endpoint = publisher.endpoint if publisher is not None else None
+        if version is None or endpoint is None or timeout <= 0:
+            return True
+        started = time.monotonic()
+        deadline = started + timeout
+        try:
+            holders, followers = self._copies(endpoint, version, timeout=min(5.0, timeout))
+            if holders:
+                return True
+            if not followers:
+                logger.info("no other peer follows run %s: not waiting for a copy of version %d", endpoint.run_id,
+                            version)  # fmt: skip
+                return True
+            print(
+                f"pulsesync: waiting up to {timeout:.0f} s for another peer to hold version {version} of run_id="
+                f"{endpoint.run_id} ({len(followers)} following) before leaving",
+                flush=True,
+            )
+            while time.monotonic() < deadline:
+                time.sleep(_COPY_POLL_SECONDS)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                holders, _ = self._copies(endpoint, version, timeout=min(5.0, left))
+                if holders:
+                    print(
+                        f"pulsesync: version {version} is held by {', '.join(sorted(holders))} after "
+                        f"{time.monotonic() - started:.1f} s; leaving",
+                        flush=True,
+                    )
+                    return True
+        except Exception as exc:  # a DHT shutting down: leave, the wait is a courtesy
+            logger.warning("waiting for a copy of version %d ended: %r", version, exc)
+            return False
+        print(
+            f"pulsesync: no other peer held version {version} after {timeout:.0f} s (wait_for_copy); leaving without "
+            "a copy of it in the swarm",
+            flush=True,
+        )
+        return False
+
+    @staticmethod
+    def _copies(endpoint: Any, version: int, *, timeout: float) -> tuple[set[str], set[str]]:
+        """``(peers holding version or newer, peers following the run)``, this one excluded, from the providers
+        record (complete objects) and the rollout workers' records."""
+        from pulseloco.keys import workers_key
+        from pulseloco.rollouts.protocol import parse_worker_record
+
+        own = endpoint.peer_id.to_base58()
+        holders: set[str] = set()
+        followers: set[str] = set()
+        for peer, info in endpoint.get_providers(timeout=timeout).items():
+            if peer == own or info["publisher"]:
+                continue
+            followers.add(peer)
+            if any(v >= version and v not in info["partial"] for v in info["versions"]):
+                holders.add(peer)
+        try:
+            found = endpoint.dht.get(workers_key(endpoint.run_id), latest=True, return_future=True).result(timeout)
+        except concurrent.futures.TimeoutError:
+            found = None  # asked again at the next poll
+        if found is not None and isinstance(found.value, dict):
+            for peer, item in found.value.items():
+                worker = parse_worker_record(getattr(item, "value", None))
+                if worker is None or not isinstance(peer, str):
+                    continue
+                followers.add(peer)
+                if worker.version >= version:
+                    holders.add(peer)
+        return holders, followers
 
     def _make_publisher(self, args: TrainingArguments, loco: PulseLoCoCallback | None) -> None:
         if not PartialState().is_main_process or self.signing_key is None:
@@ -252,7 +425,8 @@ class PulseSyncCallback(LogsContributor):
             dht = loco.dht
         if dht is None:
             self._owned_dht = dht = join_swarm(self.swarm or SwarmConfig())
-        run_id = self.run_id or policy_run_id(loco.run_id if loco is not None else "pulseloco")
+        assert self.training_run_id is not None  # noqa: S101 (resolved by _attach)
+        run_id = policy_run_id(self.training_run_id)
         store = Path(self.store_dir) if self.store_dir is not None else Path(str(args.output_dir)) / "versions"
         self.publisher = Publisher(dht, run_id, self.signing_key, store, anchor_every=self.anchor_every)
         self._owns_publisher = True

@@ -3,8 +3,12 @@
     from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback, SwarmRollouts
 
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...,
-                          callbacks=[PulseLoCoCallback(...), PulseSyncCallback(signing_key="keys/publisher")],
-                          rollout_func=SwarmRollouts(run_id="my-run", public_key="keys/publisher.pub"))
+                          callbacks=[PulseLoCoCallback(run_id="my-run", ...),
+                                     PulseSyncCallback(signing_key="keys/publisher")],
+                          rollout_func=SwarmRollouts(run_id="my-run"))
+
+``run_id`` is the bare training run id everywhere (the callbacks', this one's, the worker's ``--run_id``); the
+workers follow ``<run_id>.policy``, derived from it. Each round's record goes to ``<output_dir>/rollouts.jsonl``.
 
 TRL calls the rollout function once per generation round with this process's prompts (each repeated
 ``num_generations`` times); :class:`SwarmRollouts` tokenizes them as TRL would (TRL's own ``_tokenize_prompts``:
@@ -46,7 +50,8 @@ Under ``accelerate launch`` with several processes, every process's prompts are 
 
 Failure behaviour: bad arguments raise :class:`pulseloco.errors.ConfigError` at construction, and a trainer
 configuration this path cannot serve (sampling filters, multimodal prompts, no DHT or key to be found) raises it at
-the first call. Neither fallback raises for want of workers (``local`` generates, ``wait`` waits), and nothing a worker
+the first call, as do run ids that disagree with the trainer's PulseLoCoCallback or PulseSyncCallback. Neither
+fallback raises for want of workers (``local`` generates, ``wait`` waits), and nothing a worker
 sends raises here (bad replies are refused and re-leased).
 """
 
@@ -66,19 +71,30 @@ import torch
 from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.pulsesync import PulseSyncCallback
+from pulseloco.integrations.pulsesync import PulseSyncCallback, check_training_run_id
 from pulseloco.integrations.settle import settle
 from pulseloco.integrations.trainer import PulseLoCoCallback
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import policy_run_id
-from pulseloco.rollouts.client import GroupResult, LeaseConfig, NoWorkersError, RolloutClient
+from pulseloco.rollouts.client import GroupResult, LeaseConfig, NoWorkersError, RolloutClient, worker_command
 from pulseloco.rollouts.verify import RolloutVerifier, stop_ids
 from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FALLBACKS", "RolloutConfig", "SwarmRollouts", "enable_importance_sampling", "share_old_logps"]
+__all__ = [
+    "FALLBACKS",
+    "ROLLOUTS_FILE",
+    "RolloutConfig",
+    "SwarmRollouts",
+    "check_run_ids",
+    "enable_importance_sampling",
+    "share_old_logps",
+]
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+"""The generation rounds' JSON lines, in the trainer's ``output_dir`` unless ``metrics_path`` says otherwise."""
 
 Fallback = Literal["local", "wait"]
 FALLBACKS: tuple[Fallback, ...] = get_args(Fallback)
@@ -161,6 +177,35 @@ def share_old_logps(trainer: Any, verifier: RolloutVerifier) -> bool:
     return True
 
 
+def check_run_ids(run_id: str | None, callbacks: list[Any]) -> str:
+    """The training run id of a :class:`SwarmRollouts` given ``run_id`` on a trainer with ``callbacks``: ``run_id``,
+    else that of the :class:`PulseLoCoCallback` or :class:`PulseSyncCallback` among them. Raises
+    :class:`ConfigError` when one of theirs disagrees with it (the workers would follow another run than the one
+    published), or when there is none at all."""
+    theirs: list[tuple[str, str]] = []
+    for callback in callbacks:
+        if isinstance(callback, PulseLoCoCallback):
+            theirs.append(("PulseLoCoCallback", callback.run_id))
+        elif isinstance(callback, PulseSyncCallback) and callback.training_run_id is not None:
+            theirs.append(("PulseSyncCallback", callback.training_run_id))
+    chosen = run_id
+    for name, other in theirs:
+        if chosen is None:
+            chosen = other
+        elif other != chosen:
+            raise ConfigError(
+                f"SwarmRollouts(run_id={chosen!r}) and the trainer's {name}(run_id={other!r}) disagree: the workers "
+                f"would follow '{chosen}.policy' while versions are published under '{other}.policy'; give the "
+                "same training run id to both (and to the worker's --run_id)"
+            )
+    if chosen is None:
+        raise ConfigError(
+            "SwarmRollouts needs the training run id: give run_id='RUN' (the rollout workers' --run_id), or put a "
+            "PulseLoCoCallback or PulseSyncCallback with one on the same trainer"
+        )
+    return chosen
+
+
 @dataclass
 class _Pending:
     key: str
@@ -189,7 +234,10 @@ class SwarmRollouts:
         dht: the DHT to use; default: that of a :class:`PulseLoCoCallback` or :class:`PulseSyncCallback` on the same
             trainer, else one started from ``swarm`` at the first call.
         swarm: how to join when there is no DHT to reuse.
-        run_id: the swarm run (workers follow ``<run_id>.policy``).
+        run_id: the training run id, bare (workers follow ``<run_id>.policy``, derived from it; a value ending in
+            ``.policy`` is refused); default: that of the :class:`PulseLoCoCallback` or :class:`PulseSyncCallback`
+            on the same trainer. One that disagrees with theirs, or none at all, raises :class:`ConfigError` at
+            the first call.
         public_key: the publisher's public key or its path; default: the key of a :class:`PulseSyncCallback` on the
             same trainer.
         config: how the workers are used (:class:`RolloutConfig`; default its defaults): ``max_lag``, the versions a
@@ -202,7 +250,9 @@ class SwarmRollouts:
             (:class:`pulseloco.rollouts.verify.RolloutVerifier`); a lease that fails is generated again by
             other workers and counts against its worker, refused after ``max_refusals``.
         verifier: the checks (default: a :class:`RolloutVerifier` with its default thresholds).
-        metrics_path: append one JSON line per generation round (lag histogram, dropped, refused, wait seconds).
+        metrics_path: where to append one JSON line per generation round (lag histogram, dropped, refused, wait
+            seconds). ``None`` (the default): ``<output_dir>/rollouts.jsonl`` of the trainer's ``args.output_dir`` on
+            the main process; ``False``: no file.
 
     Attributes: ``client`` (the :class:`RolloutClient`, after the first call), ``seconds_waiting`` (total time
     TRL waited in this function), ``num_local`` (rounds generated locally).
@@ -213,17 +263,22 @@ class SwarmRollouts:
         *,
         dht: Any | None = None,
         swarm: SwarmConfig | None = None,
-        run_id: str = "pulseloco",
+        run_id: str | None = None,
         public_key: Any | None = None,
         config: RolloutConfig | None = None,
         verify: bool = True,
         verifier: RolloutVerifier | None = None,
-        metrics_path: str | os.PathLike[str] | None = None,
+        metrics_path: str | os.PathLike[str] | Literal[False] | None = None,
     ) -> None:
         config = self.config = config or RolloutConfig()
+        if run_id is not None:
+            check_training_run_id(run_id)
+        #: the file the public key was read from, for the hint that starts a worker (None for a key object)
+        self.public_key_path: str | None = None
         if isinstance(public_key, str | os.PathLike):
             from pulseloco.sync.signing import load_public_key
 
+            self.public_key_path = str(public_key)
             public_key = load_public_key(public_key)  # fails here, with a clear message, not mid-training
         self.dht = dht
         self.swarm = swarm
@@ -231,7 +286,8 @@ class SwarmRollouts:
         self.public_key = public_key
         self.lookahead = config.rollout_lookahead
         self.verifier = (verifier or RolloutVerifier()) if verify else None
-        self.metrics = JsonLinesWriter(metrics_path, stamp=True) if metrics_path is not None else None
+        self.metrics_path = metrics_path
+        self.metrics: JsonLinesWriter | None = None  # opened at the first call (the default is in output_dir)
         self.client: RolloutClient | None = None
         self.seconds_waiting = 0.0
         self.num_local = 0
@@ -275,15 +331,23 @@ class SwarmRollouts:
             )
         if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
             raise ConfigError("swarm rollouts sample with plain temperature: set repetition_penalty 1.0")
+        callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
+        self.run_id = check_run_ids(self.run_id, callbacks)
+        from pulseloco.integrations import explain_trl_warnings
+
+        explain_trl_warnings(rollout_func=True)
         enable_importance_sampling(trainer)
         if not trainer.accelerator.is_main_process:
             return
+        if self.metrics_path is None:
+            self.metrics = JsonLinesWriter(os.path.join(str(args.output_dir), ROLLOUTS_FILE), stamp=True)
+        elif self.metrics_path is not False:
+            self.metrics = JsonLinesWriter(self.metrics_path, stamp=True)
         verifier = self.verifier
         if verifier is not None and verifier.audit_seed is None:
             verifier.audit_seed = args.seed  # the same audit in a run repeated with the same seed
         if verifier is not None and verifier.weights == "shared" and not share_old_logps(trainer, verifier):
             logger.info("rollouts: no importance-sampling ratio in TRL; the first check is a forward pass of its own")
-        callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
         if self.dht is None:
             for callback in callbacks:
                 if isinstance(callback, PulseLoCoCallback) and callback.dht is not None:
@@ -313,6 +377,7 @@ class SwarmRollouts:
             vocab_size=max(vocab_size, int(getattr(trainer.model.config, "vocab_size", 0) or 0)),
             config=self.config,
             seed=args.seed,
+            worker_hint=self._worker_hint(trainer, callbacks),
         )
         if self.verifier is not None and self.verifier.states is None:
             # the published versions' own weights, so that each lease is checked with the version it claims: handed
@@ -333,6 +398,26 @@ class SwarmRollouts:
             f"fallback={self.config.rollout_fallback}",
             flush=True,
         )
+
+    def _worker_hint(self, trainer: Any, callbacks: list[Any]) -> str:
+        """The complete command that starts a worker for this run (:func:`worker_command`): the trainer's model
+        directory, the public key's file (given here, or the ``.pub`` beside a PulseSyncCallback's signing key) and
+        this trainer's own multiaddr, each a placeholder when it is not known."""
+        assert self.run_id is not None  # noqa: S101 (resolved by _start)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model_dir = str(getattr(model.config, "_name_or_path", "") or "") or None
+        key = self.public_key_path
+        if key is None:
+            for callback in callbacks:
+                if isinstance(callback, PulseSyncCallback) and callback.signing_key_path is not None:
+                    key = f"{callback.signing_key_path}.pub"
+        maddr = None
+        try:
+            maddrs = [str(a) for a in self.dht.get_visible_maddrs()] if self.dht is not None else []
+            maddr = next((a for a in maddrs if "/p2p/" in a), None)
+        except Exception as exc:  # the hint only; the placeholder says what is missing
+            logger.debug("no multiaddr for the worker hint: %r", exc)
+        return worker_command(self.run_id, model=model_dir, public_key=key, initial_peers=maddr)
 
     # ---- one generation round -----------------------------------------------------------------------------
 

@@ -228,11 +228,10 @@ class _Follower:
             )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv`` and follow the trainers' versions until interrupted, ``--until_version`` or
-    ``--max_seconds``. Raises :class:`ConfigError` for bad or missing options and
-    :class:`~pulseloco.errors.VersionTimeoutError` when ``--until_version`` did not arrive in time; the DHT, the
-    subscriber, the lease server and a vLLM engine are closed on every way out."""
+def parse_arguments(argv: list[str] | None) -> tuple[WorkerArguments, Any]:
+    """The worker's options (``WorkerArguments``, ``SwarmArguments``) from ``argv``, with the ones it cannot run
+    without (``--model_name_or_path``, ``--public_key``, ``--initial_peers``) present. Raises :class:`ConfigError`
+    (one line; exit code 2 from the command line) for a bad, unknown or missing option."""
     from pulseloco.integrations.args import SwarmArguments
 
     args, swarm = common.parse_args((WorkerArguments, SwarmArguments), argv, PROG)
@@ -241,6 +240,15 @@ def main(argv: list[str] | None = None) -> None:
         raise common.ConfigError("--public_key is required: the publisher's .pub file (from `pulseloco keygen`)")
     if not swarm.initial_peers:
         raise common.ConfigError("--initial_peers is required: the multiaddr printed by a trainer or `pulseloco dht`")
+    return args, swarm
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` and follow the trainers' versions until interrupted, ``--until_version`` or
+    ``--max_seconds``. Raises :class:`ConfigError` for bad or missing options (:func:`parse_arguments`) and
+    :class:`~pulseloco.errors.VersionTimeoutError` when ``--until_version`` did not arrive in time; the DHT, the
+    subscriber, the lease server and a vLLM engine are closed on every way out."""
+    args, swarm = parse_arguments(argv)
 
     from pulseloco.errors import VersionTimeoutError
     from pulseloco.signals import stop_on_signals
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     from pulseloco.sync.signing import load_public_key
     from pulseloco.sync.subscriber import Subscriber
 
-    public_key = load_public_key(args.public_key)
+    public_key = load_public_key(str(args.public_key))  # present: parse_arguments checked
     engine, vllm_engine = _load_engine(args)
     dht = make_dht(swarm.swarm_config())
     subscriber = Subscriber(

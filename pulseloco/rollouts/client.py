@@ -31,6 +31,7 @@ import concurrent.futures
 import logging
 import math
 import random
+import shlex
 import threading
 import time
 import uuid
@@ -63,7 +64,7 @@ from pulseloco.sync.transport import read_head
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupResult", "LeaseConfig", "NoWorkersError", "RolloutClient", "RolloutStats"]
+__all__ = ["GroupResult", "LeaseConfig", "NoWorkersError", "RolloutClient", "RolloutStats", "worker_command"]
 
 #: Seconds a trainer's list of refused workers lives in the DHT (a run's length, about).
 REFUSALS_TTL = 24 * 3600.0
@@ -157,6 +158,41 @@ class _Batch:
     results: dict[int, GroupResult] = field(default_factory=dict)
 
 
+def worker_command(
+    run_id: str, *, model: str | None = None, public_key: str | None = None, initial_peers: str | None = None
+) -> str:
+    """The command line that starts a rollout worker serving training run ``run_id`` (the bare id: the worker
+    follows ``<run_id>.policy``) with every option ``recipes/rollout_worker.py`` requires: the policy's starting
+    checkpoint ``model``, the publisher's ``public_key`` file and a multiaddr of the swarm ``initial_peers``, each
+    a placeholder in capitals (``MODEL_DIR``, ``PUBLISHER_KEY.pub``, ``MADDR``) when not known (the command then
+    parses once the address is a multiaddr). Quoted for a POSIX shell; never raises."""
+    return shlex.join(
+        [
+            "python",
+            "recipes/rollout_worker.py",
+            "--serve_rollouts",
+            "--run_id",
+            run_id,
+            "--initial_peers",
+            initial_peers or "MADDR",
+            "--model_name_or_path",
+            model or "MODEL_DIR",
+            "--public_key",
+            public_key or "PUBLISHER_KEY.pub",
+        ]
+    )
+
+
+def _own_maddr(dht: Any) -> str | None:
+    """A multiaddr (with its ``/p2p/`` peer id) at which others reach ``dht``, for the worker command; None when
+    it has none or cannot say (logged at debug level; never raises)."""
+    try:
+        return next((str(a) for a in dht.get_visible_maddrs() if "/p2p/" in str(a)), None)
+    except Exception as exc:  # a stand-in DHT, or one shutting down: the hint keeps its placeholder
+        logger.debug("no multiaddr for the worker command: %r", exc)
+        return None
+
+
 class RolloutClient:
     """Runs batches of prompt groups on the swarm's rollout workers (see the module docstring).
 
@@ -173,6 +209,8 @@ class RolloutClient:
             :meth:`report_check_failure`, however far apart, before a worker is refused for the run; refusals are
             logged and stored in the DHT, :func:`pulseloco.keys.refused_key`).
         seed: seeds the batches' sampling seeds (:meth:`next_seed`).
+        worker_hint: the command that starts a worker for this run, named when no worker could take a lease
+            (default: :func:`worker_command` with placeholders for the model, the key and the swarm address).
     """
 
     def __init__(
@@ -184,9 +222,11 @@ class RolloutClient:
         vocab_size: int,
         config: LeaseConfig | None = None,
         seed: int = 0,
+        worker_hint: str | None = None,
     ) -> None:
         config = config or LeaseConfig()
         self.dht = dht
+        self.worker_hint = worker_hint or worker_command(training_run_id(run_id), initial_peers=_own_maddr(dht))
         self.run_id = run_id
         self.public_key = public_key
         self.vocab_size = vocab_size
@@ -378,7 +418,6 @@ class RolloutClient:
                         idle_since = now
                     failing = now - last_ok > self.config.rollout_timeout + self.config.lease_timeout
                     if now - idle_since > self.config.rollout_timeout or failing:
-                        swarm_run = training_run_id(self.run_id)
                         if failing:
                             message = (
                                 f"every lease to the rollout workers of run {self.run_id!r} failed for "
@@ -391,8 +430,7 @@ class RolloutClient:
                                 f"{self.config.rollout_timeout:.0f} s ({len(workers)} announced"
                                 f"{': ' + unusable if unusable else ''}"
                                 f"{f'; {refused} refused for failing the checks' if refused else ''}); start one "
-                                f"with `python recipes/rollout_worker.py --serve_rollouts --run_id {swarm_run} "
-                                "--initial_peers MADDR`"
+                                f"with `{self.worker_hint}`"
                             )
                         if not wait:
                             raise NoWorkersError(message)

@@ -38,6 +38,7 @@ __all__ = [
     "load_public_key",
     "parse_envelope_unverified",
     "public_key_fingerprint",
+    "public_key_source",
     "save_keypair",
     "sign_envelope",
     "verify_envelope",
@@ -141,7 +142,19 @@ def load_public_key(path_or_pem: str | os.PathLike[str] | bytes) -> Ed25519Publi
         raise ConfigError(f"not a PEM public key ({exc}); use the .pub file written by `pulseloco keygen`") from None
     if not isinstance(key, Ed25519PublicKey):
         raise ConfigError(f"public key is a {type(key).__name__}, expected Ed25519")
+    if not isinstance(path_or_pem, bytes):
+        _KEY_SOURCES[public_key_fingerprint(key)] = str(path_or_pem)
     return key
+
+
+_KEY_SOURCES: dict[str, str] = {}
+"""Fingerprint -> the file :func:`load_public_key` read that key from (for messages that name the key file)."""
+
+
+def public_key_source(key: Ed25519PublicKey) -> str | None:
+    """The file this process loaded ``key`` from with :func:`load_public_key`, or None (loaded from bytes, made in
+    memory, or derived from a private key)."""
+    return _KEY_SOURCES.get(public_key_fingerprint(key))
 
 
 def public_key_fingerprint(key: Ed25519PublicKey) -> str:

@@ -21,6 +21,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import threading
 import time
 import typing
 from collections.abc import AsyncIterator, Callable
@@ -44,7 +45,13 @@ from pulseloco.p2p import (
     read_payload,
     stream_messages,
 )
-from pulseloco.sync.signing import MAX_ENVELOPE_BYTES, Envelope, verify_envelope
+from pulseloco.sync.signing import (
+    MAX_ENVELOPE_BYTES,
+    Envelope,
+    public_key_fingerprint,
+    public_key_source,
+    verify_envelope,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -543,9 +550,58 @@ def read_head(dht: hivemind.DHT, run_id: str, key: Ed25519PublicKey, *, timeout:
     try:
         env = verify_envelope(key, value, run_id=run_id)
     except (UnauthorizedError, PayloadError) as exc:
-        logger.warning("ignoring head record that fails verification run=%s error=%s", run_id, exc)
+        _note_refused_head(run_id, key, exc)
         return None
     return env if env.kind == "head" else None
+
+
+REFUSED_HEAD_SUMMARY_EVERY = 300.0
+"""Seconds between the warnings that sum up a run's head records that keep failing verification (the first failure
+is an error line of its own, the ones between summaries are logged at debug level)."""
+
+_refused_heads: dict[tuple[str, str], list[float]] = {}  # (run, key fingerprint) -> [failures, last said (monotonic)]
+_refused_heads_lock = threading.Lock()
+
+
+def _note_refused_head(run_id: str, key: Ed25519PublicKey, exc: Exception) -> None:
+    """Say that a head record of ``run_id`` fails verification under ``key``: at once and once per (run, key) as
+    one error line naming the key file and what to do, then at debug level, with a warning that sums them up every
+    :data:`REFUSED_HEAD_SUMMARY_EVERY` seconds (a reader polls the head every few seconds). Never raises."""
+    fingerprint = public_key_fingerprint(key)
+    now = time.monotonic()
+    with _refused_heads_lock:
+        entry = _refused_heads.get((run_id, fingerprint))
+        if entry is None:
+            _refused_heads[(run_id, fingerprint)] = entry = [0.0, now]
+            first = True
+        else:
+            first = False
+        entry[0] += 1
+        summary = not first and now - entry[1] >= REFUSED_HEAD_SUMMARY_EVERY
+        if summary:
+            entry[1] = now
+        failures = int(entry[0])
+    if first:
+        source = public_key_source(key)
+        trusted = f"the public key {source} (fingerprint {fingerprint})" if source else f"the public key {fingerprint}"
+        logger.error(
+            "ignoring head record that fails verification run=%s error=%s: no version of this run will be used "
+            "until its head verifies under %s; give the .pub file of the key the publisher signs with (`pulseloco "
+            "keygen --out KEY` writes KEY and KEY.pub; the publisher prints its key's fingerprint), or the run id "
+            "the publisher uses (repeats of this are logged at debug level)",
+            run_id,
+            exc,
+            trusted,
+        )
+    elif summary:
+        logger.warning(
+            "still ignoring the head record of run=%s: it failed verification under the public key %s %d times",
+            run_id,
+            fingerprint,
+            failures,
+        )
+    else:
+        logger.debug("ignoring head record that fails verification run=%s error=%s", run_id, exc)
 
 
 def now() -> float:
