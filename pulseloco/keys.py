@@ -13,6 +13,7 @@ __all__ = [
     "MAX_RUN_ID_LENGTH",
     "POLICY_SUFFIX",
     "check_run_id",
+    "check_training_run_id",
     "head_key",
     "loco_round_key",
     "loco_state_key",
@@ -35,6 +36,18 @@ def check_run_id(run_id: str, option: str = "run_id") -> str:
     whitespace. Raises :class:`ConfigError` naming ``option`` (the flag or argument it came from) otherwise."""
     if not run_id or any(c.isspace() for c in run_id) or len(run_id) > MAX_RUN_ID_LENGTH:
         raise ConfigError(f"{option} must be 1-{MAX_RUN_ID_LENGTH} characters without spaces, got {run_id!r}")
+    return run_id
+
+
+def check_training_run_id(run_id: str, option: str = "run_id") -> str:
+    """``run_id`` when it is a bare training run id (:func:`check_run_id`, and not already a PULSESync
+    run id ending in ``.policy``: the code derives that one). Raises :class:`ConfigError` naming ``option``."""
+    check_run_id(run_id, option)
+    if run_id.endswith(POLICY_SUFFIX):
+        raise ConfigError(
+            f"{option} is the training run id, without {POLICY_SUFFIX!r} (workers follow '<run_id>{POLICY_SUFFIX}', "
+            f"derived from it): give {option}={run_id.removesuffix(POLICY_SUFFIX)!r}, not {run_id!r}"
+        )
     return run_id
 
 

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.warm import PROG, SIZES, BuildError, read_marker, say, warm_model
+from harness.warm import PROG, SIZES, BuildError, read_marker, request_stop, say, warm_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     started = time.monotonic()
     # a terminated build (Ctrl-C, or SIGTERM from a supervisor) removes its temporary directory on the way out
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, lambda signum, frame: request_stop(128 + signum))
     try:
         path = warm_model(args.size, cache_dir=args.cache_dir, force=args.force, threads=args.threads)
     except BuildError as exc:

@@ -8,6 +8,7 @@ completion marker is rebuilt, and that an unusable cache directory ends with one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -145,6 +146,26 @@ def test_terminated_build_leaves_nothing_that_looks_complete(tmp_path: Path) -> 
             proc.wait()
     models = tmp_path / "models"
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_stop_whose_exit_a_finalizer_swallowed_still_stops_before_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM handler runs between any two bytecodes, also inside a ``__del__``, where Python drops its
+    ``SystemExit``: the request it leaves stops the build before its model goes into the cache."""
+
+    def build_through_a_swallowed_exit(size: str, spec: warm.WarmSpec, tmp: Path) -> dict[str, object]:
+        with contextlib.suppress(SystemExit):  # the handler, with its exit dropped as a finalizer drops it
+            warm.request_stop(143)
+        (tmp / warm.MARKER).write_text("{}")  # the build went on to the end
+        return {}
+
+    monkeypatch.setattr(warm, "STOP_REQUESTS", [])
+    monkeypatch.setattr(warm, "build", build_through_a_swallowed_exit)
+    with pytest.raises(SystemExit) as exc:
+        warm.warm_model("tiny", cache_dir=tmp_path)
+    assert exc.value.code == 143
+    assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == []
 
 
 @pytest.mark.parametrize("size", ["demo", "wide"])

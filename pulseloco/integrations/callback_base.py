@@ -39,12 +39,22 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "LogsContributor",
+    "RunRollouts",
     "calling_trainer",
     "check_linger",
     "join_swarm",
     "loco_callback_of",
     "register_loco_callback",
 ]
+
+
+class RunRollouts:
+    """Base of a Trainer's ``rollout_func`` that belongs to a swarm run
+    (:class:`~pulseloco.integrations.swarm_rollouts.SwarmRollouts`): a callback reads its training ``run_id`` (None
+    until known) at train begin without importing it."""
+
+    run_id: str | None = None
+
 
 _CALLBACK_OF_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 """The PulseLoCoCallback driving a model, so that a PulseSyncCallback on the same Trainer can find its rounds."""

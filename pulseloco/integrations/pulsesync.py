@@ -37,13 +37,14 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.callback_base import (
     LogsContributor,
+    RunRollouts,
     calling_trainer,
     check_linger,
     join_swarm,
     loco_callback_of,
 )
 from pulseloco.jsonl import JsonLinesWriter
-from pulseloco.keys import POLICY_SUFFIX, check_run_id, policy_run_id
+from pulseloco.keys import POLICY_SUFFIX, check_training_run_id, policy_run_id
 from pulseloco.swarm import SwarmConfig
 from pulseloco.sync.publisher import DEFAULT_ANCHOR_EVERY, check_anchor_every
 
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_WAIT_FOR_COPY", "VERSIONS_FILE", "PulseSyncCallback", "check_training_run_id"]
+__all__ = ["DEFAULT_WAIT_FOR_COPY", "VERSIONS_FILE", "PulseSyncCallback"]
 
 VERSIONS_FILE = "pulsesync_versions.jsonl"
 """The published versions' JSON lines, in the Trainer's ``output_dir`` unless ``metrics_path`` says otherwise (the
@@ -64,18 +65,6 @@ DEFAULT_WAIT_FOR_COPY = 60.0
 """Seconds a publisher waits at train end, at most, for another peer to hold its last version."""
 
 _COPY_POLL_SECONDS = 0.5
-
-
-def check_training_run_id(run_id: str, option: str = "run_id") -> str:
-    """``run_id`` when it is a bare training run id (:func:`pulseloco.keys.check_run_id`, and not already a PULSESync
-    run id ending in ``.policy``: the code derives that one). Raises :class:`ConfigError` naming ``option``."""
-    check_run_id(run_id, option)
-    if run_id.endswith(POLICY_SUFFIX):
-        raise ConfigError(
-            f"{option} is the training run id, without {POLICY_SUFFIX!r} (workers follow '<run_id>{POLICY_SUFFIX}', "
-            f"derived from it): give {option}={run_id.removesuffix(POLICY_SUFFIX)!r}, not {run_id!r}"
-        )
-    return run_id
 
 
 @dataclass
@@ -227,10 +216,8 @@ class PulseSyncCallback(LogsContributor):
         if self._model is None:
             raise ConfigError("PulseSyncCallback needs the Trainer's model (transformers passes it to callbacks)")
         self._step = state.global_step
-        from pulseloco.integrations.swarm_rollouts import SwarmRollouts
-
         rollouts = getattr(calling_trainer(self), "rollout_func", None)
-        if isinstance(rollouts, SwarmRollouts):
+        if isinstance(rollouts, RunRollouts):
             self._rollouts_run_id = rollouts.run_id
 
     def on_step_begin(
@@ -255,7 +242,7 @@ class PulseSyncCallback(LogsContributor):
                 "PULSELoCo, publish every N optimizer steps with every=N"
             )
         self.training_run_id = self._resolve_run_id(loco)
-        from pulseloco.integrations import explain_trl_warnings
+        from pulseloco.integrations.trl_warnings import explain_trl_warnings
 
         explain_trl_warnings()
         if self.publisher is None and self.signing_key is not None:

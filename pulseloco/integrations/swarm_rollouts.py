@@ -71,12 +71,13 @@ import torch
 from transformers import TrainerCallback
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.pulsesync import PulseSyncCallback, check_training_run_id
+from pulseloco.integrations.callback_base import RunRollouts
+from pulseloco.integrations.pulsesync import PulseSyncCallback
 from pulseloco.integrations.settle import settle
 from pulseloco.integrations.trainer import PulseLoCoCallback
 from pulseloco.integrations.version_states import VersionStates
 from pulseloco.jsonl import JsonLinesWriter
-from pulseloco.keys import policy_run_id
+from pulseloco.keys import check_training_run_id, policy_run_id
 from pulseloco.rollouts.client import GroupResult, LeaseConfig, NoWorkersError, RolloutClient, worker_command
 from pulseloco.rollouts.verify import RolloutVerifier, stop_ids
 from pulseloco.swarm import SwarmConfig
@@ -227,7 +228,7 @@ def _group(rows: list[Any], num_generations: int) -> int:
     return 1
 
 
-class SwarmRollouts:
+class SwarmRollouts(RunRollouts):
     """A TRL ``rollout_func`` whose completions come from the swarm's rollout workers (module docstring).
 
     Args (keyword-only):
@@ -333,7 +334,7 @@ class SwarmRollouts:
             raise ConfigError("swarm rollouts sample with plain temperature: set repetition_penalty 1.0")
         callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
         self.run_id = check_run_ids(self.run_id, callbacks)
-        from pulseloco.integrations import explain_trl_warnings
+        from pulseloco.integrations.trl_warnings import explain_trl_warnings
 
         explain_trl_warnings(rollout_func=True)
         enable_importance_sampling(trainer)

@@ -153,11 +153,35 @@ def build_lock(models_dir: Path, name: str) -> Iterator[None]:
 # ---- the two phases ------------------------------------------------------------------------------------------
 
 
+STOP_REQUESTS: list[int] = []
+"""Exit codes a signal handler asked a build for (:func:`request_stop`); the build checks them at every training step
+and before its model goes into the cache."""
+
+
+def request_stop(code: int) -> None:
+    """Ask a running build to stop with exit ``code`` and raise ``SystemExit(code)`` (for a signal handler). Python
+    runs a handler between any two bytecodes, also inside a finalizer (``__del__``), where it prints the exception
+    and drops it: the request stays, and the build exits at its next training step or, at the latest, before it
+    moves its model into the cache (:func:`check_stop`)."""
+    STOP_REQUESTS.append(code)
+    raise SystemExit(code)
+
+
+def check_stop() -> None:
+    """Raise ``SystemExit`` with the first requested code if :func:`request_stop` was called; else nothing."""
+    if STOP_REQUESTS:
+        raise SystemExit(STOP_REQUESTS[0])
+
+
 def _progress_callback(phase: str, total_steps: int, started: float) -> Any:
-    """A ``TrainerCallback`` that prints one :func:`say` line per logging step (loss, eval loss, seconds)."""
+    """A ``TrainerCallback`` that prints one :func:`say` line per logging step (loss, eval loss, seconds) and stops
+    the build at a step end when a stop was requested (:func:`check_stop`)."""
     from transformers import TrainerCallback
 
     class Progress(TrainerCallback):  # one short line per logging step, instead of dicts or tqdm bars
+        def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            check_stop()
+
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None, **_: Any) -> None:
             logs = logs or {}
             parts = [f"{key}={logs[key]:.4f}" for key in ("loss", "eval_loss") if key in logs]
@@ -413,6 +437,7 @@ def warm_model(size: str, *, cache_dir: Path | None = None, force: bool = False,
 
                 torch.set_num_threads(threads)
             marker = build(size, spec, tmp)
+            check_stop()  # a stop requested during the build's last step: nothing goes into the cache
             if final.exists():  # incomplete, or replaced with --force
                 shutil.rmtree(final)
             os.replace(tmp, final)
