@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """One Byzantine trainer in a PULSELoCo group of four: the honest peers' consensus loss with and without it, under the
-outlier screen alone (the rule before issue 48) and under clipping to the median norm with repeat-outlier exclusion.
+outlier screen alone (rule ``screen``, no clipping) and under clipping to the median norm with repeat-outlier exclusion
+(``clip``; ``clip-only`` without exclusion).
 
 Starts a bootstrap hivemind DHT on 127.0.0.1 and, for every (rule, attack) configuration, four peer processes (each its
 own DHT node) that train the same small Llama (:func:`harness.models.llama`, seed 0) on the project's arithmetic task

@@ -2,7 +2,7 @@
 
 :func:`install` wraps one peer's ``SparseAverager.all_reduce`` (the peer keeps computing its honest pseudo-gradient
 and selection; only what it pushes to the shard owners changes). Every attack is sent at ``factor`` times the L2
-norm of the honest selection it replaces (9 in issue 48), as dense FP32 entries where it needs them:
+norm of the honest selection it replaces (9 by default), as dense FP32 entries where it needs them:
 
 - ``flip``: the honest selection sign-flipped (``-factor * values``, the same entries);
 - ``fixed``: one fixed random direction over all parameters, the same every round (a drift);

@@ -217,7 +217,7 @@ def print_condition(
     print(format_table(mine))
     if cond["rate"] and any(c.bound_summary() for c in mine):
         print(
-            f"\nBound (issue 14): minimal relay-tree depth d (publisher serves {PUBLISHER_FANOUT}, every relay "
+            f"\nBound: minimal relay-tree depth d (publisher serves {PUBLISHER_FANOUT}, every relay "
             f"{PUBLISHER_FANOUT} more: {PUBLISHER_FANOUT} + {PUBLISHER_FANOUT}^2 + ... + "
             f"{PUBLISHER_FANOUT}^d >= subscribers) x one transfer of the object at {cond['name']}; ratio = "
             "publish() -> last subscriber / bound (mean and worst version); after_encode: from the version "

@@ -1,5 +1,5 @@
 """The measurements of ``experiments/sync/bench_sync.py`` and what it prints of them: a version's and a case's results
-(:class:`VersionResult`, :class:`CaseResult` with its summary), the bound of issue 14 (the minimal relay-tree depth
+(:class:`VersionResult`, :class:`CaseResult` with its summary), the latency bound (the minimal relay-tree depth
 times one transfer at the link rate: :func:`min_tree_depth`, :func:`tree_depth`), the cases' tables and the
 patches-against-full-checkpoints summary.
 
@@ -100,7 +100,7 @@ class CaseResult:
         }
 
     def bound_summary(self) -> dict[str, Any]:
-        """Latency against the bound of issue 14 (minimal relay-tree depth x one transfer at the link rate)."""
+        """Latency against the bound (minimal relay-tree depth x one transfer at the link rate)."""
         vs = [v for v in self.counted() if v.bound_s]
         if not vs:
             return {}
@@ -121,7 +121,7 @@ class CaseResult:
 
 PUBLISHER_FANOUT = 2  # Publisher(max_uploads_per_version=2)
 TARGET_RATIO = 1.5
-"""Issue 14's target: the last subscriber holds a version within 1.5 x the bound."""
+"""The target: the last subscriber holds a version within 1.5 x the bound."""
 
 
 def min_tree_depth(n_subs: int, fanout: int = PUBLISHER_FANOUT) -> int:
