@@ -94,7 +94,7 @@ def patch_size(publisher: Publisher, version: int) -> int:
     return len(publisher.store.read("patch", version)[1])
 
 
-# ---- the scenario ----------------------------------------------------------------------------------
+# ---- a training model's versions, followed by three subscribers --------------------------------------------
 
 
 @pytest.mark.timeout(180)
