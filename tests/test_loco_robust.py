@@ -196,7 +196,7 @@ def test_a_member_refuses_a_sum_with_a_bad_scale_and_applies_nothing_of_it() -> 
     bad.header["scales"][3] = 2.0
     bounds = [(0, NUMEL), (NUMEL, 2 * NUMEL)]
     results: list[tuple[dict[str, Any], bytes] | None] = [(good.header, good.payload), (bad.header, bad.payload)]
-    indices, averages, accepted, scales, _ = member._average_shards(group, bounds, results, [3.0, 3.0], [b"", b""])
+    indices, averages, accepted, scales, _, _ = member._average_shards(group, bounds, results, [3.0, 3.0], [b"", b""])
     assert accepted == [("a", "b", "c", "d"), None] and scales == [(1.0, 1.0, 0.75, 0.1875), None]
     assert len(indices) == 1 and indices[0].tolist() == [0, 1, 3]
     assert averages[0].tolist() == [-1.5 / 4, 1.0 / 4, 7.5 / 4]

@@ -401,6 +401,36 @@ def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: l
     assert torch.allclose(thetas[0], thetas[1], rtol=1e-6, atol=1e-9)
 
 
+def test_topk_exchange_keeps_members_identical_and_counts_every_entry_once(initial_peers: list[str]) -> None:
+    """The topk exchange over real DHTs: three peers with the PULSE gate, 2-bit values and a top-64 budget; each
+    owner keeps the top 64 of the aggregate per tile and requantizes it. Every member ends every round on one theta,
+    entries the owners dropped went back to their senders (``num_returned`` in complete rounds), the owners' rounding
+    to theirs, and the outside ledger finds every contribution once."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="topk")
+    extra = {"pulse_values": "quantized", "pulse_budget": 64, "exchange": "topk"}
+    reports = run_swarm([replace(base, index=i, extra=extra) for i in range(3)])
+    for report in reports:
+        assert all(r["num_contributors"] == 3 and r["complete"] and not r["repaired"] for r in report["rounds"])
+    assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
+    assert torch.equal(_theta(reports[0]), _theta(reports[2]))
+    assert sum(r["num_returned"] for report in reports for r in report["rounds"]) > 0
+    assert _conservation_error(reports) < 1e-5
+
+
+def test_sparseloco_trio_reduces_with_topk_by_default(initial_peers: list[str]) -> None:
+    """SparseLoCo in a group of three: ``auto`` serves each shard with topk (the kept aggregate is at most the
+    budget, fewer entries than the union of the three selections) and the three end every round identical."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=2, run_id="sl-topk", selector="sparseloco")
+    reports = run_swarm([replace(base, index=i) for i in range(3)])
+    for report in reports:
+        assert all(r["num_contributors"] == 3 and r["complete"] for r in report["rounds"])
+    assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
+    for first in reports[0]["rounds"]:
+        # one part's worth of entries, give or take the tiles cut by shard bounds
+        assert first["num_averaged"] <= 1.2 * max(r["num_sent"] for rep in reports for r in rep["rounds"])
+    assert sum(r["num_returned"] for report in reports for r in report["rounds"]) > 0
+
+
 def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initial_peers: list[str]) -> None:
     """Two peers, no majority: the honest owner screens against its own part, and the honest member refuses the
     poisoned owner's average (round 2, 1e4x norms), names it disputed and never repairs from it."""

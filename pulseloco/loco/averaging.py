@@ -61,7 +61,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -70,10 +70,11 @@ from hivemind.proto import runtime_pb2
 
 from pulseloco.codec import FrameHeader, peek_header
 from pulseloco.errors import PayloadError, SwarmError
-from pulseloco.loco.config import MEAN_OVER
+from pulseloco.loco.config import EXCHANGES, MEAN_OVER
 from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.reduce import ReduceSpec, check_budget, combine_parts
 from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS, RepeatOutliers, parse_scales
-from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedShard, ShardOwner, combine_parts, peak
+from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedShard, ShardOwner, peak
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
 from pulseloco.loco.validation import decode_sparse, encode_sparse
@@ -89,7 +90,7 @@ from pulseloco.p2p import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AllReduceResult", "SparseAverager", "payload_frame", "shard_bounds"]
+__all__ = ["AllReduceResult", "SparseAverager", "delivery", "payload_frame", "shard_bounds"]
 
 #: Owner-side rounds kept for late fetches before they are pruned.
 _KEEP_ROUNDS = 2
@@ -137,6 +138,38 @@ def payload_frame(
     return peek_header(frame, max_elements=NO_ELEMENT_LIMIT)
 
 
+def delivery(
+    peer_id: str,
+    indices_K: torch.Tensor,
+    offsets: list[int],
+    bounds: list[tuple[int, int]],
+    accepted: list[tuple[str, ...] | None],
+    kept: list[torch.Tensor | None],
+    *,
+    topk_expected: bool,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Which of ``peer_id``'s sent entries (sorted global ``indices_K``, cut at ``offsets`` into the shards
+    ``bounds``) a round counted, from the shards' ``accepted`` lists (None: not fetched) and, for ``topk`` shards,
+    the owners' ``kept`` local indices: returns ``returned_K`` (True where not counted: the caller adds the value
+    back to its residual), ``dropped_K`` (True where a ``topk`` owner counted the part but did not keep the entry:
+    returned for good) and the shards not fetched that ``topk_expected`` says were reduced (which entries were kept
+    there is unknown)."""
+    returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
+    dropped_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
+    kept_unknown: list[int] = []
+    for j, names in enumerate(accepted):
+        lo, hi = offsets[j], offsets[j + 1]
+        if names is None or peer_id not in names:
+            returned_K[lo:hi] = True
+            if names is None and topk_expected and hi > lo:
+                kept_unknown.append(j)
+        elif kept[j] is not None:  # counted where the owner kept the entry; the rest comes back
+            dropped = ~torch.isin(indices_K[lo:hi] - bounds[j][0], kept[j])
+            returned_K[lo:hi] = dropped
+            dropped_K[lo:hi] = dropped
+    return returned_K, dropped_K, kept_unknown
+
+
 @dataclass(frozen=True)
 class AllReduceResult:
     """What one round of averaging produced on this peer.
@@ -179,6 +212,21 @@ class AllReduceResult:
     num_sum_entries: int = 0
     largest_norm_ratio: float = 0.0
     """The largest ratio of an accepted part's norm to the clip bar in this peer's own shard (0: none or no bar)."""
+    dropped_K: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    """One flag per entry this peer sent (or none at all): True where a ``topk`` owner counted this peer's part
+    but did not keep that entry (also flagged in ``returned_K``; returned for good, since no lineage counted it)."""
+    kept_unknown: tuple[int, ...] = ()
+    """Shards served with the ``topk`` exchange whose aggregate this peer could not fetch: it does not know which
+    of its entries there were kept (:meth:`pulseloco.loco.ledger.Ledger.reconcile` cannot correct them)."""
+    absorbed_indices_K: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    """Global indices of this owner's rounding error of its ``topk`` aggregate (``absorbed_K``): the caller adds it
+    to its residual (:mod:`pulseloco.loco.reduce`)."""
+    absorbed_K: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float32))
+    absorbed_shard: int | None = None
+    """The shard whose error this peer absorbed (its own), or None."""
+    num_union: int = 0
+    """With the ``topk`` exchange in this peer's own shard: the size of the parts' union there (the kept entries
+    are ``num_sum_entries``)."""
 
     def own_scales(self, peer_id: str) -> list[float | None]:
         """Per shard, the scale ``peer_id``'s part was counted at, or ``None`` where it was not counted."""
@@ -224,9 +272,12 @@ class SparseAverager(ShardOwner, StateTransfer):
         chunk_bytes: int = CHUNK_BYTES,
         exchange: str = "sums",
         mean_over: str = "peers",
+        reduce_spec: ReduceSpec | None = None,
     ) -> None:
-        if exchange not in ("sums", "gather") or mean_over not in MEAN_OVER:
-            raise ValueError(f"exchange must be sums or gather and mean_over one of {MEAN_OVER}")
+        if exchange not in EXCHANGES or mean_over not in MEAN_OVER:
+            raise ValueError(f"exchange must be one of {EXCHANGES} and mean_over one of {MEAN_OVER}")
+        if exchange == "topk" and reduce_spec is None:
+            raise ValueError("the topk exchange needs a reduce_spec (the parameters' tiles and the budget)")
         self.dht = dht
         self.run_id = run_id
         self.numel = int(numel)
@@ -240,6 +291,7 @@ class SparseAverager(ShardOwner, StateTransfer):
         self.chunk_bytes = chunk_bytes
         self.exchange = exchange
         self.mean_over = mean_over
+        self.reduce_spec = reduce_spec
         self.namespace = f"{run_id}_loco"
         self._owned: dict[tuple[int, str], OwnedShard] = {}
         self._traffic: dict[int, Traffic] = {}
@@ -346,7 +398,7 @@ class SparseAverager(ShardOwner, StateTransfer):
         owned: OwnedShard | None = None
         if own_index is not None:
             start, stop = shard_bounds(self.numel, len(group.servers))[own_index]
-            owned = self._open_own_shard(group, stop - start, parts[own_index], deadline)
+            owned = self._open_own_shard(group, start, stop - start, parts[own_index], deadline)
         pushes = [
             self._push(owner, {**base, "shard": j}, parts[j], deadline)
             for j, owner in enumerate(group.servers)
@@ -444,7 +496,12 @@ class SparseAverager(ShardOwner, StateTransfer):
         own_peaks: list[float],
         own_parts: list[bytes],
     ) -> tuple[
-        list[torch.Tensor], list[torch.Tensor], list[tuple[str, ...] | None], list[tuple[float, ...] | None], set[str]
+        list[torch.Tensor],
+        list[torch.Tensor],
+        list[tuple[str, ...] | None],
+        list[tuple[float, ...] | None],
+        set[str],
+        list[torch.Tensor | None],
     ]:
         """Check and average every fetched shard of ``results`` (``bounds`` the shards, ``own_peaks`` the largest
         entry of this peer's part of each, ``own_parts`` its encoded parts; :meth:`_shard_average`): the accepted
@@ -454,8 +511,10 @@ class SparseAverager(ShardOwner, StateTransfer):
         and values (shards with contributors only), the accepted list per shard (sorted; None where the sum is
         missing or fails a check, logged as a warning: then nothing of that shard is applied), the clip scales
         beside each list, and the live peers (this one, the owners whose sums were accepted and their
-        contributors). Never raises."""
+        contributors), and per shard the kept local indices of a ``topk`` aggregate (None for the other exchanges
+        and for shards not applied). Never raises."""
         all_indices, all_average = [], []
+        kept_lists: list[torch.Tensor | None] = []
         accepted_lists: list[tuple[str, ...] | None] = []
         scale_lists: list[tuple[float, ...] | None] = []
         live_peers: set[str] = {self.peer_id}
@@ -463,6 +522,7 @@ class SparseAverager(ShardOwner, StateTransfer):
             result = results[j]
             accepted: tuple[str, ...] | None = None
             scales: tuple[float, ...] | None = None
+            kept: torch.Tensor | None = None
             if result is not None:
                 reply, payload = result
                 names = reply.get("accepted")
@@ -475,7 +535,7 @@ class SparseAverager(ShardOwner, StateTransfer):
                         raise PayloadError("aggregate counts a peer twice")
                     by_name = dict(zip(names, parse_scales(reply.get("scales"), names)))
                     sum_indices_K, average_K = self._shard_average(
-                        reply, payload, names, by_name, own_parts[j], stop - start
+                        reply, payload, names, by_name, own_parts[j], stop - start, start
                     )
                     if names:
                         self._screen_aggregate(group.servers[j], average_K, own_peaks[j])
@@ -484,6 +544,7 @@ class SparseAverager(ShardOwner, StateTransfer):
                 else:
                     accepted = tuple(sorted(names))
                     scales = tuple(by_name[name] for name in accepted)
+                    kept = sum_indices_K if reply.get("exchange") == "topk" else None
                     if accepted:  # every part refused: nothing counted in this shard
                         all_indices.append(sum_indices_K + start)
                         all_average.append(average_K)
@@ -491,7 +552,8 @@ class SparseAverager(ShardOwner, StateTransfer):
                     live_peers.add(group.servers[j])
             accepted_lists.append(accepted)
             scale_lists.append(scales)
-        return all_indices, all_average, accepted_lists, scale_lists, live_peers
+            kept_lists.append(kept)
+        return all_indices, all_average, accepted_lists, scale_lists, live_peers, kept_lists
 
     def _shard_average(
         self,
@@ -501,19 +563,24 @@ class SparseAverager(ShardOwner, StateTransfer):
         scales: dict[str, float],
         own_part: bytes,
         numel: int,
+        start: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fetched shard's average (local indices, FP32 values) by the owner's rules: a sum (``exchange``
-        ``sums``) divided by the peers it counted, or already the mean over senders; or the accepted parts
+        """A fetched shard's average (local indices, FP32 values; ``numel`` entries from ``start``) by the owner's
+        rules: a sum (``exchange`` ``sums``) divided by the peers it counted, or already the mean over senders; the
+        kept budget of the aggregate (``topk``, the same division; more entries per tile than this peer's own
+        budget allows is refused, :func:`~pulseloco.loco.reduce.check_budget`); or the accepted parts
         themselves (``gather``: this peer's own part is its own bytes, the others' come in ``payload``, their sizes
         in ``parts``), clipped and combined as the owner would (:func:`combine_parts`). Raises
         :class:`PayloadError` for a reply that does not follow its rules or a part or sum that does not decode."""
         exchange, mean_over = reply.get("exchange", "sums"), reply.get("mean_over", "peers")
-        if exchange not in ("sums", "gather") or mean_over not in MEAN_OVER:
+        if exchange not in ("sums", "gather", "topk") or mean_over not in MEAN_OVER:
             raise PayloadError(f"aggregate names an unknown exchange {exchange!r} or mean {mean_over!r}")
-        if exchange == "sums":
+        if exchange in ("sums", "topk"):
             indices_K, sum_K = decode_sparse(payload, AGGREGATE_NAME, numel)
             if not names and sum_K.numel():
                 raise PayloadError("aggregate has values but no accepted contributors")
+            if exchange == "topk" and self.reduce_spec is not None:
+                check_budget(self.reduce_spec, indices_K, start)
             return indices_K, (sum_K if mean_over == "senders" else sum_K / float(max(1, len(names))))
         sizes = reply.get("parts")
         if (
@@ -587,13 +654,27 @@ class SparseAverager(ShardOwner, StateTransfer):
         results, owned, traffic = self._run_exchange(group, parts)
         whole = peek_header(parts[0], max_elements=NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
         own_peaks = [peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
-        all_indices, all_average, accepted_lists, scale_lists, live_peers = self._average_shards(
+        all_indices, all_average, accepted_lists, scale_lists, live_peers, kept_lists = self._average_shards(
             group, bounds, results, own_peaks, parts
         )
-        returned_K = torch.zeros(indices_K.numel(), dtype=torch.bool)
-        for j, accepted in enumerate(accepted_lists):
-            if accepted is None or self.peer_id not in accepted:
-                returned_K[offsets[j] : offsets[j + 1]] = True
+        returned_K, dropped_K, kept_unknown = delivery(
+            self.peer_id,
+            indices_K,
+            offsets,
+            bounds,
+            accepted_lists,
+            kept_lists,
+            topk_expected=self.exchange_for(len(group.members)) == "topk",
+        )
+        absorbed_indices_K = torch.zeros(0, dtype=torch.int64)
+        absorbed_K = torch.zeros(0, dtype=torch.float32)
+        absorbed_shard = None
+        own_index = group.servers.index(self.peer_id) if self.peer_id in group.servers else None
+        # Applied here (the own shard's list is known): the rounding error is this owner's to keep.
+        if own_index is not None and owned is not None and owned.absorbed is not None and accepted_lists[own_index]:
+            absorbed_indices_K = owned.absorbed[0] + bounds[own_index][0]
+            absorbed_K = owned.absorbed[1]
+            absorbed_shard = own_index
         return AllReduceResult(
             group=group,
             indices_K=torch.cat(all_indices) if all_indices else torch.zeros(0, dtype=torch.int64),
@@ -618,4 +699,10 @@ class SparseAverager(ShardOwner, StateTransfer):
             num_pushed=traffic.num_pushed,
             num_sum_entries=traffic.num_sum_entries,
             largest_norm_ratio=owned.largest_norm_ratio if owned is not None else 0.0,
+            dropped_K=dropped_K,
+            kept_unknown=tuple(kept_unknown),
+            absorbed_indices_K=absorbed_indices_K,
+            absorbed_K=absorbed_K,
+            absorbed_shard=absorbed_shard,
+            num_union=int((owned.header or {}).get("union", 0)) if owned is not None else 0,
         )

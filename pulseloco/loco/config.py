@@ -32,9 +32,12 @@ __all__ = [
     "RoundConfig",
 ]
 
-EXCHANGES = ("auto", "sums", "gather")
+EXCHANGES = ("auto", "sums", "gather", "topk")
 """The owner's exchange (:class:`AveragingConfig`): ``sums`` serves the FP32 sum of the shard's parts, ``gather``
-relays the parts themselves (cheaper when a part's values take fewer bytes than an FP32 sum's)."""
+relays the parts themselves (cheaper when a part's values take fewer bytes than an FP32 sum's), ``topk`` serves a
+budget of the aggregate per tile in the parts' precision, about one payload whatever the group's size
+(:mod:`pulseloco.loco.reduce`); ``auto`` decides per round
+(:meth:`pulseloco.loco.shard_owner.ShardOwner.exchange_for`)."""
 DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
 """FP32 bytes of one chunk of the outer round's chunked phases: bounds their temporaries."""
 
@@ -200,7 +203,16 @@ class AveragingConfig:
         default="auto",
         metadata=_help(
             "How this peer's shard reaches the group when it owns one: sums (the FP32 sum of the parts), gather (the "
-            "parts themselves, relayed; each member averages them) or auto (gather for quantized values, else sums)."
+            "parts themselves, relayed; each member averages them), topk (the largest entries of the aggregate per "
+            "tile, in the parts' precision; what it drops goes back to its senders' residuals) or auto (for quantized "
+            "values topk in groups of 3 or more and gather below, else sums)."
+        ),
+    )
+    exchange_k: int | None = field(
+        default=None,
+        metadata=_help(
+            "topk exchange: entries of the aggregate an owner keeps per chunk_size x chunk_size tile; default the "
+            "selector's (sparseloco: topk_k; pulse: pulse_budget, else the parts' mean count in each tile)."
         ),
     )
 
@@ -221,6 +233,9 @@ class AveragingConfig:
             raise ConfigError(f"dispute_norm_ratio must be a finite number above 1, got {self.dispute_norm_ratio}")
         if self.exchange not in EXCHANGES:
             raise ConfigError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
+        k = self.exchange_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ConfigError(f"exchange_k must be an integer of at least 1 or None, got {k!r}")
         rounds = self.dispute_rounds
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ConfigError(f"dispute_rounds must be an integer of at least 0 (0: never exclude), got {rounds!r}")

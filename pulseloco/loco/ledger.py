@@ -22,7 +22,7 @@ Rounds older than the window cannot be reconciled; that is logged (a peer that f
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -112,6 +112,13 @@ class Pending:
     offsets: list[int]
     counted: list[bool]
     scales: list[float] | None = None
+    kept_unknown: set[int] = field(default_factory=set)
+    """Shards served with the ``topk`` exchange whose aggregate this peer did not fetch: which of its entries there
+    the owner kept is unknown, so a state that counted them cannot be reconciled exactly (logged)."""
+    absorbed: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    """As a ``topk`` owner: its shard, and the global indices and values of the aggregate's rounding error it added
+    to its residual; they belong there exactly when the theta this peer holds applied that shard in this group."""
+    absorbed_counted: bool = True
 
     def assumed(self, shard: int) -> float | None:
         """The scale this peer assumed ``shard`` counted its part at, ``None`` for not counted."""
@@ -157,6 +164,21 @@ class Ledger:
             entries[round_index] = LedgerEntry.from_json(value)
         return entries
 
+    @staticmethod
+    def _reconcile_absorbed(pending: Pending, entry: LedgerEntry, residual_N: torch.Tensor) -> int:
+        """Keep an owner's absorbed rounding error in ``residual_N`` exactly when ``entry`` (the adopted theta's
+        round) applied that shard in the same group; returns the number of entries moved."""
+        if pending.absorbed is None:
+            return 0
+        shard, indices_K, values_K = pending.absorbed
+        applied = entry.group == pending.group and shard < len(entry.accepted) and entry.accepted[shard] is not None
+        if applied == pending.absorbed_counted:
+            return 0
+        sign = 1.0 if applied else -1.0
+        residual_N.index_add_(0, indices_K.to(residual_N.device), (sign * values_K).to(residual_N.device))
+        pending.absorbed_counted = applied
+        return int(indices_K.numel())
+
     def reconcile(self, adopted: dict[int, LedgerEntry], state_round: int, residual_N: torch.Tensor) -> int:
         """Adopt the ledger of a downloaded state of round ``state_round`` (it holds rounds ``< state_round``)
         and correct ``residual_N`` in place for every pending round it covers. Returns the number of entries
@@ -174,9 +196,19 @@ class Ledger:
                     round_index,
                 )
                 continue
+            moved += self._reconcile_absorbed(pending, entry, residual_N)
             for shard in range(len(pending.counted)):
                 was, now = pending.assumed(shard), entry.scale(pending.group, shard, self.peer_id)
                 if now == was:
+                    continue
+                if shard in pending.kept_unknown and now is not None:
+                    logger.warning(
+                        "cannot reconcile round=%d shard=%d exactly: the adopted state counted this peer's part of a "
+                        "topk aggregate it never fetched, and which entries the owner kept is unknown (the residual "
+                        "keeps them; they are sent again)",
+                        round_index,
+                        shard,
+                    )
                     continue
                 start, stop = pending.offsets[shard], pending.offsets[shard + 1]
                 values_K = pending.values_K[start:stop]

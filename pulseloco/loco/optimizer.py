@@ -50,6 +50,7 @@ from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.peers import PeerState, RoundRecord
 from pulseloco.loco.placement import OuterPlacement, process_group
 from pulseloco.loco.quantize import ParamLayout
+from pulseloco.loco.reduce import ReduceSpec
 from pulseloco.loco.robust import clip_split
 from pulseloco.loco.selection import select_in_place
 from pulseloco.loco.state import StateSnapshot
@@ -175,8 +176,13 @@ class PulseLoCo:
         self.outer_optimizer = rounds.make_outer_optimizer()
         self.error_decay = float(rounds.resolved("error_decay"))
         self._group_starts = self.layout.group_starts()
-        quantized = getattr(self.selector, "values", "float32") == "quantized"
-        exchange = averaging.exchange if averaging.exchange != "auto" else ("gather" if quantized else "sums")
+        reduce_spec = ReduceSpec(
+            self.layout,
+            chunk=rounds.chunk_size,
+            k=averaging.exchange_k or (rounds.topk_k if rounds.selector == "sparseloco" else rounds.pulse_budget),
+            value_dtype=str(getattr(self.selector, "values", "float32")),
+            bits=rounds.quant_bits,
+        )
         self.placement = OuterPlacement(self.params, placement.outer_state_device, placement.outer_chunk_bytes // 4)
         self.theta_N = self.placement.flatten_local("theta")
         self.residual_N = self.placement.empty("residual").zero_()
@@ -211,8 +217,9 @@ class PulseLoCo:
                 clip_to_median=averaging.clip_to_median,
                 dispute_norm_ratio=averaging.dispute_norm_ratio,
                 dispute_rounds=averaging.dispute_rounds,
-                exchange=exchange,
+                exchange=averaging.exchange,
                 mean_over=rounds.resolved("mean_over"),
+                reduce_spec=reduce_spec,
             )
             self.matchmaker = Matchmaker(
                 dht,
@@ -551,27 +558,44 @@ class PulseLoCo:
             # A selected entry's residual is 0 (or the BF16 rounding remainder r of the signal s, with the value
             # bf16(s) = s - r exactly), so adding the value back restores the signal exactly.
             self.residual_N.index_add_(0, indices_K[returned], values_K[returned])
+        # Entries a topk owner did not keep were returned above for good: no lineage counts them, so the ledger's
+        # pending contribution is what remains (the sent entries the owners kept, or may have kept).
+        sent = ~result.dropped_K if result.dropped_K.numel() else torch.ones(indices_cpu.numel(), dtype=torch.bool)
+        pending_indices, pending_values = indices_cpu[sent], values_cpu[sent]
+        on_device = sent.to(indices_K.device)
         stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
-        offsets = [0, *torch.searchsorted(indices_cpu, stops).tolist()]
+        offsets = [0, *torch.searchsorted(pending_indices, stops).tolist()]
         scales = result.own_scales(self.averager.peer_id)
         self._num_clipped = 0
+        kept_indices = indices_K[on_device]
         for j, scale in enumerate(scales):
             if scale is not None and scale < 1.0:
                 # Counted at a clip scale: the part the owner clipped off goes back, exactly (0 + clipped in the
                 # float32 mode; in the BF16 mode the remainder r plus the clipped part rounds once).
-                _, clipped_K = clip_split(values_cpu[offsets[j] : offsets[j + 1]], scale)
-                self.residual_N.index_add_(0, indices_K[offsets[j] : offsets[j + 1]], clipped_K.to(indices_K.device))
+                _, clipped_K = clip_split(pending_values[offsets[j] : offsets[j + 1]], scale)
+                self.residual_N.index_add_(0, kept_indices[offsets[j] : offsets[j + 1]], clipped_K.to(indices_K.device))
                 self._num_clipped += offsets[j + 1] - offsets[j]
+        absorbed = None
+        if result.absorbed_shard is not None and result.absorbed_K.numel():
+            # This owner's rounding of its topk aggregate: what the group sent there and theta did not get.
+            self.residual_N.index_add_(
+                0,
+                result.absorbed_indices_K.to(indices_K.device),
+                result.absorbed_K.to(self.residual_N.device),
+            )
+            absorbed = (result.absorbed_shard, result.absorbed_indices_K.clone(), result.absorbed_K.clone())
         self.ledger.record(
             self.round,
             LedgerEntry(group.group_id, result.accepted, result.scales),
             Pending(
                 group.group_id,
-                indices_cpu.clone(),
-                values_cpu.clone(),
+                pending_indices.clone(),
+                pending_values.clone(),
                 offsets,
                 [scale is not None for scale in scales],
                 [1.0 if scale is None else scale for scale in scales],
+                kept_unknown=set(result.kept_unknown),
+                absorbed=absorbed,
             ),
         )
         return result, len(group.members), indices_K, values_K, None

@@ -35,40 +35,20 @@ from hivemind.proto import runtime_pb2
 
 from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
-from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales, clip_split
+from pulseloco.loco.reduce import ReduceSpec, combine_parts, reduce_parts
+from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales
 from pulseloco.loco.traffic import FrameLayout, TrafficCounter
 from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
 from pulseloco.p2p import asker_closes, header_message, parse_header, read_stream, stream_messages
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AGGREGATE_NAME", "CONTRIBUTION_NAME", "OwnedShard", "ShardOwner", "combine_parts", "peak"]
+__all__ = ["AGGREGATE_NAME", "CONTRIBUTION_NAME", "OwnedShard", "ShardOwner", "peak"]
 
 CONTRIBUTION_NAME = "pseudo_gradient"
 """The tensor name of a member's part (a contribution frame)."""
 AGGREGATE_NAME = "pseudo_gradient_sum"
 """The tensor name of a shard's sum (the frame an owner serves)."""
-
-
-def combine_parts(
-    parts: list[tuple[tuple[torch.Tensor, torch.Tensor], float]], numel: int, mean_over: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The touched indices of a shard of ``numel`` entries and, there, the sum of the ``parts`` (each
-    ``((indices, FP32 values), clip scale)``, clipped, added in the given order: sorted peer ids), divided entry by
-    entry by the number of parts that sent it when ``mean_over`` is ``"senders"`` (``"peers"``: the plain sum, which
-    the members divide by the number of parts). Every peer that combines the same parts in the same order gets the
-    same bits."""
-    sum_N = torch.zeros(numel, dtype=torch.float32)
-    count_N = torch.zeros(numel, dtype=torch.int32)
-    for (indices_K, values_K), scale in parts:
-        kept_K, _ = clip_split(values_K, scale)
-        sum_N[indices_K] += kept_K
-        count_N[indices_K] += 1
-    indices_K = torch.nonzero(count_N, as_tuple=False).reshape(-1)
-    sum_K = sum_N[indices_K]
-    if mean_over == "senders":
-        sum_K = sum_K / count_N[indices_K].to(torch.float32)
-    return indices_K, sum_K
 
 
 def peak(values_K: torch.Tensor) -> float:
@@ -98,6 +78,11 @@ class OwnedShard:
     layout: FrameLayout = field(default_factory=FrameLayout)
     num_rejected: int = 0
     largest_norm_ratio: float = 0.0
+    start: int = 0
+    """The shard's first flat index (the ``topk`` exchange's tiles need it)."""
+    absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+    """With the ``topk`` exchange, the owner's rounding error of the kept aggregate (local indices, values), which
+    goes into the owner's residual (:mod:`pulseloco.loco.reduce`)."""
 
 
 @dataclass(frozen=True)
@@ -105,14 +90,16 @@ class ShardSum:
     """What :meth:`ShardOwner._sum_contributions` made of a shard's parts: the ``header`` served with the sum
     (``accepted`` contributors, sorted, with their clip ``scales``, the ``rejected`` ones, the ``exchange`` and
     ``mean_over`` rules), the encoded sum ``payload`` (with the gather exchange, the accepted ``parts`` instead,
-    served by :meth:`ShardOwner._served`), the number of parts rejected, and the largest ratio of an accepted
-    part's norm to the clip bar (0 without a bar)."""
+    served by :meth:`ShardOwner._served`), the number of parts rejected, the largest ratio of an accepted
+    part's norm to the clip bar (0 without a bar), and with the ``topk`` exchange the owner's rounding error of the
+    kept aggregate (``absorbed``: local indices and values)."""
 
     header: dict[str, Any]
     payload: bytes
     num_rejected: int
     largest_norm_ratio: float
     parts: tuple[bytes, ...] = ()
+    absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _refusal(reason: str) -> dict[str, Any]:
@@ -136,12 +123,26 @@ class ShardOwner(TrafficCounter):
     repeat_outliers: RepeatOutliers
     chunk_bytes: int
     exchange: str = "sums"
-    """``sums`` (serve the FP32 sum) or ``gather`` (relay the accepted parts)."""
+    """``sums`` (serve the FP32 sum), ``gather`` (relay the accepted parts), ``topk`` (serve the budget of the
+    aggregate, :mod:`pulseloco.loco.reduce`) or ``auto`` (:meth:`exchange_for`)."""
+    reduce_spec: ReduceSpec | None = None
+    """The tiles, budget and wire precision of the ``topk`` exchange (and what ``auto`` decides by)."""
     mean_over: str = "peers"
     """``peers`` (the members divide the sum by the peers counted) or ``senders`` (each entry by its senders)."""
     _owned: dict[tuple[int, str], OwnedShard]
     _aggregations: dict[tuple[int, str], asyncio.Task[None]]
     _current_round: int
+
+    def exchange_for(self, group_size: int) -> str:
+        """The exchange this owner serves a group of ``group_size`` members with: the configured one, or for
+        ``auto`` the one that sends least while staying exact where that costs nothing: ``topk`` for quantized
+        values in groups of three or more (``gather`` sends ``R - 1`` payloads, ``topk`` about one), ``gather`` for
+        quantized values in smaller groups (the same bytes, nothing dropped), ``sums`` otherwise."""
+        if self.exchange != "auto":
+            return self.exchange
+        if self.reduce_spec is not None and self.reduce_spec.value_dtype == "quantized":
+            return "topk" if group_size >= 3 else "gather"
+        return "sums"
 
     @property
     def max_payload_bytes(self) -> int:
@@ -259,9 +260,9 @@ class ShardOwner(TrafficCounter):
         header = {**header, "parts": [len(frame) for frame in frames], "size": sum(map(len, frames))}
         return header, frames, FrameLayout.of_frames([frame for frame in frames if frame])
 
-    def _open_own_shard(self, group: Group, numel: int, part: bytes, deadline: float) -> OwnedShard:
-        """Become the owner of this peer's shard (``numel`` entries) of ``group``'s round: fix the expected
-        members (parts pushed early by non-members are dropped), add this peer's own ``part`` and start the
+    def _open_own_shard(self, group: Group, start: int, numel: int, part: bytes, deadline: float) -> OwnedShard:
+        """Become the owner of this peer's shard (``numel`` entries from ``start``) of ``group``'s round: fix the
+        expected members (parts pushed early by non-members are dropped), add this peer's own ``part`` and start the
         aggregation (until ``deadline``) as its own task. Raises :class:`SwarmError` when the round is out of
         range (never for the current round)."""
         owned = self._owned_shard(group.round, group.group_id)
@@ -269,6 +270,7 @@ class ShardOwner(TrafficCounter):
             raise SwarmError(f"cannot own a shard of round {group.round}")
         owned.expected = frozenset(group.members)
         owned.numel = numel
+        owned.start = start
         for sender in list(owned.contributions):
             if sender not in owned.expected:
                 logger.warning("dropping part from non-member round=%d peer=%s", group.round, sender)
@@ -333,18 +335,31 @@ class ShardOwner(TrafficCounter):
         shard.closed = True
         contributions = dict(shard.contributions)
         loop = asyncio.get_running_loop()
-        summed = await loop.run_in_executor(None, self._sum_contributions, shard.round, shard.numel or 0, contributions)
+        summed = await loop.run_in_executor(
+            None,
+            self._sum_contributions,
+            shard.round,
+            shard.numel or 0,
+            contributions,
+            len(shard.expected or ()),
+            shard.start,
+        )
         shard.layout = await loop.run_in_executor(None, FrameLayout.of, summed.payload)
         shard.header, shard.payload, shard.num_rejected = summed.header, summed.payload, summed.num_rejected
         shard.parts = summed.parts
         shard.largest_norm_ratio = summed.largest_norm_ratio
+        shard.absorbed = summed.absorbed
         shard.done.set()
 
-    def _sum_contributions(self, round_index: int, numel: int, contributions: dict[str, bytes]) -> ShardSum:
+    def _sum_contributions(
+        self, round_index: int, numel: int, contributions: dict[str, bytes], group_size: int = 0, start: int = 0
+    ) -> ShardSum:
         """Validate, clip and sum the parts in sorted peer-id order (CPU work, run off the event loop): parts of
         excluded peers are refused, the others decoded and screened for gross outliers, each remaining part
         clipped to the bar (:func:`~pulseloco.loco.robust.clip_bar`; not with ``clip_to_median`` False) and
-        judged for :class:`~pulseloco.loco.robust.RepeatOutliers`. Never raises because of a part."""
+        judged for :class:`~pulseloco.loco.robust.RepeatOutliers`; then served by the exchange
+        :meth:`exchange_for` picks for ``group_size`` members (``start``: the shard's first flat index). Never
+        raises because of a part."""
         valid: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         rejected: dict[str, str] = {}
         strikes: dict[str, str | None] = {}
@@ -395,15 +410,41 @@ class ShardOwner(TrafficCounter):
                 reason,
             )
         accepted = sorted(valid)
+        exchange = self.exchange_for(group_size)
         header = {
             "ok": True,
             "accepted": accepted,
             "scales": [scales[peer] for peer in accepted],
             "rejected": sorted(rejected),
-            "exchange": self.exchange,
+            "exchange": exchange,
             "mean_over": self.mean_over,
         }
-        if self.exchange == "gather":
+        if exchange == "topk" and self.reduce_spec is not None:
+            spec = self.reduce_spec
+            reduced = reduce_parts(
+                [(valid[peer], scales[peer]) for peer in accepted],
+                start=start,
+                numel=numel,
+                spec=spec,
+                mean_over=self.mean_over,
+            )
+            payload = encode_sparse(
+                AGGREGATE_NAME,
+                numel,
+                reduced.indices_K,
+                reduced.values_K,
+                round_index=round_index,
+                value_dtype=spec.value_dtype,
+                group_starts=reduced.group_starts,
+            )
+            return ShardSum(
+                {**header, "union": reduced.num_union, "size": len(payload)},
+                payload,
+                len(rejected),
+                largest_ratio,
+                absorbed=(reduced.indices_K, reduced.absorbed_K),
+            )
+        if exchange == "gather":
             parts = tuple(contributions[peer] for peer in accepted)
             return ShardSum({**header, "size": sum(map(len, parts))}, b"", len(rejected), largest_ratio, parts)
         indices_K, sum_K = combine_parts([(valid[peer], scales[peer]) for peer in accepted], numel, self.mean_over)

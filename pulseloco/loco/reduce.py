@@ -1,0 +1,220 @@
+"""The ``topk`` exchange: an owner keeps a budget of its shard's aggregate per tile and sends only that.
+
+With the ``gather`` exchange every member receives every other member's part (``R - 1`` payloads a round), and with
+``sums`` the union of the ``R`` selections in FP32: both grow with the group. Here, as in Ok-Topk (Li and Hoefler,
+PPoPP 2022) and gTop-k, an owner aggregates the accepted parts of its shard (clipped, summed in sorted peer-id order,
+divided per entry by its senders for SparseLoCo's mean), keeps per ``chunk x chunk`` tile of each parameter the
+largest-magnitude entries of the aggregate, up to a budget, and sends those, in the parts' value precision, to every
+member: about one payload, whatever ``R``. Nothing is lost:
+
+- a member's sent entries that the owner did not keep go back into that member's residual, exactly (the value it sent
+  is added back, as for any part not counted), and are sent again in a later round (Ok-Topk's rule: an entry
+  leaves the residual only where it was selected locally and kept globally);
+- the owner's rounding of the kept aggregate to the wire precision (:func:`pulseloco.loco.quantize.quantize_lut`
+  for quantized values, BF16 rounding, none for FP32) is known only to the owner, so it goes into the owner's
+  residual (``absorbed_K``): the swarm's total still holds every value once. In SparseLoCo's mean over senders the
+  absorbed error is in the average's units (what theta missed), otherwise in the sum's (what the parts sent).
+
+**Budget.** With ``k`` (SparseLoCo's ``topk_k``, or the PULSE budget): ``ceil(k n / chunk**2)`` of a tile's ``n``
+real entries, the same rule as each peer's selection (:func:`pulseloco.loco.quantize.tile_topk_mask`), so the
+aggregate is as large as one part. Without ``k`` (the PULSE gate, whose parts vary in size): the mean number of
+entries the accepted parts have in that tile, rounded up. A tile cut by a shard boundary is budgeted by each owner
+for its whole size (at most one tile row's worth of excess at each boundary). Ties in magnitude go to the earlier
+entry, so every owner given the same parts keeps the same entries.
+
+Failure behaviour: pure functions of their arguments; :func:`reduce_parts` raises :class:`ValueError` for a
+``mean_over`` or ``value_dtype`` it does not know (a caller bug), never because of the parts' values (the owner
+validated them, :mod:`pulseloco.loco.validation`). :func:`check_budget` raises :class:`PayloadError` for an aggregate
+that keeps more entries in a tile than the budget allows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pulseloco.errors import PayloadError
+from pulseloco.loco.quantize import ParamLayout, quantize_lut
+from pulseloco.loco.robust import clip_split
+from pulseloco.loco.validation import WIRE_FORMATS, lut_groups
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ReduceSpec", "Reduced", "TileMap", "check_budget", "combine_parts", "local_group_starts", "reduce_parts"]
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """How an owner reduces its shard with the ``topk`` exchange: the parameters' ``layout``, the tile side
+    ``chunk``, the budget ``k`` per full tile (None: the parts' mean count per tile), the wire precision
+    ``value_dtype`` of the kept values and, for ``"quantized"``, their ``bits``."""
+
+    layout: ParamLayout
+    chunk: int = 64
+    k: int | None = None
+    value_dtype: str = "float32"
+    bits: int = 2
+
+    def __post_init__(self) -> None:
+        if self.value_dtype not in WIRE_FORMATS:
+            raise ValueError(f"value_dtype must be one of {', '.join(WIRE_FORMATS)}, got {self.value_dtype!r}")
+        if self.chunk < 1 or (self.k is not None and self.k < 1) or not 1 <= self.bits <= 8:
+            raise ValueError(f"bad reduce spec: chunk {self.chunk}, k {self.k}, bits {self.bits}")
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """An owner's reduced shard: the kept local ``indices_K`` (sorted), the FP32 ``values_K`` sent there (exact in
+    the wire precision; a sum, or SparseLoCo's mean over senders), the local lut ``group_starts`` to encode them
+    with, the owner's rounding error ``absorbed_K`` at ``indices_K`` (aggregate minus sent), and the size of the
+    parts' union ``num_union``."""
+
+    indices_K: torch.Tensor
+    values_K: torch.Tensor
+    group_starts: torch.Tensor
+    absorbed_K: torch.Tensor
+    num_union: int
+
+
+class TileMap:
+    """Tile of every flat index of a :class:`ParamLayout` cut into ``chunk x chunk`` tiles (rows of ``chunk`` for
+    1-D parameters), numbered across parameters, with each tile's number of real entries."""
+
+    def __init__(self, layout: ParamLayout, chunk: int) -> None:
+        self.chunk = chunk
+        self.starts = torch.tensor(layout.starts, dtype=torch.int64)
+        rows = torch.tensor([r for r, _ in layout.shapes], dtype=torch.int64)
+        cols = torch.tensor([c for _, c in layout.shapes], dtype=torch.int64)
+        self.rows, self.cols = rows, cols.clamp(min=1)
+        self.tile_cols = (cols + chunk - 1) // chunk
+        tiles = ((rows + chunk - 1) // chunk) * self.tile_cols
+        self.tile_offsets = torch.cumsum(tiles, 0) - tiles
+
+    def tiles(self, indices_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For sorted global ``indices_K``: each one's tile id and that tile's number of real entries."""
+        param = torch.searchsorted(self.starts, indices_K, right=True) - 1
+        local = indices_K - self.starts[param]
+        cols = self.cols[param]
+        row, col = local // cols, local % cols
+        tile_row, tile_col = row // self.chunk, col // self.chunk
+        tile = self.tile_offsets[param] + tile_row * self.tile_cols[param] + tile_col
+        in_rows = (self.rows[param] - tile_row * self.chunk).clamp(max=self.chunk)
+        in_cols = (cols - tile_col * self.chunk).clamp(max=self.chunk)
+        return tile, in_rows * in_cols
+
+
+def _rank_in_tile(tile_K: torch.Tensor, magnitude_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order that sorts entries by tile, then by falling magnitude, then by index (the input's order), and each
+    entry's rank within its tile in that order."""
+    by_magnitude = torch.sort(-magnitude_K, stable=True).indices
+    order = by_magnitude[torch.sort(tile_K[by_magnitude], stable=True).indices]
+    _, counts = torch.unique_consecutive(tile_K[order], return_counts=True)
+    firsts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(order.numel()) - torch.repeat_interleave(firsts, counts)
+    return order, rank
+
+
+def _budget(spec: ReduceSpec, tile_K: torch.Tensor, tile_numel_K: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The budget of each entry's tile: ``ceil(k n / chunk**2)`` (at most ``n``), or without ``k`` the parts'
+    mean count there rounded up (``counts``: the parts' total count in the entry's tile, already divided)."""
+    if spec.k is not None:
+        area = spec.chunk * spec.chunk
+        return torch.minimum(-(-(spec.k * tile_numel_K) // area), tile_numel_K)
+    return torch.ceil(counts).to(torch.int64)
+
+
+def _round_to_wire(
+    spec: ReduceSpec, indices_K: torch.Tensor, values_K: torch.Tensor, group_starts: torch.Tensor
+) -> torch.Tensor:
+    """``values_K`` as the wire carries them: FP32 unchanged, BF16 rounded to nearest, or quantized per lut group."""
+    if spec.value_dtype == "float32":
+        return values_K.clone()
+    if spec.value_dtype == "bfloat16":
+        return values_K.to(torch.bfloat16).to(torch.float32)
+    sizes = lut_groups(indices_K, group_starts)
+    pieces = torch.split(values_K, list(sizes)) if sizes else []
+    return torch.cat([quantize_lut(piece, spec.bits) for piece in pieces]) if pieces else values_K.clone()
+
+
+def combine_parts(
+    parts: list[tuple[tuple[torch.Tensor, torch.Tensor], float]], numel: int, mean_over: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The touched indices of a shard of ``numel`` entries and, there, the sum of the ``parts`` (each
+    ``((indices, FP32 values), clip scale)``, clipped, added in the given order: sorted peer ids), divided entry by
+    entry by the number of parts that sent it when ``mean_over`` is ``"senders"`` (``"peers"``: the plain sum, which
+    the members divide by the number of parts). Every peer that combines the same parts in the same order gets the
+    same bits."""
+    sum_N = torch.zeros(numel, dtype=torch.float32)
+    count_N = torch.zeros(numel, dtype=torch.int32)
+    for (indices_K, values_K), scale in parts:
+        kept_K, _ = clip_split(values_K, scale)
+        sum_N[indices_K] += kept_K
+        count_N[indices_K] += 1
+    indices_K = torch.nonzero(count_N, as_tuple=False).reshape(-1)
+    sum_K = sum_N[indices_K]
+    if mean_over == "senders":
+        sum_K = sum_K / count_N[indices_K].to(torch.float32)
+    return indices_K, sum_K
+
+
+def local_group_starts(layout: ParamLayout, start: int, numel: int) -> torch.Tensor:
+    """The lut groups (parameters) of the shard ``[start, start + numel)`` as local starts, sorted and distinct."""
+    starts = torch.tensor(layout.starts, dtype=torch.int64) - start
+    return torch.unique(starts.clamp(min=0, max=max(0, numel - 1)))
+
+
+def reduce_parts(
+    parts: list[tuple[tuple[torch.Tensor, torch.Tensor], float]],
+    *,
+    start: int,
+    numel: int,
+    spec: ReduceSpec,
+    mean_over: str,
+) -> Reduced:
+    """Reduce the accepted ``parts`` of the shard ``[start, start + numel)`` (each ``((local indices, FP32
+    values), clip scale)``, in sorted peer-id order; :func:`combine_parts` sums them):
+    keep the budget of the aggregate per tile (module docstring) and round it to the wire. Raises
+    :class:`ValueError` for an unknown ``mean_over``."""
+    if mean_over not in ("peers", "senders"):
+        raise ValueError(f"mean_over must be peers or senders, got {mean_over!r}")
+    group_starts = local_group_starts(spec.layout, start, numel)
+    union_K, aggregate_K = combine_parts(parts, numel, mean_over)
+    empty = torch.zeros(0, dtype=torch.int64)
+    if union_K.numel() == 0:
+        return Reduced(empty, torch.zeros(0), group_starts, torch.zeros(0), 0)
+    tiles = TileMap(spec.layout, spec.chunk)
+    tile_K, tile_numel_K = tiles.tiles(union_K + start)
+    counts = torch.zeros(0)
+    if spec.k is None:  # the parts' mean count per tile, looked up for each union entry
+        compact, inverse = torch.unique(tile_K, return_inverse=True)
+        total = torch.zeros(compact.numel(), dtype=torch.float64)
+        for (indices_K, _), _scale in parts:
+            if indices_K.numel():
+                part_tiles, _ = tiles.tiles(indices_K + start)
+                total += torch.bincount(torch.searchsorted(compact, part_tiles), minlength=compact.numel()).double()
+        counts = (total / max(1, len(parts)))[inverse]
+    order, rank = _rank_in_tile(tile_K, aggregate_K.abs())
+    keep = rank < _budget(spec, tile_K, tile_numel_K, counts)[order]
+    kept = torch.sort(order[keep]).values
+    indices_K, exact_K = union_K[kept], aggregate_K[kept]
+    values_K = _round_to_wire(spec, indices_K, exact_K, group_starts)
+    return Reduced(indices_K, values_K, group_starts, exact_K - values_K, int(union_K.numel()))
+
+
+def check_budget(spec: ReduceSpec, indices_K: torch.Tensor, start: int) -> None:
+    """Refuse an aggregate (kept local ``indices_K`` of the shard beginning at ``start``) that keeps more entries in
+    some tile than ``spec.k`` allows: raises :class:`PayloadError`. Without ``k`` only the codec's bounds apply."""
+    if spec.k is None or indices_K.numel() == 0:
+        return
+    tile_K, tile_numel_K = TileMap(spec.layout, spec.chunk).tiles(indices_K + start)
+    tiles, inverse, counts = torch.unique(tile_K, return_inverse=True, return_counts=True)
+    budget = _budget(spec, tile_K, tile_numel_K, torch.zeros(0))
+    allowed = torch.zeros(tiles.numel(), dtype=torch.int64).scatter_(0, inverse, budget)
+    over = counts > allowed
+    if bool(over.any()):
+        raise PayloadError(
+            f"aggregate keeps more entries than the budget (k={spec.k} per {spec.chunk}x{spec.chunk} tile) in "
+            f"{int(over.sum())} tile(s)"
+        )

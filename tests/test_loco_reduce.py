@@ -1,0 +1,219 @@
+"""The ``topk`` exchange without a network: an owner keeps a budget of its shard's aggregate per tile
+(``pulseloco.loco.reduce``), members read which of their entries were kept (``averaging.delivery``), what the owner
+dropped goes back to its senders, its rounding of the kept values to the owner, and nothing is counted twice or lost.
+The swarm form (real DHTs, real processes) is in tests/test_loco_swarm.py."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from pulseloco.errors import PayloadError
+from pulseloco.loco.averaging import SparseAverager, delivery
+from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
+from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.quantize import ParamLayout
+from pulseloco.loco.reduce import ReduceSpec, TileMap, check_budget, reduce_parts
+from pulseloco.loco.robust import RepeatOutliers
+from pulseloco.loco.selection import ChunkedSelector
+from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, ShardOwner, ShardSum
+from pulseloco.loco.validation import decode_sparse, encode_sparse
+
+# A 4 x 8 matrix (two 4 x 4 tiles at chunk 4: flat 0-3, 8-11, 16-19, 24-27 and 4-7, 12-15, ...) and a vector of 10
+# (rows of 4: 32-35, 36-39, 40-41).
+LAYOUT = ParamLayout([(4, 8), (10,)])
+NUMEL = 42
+FP32 = ReduceSpec(LAYOUT, chunk=4, k=2, value_dtype="float32")
+
+# Three peers' parts (global = local indices: one shard). Sums: 0 -> 3, 1 -> -2, 4 -> 5, 5 -> 0, 6 -> 0.1, 33 -> 0.5,
+# 34 -> 0.25. Budget at k=2: 2 in each full 4 x 4 tile, ceil(2 * 4 / 16) = 1 in each row of 4 of the vector.
+PARTS = {
+    "a": ([0, 1, 5, 33], [1.0, -3.0, 2.0, 0.5]),
+    "b": ([1, 4, 5, 34], [1.0, 4.0, -2.0, 0.25]),
+    "c": ([0, 4, 6], [2.0, 1.0, 0.1]),
+}
+
+
+def _parts(parts: dict[str, tuple[list[int], list[float]]]) -> list[tuple[tuple[torch.Tensor, torch.Tensor], float]]:
+    return [((torch.tensor(i), torch.tensor(v)), 1.0) for _, (i, v) in sorted(parts.items())]
+
+
+def test_tiles_follow_the_selectors_matrix_view() -> None:
+    tile_K, numel_K = TileMap(LAYOUT, 4).tiles(torch.tensor([0, 3, 4, 8, 27, 28, 32, 36, 40, 41]))
+    assert tile_K.tolist() == [0, 0, 1, 0, 0, 1, 2, 3, 4, 4]
+    assert numel_K.tolist() == [16, 16, 16, 16, 16, 16, 4, 4, 2, 2]
+
+
+def test_the_owner_keeps_the_largest_sums_of_each_tile_hand_checked() -> None:
+    reduced = reduce_parts(_parts(PARTS), start=0, numel=NUMEL, spec=FP32, mean_over="peers")
+    # tile 0: 0 (3) and 1 (-2); tile 1: 4 (5) and 6 (0.1), not 5 (0); vector row 32-35: 33 (0.5), not 34 (0.25).
+    assert reduced.indices_K.tolist() == [0, 1, 4, 6, 33]
+    assert reduced.values_K.tolist() == pytest.approx([3.0, -2.0, 5.0, 0.1, 0.5])
+    assert reduced.num_union == 7
+    assert torch.equal(reduced.absorbed_K, torch.zeros(5))  # FP32 on the wire: nothing to round
+
+
+def test_without_k_the_budget_is_the_parts_mean_count_and_quantized_rounding_is_absorbed() -> None:
+    spec = ReduceSpec(LAYOUT, chunk=4, k=None, value_dtype="quantized", bits=2)
+    reduced = reduce_parts(_parts(PARTS), start=0, numel=NUMEL, spec=spec, mean_over="senders")
+    # tile 0: the parts hold 2, 1 and 1 entries: budget ceil(4/3) = 2; tile 1: 1, 2, 2: ceil(5/3) = 2; the vector's
+    # first row: 1, 1, 0: ceil(2/3) = 1. Means over senders: 0 -> 1.5, 1 -> -1, 4 -> 2.5, 5 -> 0, 6 -> 0.1.
+    assert reduced.indices_K.tolist() == [0, 1, 4, 6, 33]
+    exact = torch.tensor([1.5, -1.0, 2.5, 0.1, 0.5])
+    # sent + absorbed is the aggregate, to the one rounding of the absorbed difference
+    assert torch.allclose(reduced.values_K + reduced.absorbed_K, exact, rtol=0.0, atol=1e-7)
+    assert len(set(reduced.values_K[:4].tolist())) <= 4  # one 2-bit table for the matrix's kept values
+    assert float(reduced.absorbed_K.abs().max()) > 0.0
+
+
+def test_a_member_refuses_an_aggregate_over_its_budget() -> None:
+    check_budget(FP32, torch.tensor([0, 1, 4, 6, 33]), 0)
+    with pytest.raises(PayloadError, match="budget"):
+        check_budget(FP32, torch.tensor([0, 1, 2, 4]), 0)  # three entries in tile 0
+    with pytest.raises(PayloadError, match="budget"):
+        check_budget(FP32, torch.tensor([1, 2]), 32)  # local 1 and 2 of a shard from 32: one row of the vector
+
+
+class _Owner(ShardOwner):
+    """An owner's aggregation without a network (``_sum_contributions`` is pure CPU work)."""
+
+    def __init__(self, peer_id: str, spec: ReduceSpec = FP32, exchange: str = "topk") -> None:
+        self.numel, self.peer_id, self.max_norm_ratio = NUMEL, peer_id, 10.0
+        self.clip_to_median, self.dispute_norm_ratio = False, 4.0
+        self.repeat_outliers = RepeatOutliers(8)
+        self.exchange, self.reduce_spec, self.mean_over = exchange, spec, "peers"
+
+    def sum(self, parts: dict[str, tuple[list[int], list[float]]]) -> ShardSum:
+        frames = {
+            peer: encode_sparse(CONTRIBUTION_NAME, NUMEL, torch.tensor(i), torch.tensor(v), round_index=0)
+            for peer, (i, v) in parts.items()
+        }
+        return self._sum_contributions(0, NUMEL, frames, len(parts), 0)
+
+
+def _member(peer_id: str, spec: ReduceSpec = FP32) -> SparseAverager:
+    member = object.__new__(SparseAverager)  # the member's checks and averaging only: no network
+    member.peer_id, member.max_norm_ratio, member.disputed = peer_id, 10.0, set()
+    member.reduce_spec, member.exchange = spec, "topk"
+    return member
+
+
+GROUP = Group(round=0, members=("a", "b", "c"), servers=("a",))
+
+
+def test_conservation_in_a_group_of_three_hand_checked() -> None:
+    """Each member's sent entries are counted where the owner kept them and returned where it did not; the owner's
+    rounding stays with the owner: per peer, counted + returned == sent, and over the group, what theta gets (the
+    kept sums) plus what the owner absorbed is everything counted."""
+    summed = _Owner("a").sum(PARTS)
+    assert summed.header["exchange"] == "topk" and summed.header["accepted"] == ["a", "b", "c"]
+    counted_N = torch.zeros(NUMEL)
+    returned_at: dict[str, list[int]] = {}
+    for peer, (i, v) in PARTS.items():
+        indices_K, values_K = torch.tensor(i), torch.tensor(v)
+        member = _member(peer)
+        own = encode_sparse(CONTRIBUTION_NAME, NUMEL, indices_K, values_K, round_index=0)
+        results: list[tuple[dict[str, Any], bytes] | None] = [(summed.header, summed.payload)]
+        got = member._average_shards(GROUP, [(0, NUMEL)], results, [float(values_K.abs().max())], [own])
+        indices, averages, accepted, _, _, kept = got
+        assert accepted == [("a", "b", "c")]
+        assert indices[0].tolist() == [0, 1, 4, 6, 33]
+        assert averages[0].tolist() == pytest.approx([1.0, -2 / 3, 5 / 3, 0.1 / 3, 0.5 / 3])
+        returned_K, dropped_K, unknown = delivery(
+            peer, indices_K, [0, len(i)], [(0, NUMEL)], accepted, kept, topk_expected=True
+        )
+        assert torch.equal(returned_K, dropped_K) and unknown == []
+        returned_at[peer] = indices_K[returned_K].tolist()
+        counted_N.index_add_(0, indices_K[~returned_K], values_K[~returned_K])
+    # a: 5 and 34 are not kept; b: 5 and 34; c: nothing of its entries was dropped (0, 4, 6 kept).
+    assert returned_at == {"a": [5], "b": [5, 34], "c": []}
+    kept_K, sums_K = decode_sparse(summed.payload, AGGREGATE_NAME, NUMEL)
+    applied_N = torch.zeros(NUMEL).index_add_(0, kept_K, sums_K)
+    assert summed.absorbed is not None
+    absorbed_N = torch.zeros(NUMEL).index_add_(0, summed.absorbed[0], summed.absorbed[1])
+    assert torch.equal(applied_N + absorbed_N, counted_N)
+
+
+def test_a_dropped_entry_stays_in_the_residual_and_is_sent_later() -> None:
+    """A SparseLoCo-style selection (top-1 per row of 4, FP32 values) over two rounds: peer c's entry 9 loses to
+    the others' sum at 8 in round 1 and comes back to its residual whole; in round 2 it is selected again (its
+    residual plus the new signal) and, the others sending nothing there now, kept."""
+    layout = ParamLayout([(12,)])
+    spec = ReduceSpec(layout, chunk=4, k=4, value_dtype="float32")  # ceil(4 * 4 / 16) = 1 per row of 4
+    selector = ChunkedSelector(layout, gate=False, k=4, chunk=4, values="float32")
+    theta_N = torch.zeros(12)
+    signals = {"a": torch.zeros(12), "b": torch.zeros(12), "c": torch.zeros(12)}
+    signals["a"][8], signals["b"][8], signals["c"][9] = 1.0, 1.0, 1.5
+    residuals = {}
+    round1 = {}
+    for peer, signal_N in signals.items():
+        selection = selector.select(theta_N, signal_N)
+        residuals[peer] = selection.residual_N.clone()
+        round1[peer] = (selection.indices_K.tolist(), selection.values_K.tolist())
+    assert round1["c"] == ([0, 4, 9], [0.0, 0.0, 1.5])  # SparseLoCo sends k per tile, zeros included
+    reduced = reduce_parts(_parts(round1), start=0, numel=12, spec=spec, mean_over="peers")
+    assert reduced.indices_K.tolist() == [0, 4, 8]  # the sum 2 at 8 beats c's 1.5 at 9
+    indices_K = torch.tensor(round1["c"][0])
+    returned_K, dropped_K, _ = delivery(
+        "c", indices_K, [0, 3], [(0, 12)], [("a", "b", "c")], [reduced.indices_K], topk_expected=True
+    )
+    assert dropped_K.tolist() == [False, False, True]
+    residuals["c"].index_add_(0, indices_K[returned_K], torch.tensor(round1["c"][1])[returned_K])
+    assert torch.equal(residuals["c"], signals["c"])  # nothing of it was lost
+    signal2 = residuals["c"] + 0.25 * (torch.arange(12) == 9)
+    again = selector.select(theta_N, signal2)
+    assert again.indices_K.tolist() == [0, 4, 9] and again.values_K.tolist() == [0.0, 0.0, 1.75]
+    reduced2 = reduce_parts(_parts({"c": ([0, 4, 9], [0.0, 0.0, 1.75])}), start=0, numel=12, spec=spec, mean_over="peers")
+    assert reduced2.indices_K.tolist() == [0, 4, 9] and reduced2.values_K.tolist() == [0.0, 0.0, 1.75]
+
+
+def test_a_malformed_or_oversized_aggregate_is_refused_and_nothing_is_lost() -> None:
+    """An owner serving more entries per tile than the budget, or a frame that does not decode: the member applies
+    nothing of that shard and gets back every entry it sent there (``returned_K``), as for a missing sum."""
+    member = _member("b")
+    indices_K, values_K = torch.tensor(PARTS["b"][0]), torch.tensor(PARTS["b"][1])
+    own = encode_sparse(CONTRIBUTION_NAME, NUMEL, indices_K, values_K, round_index=0)
+    dense = encode_sparse(AGGREGATE_NAME, NUMEL, torch.arange(NUMEL), torch.ones(NUMEL), round_index=0)
+    header = {"ok": True, "accepted": ["a", "b", "c"], "scales": [1.0, 1.0, 1.0], "exchange": "topk"}
+    for payload in (dense, dense[:-3]):
+        got = member._average_shards(GROUP, [(0, NUMEL)], [(header, payload)], [4.0], [own])
+        indices, _, accepted, _, _, kept = got
+        assert indices == [] and accepted == [None] and kept == [None]
+        returned_K, dropped_K, unknown = delivery(
+            "b", indices_K, [0, 4], [(0, NUMEL)], accepted, kept, topk_expected=True
+        )
+        assert returned_K.all() and not dropped_K.any() and unknown == [0]
+
+
+def test_auto_picks_topk_for_quantized_values_in_groups_of_three_or_more() -> None:
+    owner = _Owner("a", ReduceSpec(LAYOUT, chunk=4, k=2, value_dtype="quantized"), exchange="auto")
+    assert [owner.exchange_for(r) for r in (1, 2, 3, 64)] == ["gather", "gather", "topk", "topk"]
+    assert _Owner("a", FP32, exchange="auto").exchange_for(8) == "sums"
+
+
+def test_the_owners_absorbed_rounding_follows_the_adopted_lineage(caplog: pytest.LogCaptureFixture) -> None:
+    """The absorbed error stays in the owner's residual when the adopted theta applied its shard in that group,
+    leaves it otherwise (and comes back if a later state applied it after all); a shard whose kept set this peer
+    never learned is not corrected, and that is logged."""
+    ledger = Ledger("me")
+    residual_N = torch.zeros(6)
+    absorbed = (0, torch.tensor([1, 4]), torch.tensor([0.25, -0.5]))
+    residual_N.index_add_(0, absorbed[1], absorbed[2])
+    pending = Pending("g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [0, 2, 2], [True, False], absorbed=absorbed)
+    pending.kept_unknown = {1}
+    ledger.record(3, LedgerEntry("g", (("me",), None)), pending)
+    moved = ledger.reconcile({3: LedgerEntry("other", (("x",), ("x",)))}, 4, residual_N)
+    # Another group's round: nothing of this peer counted (its part of shard 0 comes back) and no absorbed error.
+    assert moved == 4 and residual_N.tolist() == [0.0, 1.0, 0.0, 0.0, 2.0, 0.0]
+    ledger2 = Ledger("me")
+    residual2 = torch.zeros(6)
+    pending2 = Pending("g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [0, 1, 2], [True, False])
+    pending2.kept_unknown = {1}
+    ledger2.record(3, LedgerEntry("g", (("me",), None)), pending2)
+    with caplog.at_level(logging.WARNING, logger="pulseloco.loco.ledger"):
+        ledger2.reconcile({3: LedgerEntry("g", (("me",), ("me",)))}, 4, residual2)
+    assert torch.equal(residual2, torch.zeros(6))  # shard 1's kept set is unknown: not corrected
+    assert "cannot reconcile round=3 shard=1 exactly" in caplog.text
