@@ -166,7 +166,9 @@ def test_a_dropped_entry_stays_in_the_residual_and_is_sent_later() -> None:
     signal2 = residuals["c"] + 0.25 * (torch.arange(12) == 9)
     again = selector.select(theta_N, signal2)
     assert again.indices_K.tolist() == [0, 4, 9] and again.values_K.tolist() == [0.0, 0.0, 1.75]
-    reduced2 = reduce_parts(_parts({"c": ([0, 4, 9], [0.0, 0.0, 1.75])}), start=0, numel=12, spec=spec, mean_over="peers")
+    reduced2 = reduce_parts(
+        _parts({"c": ([0, 4, 9], [0.0, 0.0, 1.75])}), start=0, numel=12, spec=spec, mean_over="peers"
+    )
     assert reduced2.indices_K.tolist() == [0, 4, 9] and reduced2.values_K.tolist() == [0.0, 0.0, 1.75]
 
 
