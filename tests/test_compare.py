@@ -1,7 +1,8 @@
 """experiments/compare/compare.py: a minimal comparison end to end (GRPO from the tiny warm model, two strategies, one
 outer round, on 127.0.0.1), its aggregation over seeds and its verdicts on hand-made runs (the frontier table, the
-targets, the plots of every strategy), ``--report`` over several compare.json, and the one-line refusals (bad
-flags; a Python that is not the project's; compare.json files run with other settings).
+targets, the plots of every strategy, wire bytes sent and received per round and in payloads), ``--report`` over
+several compare.json, the command lines of 16 workers, and the one-line refusals (bad flags; a Python that is not
+the project's; compare.json files run with other settings).
 
 Timings are not asserted (they live in compare.md); the end-to-end test checks that both strategies ran with two
 workers whose rounds were averaged by both peers, that compare.md, compare.json and the plots were written, that
@@ -26,6 +27,8 @@ import compare_report
 import compare_results
 import compare_runs
 import pytest
+from harness.netns import NetNS
+from harness.procs import Runner
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "experiments" / "compare" / "compare.py"
@@ -102,6 +105,9 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
         assert t["payload_bytes"] == pytest.approx(2 * r["payload_bytes_per_worker"]), name
         assert 0 < t["payload_index_bytes"] + t["payload_value_bytes"] < t["payload_bytes"], name  # + frame header
         assert r["wire_bytes_per_round"] == pytest.approx(r["bytes_per_worker"]), name  # one round
+        assert t["bytes_received"] == pytest.approx(2 * r["bytes_received_per_worker"]), name
+        assert t["bytes_received"] > 0, name
+        assert r["received_bytes_per_round"] == pytest.approx(r["bytes_received_per_worker"]), name
         assert r["payload_bytes_per_round"] == pytest.approx(r["payload_bytes_per_worker"]), name
         assert r["entries_per_round"] == t["num_sent"] / 2, name
         e = r["bytes_per_entry"]
@@ -118,7 +124,13 @@ def test_minimal_grpo_comparison_writes_table_json_and_plots(tmp_path: Path, tin
     assert rows["diloco"]["vs_diloco"] == 1.0 and 0 < rows["pulseloco"]["vs_diloco"] < 1
     assert rows["diloco"]["payload_vs_diloco"] == 1.0 and rows["pulseloco"]["payload_vs_diloco"] > 0
     assert rows["pulseloco"]["bytes_per_entry"] == pytest.approx(results["pulseloco"]["bytes_per_entry"])  # 1 seed
-    assert "| strategy | wire B / worker / round | wire vs DiLoCo |" in md
+    for name, row in rows.items():  # in payloads: wire bytes per round over payload bytes per round
+        wire, received, payload = (row[k] for k in ("wire_bytes_per_round", "received_bytes_per_round",
+                                                     "payload_bytes_per_round"))  # fmt: skip
+        assert row["payloads_sent_per_round"] == pytest.approx(wire / payload), name
+        assert row["payloads_received_per_round"] == pytest.approx(received / payload), name
+        assert min(wire, received, payload) > 0, name
+    assert "| strategy | wire B sent / worker / round | wire B received / worker / round | sent vs DiLoCo |" in md
     assert "index bits/entry: pushed / payload / bound |" in md
     assert (runs / "keys" / "publisher").stat().st_mode & 0o077 == 0  # the signing key: private to its owner
 
@@ -230,9 +242,9 @@ def test_aggregate_reports_wire_and_payload_bytes_per_round_and_per_entry() -> N
     assert sparse["payload_vs_diloco"] is None and sparse["bytes_per_entry"] is None
     assert sparse["wire_bytes_per_round"] is None and sparse["vs_diloco"] == pytest.approx(300 / 1600)
     lines = compare_report.byte_tables(list(rows.values()))
-    assert "| ddp | 8.0 kB (est.) | 10x | 1x | 16.0 kB (est.) | 39x | 1x |" in lines
+    assert "| ddp | 8.0 kB (est.) | 8.0 kB (est.) | 10x | 1x | 16.0 kB (est.) | 39x | 1x | 0.50 | 0.50 |" in lines
     assert "| pulseloco | 10 | 9.50 | 1.50 | 3.00 | 4.50 | 0.500 | 5.00 | 8.00 / 7.00 / 6.00 |" in lines
-    assert "| sparseloco | - | 1/5.33 | 1/53.3 | - | - | - |" in lines
+    assert "| sparseloco | - | - | 1/5.33 | 1/53.3 | - | - | - | - | - |" in lines
     assert not any(line.startswith(("| diloco | 1", "| ddp | -")) for line in lines)  # not in the split table
 
 
@@ -254,6 +266,116 @@ def test_without_a_ddp_run_vs_ddp_is_against_the_estimate_a_ddp_run_would_report
     assert rows["pulseloco"]["vs_ddp"] == pytest.approx(960 / 192000)
     bare = {r["strategy"]: r for r in compare_results.aggregate([fake_run("pulseloco", 0, 0.3, 960.0)])}
     assert bare["pulseloco"]["ddp_bytes_estimate"] is None and bare["pulseloco"]["vs_ddp"] is None
+
+
+def test_sent_and_received_bytes_per_round_side_by_side_and_in_payloads() -> None:
+    """Wire bytes sent and received per worker and round, beside each other, and both in payloads (over the payload
+    bytes per round): 4 workers, 2 rounds, a payload of 1,000 bytes a round; diloco's sums exchange sends and
+    receives 1.5 payloads a round, the all-gather relays 2.25 and receives 3 (W - 1), top-k's aggregate about one.
+    A result of an older compare.json without ``received_bytes_per_round`` gets it from its ``traffic``; ddp's
+    estimate receives what it sends (2 (W - 1) / W = 1.5 of its 4 N bytes a step: 1,500 of 1,000)."""
+    known = {"num_params": 250, "workers": 4, "steps": 16, "rounds": 2}  # 4 N = 1,000 bytes
+
+    def swarm(strategy: str, sent: float, received: float) -> dict[str, Any]:
+        return {**fake_run(strategy, 0, 0.3, 2 * sent), **known, "bytes_received_per_worker": 2 * received,
+                "payload_bytes_per_worker": 2000.0, "wire_bytes_per_round": sent,
+                "received_bytes_per_round": received, "payload_bytes_per_round": 1000.0}  # fmt: skip
+
+    old = swarm("sparseloco-topk", 1100.0, 900.0)
+    del old["received_bytes_per_round"]
+    old["traffic"] = {"rounds": 8, "bytes_received": 8 * 900, "bytes_sent": 8 * 1100}  # 4 peers x 2 rounds
+    # ddp: 16 steps of 1,500 wire and 1,000 payload bytes
+    ddp = {**fake_run("ddp", 0, 0.3, 24000.0), **known, "rounds": 0, "bytes_measured": False,
+           "payload_bytes_per_worker": 16000.0}  # fmt: skip
+    runs = [swarm("diloco", 1500.0, 1500.0), swarm("sparseloco-gather", 2250.0, 3000.0), old, ddp]
+    rows = {r["strategy"]: r for r in compare_results.aggregate(runs)}
+    gather, topk, diloco = rows["sparseloco-gather"], rows["sparseloco-topk"], rows["diloco"]
+    assert (gather["wire_bytes_per_round"], gather["received_bytes_per_round"]) == (2250, 3000)
+    assert gather["bytes_received_per_worker"] == 6000 and gather["vs_diloco"] == 1.5
+    assert (gather["payloads_sent_per_round"], gather["payloads_received_per_round"]) == (2.25, 3.0)
+    assert (diloco["payloads_sent_per_round"], diloco["payloads_received_per_round"]) == (1.5, 1.5)
+    assert topk["received_bytes_per_round"] == 900 and topk["payloads_received_per_round"] == 0.9
+    assert rows["ddp"]["bytes_received_per_worker"] == 24000  # received = sent, its estimate
+    assert rows["ddp"]["wire_bytes_per_round"] == rows["ddp"]["received_bytes_per_round"] == 12000  # 8 of 16 steps
+    assert rows["ddp"]["payloads_sent_per_round"] == rows["ddp"]["payloads_received_per_round"] == 1.5
+    lines = compare_report.byte_tables(list(rows.values()))
+    assert lines[0].startswith(
+        "| strategy | wire B sent / worker / round | wire B received / worker / round | sent vs DiLoCo | sent vs DDP "
+        "| payload B / worker / round |"
+    )
+    assert lines[0].endswith("| payloads sent / round | payloads received / round |")
+    assert len(lines[0].split(" | ")) == len(lines[1].split("|")) - 2 == 10
+    assert "| sparseloco-gather | 2.2 kB | 3.0 kB | 1.5x | 1/5.33 | 1.0 kB | 1x | 1/8 | 2.25 | 3.00 |" in lines
+    assert "| diloco | 1.5 kB | 1.5 kB | 1x | 1/8 | 1.0 kB | 1x | 1/8 | 1.50 | 1.50 |" in lines
+    assert "| ddp | 12.0 kB (est.) | 12.0 kB (est.) | 8x | 1x | 8.0 kB (est.) | 8x | 1x | 1.50 | 1.50 |" in lines
+    assert any(line.startswith("| sparseloco-topk | 1.1 kB | 900 B |") for line in lines)
+    no_payload = compare_results.aggregate([{**swarm("pulseloco", 10.0, 20.0), "payload_bytes_per_round": None}])
+    assert no_payload[0]["payloads_sent_per_round"] is None and no_payload[0]["payloads_received_per_round"] is None
+
+
+def test_summarize_reports_the_received_bytes_of_every_peers_rounds(tmp_path: Path) -> None:
+    """summarize() over two peers' pulseloco_rounds.jsonl (2 rounds each): bytes received per worker over the run
+    and per worker and round, beside the bytes sent."""
+    workers = []
+    for peer, (sent, received) in enumerate(((100, 300), (200, 500))):
+        out = tmp_path / f"peer{peer}"
+        out.mkdir()
+        (out / "trainer_state.json").write_text(json.dumps({"global_step": 16, "log_history": []}))
+        records = [{"round": r, "num_peers": 2, "density": 0.5, "bytes_sent": sent, "bytes_received": received,
+                    "payload_bytes": 50, "seconds_inner": 1.0, "seconds_sync": 0.5, "num_sent": 10, "numel": 20}
+                   for r in range(2)]  # fmt: skip
+        (out / "pulseloco_rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        workers.append(out)
+    run = compare_runs.StrategyRun(compare_runs.Plan("sparseloco-gather", 1e-5, 0, 0), workers=workers)
+    result = compare_results.summarize(run, "grpo", 2)
+    assert result["bytes_per_worker"] == 300 and result["bytes_received_per_worker"] == 800  # (2x100 + 2x200) / 2
+    assert result["wire_bytes_per_round"] == 150 and result["received_bytes_per_round"] == 400
+    assert result["payload_bytes_per_round"] == 50 and result["traffic"]["bytes_received"] == 1600
+    row = compare_results.aggregate([result])[0]
+    assert (row["payloads_sent_per_round"], row["payloads_received_per_round"]) == (3.0, 8.0)
+
+
+class _Recorder(Runner):
+    """A runner that records what it would start (name, command line, namespace) and starts nothing."""
+
+    def __init__(self, log_dir: Path, netns: NetNS | None) -> None:
+        super().__init__(log_dir, netns=netns)
+        self.started: list[tuple[str, list[str], int | None]] = []
+
+    def start(self, name: str, argv: list[str], **kwargs: Any) -> Any:  # type: ignore[override]
+        self.started.append((name, argv, kwargs.get("ns_index")))
+        return None
+
+
+@pytest.mark.parametrize("bandwidth", [False, True])
+def test_sixteen_workers_start_sixteen_peers_each_with_an_address_of_its_own(tmp_path: Path, bandwidth: bool) -> None:
+    """--workers 16 is accepted and nothing caps it: a swarm strategy starts 16 peers in rounds of 16, each (with
+    --bandwidth) in its own namespace at its own address; ddp 16 processes (one launch on loopback, else 16
+    machines of one, ranks 0-15). Nothing is started: the command lines are checked."""
+    ap = compare.build_parser()
+    args = ap.parse_args(["--workers", "16", "--strategies", "ddp,sparseloco-gather", "--quick"])
+    strategies, _, _, _ = compare.validate(ap, args, [])
+    assert args.workers == 16 and strategies == ["ddp", "sparseloco-gather"]
+    netns = NetNS(args.workers + 1, "100mbit", prefix="plcmp") if bandwidth else None  # never set up here
+    runner = _Recorder(tmp_path, netns)
+    for strategy in strategies:
+        compare_runs.start_run(runner, args, compare_runs.Plan(strategy, 5e-5, 0, 0), "/ip4/10.77.0.10/tcp/1", [], None)
+    swarm = [(argv, ns) for name, argv, ns in runner.started if "-peer" in name]
+    assert len(swarm) == 16 and len({argv[argv.index("--output_dir") + 1] for argv, _ in swarm}) == 16
+    assert {argv[argv.index("--target_group_size") + 1] for argv, _ in swarm} == {"16"}
+    assert len({argv[argv.index("--seed") + 1] for argv, _ in swarm}) == 16
+    ddp = [argv for name, argv, _ in runner.started if "-peer" not in name]
+    if netns is None:
+        assert len(ddp) == 1 and ddp[0][ddp[0].index("--num_processes") + 1] == "16"
+        assert all(ns is None and "--host_maddrs" not in argv for argv, ns in swarm)
+        return
+    assert sorted(ns for _, ns in swarm) == list(range(1, 17))  # namespace 0: the bootstrap node
+    hosts = [argv[argv.index("--host_maddrs") + 1] for argv, _ in swarm]
+    assert len(set(hosts)) == 16 and all(h.startswith("/ip4/10.77.0.") and h.endswith("/tcp/0") for h in hosts)
+    assert max(int(h.split("/")[2].rsplit(".", 1)[1]) for h in hosts) < 255
+    assert len({netns.peer_ns(i) for i in range(17)}) == 17
+    assert [argv[argv.index("--machine_rank") + 1] for argv in ddp] == [str(i) for i in range(16)]
+    assert {argv[argv.index("--num_machines") + 1] for argv in ddp} == {"16"}
 
 
 def test_seed_and_learning_rate_plans() -> None:
@@ -359,8 +481,8 @@ def test_python_without_the_pulseloco_command_beside_it_gets_one_line(tmp_path: 
             ["--seeds", "3", "--strategies", "diloco,sparseloco,pulseloco-2bit-k64"],
             ("wide", [3e-6], [3], 192, ["diloco", "sparseloco", "pulseloco-2bit-k64"], "32"),
         ),
-        # --quick: the demo model, every strategy, the recipe's own number of held-out samples
-        (["--quick"], ("demo", [5e-5], [1], 32, list(compare_runs.STRATEGIES), None)),
+        # --quick: the demo model, ddp and the default's seven, the recipe's own number of held-out samples
+        (["--quick"], ("demo", [5e-5], [1], 32, ["ddp", *DEFAULT_STRATEGIES], None)),
         # what the user gives wins, after -- as before it
         (
             ["--warm-size", "tiny", "--steps", "8", "--", "--num_eval_samples", "4"],
@@ -390,20 +512,47 @@ def test_strategies_are_the_recipe_flags_of_the_frontier() -> None:
         "sparseloco-k128": ("sparseloco", ["--topk_k", "128"]),
         "pulseloco-2bit": ("pulseloco", ["--pulse_values", "quantized"]),
         "pulseloco-2bit-k64": ("pulseloco", ["--pulse_values", "quantized", "--pulse_budget", "64"]),
+        "sparseloco-gather": ("sparseloco", ["--exchange", "gather"]),
+        "sparseloco-topk": ("sparseloco", ["--exchange", "topk"]),
+        "pulseloco-2bit-topk": ("pulseloco", ["--pulse_values", "quantized", "--exchange", "topk"]),
+        "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
+        "diloco-published": ("diloco", ["--clip_to_median", "false"]),
+        "pulseloco-published": ("pulseloco", ["--clip_to_median", "false"]),
     }
+    assert ["ddp", *DEFAULT_STRATEGIES] == compare_runs.CORE_STRATEGIES
     args = compare.argparse.Namespace(recipe="grpo", config=TINY_CONFIG, steps=16, model_name_or_path=None)
     plan = compare_runs.Plan("pulseloco-2bit-k64", 3e-6, 0, 0)
     argv = compare_runs.recipe_argv(args, plan, Path("out"), ["--num_eval_samples", "32"], peer=1)
     start = argv.index("--strategy")
     assert argv[start : start + 6] == ["--strategy", "pulseloco", "--pulse_values", "quantized", "--pulse_budget", "64"]
     assert argv[argv.index("--seed") + 1] == "1" and argv[-2:] == ["--num_eval_samples", "32"]
+    argv = compare_runs.recipe_argv(args, compare_runs.Plan("diloco-published", 3e-6, 0, 0), Path("out"), [])
+    start = argv.index("--strategy")
+    assert argv[start : start + 4] == ["--strategy", "diloco", "--clip_to_median", "false"]
+
+
+def test_every_strategy_parses_as_the_recipes_parse_its_flags() -> None:
+    """Each strategy's ``--strategy`` and flags as the recipes parse them (HfArgumentParser over the pulseloco
+    options, each group checked): the exchange variants name their exchange, the others run ``auto``; the
+    published baselines run without the median clip (``--clip_to_median false``), the others with it."""
+    from transformers import HfArgumentParser
+
+    from pulseloco.integrations.args import PulseLoCoArguments
+
+    parser = HfArgumentParser((PulseLoCoArguments,))
+    for name, (strategy, flags) in compare_runs.STRATEGIES.items():
+        (options,) = parser.parse_args_into_dataclasses(["--strategy", strategy, *flags])
+        averaging = options.averaging_config()
+        assert averaging.clip_to_median is not name.endswith("-published"), name
+        exchange = "gather" if name.endswith("-gather") else "topk" if name.endswith("-topk") else "auto"
+        assert averaging.exchange == exchange, name
 
 
 def test_every_strategy_has_a_color_and_line_style_of_its_own() -> None:
     styles = compare_report.plot_styles([*compare_runs.STRATEGIES, "fedavg", "topk-old"])
     known = [styles[s] for s in compare_runs.STRATEGIES]
     assert all(s in compare_report.STYLES for s in compare_runs.STRATEGIES)
-    assert len({color for color, _, _ in known}) == len(known) == 8
+    assert len({color for color, _, _ in known}) == len(known) == len(compare_runs.STRATEGIES) == 14
     assert len({(color, str(line), marker) for color, line, marker in styles.values()}) == len(styles)
 
 

@@ -179,6 +179,8 @@ def test_monitor_logs_each_round_summed_over_the_swarm(observed: Observed) -> No
         for name, key in (("round/bytes_sent", "bytes_sent"), ("round/bytes_received", "bytes_received")):
             expected = [sum(peer[r][key] for peer in observed.metrics) for r in range(ROUNDS)]
             assert [value for _, value in series[name]] == expected, name
+            per_peer = [value for _, value in series[f"{name}_per_peer"]]  # float32 in the event files
+            assert per_peer == pytest.approx([total / 3 for total in expected], rel=1e-6), name
         assert all(value == 3 for _, value in series["round/contributors"])
         assert all(value == 3 for _, value in series["round/group_size"])
         assert all(value == 3 for _, value in series["round/reports"])
@@ -366,3 +368,22 @@ def test_round_released_when_complete_or_settled_and_steps_never_go_back() -> No
     monitor.observe(_report([("a", 1, [e(0)]), ("b", 1, [e(0)]), ("c", 1, [e(0)])]))
     monitor.close()
     assert [(s, "round/index" in v) for s, v in tracker.logged] == [(9, True), (1, True), (1, False)]
+
+
+def test_round_values_have_the_bytes_per_peer_of_the_peers_that_averaged() -> None:
+    """Per peer: the round's totals over the peers that averaged in it and reported it (a peer that sat it out
+    counts in neither); a round every reporting peer sat out has no per-peer series."""
+    from pulseloco.cli.monitor import RoundTotals, SwarmMonitor, round_values
+
+    tracker = _Collect()
+    monitor = SwarmMonitor(tracker)
+    a, b, c = (0, 2, 2, 100, 40), (0, 2, 2, 300, 80), (0, 0, 0, 0, 0)  # c sat round 0 out
+    monitor.observe(_report([("a", 1, [a]), ("b", 1, [b]), ("c", 1, [c])]))
+    monitor.close()
+    (values,) = [v for _, v in tracker.logged if "round/index" in v]
+    assert (values["round/bytes_sent"], values["round/bytes_received"], values["round/reports"]) == (400, 120, 2)
+    assert values["round/bytes_sent_per_peer"] == 200 and values["round/bytes_received_per_peer"] == 60
+    assert values["round/sat_out"] == 1
+    nobody = round_values(RoundTotals(3, 0, 0, 0, 0, 0, 2))
+    assert "round/bytes_sent_per_peer" not in nobody and "round/bytes_received_per_peer" not in nobody
+    assert nobody["round/sat_out"] == 2

@@ -4,7 +4,7 @@ top-64 budget) and SparseLoCo (k = 64 and 128) in GRPO post-training of a warm m
 the frontier of held-out reward against bytes, wall time, density per round and PULSESync patch sizes.
 
     .venv/bin/python experiments/compare/compare.py                      # about 85 minutes: 7 strategies, one seed
-    .venv/bin/python experiments/compare/compare.py --quick              # the demo model, 32 steps, every strategy
+    .venv/bin/python experiments/compare/compare.py --quick              # the demo model, 32 steps, ddp and the seven
     .venv/bin/python experiments/compare/compare.py --bandwidth 100mbit  # each worker behind a 100 Mbit/s link (root)
     .venv/bin/python experiments/compare/compare.py --recipe pretrain    # recipes/pretrain.py, pretrain-tiny.yaml
     .venv/bin/python experiments/compare/compare.py -- --beta 0.04       # after --: to every recipe run
@@ -34,8 +34,8 @@ against DiLoCo (no range over seeds). The frontier's three strategies with three
 
 are 9 runs, about 105 minutes; their compare.json and the default's can be reported together (``--report``; the
 3-seed runs replace the default's seed-0 runs of the same strategies). ``--quick`` runs the demo warm model at 5e-5
-(where it learns fast, far above the sparse regime) for 32 steps, every strategy: a smoke run, about 1.5 minutes per
-strategy.
+(where it learns fast, far above the sparse regime) for 32 steps, ddp and the seven strategies above: a smoke run,
+about 1.5 minutes per strategy.
 
 * ``ddp``: one ``accelerate launch --config_file recipes/accelerate_configs/multi_process_cpu.yaml --num_processes W``
   (the Trainer's data parallelism, gradients all-reduced every step). Nothing measures its traffic: its bytes per
@@ -52,14 +52,24 @@ strategy.
   round formed by all W peers (``--target_group_size W``). Their bytes are the wire bytes PulseLoCo measured
   (``bytes_sent`` in each peer's ``pulseloco_rounds.jsonl``). Peer 0 also publishes every consensus version with
   PULSESync (``--publish``, a key made by ``pulseloco keygen`` in the runs directory), so the table has the patch
-  bytes per version against a full BF16 copy (``2 * num_params``) for the same run.
+  bytes per version against a full BF16 copy (``2 * num_params``) for the same run;
+* run only when ``--strategies`` names them, swarm strategies like those (the others run the library's
+  ``--exchange auto``): ``sparseloco-gather`` (SparseLoCo as published, an all-gather: each shard owner relays the
+  members' parts of its shard to every member, ``--exchange gather``; about W - 1 payloads received a round),
+  ``sparseloco-topk``, ``pulseloco-topk`` and ``pulseloco-2bit-topk`` (``--exchange topk``: each owner sends the
+  largest entries of its shard's aggregate per tile, about one payload a round whatever W; the entries it drops go
+  back to their senders' residuals), ``diloco-published`` and ``pulseloco-published`` (``--clip_to_median false``:
+  without the owners' clip of each part to the group's median norm, which every other strategy here runs).
 
 **Bytes, wire and payload.** Wire bytes are what a worker sent (above: for a swarm peer its pushed parts plus the
 sums of its shard it served to the others, headers included). Payload bytes are its own compressed
 pseudo-gradient as one frame (``payload_bytes`` in ``pulseloco_rounds.jsonl``): what the paper's all-gather
 through an object store uploads; DiLoCo's is its dense FP32 frame, ddp's an estimate, ``4 * num_params`` per
 optimizer step. Both per worker over the run and per worker and round (ddp: per ``inner_steps`` optimizer steps of
-the swarm strategies), each against DiLoCo's and DDP's. For every swarm run, the rounds of all its peers go through
+the swarm strategies), each against DiLoCo's and DDP's; beside the wire bytes sent, those received (``bytes_received``
+in ``pulseloco_rounds.jsonl``; ddp's estimate: as many as sent), and both in payloads per round (wire bytes sent or
+received per round / payload bytes per round: how many of its own payloads a worker's exchange costs; ddp's:
+``2 (W - 1) / W``). For every swarm run, the rounds of all its peers go through
 :func:`pulseloco.loco.metrics.traffic_summary` (``traffic`` in the JSON) and the wire bytes per selected entry are
 split into indices, values, shard sums (index and value sections) and headers (``bytes_per_entry``; the parts add
 up to the wire bytes), with the index bits per entry against the entropy bound ``log2 C(N, k) / k``.
@@ -79,20 +89,20 @@ Where it did not learn, no quality is claimed for it. PULSELoCo "matches DiLoCo"
 lies within DiLoCo's range over seeds (needs at least 2 seeds). The rule used is printed under each table.
 
 **Outputs** (``--out``, default a new folder ``experiments/compare/results/MODEL-LRS-STEPS-STAMP``): ``compare.md`` (per
-learning rate a table, one of wire and payload bytes per worker and round, one of the sparse strategies' bytes per
-selected entry, the frontier table: per strategy its wire bytes per worker, wire and payload bytes against DiLoCo's, the
-held-out sampled reward after training with its spread, whether it learned and whether it matches DiLoCo; and the
-targets, each "met" or "missed by" a factor: every pulseloco strategy's wire and payload bytes <= 1/17 of DiLoCo's and
-<= 1/100 of DDP's, PULSESync patches <= 1/50 of a BF16 copy; sparseloco's (k = 64) wire bytes <= 1/146 and payload <=
-1/180 of DiLoCo's; the strategy with the fewest wire bytes among those whose quality matches DiLoCo's <= 1/146 of
-DiLoCo's wire bytes, or why none qualifies; the command, date, commit and machine; also printed), ``compare.json``
-(every run and every aggregate), ``compare_reward_bytes.png`` and ``compare_reward_time.png`` (the sampled training
-reward, seed mean, against bytes sent and training time), ``compare_final.png`` (final greedy reward, mean and range,
-against bytes sent), ``compare_density.png`` (the fraction of entries each round sent, against the round) and
-``frontier.png`` (the held-out sampled reward after training, mean over seeds, against wire bytes and against payload
-bytes per worker on a log axis, one point per strategy; error bars: the range over seeds, or for one seed the sampling
-standard error the runs recorded). The runs' logs and output directories go to ``--runs-dir`` (default: a temporary
-directory, removed unless ``--keep-runs``).
+learning rate a table, one of wire bytes sent and received and payload bytes per worker and round (the wire bytes also
+in payloads), one of the sparse strategies' bytes per selected entry, the frontier table: per strategy its wire bytes
+per worker, wire and payload bytes against DiLoCo's, the held-out sampled reward after training with its spread, whether
+it learned and whether it matches DiLoCo; and the targets, each "met" or "missed by" a factor: every pulseloco
+strategy's wire and payload bytes <= 1/17 of DiLoCo's and <= 1/100 of DDP's, PULSESync patches <= 1/50 of a BF16 copy;
+sparseloco's (k = 64) wire bytes <= 1/146 and payload <= 1/180 of DiLoCo's; the strategy with the fewest wire bytes
+among those whose quality matches DiLoCo's <= 1/146 of DiLoCo's wire bytes, or why none qualifies; the command, date,
+commit and machine; also printed), ``compare.json`` (every run and every aggregate), ``compare_reward_bytes.png`` and
+``compare_reward_time.png`` (the sampled training reward, seed mean, against bytes sent and training time),
+``compare_final.png`` (final greedy reward, mean and range, against bytes sent), ``compare_density.png`` (the fraction
+of entries each round sent, against the round) and ``frontier.png`` (the held-out sampled reward after training, mean
+over seeds, against wire bytes and against payload bytes per worker on a log axis, one point per strategy; error bars:
+the range over seeds, or for one seed the sampling standard error the runs recorded). The runs' logs and output
+directories go to ``--runs-dir`` (default: a temporary directory, removed unless ``--keep-runs``).
 
 **Reporting again.** ``--report FILE`` runs nothing: it writes the table, JSON and plots from the runs of earlier
 compare.json files (this version's aggregation and verdicts). Several files (comma-separated, or ``--report``
@@ -181,7 +191,15 @@ if __name__ == "__main__" and importlib.util.find_spec("compare_runs") is None:
 
 from compare_report import TARGETS, merge_reports, write_outputs  # noqa: E402
 from compare_results import aggregate, summarize  # noqa: E402
-from compare_runs import SEED_STRIDE, STRATEGIES, Plan, StrategyRun, make_plans, start_run  # noqa: E402
+from compare_runs import (  # noqa: E402
+    CORE_STRATEGIES,
+    SEED_STRIDE,
+    STRATEGIES,
+    Plan,
+    StrategyRun,
+    make_plans,
+    start_run,
+)
 from harness import REPO  # noqa: E402
 from harness.logs import progress  # noqa: E402
 from harness.machine import git_revision, machine_note  # noqa: E402
@@ -208,9 +226,10 @@ QUICK: dict[str, Any] = {
     "seeds": "1",
     "steps": 32,
     "warm_size": "demo",
-    "strategies": ",".join(STRATEGIES),
+    "strategies": ",".join(CORE_STRATEGIES),
 }
-"""``--quick``: the demo warm model at the rate where it learns fast, too few steps to learn (a smoke run)."""
+"""``--quick``: the demo warm model at the rate where it learns fast, too few steps to learn (a smoke run), ddp and
+the seven strategies of the frontier (:data:`compare_runs.CORE_STRATEGIES`)."""
 EVAL_SAMPLES_FLAG = "--num_eval_samples"
 WARM_MODEL_TIMEOUT = 3600.0
 """Seconds ``scripts/warm_model.py`` may take to build a warm model (reusing a cached one takes seconds)."""
@@ -260,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--strategies", default=None, help=f"comma-separated, of {', '.join(STRATEGIES)} (grpo default "
-        f"{GRPO_DEFAULTS['strategies']}; --quick and pretrain: all)",
+        f"{GRPO_DEFAULTS['strategies']}; --quick and pretrain: ddp and those)",
     )  # fmt: skip
     ap.add_argument("--workers", type=int, default=4, help="workers per strategy (default 4)")
     ap.add_argument(
@@ -276,8 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
         "pretrain: the config's; for the swarm strategies a multiple of inner_steps)",
     )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help=f"a smoke run: --warm-size {QUICK['warm_size']} --lrs "
-                    f"{QUICK['lrs']} --seeds {QUICK['seeds']} --steps {QUICK['steps']}, every strategy (unless "
-                    "given)")  # fmt: skip
+                    f"{QUICK['lrs']} --seeds {QUICK['seeds']} --steps {QUICK['steps']}, ddp and the default's "
+                    "seven (unless given)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="--seed of seed 0 (seed j: + 1000 j; swarm peer i: + i)")
     ap.add_argument(
         "--model_name_or_path", "--model-name-or-path", default=None,
@@ -319,7 +338,7 @@ def validate(
         (QUICK if args.quick else GRPO_DEFAULTS) if args.recipe == "grpo" else {"lrs": None, "seeds": "1"}
     )
     if args.strategies is None:
-        args.strategies = defaults.get("strategies", ",".join(STRATEGIES))
+        args.strategies = defaults.get("strategies", ",".join(CORE_STRATEGIES))
     if args.warm_size is None:
         args.warm_size = defaults.get("warm_size", GRPO_DEFAULTS["warm_size"])
     given = any(a == EVAL_SAMPLES_FLAG or a.startswith(EVAL_SAMPLES_FLAG + "=") for a in extra)

@@ -46,6 +46,12 @@ STYLES: dict[str, tuple[str, Any, str]] = {
     "sparseloco-k128": ("tab:brown", (0, (5, 2, 1, 2)), "<"),
     "pulseloco-2bit": ("tab:pink", (0, (3, 1, 1, 1, 1, 1)), ">"),
     "pulseloco-2bit-k64": ("tab:olive", (0, (1, 1)), "P"),
+    "sparseloco-gather": ("indigo", "--", "^"),
+    "sparseloco-topk": ("orchid", "-", "v"),
+    "pulseloco-2bit-topk": ("crimson", ":", ">"),
+    "pulseloco-topk": ("teal", "--", "o"),
+    "diloco-published": ("saddlebrown", ":", "D"),
+    "pulseloco-published": ("navy", "-.", "o"),
 }
 """Every strategy's color, line style and marker in every plot (one distinct color each)."""
 SPARE_STYLES = (
@@ -288,26 +294,33 @@ def target_lines(at: list[dict[str, Any]]) -> list[str]:
 
 
 def byte_tables(at: list[dict[str, Any]]) -> list[str]:
-    """The markdown lines of the two byte tables of one learning rate's rows: wire and payload bytes per worker
-    and round with their ratios to DiLoCo and DDP (every strategy), then the wire bytes per selected entry split
-    into indices, values, shard sums and headers, with the index bits per entry against the entropy bound (the
-    sparse strategies: swarm rows other than diloco). Rows without the fields (an older compare.json): ``-``."""
+    """The markdown lines of the two byte tables of one learning rate's rows: wire bytes sent and received and
+    payload bytes per worker and round, the ratios of those sent and of the payload to DiLoCo's and DDP's, and the
+    wire bytes sent and received in payloads (per round: how many of its own payloads a worker's exchange costs)
+    (every strategy; ddp's estimated, received = sent), then the wire bytes per selected entry split into indices,
+    values, shard sums and headers, with the index bits per entry against the entropy bound (the sparse
+    strategies: swarm rows other than diloco). Rows without the fields (an older compare.json): ``-``."""
     lines = [
-        "| strategy | wire B / worker / round | wire vs DiLoCo | wire vs DDP | payload B / worker / round | "
-        "payload vs DiLoCo | payload vs DDP |",
-        "|---|---|---|---|---|---|---|",
+        "| strategy | wire B sent / worker / round | wire B received / worker / round | sent vs DiLoCo | sent vs DDP "
+        "| payload B / worker / round | payload vs DiLoCo | payload vs DDP | payloads sent / round "
+        "| payloads received / round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in at:
         est = "" if r["bytes_measured"] else " (est.)"
         wire, payload = r.get("wire_bytes_per_round"), r.get("payload_bytes_per_round")
+        received = r.get("received_bytes_per_round")
         cells = [
             r["strategy"],
             "-" if wire is None else human(wire) + est,
+            "-" if received is None else human(received) + est,
             fraction(r["vs_diloco"]),
             fraction(r["vs_ddp"]),
             "-" if payload is None else human(payload) + est,
             fraction(r.get("payload_vs_diloco")),
             fraction(r.get("payload_vs_ddp")),
+            fmt(r.get("payloads_sent_per_round"), ".2f"),
+            fmt(r.get("payloads_received_per_round"), ".2f"),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
@@ -428,15 +441,19 @@ def _notes_section(results: list[dict[str, Any]], meta: dict[str, Any], metric: 
         f"model's and the mean gain at least {MIN_GAIN:g}. Where a strategy did not learn, it is not judged on "
         "quality at that learning rate. Quality matches DiLoCo when the mean of the same metric lies within "
         "DiLoCo's range over its seeds.",
-        "- wire vs payload (second table): wire bytes are what a worker sent, as above (a swarm peer's pushed "
-        "parts plus the sums of its shard it served to the others, with headers); payload bytes are its own "
+        "- wire vs payload (second table): wire bytes sent are what a worker sent, as above (a swarm peer's pushed "
+        "parts plus what it served to the others of its shard: the sums, the relayed parts or the kept aggregate, "
+        "by the exchange; with headers), wire bytes received what it received (`bytes_received`; ddp's (est.): as "
+        "many as sent); payload bytes are its own "
         "compressed pseudo-gradient as ONE frame of the same codec and value precision (`payload_bytes` in "
         "`pulseloco_rounds.jsonl`): what an all-gather through an object store, as in the paper, would upload. "
         "DiLoCo's payload is its dense FP32 frame, measured the same way; ddp's (est.) is its FP32 gradient, 4 "
         "bytes x parameters, once per optimizer step. Per worker and round: over every peer's rounds of a run, "
         "then mean over seeds; ddp has no rounds, so its bytes are over as many optimizer steps as one round of the "
         "swarm strategies at that learning rate (inner_steps). The ratios are of the totals per worker over the "
-        "run (the same steps for every strategy).",
+        "run (the same steps for every strategy). Payloads per round: wire bytes sent (received) per worker and "
+        "round / payload bytes per worker and round, how many of its own payloads a worker's exchange costs it "
+        "(an all-gather receives about W - 1; ddp's (est.) ring all-reduce sends and receives 2 (W - 1) / W).",
         "- bytes per selected entry (third table, sparse strategies): each total over every peer's rounds of a "
         "run divided by the entries the peers selected (`num_sent`), then mean over seeds; indices + values + "
         "sums + headers = wire (up to the cells' rounding). Indices and values: the sections of the parts pushed "

@@ -155,7 +155,8 @@ def entry_split(traffic: dict[str, Any] | None) -> dict[str, float | None] | Non
 
 
 def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]:
-    """One run: final metric (mean over workers), wire and payload bytes per worker (in total and per round),
+    """One run: final metric (mean over workers), wire bytes sent and received and payload bytes per worker (in
+    total and per round; ddp's received: as many as sent, its estimate),
     train seconds (slowest worker), wall seconds, density per round (mean over the peers), the byte split of
     every peer's rounds together (swarm strategies: ``traffic``, a :func:`~pulseloco.loco.metrics.traffic_summary`,
     and ``bytes_per_entry``, its :func:`entry_split`), PULSESync sizes; the curve of the first worker."""
@@ -194,6 +195,7 @@ def summarize(run: StrategyRun, recipe: str, num_workers: int) -> dict[str, Any]
         "bytes_measured": swarm,
         "payload_bytes_per_worker": mean([w["payload_bytes"] for w in workers]),
         "wire_bytes_per_round": _per(traffic, "bytes_sent", "rounds"),
+        "received_bytes_per_round": _per(traffic, "bytes_received", "rounds"),
         "payload_bytes_per_round": _per(traffic, "payload_bytes", "rounds"),
         "entries_per_round": _per(traffic, "num_sent", "rounds"),
         "traffic": traffic,
@@ -222,13 +224,16 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the final metric (every seed above the starting model and a mean gain of at least :data:`MIN_GAIN`; its mean
     within DiLoCo's range). ``within_diloco_range`` is ``None`` without a DiLoCo row of at least 2 seeds.
 
-    Bytes: wire (``bytes_per_worker``, ``vs_diloco``, ``vs_ddp``: against a ddp run's bytes at the same learning
-    rate, else against the same estimate, :func:`_ddp_estimate`) and payload (``payload_bytes_per_worker``,
+    Bytes: wire bytes sent (``bytes_per_worker``, ``vs_diloco``, ``vs_ddp``: against a ddp run's bytes at the same
+    learning rate, else against the same estimate, :func:`_ddp_estimate`), wire bytes received
+    (``bytes_received_per_worker``; ddp's estimate: as many as sent) and payload (``payload_bytes_per_worker``,
     ``payload_vs_diloco``, ``payload_vs_ddp``) per worker over the run, their means per worker and round
-    (``wire_bytes_per_round``, ``payload_bytes_per_round``; ddp's over ``steps_per_round`` optimizer steps, the
-    swarm strategies' round at that learning rate), the selected entries per worker and round, and the mean over
-    seeds of every value of the runs' ``bytes_per_entry``. Results written before these fields existed give
-    ``None`` there."""
+    (``wire_bytes_per_round``, ``received_bytes_per_round``, ``payload_bytes_per_round``; ddp's over
+    ``steps_per_round`` optimizer steps, the swarm strategies' round at that learning rate), the wire bytes sent
+    and received per round in payloads per round (``payloads_sent_per_round``, ``payloads_received_per_round``:
+    how many of its own payloads a worker's exchange costs), the selected entries per worker and round, and the
+    mean over seeds of every value of the runs' ``bytes_per_entry``. Results written before these fields existed
+    give ``None`` there (received bytes per round: from the run's ``traffic`` where it has one)."""
     groups: dict[tuple[float | None, str], list[dict[str, Any]]] = {}
     for r in results:
         if r["limited"] and not r["error"]:
@@ -260,7 +265,9 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "bytes_per_worker": mean([r["bytes_per_worker"] for r in runs]),
                 "bytes_measured": runs[0]["bytes_measured"],
                 "payload_bytes_per_worker": mean([r.get("payload_bytes_per_worker") for r in runs]),
+                "bytes_received_per_worker": mean([_received(r) for r in runs]),
                 "wire_bytes_per_round": mean([r.get("wire_bytes_per_round") for r in runs]),
+                "received_bytes_per_round": mean([_received_per_round(r) for r in runs]),
                 "payload_bytes_per_round": mean([r.get("payload_bytes_per_round") for r in runs]),
                 "steps": mean([r.get("steps") for r in runs]),
                 "steps_per_round": mean([_per(r, "steps", "rounds") for r in runs]),
@@ -279,8 +286,8 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
         swarm_round = mean([r["steps_per_round"] for r in rows if r["lr"] == row["lr"] and r["strategy"] != "ddp"])
         if row["strategy"] == "ddp" and swarm_round and row["steps"]:
             row["steps_per_round"] = swarm_round
-            for key in ("wire_bytes_per_round", "payload_bytes_per_round"):
-                total = row["bytes_per_worker" if key.startswith("wire") else "payload_bytes_per_worker"]
+            for key, total_key in _PER_ROUND_TOTALS.items():
+                total = row[total_key]
                 row[key] = total * swarm_round / row["steps"] if total is not None else None
     for row in rows:
         same_lr = {r["strategy"]: r for r in rows if r["lr"] == row["lr"]}
@@ -316,7 +323,37 @@ def aggregate(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[f"{key}_mean"] > diloco[f"{key}_max"] if row["within_diloco_range"] is False and diloco else None
         )
         row["patch_vs_bf16"] = row["patch_bytes"] / row["bf16_copy_bytes"] if row["patch_bytes"] else None
+        payload = row["payload_bytes_per_round"]
+        for key, wire in (("payloads_sent_per_round", "wire_bytes_per_round"),
+                          ("payloads_received_per_round", "received_bytes_per_round")):  # fmt: skip
+            row[key] = row[wire] / payload if row[wire] is not None and payload else None
     return rows
+
+
+_PER_ROUND_TOTALS = {
+    "wire_bytes_per_round": "bytes_per_worker",
+    "received_bytes_per_round": "bytes_received_per_worker",
+    "payload_bytes_per_round": "payload_bytes_per_worker",
+}
+"""ddp's bytes per round (:func:`aggregate`) and the total per worker each is a share of."""
+
+
+def _received(run: dict[str, Any]) -> float | None:
+    """A run's wire bytes received per worker: ``bytes_received_per_worker``; for a run whose bytes are estimated
+    (ddp), its bytes sent where a result lacks the field (received = sent, as :func:`summarize_worker` estimates
+    them); else ``None`` without the field."""
+    received = run.get("bytes_received_per_worker")
+    if received is None and not run.get("bytes_measured", True):
+        return run.get("bytes_per_worker")
+    return received
+
+
+def _received_per_round(run: dict[str, Any]) -> float | None:
+    """A swarm run's wire bytes received per worker and round: ``received_bytes_per_round``, else (a result written
+    before the field) from its ``traffic`` (``bytes_received / rounds`` over every peer's rounds); ``None``
+    without either (ddp's are set by :func:`aggregate`)."""
+    received = run.get("received_bytes_per_round")
+    return received if received is not None else _per(run.get("traffic"), "bytes_received", "rounds")
 
 
 def _ddp_estimate(runs: list[dict[str, Any]]) -> dict[str, float | None]:

@@ -27,10 +27,25 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "sparseloco-k128": ("sparseloco", ["--topk_k", "128"]),
     "pulseloco-2bit": ("pulseloco", ["--pulse_values", "quantized"]),
     "pulseloco-2bit-k64": ("pulseloco", ["--pulse_values", "quantized", "--pulse_budget", "64"]),
+    "sparseloco-gather": ("sparseloco", ["--exchange", "gather"]),
+    "sparseloco-topk": ("sparseloco", ["--exchange", "topk"]),
+    "pulseloco-2bit-topk": ("pulseloco", ["--pulse_values", "quantized", "--exchange", "topk"]),
+    "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
+    "diloco-published": ("diloco", ["--clip_to_median", "false"]),
+    "pulseloco-published": ("pulseloco", ["--clip_to_median", "false"]),
 }
 """Name in the table -> (the recipe's ``--strategy``, further recipe flags): DDP, DiLoCo, the PULSE gate with FP32,
 BF16 and 2-bit quantized values (``-k64``: the gate intersected with a top-64 budget per 64x64 tile), and SparseLoCo
-(top-k per 64x64 tile, k = 64 or 128, 2-bit values, error feedback)."""
+(top-k per 64x64 tile, k = 64 or 128, 2-bit values, error feedback); then the exchange variants, each with the
+library's exchange (``--exchange``; the others run its ``auto``) named: SparseLoCo as published, its parts relayed
+to every member (``gather``, an all-gather), SparseLoCo and PULSE (FP32 and 2-bit values) with ``topk``; and the
+baselines as published, without the median clip that every other strategy here runs (``--clip_to_median false``)."""
+CORE_STRATEGIES = [
+    "ddp", "diloco", "pulseloco", "pulseloco-bf16", "sparseloco", "sparseloco-k128", "pulseloco-2bit",
+    "pulseloco-2bit-k64",
+]  # fmt: skip
+"""The strategies of ``--quick`` and of a pretrain comparison by default: ddp and the seven of the frontier (the
+exchange variants and the published baselines run when ``--strategies`` names them)."""
 GRPO_FLAGS = ["--num_eval_prompts", "100", "--logging_steps", "8"]
 """Recipe flags of every grpo run (before the user's, which win): the tiny task's 100 problems, a reward point a
 round."""

@@ -12,9 +12,10 @@ non-decreasing, which wandb and others require; a step is never logged below one
   poll at swarm round R saw it, logged at step R once the swarm has moved past R (or when the monitor stops). A
   swarm round therefore gets one point, its settled state; a stalled swarm gets its point when the monitor stops.
 - ``round/*`` (:func:`round_values`): the totals of outer round ``r`` (``RoundMetrics.round``, 0-based) over the
-  peers that report it, logged once at step ``r + 1`` (the swarm round its completion reached), when every member
-  of its group has reported it, or when the swarm has completed :data:`SETTLE_ROUNDS` more rounds (a member died;
-  only for rounds that had not completed at the monitor's first poll: :class:`RoundLedger`).
+  peers that report it and the wire bytes sent and received per peer, logged once at step ``r + 1`` (the swarm
+  round its completion reached), when every member of its group has reported it, or when the swarm has completed
+  :data:`SETTLE_ROUNDS` more rounds (a member died; only for rounds that had not completed at the monitor's first
+  poll: :class:`RoundLedger`).
   The numbers come from the ``rounds`` list of the peers' state records
   (:class:`pulseloco.loco.peers.RoundRecord`): each peer's last 16 rounds, so a monitor started late logs
   the rounds still in the records, and a poll interval shorter than 16 rounds loses none. Rounds not final when
@@ -142,9 +143,11 @@ class RoundLedger:
         return released
 
 
-def round_values(totals: RoundTotals) -> dict[str, int]:
-    """The ``round/*`` series of one round (logged at step ``totals.round + 1``)."""
-    return {
+def round_values(totals: RoundTotals) -> dict[str, float]:
+    """The ``round/*`` series of one round (logged at step ``totals.round + 1``): its totals, and the wire bytes
+    sent and received per peer (``round/bytes_sent_per_peer``, ``round/bytes_received_per_peer``: the totals over
+    the peers that averaged in it and reported it, ``reports``; left out when none did)."""
+    values: dict[str, float] = {
         "round/index": totals.round,
         "round/group_size": totals.group_size,
         "round/reports": totals.reports,
@@ -153,6 +156,10 @@ def round_values(totals: RoundTotals) -> dict[str, int]:
         "round/bytes_received": totals.bytes_received,
         "round/sat_out": totals.sat_out,
     }
+    if totals.reports:
+        values["round/bytes_sent_per_peer"] = totals.bytes_sent / totals.reports
+        values["round/bytes_received_per_peer"] = totals.bytes_received / totals.reports
+    return values
 
 
 def swarm_values(report: SwarmStatus) -> dict[str, float]:
@@ -279,7 +286,7 @@ class SwarmMonitor:
         if reference is not None and self._high is not None and reference < self._high:
             self._restart(reference)
         released = self.ledger.update(report.peers, reference)
-        batch: list[tuple[int, dict[str, float]]] = [(t.round + 1, dict(round_values(t))) for t in released]
+        batch: list[tuple[int, dict[str, float]]] = [(t.round + 1, round_values(t)) for t in released]
         if reference is not None:
             self._high = reference if self._high is None else max(self._high, reference)
             if self._pending is not None and self._pending[0] != reference:
