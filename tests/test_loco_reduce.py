@@ -219,3 +219,36 @@ def test_the_owners_absorbed_rounding_follows_the_adopted_lineage(caplog: pytest
         ledger2.reconcile({3: LedgerEntry("g", (("me",), ("me",)))}, 4, residual2)
     assert torch.equal(residual2, torch.zeros(6))  # shard 1's kept set is unknown: not corrected
     assert "cannot reconcile round=3 shard=1 exactly" in caplog.text
+
+
+def test_a_state_that_counted_an_unfetched_topk_part_names_the_kept_entries() -> None:
+    """A peer that never fetched a topk shard returned its whole part there; the adopted state counted it, and its
+    ledger's kept set (JSON, Rice-coded) says which entries: exactly those leave the residual, once."""
+    entry = LedgerEntry("g", (("me",), ("me",)), ((1.0,), (0.5,)), (None, torch.tensor([3, 5])))
+    parsed = Ledger.parse({"3": entry.to_json(6)})[3]
+    assert parsed.kept_in(0) is None and parsed.kept_in(1) is not None
+    assert parsed.kept_in(1).tolist() == [3, 5]  # type: ignore[union-attr]
+    ledger = Ledger("me")
+    residual_N = torch.tensor([0.0, 0.0, 0.0, 2.0, 4.0, 8.0])  # the part of shard 1 came back whole
+    pending = Pending("g", torch.tensor([1, 3, 4, 5]), torch.tensor([1.0, 2.0, 4.0, 8.0]), [0, 1, 4], [True, False])
+    pending.kept_unknown = {1}
+    ledger.record(3, LedgerEntry("g", (("me",), None)), pending)
+    assert ledger.reconcile({3: parsed}, 4, residual_N) == 2
+    # 3 and 5 were kept, at clip scale 0.5: half of each leaves; 4 was dropped by the owner and stays whole.
+    assert residual_N.tolist() == [0.0, 0.0, 0.0, 1.0, 4.0, 4.0]
+    assert ledger.reconcile({3: parsed}, 4, residual_N) == 0  # a second reconcile moves nothing
+
+
+@pytest.mark.parametrize(
+    "kept",
+    [
+        {"count": 2, "method": "rice", "k": 0, "data": "!!"},
+        {"count": 9, "method": "all", "k": 0, "data": ""},
+        {"count": 1, "method": "bitmask", "k": 0, "data": "AA=="},
+        ["not", "an", "object"],
+    ],
+)
+def test_a_malformed_kept_set_is_refused(kept: Any) -> None:
+    data = {"group": "g", "accepted": [["a"]], "scales": [[1.0]], "numel": 6, "kept": [kept]}
+    with pytest.raises(PayloadError):
+        Ledger.parse({"1": data})

@@ -479,6 +479,27 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     assert _digests(reports[0])[0] == _digests(reports[1])[0] == _digests(reports[2])[0]
 
 
+def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[str]) -> None:
+    """The topk exchange under the faults of the test above, on the PULSE gate with 2-bit values and a top-64
+    budget: round 1, peer 1 averages alone; round 3, peer 2 stalls 4 s while fetching; round 5, peer 0 as an
+    owner cuts one member's fetch streams. Dropped entries, the owners' absorbed rounding and the repaired peers'
+    reconciled residuals together still hold every contribution once, and every peer ends on one theta."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=7, run_id="once-topk")
+    extra = {"pulse_values": "quantized", "pulse_budget": 64, "exchange": "topk"}
+    base = replace(base, matchmaking_time=4.0, linger=6.0, extra=extra)
+    configs = [
+        replace(base, index=0, faults={5: "cut_fetch"}),
+        replace(base, index=1, faults={1: "alone"}),
+        replace(base, index=2, faults={3: "stall:4"}),
+    ]
+    reports = run_swarm(configs)
+    assert all(report["final_round"] == 7 for report in reports)
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32))
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32))
+    assert _conservation_error(reports) < 1e-5
+    assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
+
+
 def test_client_mode_peer_averages_without_serving(initial_peers: list[str]) -> None:
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="client")
     configs = [replace(base, index=0), replace(base, index=1), replace(base, index=2, client_mode=True)]

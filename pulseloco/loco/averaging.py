@@ -163,8 +163,8 @@ def delivery(
             returned_K[lo:hi] = True
             if names is None and topk_expected and hi > lo:
                 kept_unknown.append(j)
-        elif kept[j] is not None:  # counted where the owner kept the entry; the rest comes back
-            dropped = ~torch.isin(indices_K[lo:hi] - bounds[j][0], kept[j])
+        elif (kept_j := kept[j]) is not None:  # counted where the owner kept the entry; the rest comes back
+            dropped = ~torch.isin(indices_K[lo:hi] - bounds[j][0], kept_j)
             returned_K[lo:hi] = dropped
             dropped_K[lo:hi] = dropped
     return returned_K, dropped_K, kept_unknown
@@ -224,6 +224,9 @@ class AllReduceResult:
     absorbed_K: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float32))
     absorbed_shard: int | None = None
     """The shard whose error this peer absorbed (its own), or None."""
+    kept: tuple[torch.Tensor | None, ...] = ()
+    """Per shard served with the ``topk`` exchange and fetched, the global indices its owner kept (for the
+    ledger, :class:`pulseloco.loco.ledger.LedgerEntry`); None elsewhere."""
     num_union: int = 0
     """With the ``topk`` exchange in this peer's own shard: the size of the parts' union there (the kept entries
     are ``num_sum_entries``)."""
@@ -701,6 +704,7 @@ class SparseAverager(ShardOwner, StateTransfer):
             largest_norm_ratio=owned.largest_norm_ratio if owned is not None else 0.0,
             dropped_K=dropped_K,
             kept_unknown=tuple(kept_unknown),
+            kept=tuple(None if k is None else k + bounds[j][0] for j, k in enumerate(kept_lists)),
             absorbed_indices_K=absorbed_indices_K,
             absorbed_K=absorbed_K,
             absorbed_shard=absorbed_shard,

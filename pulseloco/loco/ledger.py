@@ -21,12 +21,15 @@ Rounds older than the window cannot be reconciled; that is logged (a peer that f
 
 from __future__ import annotations
 
+import binascii
 import logging
+from base64 import b64decode, b64encode
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pulseloco.codec.indices import IndexCode, decode_indices, encode_indices
 from pulseloco.errors import PayloadError
 from pulseloco.loco.robust import clip_split, parse_scales
 
@@ -48,6 +51,13 @@ class LedgerEntry:
     group: str | None
     accepted: tuple[tuple[str, ...] | None, ...] = ()
     scales: tuple[tuple[float, ...] | None, ...] = ()
+    kept: tuple[torch.Tensor | None, ...] = ()
+    """Per shard served with the ``topk`` exchange, the global indices its owner kept (None elsewhere): a peer that
+    never fetched that aggregate learns from them which of its entries the round counted."""
+
+    def kept_in(self, shard: int) -> torch.Tensor | None:
+        """The global indices ``shard``'s ``topk`` owner kept, or None (another exchange, or not recorded)."""
+        return self.kept[shard] if shard < len(self.kept) else None
 
     def counted(self, group: str, shard: int, peer: str) -> bool:
         """Whether this round counted ``peer``'s part of ``shard`` in group ``group``."""
@@ -64,12 +74,17 @@ class LedgerEntry:
         scales = self.scales[shard] if shard < len(self.scales) else None
         return 1.0 if scales is None else scales[names.index(peer)]
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self, numel: int = 0) -> dict[str, Any]:
+        """The JSON form; with ``numel`` (the flat space's size) the ``topk`` kept sets too, Rice-coded."""
+        data: dict[str, Any] = {
             "group": self.group,
             "accepted": [None if a is None else list(a) for a in self.accepted],
             "scales": [None if s is None else list(s) for s in self.scales],
         }
+        if numel and any(k is not None for k in self.kept):
+            data["numel"] = numel
+            data["kept"] = [None if k is None else _code_indices(k, numel) for k in self.kept]
+        return data
 
     @classmethod
     def from_json(cls, data: Any) -> LedgerEntry:
@@ -97,7 +112,36 @@ class LedgerEntry:
             if names is None and values is not None:
                 raise PayloadError("ledger scales given for a shard that was not applied")
             shard_scales.append(None if names is None else parse_scales(values, list(names)))
-        return cls(group, tuple(shards), tuple(shard_scales))
+        kept = data.get("kept", [])
+        numel = data.get("numel", 0)
+        if not isinstance(kept, list) or len(kept) not in (0, len(shards)):
+            raise PayloadError("ledger kept sets must be a list with one entry per shard")
+        if kept and (isinstance(numel, bool) or not isinstance(numel, int) or not 0 < numel <= 2**40):
+            raise PayloadError("ledger kept sets need the flat space's numel")
+        shard_kept = tuple(None if k is None else _decode_indices(k, numel) for k in kept)
+        return cls(group, tuple(shards), tuple(shard_scales), shard_kept)
+
+
+def _code_indices(indices_K: torch.Tensor, numel: int) -> dict[str, Any]:
+    """Sorted global indices as JSON: their count and the codec's index code (Rice or bitmask), base64."""
+    code = encode_indices(indices_K.numpy(), numel)
+    return {"count": int(indices_K.numel()), "method": code.method, "k": code.k, "data": b64encode(code.data).decode()}
+
+
+def _decode_indices(data: Any, numel: int) -> torch.Tensor:
+    """The inverse of :func:`_code_indices`, validating everything (:class:`PayloadError`)."""
+    if not isinstance(data, dict):
+        raise PayloadError("ledger kept set must be an object")
+    count, method, k, raw = data.get("count"), data.get("method"), data.get("k"), data.get("data")
+    if not (isinstance(count, int) and isinstance(method, str) and isinstance(k, int) and isinstance(raw, str)):
+        raise PayloadError("ledger kept set needs count, method, k and data")
+    if not 0 <= count <= numel:
+        raise PayloadError(f"ledger kept set of {count} indices in {numel} entries")
+    try:
+        indices = decode_indices(IndexCode(method, k, b64decode(raw, validate=True)), count, numel)
+    except (ValueError, binascii.Error) as exc:
+        raise PayloadError(f"ledger kept set does not decode: {exc}") from None
+    return torch.from_numpy(indices)
 
 
 @dataclass
@@ -179,6 +223,41 @@ class Ledger:
         pending.absorbed_counted = applied
         return int(indices_K.numel())
 
+    @staticmethod
+    def _count_kept(
+        round_index: int, pending: Pending, shard: int, entry: LedgerEntry, scale: float, residual_N: torch.Tensor
+    ) -> int:
+        """The adopted state counted this peer's part of a ``topk`` shard whose aggregate the peer never fetched:
+        take the entries its owner kept (``entry.kept``) out of the residual at the counted ``scale``, and keep only
+        those in ``pending`` (the others were never counted by any lineage). Without the kept set (an older peer's
+        ledger) nothing can be corrected exactly: logged, the residual keeps them. Returns the entries moved."""
+        kept = entry.kept_in(shard)
+        if kept is None:
+            logger.warning(
+                "cannot reconcile round=%d shard=%d exactly: the adopted state counted this peer's part of a topk "
+                "aggregate it never fetched and does not say which entries were kept (the residual keeps them)",
+                round_index,
+                shard,
+            )
+            return 0
+        start, stop = pending.offsets[shard], pending.offsets[shard + 1]
+        inside = torch.isin(pending.indices_K[start:stop], kept)
+        counted_K = clip_split(pending.values_K[start:stop][inside], scale)[0]
+        residual_N.index_add_(
+            0, pending.indices_K[start:stop][inside].to(residual_N.device), -counted_K.to(residual_N.device)
+        )
+        keep = torch.ones(pending.indices_K.numel(), dtype=torch.bool)
+        keep[start:stop] = inside
+        removed = stop - start - int(inside.sum())
+        pending.indices_K, pending.values_K = pending.indices_K[keep], pending.values_K[keep]
+        pending.offsets = [o if j <= shard else o - removed for j, o in enumerate(pending.offsets)]
+        pending.offsets[shard + 1] = pending.offsets[shard] + int(inside.sum())
+        pending.counted[shard] = True
+        pending.scales = pending.scales or [1.0] * len(pending.counted)
+        pending.scales[shard] = scale
+        pending.kept_unknown.discard(shard)
+        return int(inside.sum())
+
     def reconcile(self, adopted: dict[int, LedgerEntry], state_round: int, residual_N: torch.Tensor) -> int:
         """Adopt the ledger of a downloaded state of round ``state_round`` (it holds rounds ``< state_round``)
         and correct ``residual_N`` in place for every pending round it covers. Returns the number of entries
@@ -202,13 +281,7 @@ class Ledger:
                 if now == was:
                     continue
                 if shard in pending.kept_unknown and now is not None:
-                    logger.warning(
-                        "cannot reconcile round=%d shard=%d exactly: the adopted state counted this peer's part of a "
-                        "topk aggregate it never fetched, and which entries the owner kept is unknown (the residual "
-                        "keeps them; they are sent again)",
-                        round_index,
-                        shard,
-                    )
+                    moved += self._count_kept(round_index, pending, shard, entry, now, residual_N)
                     continue
                 start, stop = pending.offsets[shard], pending.offsets[shard + 1]
                 values_K = pending.values_K[start:stop]

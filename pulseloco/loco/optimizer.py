@@ -586,7 +586,7 @@ class PulseLoCo:
             absorbed = (result.absorbed_shard, result.absorbed_indices_K.clone(), result.absorbed_K.clone())
         self.ledger.record(
             self.round,
-            LedgerEntry(group.group_id, result.accepted, result.scales),
+            LedgerEntry(group.group_id, result.accepted, result.scales, result.kept),
             Pending(
                 group.group_id,
                 pending_indices.clone(),

@@ -95,7 +95,7 @@ class StateTransfer(ServicerBase):
             "digest": snapshot.digest,
             "numel": self.numel,
             "momentum": has_momentum,
-            "ledger": {str(r): e.to_json() for r, e in sorted(snapshot.ledger.items())},
+            "ledger": {str(r): e.to_json(self.numel) for r, e in sorted(snapshot.ledger.items())},
         }
         for message in stream_messages(runtime_pb2.ExpertResponse, header, buffers, chunk_bytes=self.chunk_bytes):
             yield message
