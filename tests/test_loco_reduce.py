@@ -252,3 +252,19 @@ def test_a_malformed_kept_set_is_refused(kept: Any) -> None:
     data = {"group": "g", "accepted": [["a"]], "scales": [[1.0]], "numel": 6, "kept": [kept]}
     with pytest.raises(PayloadError):
         Ledger.parse({"1": data})
+
+
+def test_served_headers_name_the_accepted_peers_by_a_mask_of_the_group() -> None:
+    """An owner sends its accepted list as a hex mask over the group's sorted members (peer ids would cost every
+    member O(R) bytes per shard); the member reads the names back and refuses a mask that is not the group's."""
+    from pulseloco.loco.shard_owner import accepted_names, compact_header
+
+    members = ("a", "b", "c", "d")
+    header = {"ok": True, "accepted": ["a", "c"], "scales": [1.0, 0.5], "rejected": ["d"], "exchange": "topk"}
+    wire = compact_header(header, list(members))
+    assert wire == {"ok": True, "scales": [1.0, 0.5], "exchange": "topk", "accepted_mask": "5"}
+    assert accepted_names(wire, members) == ["a", "c"]
+    assert accepted_names(compact_header({**header, "accepted": []}, list(members)), members) == []
+    for bad in ("", "10", "zz", 5, "0000f"):
+        with pytest.raises(PayloadError, match="accepted_mask"):
+            accepted_names({"accepted_mask": bad}, members)

@@ -74,7 +74,14 @@ from pulseloco.loco.config import EXCHANGES, MEAN_OVER
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.reduce import ReduceSpec, check_budget, combine_parts
 from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS, RepeatOutliers, parse_scales
-from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, OwnedShard, ShardOwner, peak
+from pulseloco.loco.shard_owner import (
+    AGGREGATE_NAME,
+    CONTRIBUTION_NAME,
+    OwnedShard,
+    ShardOwner,
+    accepted_names,
+    peak,
+)
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
 from pulseloco.loco.validation import decode_sparse, encode_sparse
@@ -528,8 +535,8 @@ class SparseAverager(ShardOwner, StateTransfer):
             kept: torch.Tensor | None = None
             if result is not None:
                 reply, payload = result
-                names = reply.get("accepted")
                 try:
+                    names = accepted_names(reply, group.members)
                     if not isinstance(names, list) or not all(isinstance(p, str) for p in names):
                         raise PayloadError("aggregate header lacks its accepted contributors")
                     if not set(names) <= set(group.members):

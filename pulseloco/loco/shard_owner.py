@@ -43,12 +43,52 @@ from pulseloco.p2p import asker_closes, header_message, parse_header, read_strea
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AGGREGATE_NAME", "CONTRIBUTION_NAME", "OwnedShard", "ShardOwner", "peak"]
+__all__ = [
+    "AGGREGATE_NAME",
+    "CONTRIBUTION_NAME",
+    "OwnedShard",
+    "ShardOwner",
+    "accepted_names",
+    "compact_header",
+    "peak",
+]
 
 CONTRIBUTION_NAME = "pseudo_gradient"
 """The tensor name of a member's part (a contribution frame)."""
 AGGREGATE_NAME = "pseudo_gradient_sum"
 """The tensor name of a shard's sum (the frame an owner serves)."""
+
+
+def compact_header(header: dict[str, Any], members: list[str]) -> dict[str, Any]:
+    """The header of a served shard as it goes on the wire: the accepted contributors as a hex bitmask over the
+    group's sorted ``members`` (``accepted_mask``; a peer id is some 50 bytes, and every member is sent every
+    owner's list, so lists of names would cost each peer ``O(R^2)`` bytes a round), without the rejected ones (the
+    owner logs them). Members read it back with :func:`accepted_names`."""
+    if "accepted" not in header:
+        return header
+    names = set(header["accepted"])
+    mask = sum(1 << i for i, member in enumerate(members) if member in names)
+    wire = {key: value for key, value in header.items() if key not in ("accepted", "rejected")}
+    return {**wire, "accepted_mask": format(mask, "x")}
+
+
+def accepted_names(reply: dict[str, Any], members: tuple[str, ...]) -> Any:
+    """The accepted contributors a served header names: decoded from ``accepted_mask`` (:func:`compact_header`),
+    in the group's sorted member order, or its ``accepted`` list as it is (the caller checks it). Raises
+    :class:`PayloadError` for a mask that is not a hex string of the group's width."""
+    mask = reply.get("accepted_mask")
+    if mask is None:
+        return reply.get("accepted")
+    if (
+        not isinstance(mask, str)
+        or not 0 < len(mask) <= (len(members) + 3) // 4
+        or not all(c in "0123456789abcdef" for c in mask)
+    ):
+        raise PayloadError("aggregate header's accepted_mask is not a hex mask of the group's members")
+    bits = int(mask, 16)
+    if bits >> len(members):
+        raise PayloadError("aggregate header's accepted_mask names peers outside the group")
+    return [member for i, member in enumerate(sorted(members)) if bits >> i & 1]
 
 
 def peak(values_K: torch.Tensor) -> float:
@@ -252,10 +292,10 @@ class ShardOwner(TrafficCounter):
     def _served(self, shard: OwnedShard, requester: str) -> tuple[dict[str, Any], list[bytes], FrameLayout]:
         """What ``requester`` is sent of an aggregated shard: the sum, or with the gather exchange every accepted
         part but the requester's own (it has it; its size is listed as 0), with the header and the layout."""
-        header = shard.header or {}
+        header = compact_header(shard.header or {}, sorted(shard.expected or ()))
         if header.get("exchange") != "gather":
             return header, [shard.payload], shard.layout
-        names = header["accepted"]
+        names = (shard.header or {})["accepted"]
         frames = [b"" if name == requester else part for name, part in zip(names, shard.parts, strict=True)]
         header = {**header, "parts": [len(frame) for frame in frames], "size": sum(map(len, frames))}
         return header, frames, FrameLayout.of_frames([frame for frame in frames if frame])
