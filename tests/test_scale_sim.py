@@ -19,6 +19,7 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from pulseloco.loco.matchmaking import Group
+from pulseloco.loco.shard_owner import compact_header
 from pulseloco.p2p import header_message, stream_messages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,10 +102,11 @@ def test_wire_bytes_equal_the_stream_protocols_messages(result: dict[str, Any], 
             count(i, j, [header_message(runtime_pb2.ExpertRequest, base)])
             if owner_exchange == "gather":
                 frames = [b"" if k == i else parts.frames[k][j] for k in range(peers)]
-                served = {**header, "size": 0, "parts": [len(f) for f in frames]}
+                served = {**compact_header({**header, "size": 0}, ids), "parts": [len(f) for f in frames]}
             else:
                 frames = [aggregates.frames[j]]
-                served = {**header, **({"union": aggregates.union[j]} if owner_exchange == "topk" else {}), "size": 0}
+                union = {"union": aggregates.union[j]} if owner_exchange == "topk" else {}
+                served = compact_header({**header, **union, "size": 0}, ids)
             count(j, i, list(stream_messages(runtime_pb2.ExpertResponse, served, frames)))
     assert wire.sent == sent
     assert wire.received == received

@@ -12,8 +12,9 @@ its codec (:func:`pulseloco.loco.validation.encode_sparse`, every part and every
 carries it), its owner-side aggregation (``combine_parts``) and its ``topk`` reduction
 (:func:`pulseloco.loco.reduce.reduce_parts`) produce every frame; the stream protocol of :mod:`pulseloco.p2p`
 (``stream_messages``: one JSON header message, then chunks of at most 1 MiB, in hivemind ``ExpertRequest`` /
-``ExpertResponse`` protobufs) is counted message by message at its serialized size, with the real headers (peer ids
-of 52 characters, the clip scales the owner would list, the gathered parts' sizes). Exchanges (``--exchanges``):
+``ExpertResponse`` protobufs) is counted message by message at its serialized size, with the real headers (the
+accepted members as ``compact_header`` writes them, the clip scales the owner would list, the gathered parts' sizes).
+Exchanges (``--exchanges``):
 
 * ``diloco``: selector ``dense``, FP32, exchange ``sums`` (DiLoCo's all-reduce of every entry);
 * ``sparseloco-gather`` / ``-sums`` / ``-topk``: selector ``sparseloco`` (64 of 4096 per tile, 2-bit values), the
@@ -86,6 +87,15 @@ from pulseloco.loco.selection import Selector, select_in_place
 from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME
 from pulseloco.loco.validation import encode_sparse
 from pulseloco.p2p import CHUNK_BYTES
+
+try:  # owners send the accepted list as a bitmask over the group (pulseloco.loco.shard_owner._served)
+    from pulseloco.loco.shard_owner import compact_header
+except ImportError:  # pragma: no cover - an older checkout: the list of peer ids
+
+    def compact_header(header: dict[str, Any], members: list[str]) -> dict[str, Any]:
+        """The header as an older owner served it: unchanged."""
+        return header
+
 
 try:  # the owner's aggregation moved to pulseloco.loco.reduce with the topk exchange
     from pulseloco.loco.reduce import combine_parts
@@ -600,7 +610,7 @@ def wire_bytes(
         column = [sizes[i][j] for i in range(num)]
         if exchange == "gather":
             total = sum(column)
-            header["size"] = total
+            header = compact_header({**header, "size": total}, ids)
             header["parts"] = column
             text = len(json.dumps(header).encode())
             chunks = [chunk_messages(size) for size in column]
@@ -611,7 +621,7 @@ def wire_bytes(
             if exchange == "topk":
                 header["union"] = aggregates.union[j]
             header["size"] = aggregates.sizes[j]
-            served_header = header_bytes(header)
+            served_header = header_bytes(compact_header(header, ids))
             served_messages, served_bytes = chunk_messages(aggregates.sizes[j])
         for i in range(num):  # i a member that pushes to and fetches from owner j
             if i == j:
