@@ -189,11 +189,9 @@ def reduce_parts(
     counts = torch.zeros(0)
     if spec.k is None:  # the parts' mean count per tile, looked up for each union entry
         compact, inverse = torch.unique(tile_K, return_inverse=True)
-        total = torch.zeros(compact.numel(), dtype=torch.float64)
-        for (indices_K, _), _scale in parts:
-            if indices_K.numel():
-                part_tiles, _ = tiles.tiles(indices_K + start)
-                total += torch.bincount(torch.searchsorted(compact, part_tiles), minlength=compact.numel()).double()
+        every_K = torch.cat([indices_K for (indices_K, _), _scale in parts]) + start  # one pass, not one per part
+        every_tile, _ = tiles.tiles(every_K)
+        total = torch.bincount(torch.searchsorted(compact, every_tile), minlength=compact.numel()).double()
         counts = (total / max(1, len(parts)))[inverse]
     order, rank = _rank_in_tile(tile_K, aggregate_K.abs())
     keep = rank < _budget(spec, tile_K, tile_numel_K, counts)[order]
