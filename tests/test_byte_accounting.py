@@ -28,7 +28,7 @@ from pulseloco.loco.averaging import AllReduceResult, SparseAverager, shard_boun
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.metrics import RoundMetrics, index_entropy_bits, traffic_summary
 from pulseloco.loco.optimizer import PulseLoCo
-from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME
+from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, compact_header
 from pulseloco.loco.traffic import FrameLayout, Traffic
 from pulseloco.loco.validation import decode_sparse, encode_sparse
 from pulseloco.p2p import header_message, stream_messages
@@ -233,6 +233,7 @@ def _expected(
         part, served = peek_header(parts[p][k]), peek_header(sums[p])
         sum_header = {"ok": True, "accepted": sorted(ids), "scales": [1.0, 1.0], "rejected": [], "exchange": "sums"}
         sum_header |= {"mean_over": "peers", "size": len(sums[p])}
+        sum_header = compact_header(sum_header, sorted(ids))  # as the owner serves it: the accepted bitmask
         push = list(stream_messages(runtime_pb2.ExpertRequest, base, [parts[p][k]], chunk_bytes=CHUNK))
         serve = list(stream_messages(runtime_pb2.ExpertResponse, sum_header, [sums[p]], chunk_bytes=CHUNK))
         fetch = header_message(runtime_pb2.ExpertRequest, base).ByteSize()  # the fetch of shard k

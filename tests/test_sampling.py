@@ -160,7 +160,10 @@ def test_the_transformers_engine_samples_what_the_trainer_replays(engine: Transf
     verifier = verifier_of(engine.model, VerifyConfig(verify_weights="version"), record_gaps=True)
     lease = check_lease(verifier, engine.model, got, 4)
     assert lease.reason is None and lease.mismatches == 0 and lease.checked == sum(len(c.token_ids) for c in got)
-    assert verifier.gaps is not None and max(verifier.gaps) == 0.0 and lease.max_logprob_error < 0.02
+    # BF16 rounding: a padded batch and an unpadded forward differ in log-probability by up to 0.48 nats a token
+    # over 40,000 positions (pulseloco/rollouts/tolerances.py); over these ~200 the largest was below 0.02 until
+    # transformers 5.19 (0.023). 0.05 still asks for rounding-sized errors, far inside the check's 2-nat tolerance.
+    assert verifier.gaps is not None and max(verifier.gaps) == 0.0 and lease.max_logprob_error < 0.05
 
 
 def test_a_group_keyed_by_its_sequence_indices_samples_the_same_in_any_batch(engine: TransformersEngine) -> None:
