@@ -256,15 +256,36 @@ def test_a_malformed_kept_set_is_refused(kept: Any) -> None:
 
 def test_served_headers_name_the_accepted_peers_by_a_mask_of_the_group() -> None:
     """An owner sends its accepted list as a hex mask over the group's sorted members (peer ids would cost every
-    member O(R) bytes per shard); the member reads the names back and refuses a mask that is not the group's."""
-    from pulseloco.loco.shard_owner import accepted_names, compact_header
+    member O(R) bytes per shard) and only the clipped parts' FP32 scales, by a mask over the accepted list; the
+    member reads names and scales back and refuses a mask or scale text that is not the group's."""
+    import base64
+    import struct
+
+    from pulseloco.loco.shard_owner import accepted_names, compact_header, served_scales
 
     members = ("a", "b", "c", "d")
+    half = base64.b64encode(struct.pack("<f", 0.5)).decode()
     header = {"ok": True, "accepted": ["a", "c"], "scales": [1.0, 0.5], "rejected": ["d"], "exchange": "topk"}
     wire = compact_header(header, list(members))
-    assert wire == {"ok": True, "scales": [1.0, 0.5], "exchange": "topk", "accepted_mask": "5"}
+    assert wire == {"ok": True, "exchange": "topk", "accepted_mask": "5", "clipped_mask": "2", "clip_scales": half}
     assert accepted_names(wire, members) == ["a", "c"]
+    assert served_scales(wire, ["a", "c"]) == (1.0, 0.5)
+    assert served_scales({"scales": [1.0, 0.5]}, ["a", "c"]) == (1.0, 0.5)  # an uncompacted header
+    unclipped = compact_header({**header, "scales": [1.0, 1.0]}, list(members))
+    assert (unclipped["clipped_mask"], unclipped["clip_scales"]) == ("0", "")
+    assert served_scales(unclipped, ["a", "c"]) == (1.0, 1.0)
     assert accepted_names(compact_header({**header, "accepted": []}, list(members)), members) == []
     for bad in ("", "10", "zz", 5, "0000f"):
         with pytest.raises(PayloadError, match="accepted_mask"):
             accepted_names({"accepted_mask": bad}, members)
+    too_large = base64.b64encode(struct.pack("<f", 1.5)).decode()
+    for mask, text, match in [
+        ("4", half, "clipped_mask"),
+        ("2", "", "clip_scales"),
+        ("0", half, "clip_scales"),
+        ("2", "!!!!", "clip_scales"),
+        ("2", 7, "clip_scales"),
+        ("2", too_large, "clip scale of c"),
+    ]:
+        with pytest.raises(PayloadError, match=match):
+            served_scales({"clipped_mask": mask, "clip_scales": text}, ["a", "c"])

@@ -63,8 +63,12 @@ __all__ = [
 
 MAGIC = b"PLCO"
 #: 2: digests are the chunked scheme of :mod:`pulseloco.digest` (version 1 hashed each state in one stream), so
-#: a peer of another release reports the format instead of failing a digest check.
-FORMAT_VERSION = 2
+#: a peer of another release reports the format instead of failing a digest check. 3: the header leaves out
+#: ``base_version``, the digests and ``meta`` where they are empty (a frame of the trainers' exchange carries none
+#: of them, and a peer of a large group sends and receives hundreds of frames a round).
+FORMAT_VERSION = 3
+#: The formats this release decodes: version 2 frames (every header field present) read as before.
+READABLE_FORMATS = (2, 3)
 _PREFIX = struct.Struct("<4sHHI")
 _CHECKSUM_BYTES = 8
 #: Header JSON above this size is rejected before parsing.
@@ -245,16 +249,19 @@ def encode_payload(
     value_raw = b"".join(b"".join(planes[j]) for j in sorted(planes))
     index_stored, index_codec = _compress(index_raw, level)
     value_stored, value_codec = _compress(value_raw, level)
-    header = {
-        "version": int(version),
+    optional = {
         "base_version": None if base_version is None else int(base_version),
         "base_digest": base_digest,
         "result_digest": result_digest,
+        "meta": dict(meta or {}),
+    }
+    header = {
+        "version": int(version),
+        **{key: value for key, value in optional.items() if value not in (None, "", {})},
         "values": value_mode,
         "tensors": tensors,
         "index_section": {"codec": index_codec, "raw": len(index_raw), "size": len(index_stored)},
         "value_section": {"codec": value_codec, "raw": len(value_raw), "size": len(value_stored)},
-        "meta": dict(meta or {}),
     }
     header_json = json.dumps(header, separators=(",", ":")).encode()
     body = b"".join([_PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header_json)), header_json, index_stored, value_stored])
@@ -287,9 +294,10 @@ def _parse_header(payload: bytes) -> tuple[dict[str, Any], int]:
     magic, fmt, _flags, header_len = _PREFIX.unpack_from(view)
     if magic != MAGIC:
         raise BadMagicError(f"payload starts with {bytes(magic)!r}, not {MAGIC!r}: not a pulseloco payload")
-    if fmt != FORMAT_VERSION:
+    if fmt not in READABLE_FORMATS:
         raise UnsupportedVersionError(
-            f"payload format version {fmt}, this pulseloco reads version {FORMAT_VERSION}: "
+            f"payload format version {fmt}, this pulseloco reads versions "
+            f"{', '.join(map(str, READABLE_FORMATS))}: "
             "run the same pulseloco release on sender and receiver"
         )
     if header_len > MAX_HEADER_BYTES:
@@ -328,7 +336,8 @@ def _validate_header(header: dict[str, Any], body_start: int, total: int, max_el
     if not _is_int(version) or not (base_version is None or _is_int(base_version)):
         raise PayloadError("header 'version' and 'base_version' must be non-negative integers")
     for key in ("base_digest", "result_digest"):
-        if not isinstance(header.get(key), str) or len(header[key]) > 256:
+        header.setdefault(key, "")
+        if not isinstance(header[key], str) or len(header[key]) > 256:
             raise PayloadError(f"header {key!r} must be a string of at most 256 characters")
     meta = header.get("meta", {})
     if not isinstance(meta, dict):

@@ -73,7 +73,7 @@ from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.config import EXCHANGES, MEAN_OVER
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.reduce import ReduceSpec, check_budget, combine_parts
-from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS, RepeatOutliers, parse_scales
+from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS, RepeatOutliers
 from pulseloco.loco.shard_owner import (
     AGGREGATE_NAME,
     CONTRIBUTION_NAME,
@@ -81,6 +81,7 @@ from pulseloco.loco.shard_owner import (
     ShardOwner,
     accepted_names,
     peak,
+    served_scales,
 )
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
@@ -516,7 +517,7 @@ class SparseAverager(ShardOwner, StateTransfer):
         """Check and average every fetched shard of ``results`` (``bounds`` the shards, ``own_peaks`` the largest
         entry of this peer's part of each, ``own_parts`` its encoded parts; :meth:`_shard_average`): the accepted
         list must name members only, once each, with one
-        valid clip scale per name (:func:`~pulseloco.loco.robust.parse_scales`), a sum with values must name
+        valid clip scale per name (:func:`~pulseloco.loco.shard_owner.served_scales`), a sum with values must name
         contributors, and the average must pass :meth:`_screen_aggregate`. Returns the averages' global indices
         and values (shards with contributors only), the accepted list per shard (sorted; None where the sum is
         missing or fails a check, logged as a warning: then nothing of that shard is applied), the clip scales
@@ -543,7 +544,7 @@ class SparseAverager(ShardOwner, StateTransfer):
                         raise PayloadError("aggregate counts peers outside the group")
                     if len(set(names)) != len(names):
                         raise PayloadError("aggregate counts a peer twice")
-                    by_name = dict(zip(names, parse_scales(reply.get("scales"), names)))
+                    by_name = dict(zip(names, served_scales(reply, names)))
                     sum_indices_K, average_K = self._shard_average(
                         reply, payload, names, by_name, own_parts[j], stop - start, start
                     )

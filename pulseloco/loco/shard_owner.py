@@ -21,7 +21,10 @@ reason).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +39,7 @@ from hivemind.proto import runtime_pb2
 from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.reduce import ReduceSpec, combine_parts, reduce_parts
-from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales
+from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales, parse_scales
 from pulseloco.loco.traffic import FrameLayout, TrafficCounter
 from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
 from pulseloco.p2p import asker_closes, header_message, parse_header, read_stream, stream_messages
@@ -51,6 +54,7 @@ __all__ = [
     "accepted_names",
     "compact_header",
     "peak",
+    "served_scales",
 ]
 
 CONTRIBUTION_NAME = "pseudo_gradient"
@@ -60,16 +64,40 @@ AGGREGATE_NAME = "pseudo_gradient_sum"
 
 
 def compact_header(header: dict[str, Any], members: list[str]) -> dict[str, Any]:
-    """The header of a served shard as it goes on the wire: the accepted contributors as a hex bitmask over the
-    group's sorted ``members`` (``accepted_mask``; a peer id is some 50 bytes, and every member is sent every
-    owner's list, so lists of names would cost each peer ``O(R^2)`` bytes a round), without the rejected ones (the
-    owner logs them). Members read it back with :func:`accepted_names`."""
+    """The header of a served shard as it goes on the wire. Every member is sent every owner's header, so what grows
+    with the group is coded tightly (lists of peer ids and JSON numbers would cost each peer ``O(R^2)`` bytes a
+    round, some 70 bytes per member per owner): the accepted contributors as a hex bitmask over the group's sorted
+    ``members`` (``accepted_mask``), without the rejected ones (the owner logs them); the clip scales as a hex
+    bitmask over the accepted list of the parts clipped (``clipped_mask``) and their FP32 scales, little-endian,
+    base64 (``clip_scales``; the others are 1). Members read it back with :func:`accepted_names` and
+    :func:`served_scales`."""
     if "accepted" not in header:
         return header
     names = set(header["accepted"])
     mask = sum(1 << i for i, member in enumerate(members) if member in names)
-    wire = {key: value for key, value in header.items() if key not in ("accepted", "rejected")}
-    return {**wire, "accepted_mask": format(mask, "x")}
+    wire = {key: value for key, value in header.items() if key not in ("accepted", "rejected", "scales")}
+    wire["accepted_mask"] = format(mask, "x")
+    scales = header.get("scales")
+    if isinstance(scales, list):
+        clipped = [i for i, scale in enumerate(scales) if scale != 1.0]
+        wire["clipped_mask"] = format(sum(1 << i for i in clipped), "x")
+        packed = struct.pack(f"<{len(clipped)}f", *(scales[i] for i in clipped))
+        wire["clip_scales"] = base64.b64encode(packed).decode()
+    return wire
+
+
+def _hex_mask(value: Any, width: int, what: str) -> int:
+    """The bits of a hex ``value`` over ``width`` positions. Raises :class:`PayloadError` for anything else."""
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= max(1, (width + 3) // 4)
+        or not all(c in "0123456789abcdef" for c in value)
+    ):
+        raise PayloadError(f"aggregate header's {what} is not a hex mask of {width} positions")
+    bits = int(value, 16)
+    if bits >> width:
+        raise PayloadError(f"aggregate header's {what} names positions beyond its {width}")
+    return bits
 
 
 def accepted_names(reply: dict[str, Any], members: tuple[str, ...]) -> Any:
@@ -79,16 +107,31 @@ def accepted_names(reply: dict[str, Any], members: tuple[str, ...]) -> Any:
     mask = reply.get("accepted_mask")
     if mask is None:
         return reply.get("accepted")
-    if (
-        not isinstance(mask, str)
-        or not 0 < len(mask) <= (len(members) + 3) // 4
-        or not all(c in "0123456789abcdef" for c in mask)
-    ):
-        raise PayloadError("aggregate header's accepted_mask is not a hex mask of the group's members")
-    bits = int(mask, 16)
-    if bits >> len(members):
-        raise PayloadError("aggregate header's accepted_mask names peers outside the group")
+    bits = _hex_mask(mask, len(members), "accepted_mask")
     return [member for i, member in enumerate(sorted(members)) if bits >> i & 1]
+
+
+def served_scales(reply: dict[str, Any], names: list[str]) -> tuple[float, ...]:
+    """The clip scales of a served header, one per accepted contributor in the order of ``names``: decoded from
+    ``clipped_mask`` and ``clip_scales`` (:func:`compact_header`), or its ``scales`` list. Raises
+    :class:`PayloadError` for a malformed mask, base64 text of another length than the clipped parts' FP32 scales,
+    or a scale out of ``(0, 1]`` (:func:`~pulseloco.loco.robust.parse_scales`)."""
+    mask = reply.get("clipped_mask")
+    if mask is None:
+        return parse_scales(reply.get("scales"), names)
+    bits = _hex_mask(mask, len(names), "clipped_mask")
+    clipped = [i for i in range(len(names)) if bits >> i & 1]
+    text = reply.get("clip_scales")
+    try:
+        packed = base64.b64decode(text, validate=True) if isinstance(text, str) else b""
+    except binascii.Error:
+        packed = b""
+    if not isinstance(text, str) or len(packed) != 4 * len(clipped) or (not packed and text):
+        raise PayloadError(f"aggregate header's clip_scales is not base64 of {len(clipped)} FP32 numbers")
+    scales: list[float] = [1.0] * len(names)
+    for i, scale in zip(clipped, struct.unpack(f"<{len(clipped)}f", packed), strict=True):
+        scales[i] = scale
+    return parse_scales(scales, names)
 
 
 def peak(values_K: torch.Tensor) -> float:
