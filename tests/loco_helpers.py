@@ -326,6 +326,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
             averaging_timeout=config.averaging_timeout,
             request_timeout=config.request_timeout,
             exchange=extra.pop("exchange", "auto"),
+            exchange_budget=extra.pop("exchange_budget", AveragingConfig.exchange_budget),
         ),
         **extra,
     )

@@ -514,6 +514,7 @@ def test_strategies_are_the_recipe_flags_of_the_frontier() -> None:
         "pulseloco-2bit-k64": ("pulseloco", ["--pulse_values", "quantized", "--pulse_budget", "64"]),
         "sparseloco-gather": ("sparseloco", ["--exchange", "gather"]),
         "sparseloco-topk": ("sparseloco", ["--exchange", "topk"]),
+        "sparseloco-topk-x1": ("sparseloco", ["--exchange", "topk", "--exchange_budget", "1"]),
         "pulseloco-2bit-topk": ("pulseloco", ["--pulse_values", "quantized", "--exchange", "topk"]),
         "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
         "diloco-published": ("diloco", ["--clip_to_median", "false"]),
@@ -544,15 +545,16 @@ def test_every_strategy_parses_as_the_recipes_parse_its_flags() -> None:
         (options,) = parser.parse_args_into_dataclasses(["--strategy", strategy, *flags])
         averaging = options.averaging_config()
         assert averaging.clip_to_median is not name.endswith("-published"), name
-        exchange = "gather" if name.endswith("-gather") else "topk" if name.endswith("-topk") else "auto"
+        exchange = "gather" if name.endswith("-gather") else "topk" if "-topk" in name else "auto"
         assert averaging.exchange == exchange, name
+        assert averaging.exchange_budget == (1.0 if name.endswith("-x1") else 2.0), name
 
 
 def test_every_strategy_has_a_color_and_line_style_of_its_own() -> None:
     styles = compare_report.plot_styles([*compare_runs.STRATEGIES, "fedavg", "topk-old"])
     known = [styles[s] for s in compare_runs.STRATEGIES]
     assert all(s in compare_report.STYLES for s in compare_runs.STRATEGIES)
-    assert len({color for color, _, _ in known}) == len(known) == len(compare_runs.STRATEGIES) == 14
+    assert len({color for color, _, _ in known}) == len(known) == len(compare_runs.STRATEGIES) == 15
     assert len({(color, str(line), marker) for color, line, marker in styles.values()}) == len(styles)
 
 

@@ -16,7 +16,7 @@ from pulseloco.loco.averaging import SparseAverager, delivery
 from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.quantize import ParamLayout
-from pulseloco.loco.reduce import ReduceSpec, TileMap, check_budget, reduce_parts
+from pulseloco.loco.reduce import DEFAULT_EXCHANGE_BUDGET, ReduceSpec, TileMap, check_budget, reduce_parts
 from pulseloco.loco.robust import RepeatOutliers
 from pulseloco.loco.selection import ChunkedSelector
 from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, ShardOwner, ShardSum
@@ -75,6 +75,34 @@ def test_a_member_refuses_an_aggregate_over_its_budget() -> None:
         check_budget(FP32, torch.tensor([0, 1, 2, 4]), 0)  # three entries in tile 0
     with pytest.raises(PayloadError, match="budget"):
         check_budget(FP32, torch.tensor([1, 2]), 32)  # local 1 and 2 of a shard from 32: one row of the vector
+
+
+def test_a_budget_of_two_parts_keeps_twice_the_entries_per_tile_hand_checked() -> None:
+    """``factor`` 2 (the default ``exchange_budget``): 4 in each full 4 x 4 tile, ceil(2 * 2 * 4 / 16) = 1 in each
+    row of 4 of the vector; without ``k``, twice the parts' mean count (tile 0: ceil(2 * 4/3) = 3)."""
+    spec = ReduceSpec(LAYOUT, chunk=4, k=2, value_dtype="float32", factor=2.0)
+    reduced = reduce_parts(_parts(PARTS), start=0, numel=NUMEL, spec=spec, mean_over="peers")
+    assert reduced.indices_K.tolist() == [0, 1, 4, 5, 6, 33]  # tile 1 keeps all three of its union now
+    check_budget(spec, torch.tensor([0, 1, 2, 3, 4, 33]), 0)
+    with pytest.raises(PayloadError, match="2 x k=2"):
+        check_budget(spec, torch.tensor([0, 1, 2, 3, 8]), 0)  # five entries in tile 0
+    gate = ReduceSpec(LAYOUT, chunk=4, k=None, value_dtype="float32", factor=2.0)
+    reduced = reduce_parts(_parts(PARTS), start=0, numel=NUMEL, spec=gate, mean_over="peers")
+    assert reduced.indices_K.tolist() == [0, 1, 4, 5, 6, 33, 34]  # every row of the vector: ceil(2 * 2/3) = 2
+    for bad in (0.0, -1.0, 5000.0):
+        with pytest.raises(ValueError, match="factor"):
+            ReduceSpec(LAYOUT, factor=bad)
+
+
+def test_exchange_budget_is_checked_with_the_fix() -> None:
+    from pulseloco.errors import ConfigError
+    from pulseloco.loco.config import AveragingConfig
+
+    assert AveragingConfig().exchange_budget == DEFAULT_EXCHANGE_BUDGET == 2.0
+    assert AveragingConfig(exchange_budget=1).exchange_budget == 1
+    for bad in (0, -2.0, True, "2", 1e9):
+        with pytest.raises(ConfigError, match="exchange_budget must be a number above 0"):
+            AveragingConfig(exchange_budget=bad)  # type: ignore[arg-type]
 
 
 class _Owner(ShardOwner):
@@ -190,9 +218,13 @@ def test_a_malformed_or_oversized_aggregate_is_refused_and_nothing_is_lost() -> 
         assert returned_K.all() and not dropped_K.any() and unknown == [0]
 
 
-def test_auto_picks_topk_for_quantized_values_in_groups_of_three_or_more() -> None:
+def test_auto_picks_topk_for_quantized_values_where_it_sends_less_than_gather() -> None:
+    """``gather`` sends ``R - 1`` payloads, ``topk`` ``(1 + factor) (R - 1)/R``: topk from 3 peers on with an
+    aggregate of one part, from 4 with the default of two; at equal bytes the exact gather."""
     owner = _Owner("a", ReduceSpec(LAYOUT, chunk=4, k=2, value_dtype="quantized"), exchange="auto")
     assert [owner.exchange_for(r) for r in (1, 2, 3, 64)] == ["gather", "gather", "topk", "topk"]
+    spec = ReduceSpec(LAYOUT, chunk=4, k=2, value_dtype="quantized", factor=DEFAULT_EXCHANGE_BUDGET)
+    assert [_Owner("a", spec, exchange="auto").exchange_for(r) for r in (3, 4)] == ["gather", "topk"]
     assert _Owner("a", FP32, exchange="auto").exchange_for(8) == "sums"
 
 

@@ -401,10 +401,12 @@ def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: l
     assert torch.allclose(thetas[0], thetas[1], rtol=1e-6, atol=1e-9)
 
 
-def test_sparseloco_trio_reduces_with_topk_by_default(initial_peers: list[str]) -> None:
-    """SparseLoCo in a group of three: ``auto`` serves each shard with topk (the kept aggregate is at most the
+def test_sparseloco_trio_reduces_with_topk_where_it_sends_less(initial_peers: list[str]) -> None:
+    """SparseLoCo in a group of three with an aggregate budget of one part (``exchange_budget=1``, where topk sends
+    less than gather from three peers on): ``auto`` serves each shard with topk (the kept aggregate is at most the
     budget, fewer entries than the union of the three selections) and the three end every round identical."""
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=2, run_id="sl-topk", selector="sparseloco")
+    base = replace(base, extra={"exchange_budget": 1.0})
     reports = run_swarm([replace(base, index=i) for i in range(3)])
     for report in reports:
         assert all(r["num_contributors"] == 3 and r["complete"] for r in report["rounds"])
@@ -465,12 +467,13 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
 
 def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[str]) -> None:
     """The topk exchange over real DHTs under the faults of the test above, on the PULSE gate with 2-bit values and
-    a top-64 budget (each owner keeps the top 64 of the aggregate per tile and requantizes it): round 1, peer 1
+    a top-64 budget (each owner keeps the top 64 of the aggregate per tile, ``exchange_budget=1``, and requantizes
+    it): round 1, peer 1
     averages alone; round 3, peer 2 stalls 4 s while fetching; round 5, peer 0 as an owner cuts one member's fetch
     streams. Dropped entries, the owners' absorbed rounding and the repaired peers' reconciled residuals together
     still hold every contribution once, and every peer ends on one theta."""
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=7, run_id="once-topk")
-    extra = {"pulse_values": "quantized", "pulse_budget": 64, "exchange": "topk"}
+    extra = {"pulse_values": "quantized", "pulse_budget": 64, "exchange": "topk", "exchange_budget": 1.0}
     base = replace(base, matchmaking_time=4.0, linger=6.0, extra=extra)
     configs = [
         replace(base, index=0, faults={5: "cut_fetch"}),

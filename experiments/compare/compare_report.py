@@ -48,7 +48,7 @@ STYLES: dict[str, tuple[str, Any, str]] = {
     "pulseloco-2bit-k64": ("tab:olive", (0, (1, 1)), "P"),
     "sparseloco-gather": ("indigo", "--", "^"),
     "sparseloco-topk": ("orchid", "-", "v"),
-    "sparseloco-topk-x2": ("darkviolet", "--", "v"),
+    "sparseloco-topk-x1": ("darkviolet", "--", "v"),
     "pulseloco-2bit-topk": ("crimson", ":", ">"),
     "pulseloco-topk": ("teal", "--", "o"),
     "diloco-published": ("saddlebrown", ":", "D"),

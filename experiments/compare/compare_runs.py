@@ -29,7 +29,7 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "pulseloco-2bit-k64": ("pulseloco", ["--pulse_values", "quantized", "--pulse_budget", "64"]),
     "sparseloco-gather": ("sparseloco", ["--exchange", "gather"]),
     "sparseloco-topk": ("sparseloco", ["--exchange", "topk"]),
-    "sparseloco-topk-x2": ("sparseloco", ["--exchange", "topk", "--exchange_k", "128"]),
+    "sparseloco-topk-x1": ("sparseloco", ["--exchange", "topk", "--exchange_budget", "1"]),
     "pulseloco-2bit-topk": ("pulseloco", ["--pulse_values", "quantized", "--exchange", "topk"]),
     "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
     "diloco-published": ("diloco", ["--clip_to_median", "false"]),
@@ -40,7 +40,8 @@ BF16 and 2-bit quantized values (``-k64``: the gate intersected with a top-64 bu
 (top-k per 64x64 tile, k = 64 or 128, 2-bit values, error feedback); then the exchange variants, each with the
 library's exchange (``--exchange``; the others run its ``auto``) named: SparseLoCo as published, its parts relayed
 to every member (``gather``, an all-gather), SparseLoCo and PULSE (FP32 and 2-bit values) with ``topk``
-(``-x2``: the owners keep twice SparseLoCo's k of the aggregate per tile, 128); and the baselines as published,
+(``-x1``: the owners keep one part's budget of the aggregate per tile, Ok-Topk's rule, instead of the default
+two); and the baselines as published,
 without the median clip that every other strategy here runs (``--clip_to_median false``)."""
 CORE_STRATEGIES = [
     "ddp", "diloco", "pulseloco", "pulseloco-bf16", "sparseloco", "sparseloco-k128", "pulseloco-2bit",

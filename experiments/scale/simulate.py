@@ -19,9 +19,11 @@ Exchanges (``--exchanges``):
 * ``diloco``: selector ``dense``, FP32, exchange ``sums`` (DiLoCo's all-reduce of every entry);
 * ``sparseloco-gather`` / ``-sums`` / ``-topk``: selector ``sparseloco`` (64 of 4096 per tile, 2-bit values), the
   owner relaying every accepted part to every member but its sender, serving the FP32 sums of the union, or serving
-  per tile the top 64 of the aggregate in 2-bit values (``reduce_parts``);
+  per tile the top 128 of the aggregate (the library's default ``exchange_budget`` of 2 parts) in 2-bit values
+  (``reduce_parts``); ``sparseloco-topk-x1``: the top 64, one part's budget (Ok-Topk's rule);
 * ``pulse2-gather`` / ``-topk`` (and ``pulse2-sums``, not in the default): selector ``pulse`` with
-  ``pulse_values="quantized"`` (the BF16 gate, 2-bit values); topk's budget per tile is the parts' mean count there.
+  ``pulse_values="quantized"`` (the BF16 gate, 2-bit values); topk's budget per tile is twice the parts' mean count
+  there.
 
 **Pseudo-gradients.** Peer ``i``'s pseudo-gradient in round ``r`` is ``lr * H * a * tanh(2 z)``, with ``a`` a fixed
 heavy-tailed scale per parameter entry (``min(1, exp(N(-1, 1)))``: Adam steps are at most about ``lr`` each, most
@@ -82,25 +84,12 @@ from pulseloco.loco.averaging import payload_frame, shard_bounds
 from pulseloco.loco.config import RoundConfig
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.quantize import ParamLayout
+from pulseloco.loco.reduce import DEFAULT_EXCHANGE_BUDGET, ReduceSpec, combine_parts, reduce_parts
 from pulseloco.loco.robust import clip_bar, clip_scales
 from pulseloco.loco.selection import Selector, select_in_place
-from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME
+from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, compact_header
 from pulseloco.loco.validation import encode_sparse
 from pulseloco.p2p import CHUNK_BYTES
-
-try:  # owners send the accepted list as a bitmask over the group (pulseloco.loco.shard_owner._served)
-    from pulseloco.loco.shard_owner import compact_header
-except ImportError:  # pragma: no cover - an older checkout: the list of peer ids
-
-    def compact_header(header: dict[str, Any], members: list[str]) -> dict[str, Any]:
-        """The header as an older owner served it: unchanged."""
-        return header
-
-
-try:  # the owner's aggregation moved to pulseloco.loco.reduce with the topk exchange
-    from pulseloco.loco.reduce import combine_parts
-except ImportError:  # pragma: no cover - an older checkout
-    from pulseloco.loco.shard_owner import combine_parts  # type: ignore[attr-defined,no-redef]
 
 PROG = "simulate.py"
 
@@ -116,6 +105,7 @@ class Strategy:
     config: RoundConfig
     value_dtype: str
     topk_k: int | None
+    budget: float = DEFAULT_EXCHANGE_BUDGET
 
     @property
     def mean_over(self) -> str:
@@ -129,10 +119,13 @@ class Strategy:
 
 
 def strategies() -> dict[str, Strategy]:
-    """The three strategies the exchanges use, by name."""
+    """The strategies the exchanges use, by name: the library's defaults (``topk`` owners keep
+    :data:`~pulseloco.loco.reduce.DEFAULT_EXCHANGE_BUDGET` parts' budget of the aggregate per tile), and
+    ``sparseloco-x1``, SparseLoCo's selection with owners keeping one part's (``--exchange_budget 1``)."""
     return {
         "dense": Strategy("dense", RoundConfig(selector="dense"), "float32", None),
         "sparseloco": Strategy("sparseloco", RoundConfig(selector="sparseloco"), "quantized", 64),
+        "sparseloco-x1": Strategy("sparseloco-x1", RoundConfig(selector="sparseloco"), "quantized", 64, 1.0),
         "pulse2": Strategy("pulse2", RoundConfig(selector="pulse", pulse_values="quantized"), "quantized", None),
     }
 
@@ -142,6 +135,7 @@ EXCHANGES: dict[str, tuple[str, str]] = {
     "sparseloco-gather": ("sparseloco", "gather"),
     "sparseloco-sums": ("sparseloco", "sums"),
     "sparseloco-topk": ("sparseloco", "topk"),
+    "sparseloco-topk-x1": ("sparseloco-x1", "topk"),
     "pulse2-gather": ("pulse2", "gather"),
     "pulse2-sums": ("pulse2", "sums"),
     "pulse2-topk": ("pulse2", "topk"),
@@ -152,6 +146,7 @@ DEFAULT_EXCHANGES = (
     "sparseloco-gather",
     "sparseloco-sums",
     "sparseloco-topk",
+    "sparseloco-topk-x1",
     "pulse2-gather",
     "pulse2-topk",
 )
@@ -501,23 +496,10 @@ def reduce_shard(
     strategy: Strategy,
 ) -> Any:
     """:func:`pulseloco.loco.reduce.reduce_parts` of one shard (64 x 64 tiles, the strategy's budget, 2 bits)."""
-    from pulseloco.loco import reduce as reduce_module
-
-    spec_type = getattr(reduce_module, "ReduceSpec", None)
-    if spec_type is not None:
-        spec = spec_type(layout=layout, chunk=64, k=strategy.topk_k, value_dtype=strategy.value_dtype, bits=2)
-        return reduce_module.reduce_parts(shard, start=start, numel=numel, spec=spec, mean_over=strategy.mean_over)
-    return reduce_module.reduce_parts(  # the signature of the issue's first draft
-        shard,
-        start=start,
-        numel=numel,
-        layout=layout,
-        chunk=64,
-        k=strategy.topk_k,
-        mean_over=strategy.mean_over,
-        value_dtype=strategy.value_dtype,
-        bits=2,
+    spec = ReduceSpec(
+        layout=layout, chunk=64, k=strategy.topk_k, value_dtype=strategy.value_dtype, bits=2, factor=strategy.budget
     )
+    return reduce_parts(shard, start=start, numel=numel, spec=spec, mean_over=strategy.mean_over)
 
 
 def topk_aggregates(

@@ -19,6 +19,7 @@ from pulseloco.errors import ConfigError
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterStateDevice
 from pulseloco.loco.quantize import ParamLayout
+from pulseloco.loco.reduce import DEFAULT_EXCHANGE_BUDGET, MAX_EXCHANGE_BUDGET
 from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS
 from pulseloco.loco.selection import Selector, SelectorName, ValueDType, make_selector
 
@@ -35,7 +36,7 @@ __all__ = [
 EXCHANGES = ("auto", "sums", "gather", "topk")
 """The owner's exchange (:class:`AveragingConfig`): ``sums`` serves the FP32 sum of the shard's parts, ``gather``
 relays the parts themselves (cheaper when a part's values take fewer bytes than an FP32 sum's), ``topk`` serves a
-budget of the aggregate per tile in the parts' precision, about one payload whatever the group's size
+budget of the aggregate per tile in the parts' precision, a few payloads whatever the group's size
 (:mod:`pulseloco.loco.reduce`); ``auto`` decides per round
 (:meth:`pulseloco.loco.shard_owner.ShardOwner.exchange_for`)."""
 DEFAULT_OUTER_CHUNK_BYTES = 64 * 2**20
@@ -205,14 +206,17 @@ class AveragingConfig:
             "How this peer's shard reaches the group when it owns one: sums (the FP32 sum of the parts), gather (the "
             "parts themselves, relayed; each member averages them), topk (the largest entries of the aggregate per "
             "tile, in the parts' precision; what it drops goes back to its senders' residuals) or auto (for quantized "
-            "values topk in groups of 3 or more and gather below, else sums)."
+            "values topk where it sends less than gather, in groups of more than 1 + exchange_budget, and gather "
+            "below; else sums)."
         ),
     )
-    exchange_k: int | None = field(
-        default=None,
+    exchange_budget: float = field(
+        default=DEFAULT_EXCHANGE_BUDGET,
         metadata=_help(
-            "topk exchange: entries of the aggregate an owner keeps per chunk_size x chunk_size tile; default the "
-            "selector's (sparseloco: topk_k; pulse: pulse_budget, else the parts' mean count in each tile)."
+            "topk exchange: entries of the aggregate an owner keeps per chunk_size x chunk_size tile, as a multiple of "
+            "one part's budget there (sparseloco: topk_k; pulse: pulse_budget, else the parts' mean count). 1 keeps "
+            "an aggregate as large as one part (Ok-Topk's rule); larger applies more of the group's update a round "
+            "and sends more (about (1 + exchange_budget) (R - 1)/R payloads each way)."
         ),
     )
 
@@ -233,9 +237,12 @@ class AveragingConfig:
             raise ConfigError(f"dispute_norm_ratio must be a finite number above 1, got {self.dispute_norm_ratio}")
         if self.exchange not in EXCHANGES:
             raise ConfigError(f"exchange must be one of {', '.join(EXCHANGES)}, got {self.exchange!r}")
-        k = self.exchange_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ConfigError(f"exchange_k must be an integer of at least 1 or None, got {k!r}")
+        budget = self.exchange_budget
+        if isinstance(budget, bool) or not isinstance(budget, int | float) or not 0.0 < budget <= MAX_EXCHANGE_BUDGET:
+            raise ConfigError(
+                f"exchange_budget must be a number above 0 and at most {MAX_EXCHANGE_BUDGET:g} (a multiple of one "
+                f"part's entries per tile), got {budget!r}"
+            )
         rounds = self.dispute_rounds
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
             raise ConfigError(f"dispute_rounds must be an integer of at least 0 (0: never exclude), got {rounds!r}")

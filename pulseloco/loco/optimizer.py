@@ -179,9 +179,10 @@ class PulseLoCo:
         reduce_spec = ReduceSpec(
             self.layout,
             chunk=rounds.chunk_size,
-            k=averaging.exchange_k or (rounds.topk_k if rounds.selector == "sparseloco" else rounds.pulse_budget),
+            k=rounds.topk_k if rounds.selector == "sparseloco" else rounds.pulse_budget,
             value_dtype=str(getattr(self.selector, "values", "float32")),
             bits=rounds.quant_bits,
+            factor=float(averaging.exchange_budget),
         )
         self.placement = OuterPlacement(self.params, placement.outer_state_device, placement.outer_chunk_bytes // 4)
         self.theta_N = self.placement.flatten_local("theta")

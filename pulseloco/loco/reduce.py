@@ -5,7 +5,7 @@ With the ``gather`` exchange every member receives every other member's part (``
 PPoPP 2022) and gTop-k, an owner aggregates the accepted parts of its shard (clipped, summed in sorted peer-id order,
 divided per entry by its senders for SparseLoCo's mean), keeps per ``chunk x chunk`` tile of each parameter the
 largest-magnitude entries of the aggregate, up to a budget, and sends those, in the parts' value precision, to every
-member: about one payload, whatever ``R``. Nothing is lost:
+member: a fixed number of payloads (the budget's multiple of one part), whatever ``R``. Nothing is lost:
 
 - a member's sent entries that the owner did not keep go back into that member's residual, exactly (the value it sent
   is added back, as for any part not counted), and are sent again in a later round (Ok-Topk's rule: an entry
@@ -15,12 +15,13 @@ member: about one payload, whatever ``R``. Nothing is lost:
   residual (``absorbed_K``): the swarm's total still holds every value once. In SparseLoCo's mean over senders the
   absorbed error is in the average's units (what theta missed), otherwise in the sum's (what the parts sent).
 
-**Budget.** With ``k`` (SparseLoCo's ``topk_k``, or the PULSE budget): ``ceil(k n / chunk**2)`` of a tile's ``n``
-real entries, the same rule as each peer's selection (:func:`pulseloco.loco.quantize.tile_topk_mask`), so the
-aggregate is as large as one part. Without ``k`` (the PULSE gate, whose parts vary in size): the mean number of
-entries the accepted parts have in that tile, rounded up. A tile cut by a shard boundary is budgeted by each owner
-for its whole size (at most one tile row's worth of excess at each boundary). Ties in magnitude go to the earlier
-entry, so every owner given the same parts keeps the same entries.
+**Budget.** ``factor`` (``AveragingConfig.exchange_budget``, default :data:`DEFAULT_EXCHANGE_BUDGET`) times a part's:
+with ``k`` (SparseLoCo's ``topk_k``, or the PULSE budget) ``ceil(factor k n / chunk**2)`` of a tile's ``n`` real
+entries, the rule of each peer's selection (:func:`pulseloco.loco.quantize.tile_topk_mask`) scaled, so the aggregate
+is about ``factor`` parts; without ``k`` (the PULSE gate, whose parts vary in size) ``factor`` times the mean number
+of entries the accepted parts have in that tile, rounded up; at most the tile. A tile cut by a shard boundary is
+budgeted by each owner for its whole size (at most one tile row's worth of excess at each boundary). Ties in magnitude
+go to the earlier entry, so every owner given the same parts keeps the same entries.
 
 Failure behaviour: pure functions of their arguments; :func:`reduce_parts` raises :class:`ValueError` for a
 ``mean_over`` or ``value_dtype`` it does not know (a caller bug), never because of the parts' values (the owner
@@ -42,26 +43,56 @@ from pulseloco.loco.validation import WIRE_FORMATS, lut_groups
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReduceSpec", "Reduced", "TileMap", "check_budget", "combine_parts", "local_group_starts", "reduce_parts"]
+__all__ = [
+    "DEFAULT_EXCHANGE_BUDGET",
+    "MAX_EXCHANGE_BUDGET",
+    "ReduceSpec",
+    "Reduced",
+    "TileMap",
+    "check_budget",
+    "combine_parts",
+    "local_group_starts",
+    "reduce_parts",
+]
+
+DEFAULT_EXCHANGE_BUDGET = 2.0
+"""The aggregate's budget per tile as a multiple of one part's (``AveragingConfig.exchange_budget``). With 1 (an
+aggregate as large as one part, Ok-Topk's rule) SparseLoCo at 4 workers applied a third of the union of the parts a
+round and learned less than with ``gather`` (docs/results.md, "Trainer exchange at scale"); 2 applies about two
+thirds there and sends about ``3 (R - 1)/R`` payloads each way, under ``gather``'s ``R - 1`` from 4 peers on."""
+MAX_EXCHANGE_BUDGET = 4096.0
+"""The largest budget multiple accepted (a 64 x 64 tile has 4096 entries: above, every entry is kept)."""
 
 
 @dataclass(frozen=True)
 class ReduceSpec:
     """How an owner reduces its shard with the ``topk`` exchange: the parameters' ``layout``, the tile side
-    ``chunk``, the budget ``k`` per full tile (None: the parts' mean count per tile), the wire precision
-    ``value_dtype`` of the kept values and, for ``"quantized"``, their ``bits``."""
+    ``chunk``, a part's budget ``k`` per full tile (None: the parts' mean count per tile), the aggregate's budget as
+    a multiple ``factor`` of a part's, the wire precision ``value_dtype`` of the kept values and, for
+    ``"quantized"``, their ``bits``. Raises :class:`ValueError` for values out of range (a caller bug)."""
 
     layout: ParamLayout
     chunk: int = 64
     k: int | None = None
     value_dtype: str = "float32"
     bits: int = 2
+    factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.value_dtype not in WIRE_FORMATS:
             raise ValueError(f"value_dtype must be one of {', '.join(WIRE_FORMATS)}, got {self.value_dtype!r}")
-        if self.chunk < 1 or (self.k is not None and self.k < 1) or not 1 <= self.bits <= 8:
-            raise ValueError(f"bad reduce spec: chunk {self.chunk}, k {self.k}, bits {self.bits}")
+        if (
+            self.chunk < 1
+            or (self.k is not None and self.k < 1)
+            or not 1 <= self.bits <= 8
+            or not 0.0 < self.factor <= MAX_EXCHANGE_BUDGET
+        ):
+            raise ValueError(f"bad reduce spec: chunk {self.chunk}, k {self.k}, bits {self.bits}, factor {self.factor}")
+
+    def gathers_less(self, group_size: int) -> bool:
+        """Whether ``gather`` sends no more than this ``topk`` in a group of ``group_size``: a worker sends about
+        ``(R - 1)`` payloads with ``gather`` and ``(1 + factor) (R - 1)/R`` with ``topk``."""
+        return group_size <= 1 + self.factor
 
 
 @dataclass(frozen=True)
@@ -117,12 +148,14 @@ def _rank_in_tile(tile_K: torch.Tensor, magnitude_K: torch.Tensor) -> tuple[torc
 
 
 def _budget(spec: ReduceSpec, tile_K: torch.Tensor, tile_numel_K: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The budget of each entry's tile: ``ceil(k n / chunk**2)`` (at most ``n``), or without ``k`` the parts'
-    mean count there rounded up (``counts``: the parts' total count in the entry's tile, already divided)."""
+    """The budget of each entry's tile: ``ceil(factor k n / chunk**2)``, or without ``k`` ``factor`` times the
+    parts' mean count there rounded up (``counts``: the parts' total count in the entry's tile, already divided);
+    at most ``n``. In float64, the same operations on every peer."""
     if spec.k is not None:
-        area = spec.chunk * spec.chunk
-        return torch.minimum(-(-(spec.k * tile_numel_K) // area), tile_numel_K)
-    return torch.ceil(counts).to(torch.int64)
+        share = tile_numel_K.double() * (spec.factor * spec.k) / (spec.chunk * spec.chunk)
+    else:
+        share = counts.double() * spec.factor
+    return torch.minimum(torch.ceil(share).to(torch.int64), tile_numel_K)
 
 
 def _round_to_wire(
@@ -213,6 +246,7 @@ def check_budget(spec: ReduceSpec, indices_K: torch.Tensor, start: int) -> None:
     over = counts > allowed
     if bool(over.any()):
         raise PayloadError(
-            f"aggregate keeps more entries than the budget (k={spec.k} per {spec.chunk}x{spec.chunk} tile) in "
+            f"aggregate keeps more entries than the budget ({spec.factor:g} x k={spec.k} per {spec.chunk}x{spec.chunk} "
+            "tile) in "
             f"{int(over.sum())} tile(s)"
         )

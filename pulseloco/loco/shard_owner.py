@@ -218,13 +218,15 @@ class ShardOwner(TrafficCounter):
 
     def exchange_for(self, group_size: int) -> str:
         """The exchange this owner serves a group of ``group_size`` members with: the configured one, or for
-        ``auto`` the one that sends least while staying exact where that costs nothing: ``topk`` for quantized
-        values in groups of three or more (``gather`` sends ``R - 1`` payloads, ``topk`` about one), ``gather`` for
-        quantized values in smaller groups (the same bytes, nothing dropped), ``sums`` otherwise."""
+        ``auto`` the one that sends least while staying exact where that costs nothing: for quantized values ``topk``
+        where it sends less than ``gather`` (``gather`` sends ``R - 1`` payloads, ``topk`` about
+        ``(1 + exchange_budget) (R - 1)/R``: from 4 peers on at the default budget) and ``gather`` below (no more
+        bytes, nothing dropped); ``sums`` otherwise."""
         if self.exchange != "auto":
             return self.exchange
-        if self.reduce_spec is not None and self.reduce_spec.value_dtype == "quantized":
-            return "topk" if group_size >= 3 else "gather"
+        spec = self.reduce_spec
+        if spec is not None and spec.value_dtype == "quantized":
+            return "gather" if spec.gathers_less(group_size) else "topk"
         return "sums"
 
     @property
