@@ -47,6 +47,30 @@ def test_tiles_follow_the_selectors_matrix_view() -> None:
     assert numel_K.tolist() == [16, 16, 16, 16, 16, 16, 4, 4, 2, 2]
 
 
+def test_a_tile_cut_by_a_shard_boundary_counts_only_the_shards_entries() -> None:
+    tiles = TileMap(LAYOUT, 4)
+    # shard [14, 30) of the matrix: rows 2-3 of tile 0 (16-19, 24-27: 8), and of tile 1 14-15, 20-23, 28-29 (8)
+    tile_K, numel_K = tiles.tiles(torch.tensor([14, 16, 29]))
+    assert tiles.numel_in(tile_K, numel_K, 14, 30).tolist() == [8, 8, 8]
+    # shard [10, 30): rows 1 (from col 2) to 3 of each, 10 entries each; the vector's [33, 39): 3 of each row of 4
+    tile_K, numel_K = tiles.tiles(torch.tensor([10, 29, 33, 38]))
+    assert tiles.numel_in(tile_K, numel_K, 10, 30).tolist()[:2] == [10, 10]
+    assert tiles.numel_in(tile_K[2:], numel_K[2:], 33, 39).tolist() == [3, 3]
+    assert tiles.numel_in(tile_K, numel_K, 0, NUMEL).tolist() == [16, 16, 4, 4]  # one shard: nothing cut
+
+
+def test_each_owner_of_a_cut_tile_budgets_only_its_share_of_it() -> None:
+    """k=2 per 4 x 4 tile: a whole tile keeps 2; the shard [14, 30) holds half of each matrix tile, so its owner
+    keeps ceil(2 * 8 / 16) = 1 in each, and a member refuses 2 there."""
+    parts = {"a": ([16 - 14, 17 - 14, 15 - 14, 20 - 14], [3.0, -1.0, 2.0, -4.0]), "b": ([24 - 14], [-5.0])}
+    reduced = reduce_parts(_parts(parts), start=14, numel=16, spec=FP32, mean_over="peers")
+    assert (reduced.indices_K + 14).tolist() == [20, 24]  # tile 0: 24 (-5) over 16 (3); tile 1: 20 (-4) over 15 (2)
+    check_budget(FP32, torch.tensor([2, 6]), 14, 16)
+    with pytest.raises(PayloadError, match="budget"):
+        check_budget(FP32, torch.tensor([2, 3]), 14, 16)  # 16 and 17: two in the half of tile 0
+    check_budget(FP32, torch.tensor([2, 3]), 0, NUMEL)  # the same two in the whole tile: within its budget
+
+
 def test_the_owner_keeps_the_largest_sums_of_each_tile_hand_checked() -> None:
     reduced = reduce_parts(_parts(PARTS), start=0, numel=NUMEL, spec=FP32, mean_over="peers")
     # tile 0: 0 (3) and 1 (-2); tile 1: 4 (5) and 6 (0.1), not 5 (0); vector row 32-35: 33 (0.5), not 34 (0.25).
@@ -70,11 +94,11 @@ def test_without_k_the_budget_is_the_parts_mean_count_and_quantized_rounding_is_
 
 
 def test_a_member_refuses_an_aggregate_over_its_budget() -> None:
-    check_budget(FP32, torch.tensor([0, 1, 4, 6, 33]), 0)
+    check_budget(FP32, torch.tensor([0, 1, 4, 6, 33]), 0, NUMEL)
     with pytest.raises(PayloadError, match="budget"):
-        check_budget(FP32, torch.tensor([0, 1, 2, 4]), 0)  # three entries in tile 0
+        check_budget(FP32, torch.tensor([0, 1, 2, 4]), 0, NUMEL)  # three entries in tile 0
     with pytest.raises(PayloadError, match="budget"):
-        check_budget(FP32, torch.tensor([1, 2]), 32)  # local 1 and 2 of a shard from 32: one row of the vector
+        check_budget(FP32, torch.tensor([1, 2]), 32, 10)  # local 1 and 2 of a shard from 32: one row of the vector
 
 
 def test_a_budget_of_two_parts_keeps_twice_the_entries_per_tile_hand_checked() -> None:
@@ -83,9 +107,9 @@ def test_a_budget_of_two_parts_keeps_twice_the_entries_per_tile_hand_checked() -
     spec = ReduceSpec(LAYOUT, chunk=4, k=2, value_dtype="float32", factor=2.0)
     reduced = reduce_parts(_parts(PARTS), start=0, numel=NUMEL, spec=spec, mean_over="peers")
     assert reduced.indices_K.tolist() == [0, 1, 4, 5, 6, 33]  # tile 1 keeps all three of its union now
-    check_budget(spec, torch.tensor([0, 1, 2, 3, 4, 33]), 0)
+    check_budget(spec, torch.tensor([0, 1, 2, 3, 4, 33]), 0, NUMEL)
     with pytest.raises(PayloadError, match="2 x k=2"):
-        check_budget(spec, torch.tensor([0, 1, 2, 3, 8]), 0)  # five entries in tile 0
+        check_budget(spec, torch.tensor([0, 1, 2, 3, 8]), 0, NUMEL)  # five entries in tile 0
     gate = ReduceSpec(LAYOUT, chunk=4, k=None, value_dtype="float32", factor=2.0)
     reduced = reduce_parts(_parts(PARTS), start=0, numel=NUMEL, spec=gate, mean_over="peers")
     assert reduced.indices_K.tolist() == [0, 1, 4, 5, 6, 33, 34]  # every row of the vector: ceil(2 * 2/3) = 2
@@ -207,8 +231,11 @@ def test_a_malformed_or_oversized_aggregate_is_refused_and_nothing_is_lost() -> 
     indices_K, values_K = torch.tensor(PARTS["b"][0]), torch.tensor(PARTS["b"][1])
     own = encode_sparse(CONTRIBUTION_NAME, NUMEL, indices_K, values_K, round_index=0)
     dense = encode_sparse(AGGREGATE_NAME, NUMEL, torch.arange(NUMEL), torch.ones(NUMEL), round_index=0)
-    header = {"ok": True, "accepted": ["a", "b", "c"], "scales": [1.0, 1.0, 1.0], "exchange": "topk"}
-    for payload in (dense, dense[:-3]):
+    honest = {"ok": True, "accepted": ["a", "b", "c"], "scales": [1.0, 1.0, 1.0], "exchange": "topk"}
+    served = _Owner("a").sum(PARTS)  # within the budget, but reduced at another exchange_budget than the member's
+    other_budget = ({**served.header, "budget": 4.0}, served.payload)
+    assert served.header["budget"] == FP32.factor
+    for header, payload in ((honest, dense), (honest, dense[:-3]), other_budget):
         got = member._average_shards(GROUP, [(0, NUMEL)], [(header, payload)], [4.0], [own])
         indices, _, accepted, _, _, kept = got
         assert indices == [] and accepted == [None] and kept == [None]

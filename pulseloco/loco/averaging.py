@@ -591,7 +591,13 @@ class SparseAverager(ShardOwner, StateTransfer):
             if not names and sum_K.numel():
                 raise PayloadError("aggregate has values but no accepted contributors")
             if exchange == "topk" and self.reduce_spec is not None:
-                check_budget(self.reduce_spec, indices_K, start)
+                budget = reply.get("budget", self.reduce_spec.factor)  # absent from a release before the field
+                if budget != self.reduce_spec.factor:
+                    raise PayloadError(
+                        f"the shard's owner kept its aggregate at exchange_budget {budget!r}, this peer's is "
+                        f"{self.reduce_spec.factor:g}: every peer of a run needs the same exchange_budget"
+                    )
+                check_budget(self.reduce_spec, indices_K, start, numel)
             return indices_K, (sum_K if mean_over == "senders" else sum_K / float(max(1, len(names))))
         sizes = reply.get("parts")
         if (

@@ -20,8 +20,9 @@ with ``k`` (SparseLoCo's ``topk_k``, or the PULSE budget) ``ceil(factor k n / ch
 entries, the rule of each peer's selection (:func:`pulseloco.loco.quantize.tile_topk_mask`) scaled, so the aggregate
 is about ``factor`` parts; without ``k`` (the PULSE gate, whose parts vary in size) ``factor`` times the mean number
 of entries the accepted parts have in that tile, rounded up; at most the tile. A tile cut by a shard boundary is
-budgeted by each owner for its whole size (at most one tile row's worth of excess at each boundary). Ties in magnitude
-go to the earlier entry, so every owner given the same parts keeps the same entries.
+budgeted by each owner for the entries of it that its shard holds (:meth:`TileMap.numel_in`), so the two owners of
+a cut tile keep together at most one entry more than its budget. Ties in magnitude go to the earlier entry, so every
+owner given the same parts keeps the same entries.
 
 Failure behaviour: pure functions of their arguments; :func:`reduce_parts` raises :class:`ValueError` for a
 ``mean_over`` or ``value_dtype`` it does not know (a caller bug), never because of the parts' values (the owner
@@ -135,6 +136,39 @@ class TileMap:
         in_cols = (cols - tile_col * self.chunk).clamp(max=self.chunk)
         return tile, in_rows * in_cols
 
+    def numel_in(self, tile_K: torch.Tensor, tile_numel_K: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """For the tiles ``tile_K`` (of entries in ``[start, end)``, with their real sizes ``tile_numel_K``): how
+        many entries of each lie in ``[start, end)``. Only the tile rows that hold ``start`` and ``end`` are cut;
+        their entries outside the range are counted and taken off."""
+        outside = [self._row_before(start), self._row_after(end)]
+        ranges = [torch.arange(lo, hi, dtype=torch.int64) for lo, hi in outside if hi > lo]
+        if not ranges:
+            return tile_numel_K
+        outside_K = torch.cat(ranges)
+        out_tile, _ = self.tiles(outside_K)
+        cut, cut_counts = torch.unique(out_tile, return_counts=True)
+        where = torch.searchsorted(cut, tile_K).clamp(max=cut.numel() - 1)
+        return tile_numel_K - torch.where(cut[where] == tile_K, cut_counts[where], 0)
+
+    def _tile_row(self, index: int) -> tuple[int, int]:
+        """The flat range ``[first, last)`` of the tile row (``chunk`` rows of one parameter) holding ``index``;
+        in a one-row parameter (a vector) only ``index``'s own tile, its tiles being ``chunk`` entries each."""
+        param = int(torch.searchsorted(self.starts, torch.tensor(index), right=True)) - 1
+        begin, cols, rows = int(self.starts[param]), int(self.cols[param]), int(self.rows[param])
+        if rows == 1:
+            first = begin + (index - begin) // self.chunk * self.chunk
+            return first, min(begin + cols, first + self.chunk)
+        first_row = (index - begin) // cols // self.chunk * self.chunk
+        return begin + first_row * cols, begin + min(rows, first_row + self.chunk) * cols
+
+    def _row_before(self, start: int) -> tuple[int, int]:
+        """The entries of ``start``'s tile row before it (none at a row boundary or the first entry)."""
+        return (self._tile_row(start)[0], start) if start > 0 else (0, 0)
+
+    def _row_after(self, end: int) -> tuple[int, int]:
+        """The entries of the tile row of ``end - 1`` from ``end`` on (none where that row ends at ``end``)."""
+        return (end, self._tile_row(end - 1)[1]) if end > 0 else (0, 0)
+
 
 def _rank_in_tile(tile_K: torch.Tensor, magnitude_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The order that sorts entries by tile, then by falling magnitude, then by index (the input's order), and each
@@ -219,6 +253,7 @@ def reduce_parts(
         return Reduced(empty, torch.zeros(0), group_starts, torch.zeros(0), 0)
     tiles = TileMap(spec.layout, spec.chunk)
     tile_K, tile_numel_K = tiles.tiles(union_K + start)
+    tile_numel_K = tiles.numel_in(tile_K, tile_numel_K, start, start + numel)
     counts = torch.zeros(0)
     if spec.k is None:  # the parts' mean count per tile, looked up for each union entry
         compact, inverse = torch.unique(tile_K, return_inverse=True)
@@ -234,12 +269,15 @@ def reduce_parts(
     return Reduced(indices_K, values_K, group_starts, exact_K - values_K, int(union_K.numel()))
 
 
-def check_budget(spec: ReduceSpec, indices_K: torch.Tensor, start: int) -> None:
-    """Refuse an aggregate (kept local ``indices_K`` of the shard beginning at ``start``) that keeps more entries in
-    some tile than ``spec.k`` allows: raises :class:`PayloadError`. Without ``k`` only the codec's bounds apply."""
+def check_budget(spec: ReduceSpec, indices_K: torch.Tensor, start: int, numel: int) -> None:
+    """Refuse an aggregate (kept local ``indices_K`` of the shard ``[start, start + numel)``) that keeps more
+    entries in some tile than ``spec.k`` allows: raises :class:`PayloadError`. Without ``k`` only the codec's bounds
+    apply."""
     if spec.k is None or indices_K.numel() == 0:
         return
-    tile_K, tile_numel_K = TileMap(spec.layout, spec.chunk).tiles(indices_K + start)
+    tiles = TileMap(spec.layout, spec.chunk)
+    tile_K, tile_numel_K = tiles.tiles(indices_K + start)
+    tile_numel_K = tiles.numel_in(tile_K, tile_numel_K, start, start + numel)
     tiles, inverse, counts = torch.unique(tile_K, return_inverse=True, return_counts=True)
     budget = _budget(spec, tile_K, tile_numel_K, torch.zeros(0))
     allowed = torch.zeros(tiles.numel(), dtype=torch.int64).scatter_(0, inverse, budget)

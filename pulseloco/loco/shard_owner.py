@@ -175,7 +175,8 @@ class ShardSum:
     ``mean_over`` rules), the encoded sum ``payload`` (with the gather exchange, the accepted ``parts`` instead,
     served by :meth:`ShardOwner._served`), the number of parts rejected, the largest ratio of an accepted
     part's norm to the clip bar (0 without a bar), and with the ``topk`` exchange the owner's rounding error of the
-    kept aggregate (``absorbed``: local indices and values)."""
+    kept aggregate (``absorbed``: local indices and values; the header then also names the ``union``'s size and the
+    ``budget``)."""
 
     header: dict[str, Any]
     payload: bytes
@@ -523,7 +524,7 @@ class ShardOwner(TrafficCounter):
                 group_starts=reduced.group_starts,
             )
             return ShardSum(
-                {**header, "union": reduced.num_union, "size": len(payload)},
+                {**header, "union": reduced.num_union, "budget": spec.factor, "size": len(payload)},
                 payload,
                 len(rejected),
                 largest_ratio,
