@@ -158,7 +158,13 @@ class RoundConfig:
 class AveragingConfig:
     """How a round meets its group, and how long each of its waits on the swarm may take."""
 
-    matchmaking_time: float = field(default=15.0, metadata=_help("Seconds to gather peers for a round."))
+    matchmaking_time: float = field(
+        default=15.0,
+        metadata=_help(
+            "Seconds to gather peers for a round at most; a round goes at once when every peer the state records "
+            "expect has registered (not in round 0)."
+        ),
+    )
     target_group_size: int | None = field(
         default=None,
         metadata=_help(

@@ -9,8 +9,12 @@ deadline, then a check that every member computed the same group before any payl
    subkey: its peer id, value: its client mode, the DHT time ``t`` of its registration and the digest of the theta
    it starts the round from);
 2. registration for the round closes ``matchmaking_time`` after the earliest registration: the members are the
-   registrations with ``t`` at or before the close. A peer reads registrations until the close has passed, or
-   until ``target_group_size`` members are seen. A peer that registered after the close sits the round out;
+   registrations with ``t`` at or before the close. A peer reads registrations until the close has passed,
+   until ``target_group_size`` members are seen, or, in a running swarm, until every **expected** peer has
+   registered: the peers whose state records say they start this round (they completed the previous one, or
+   repaired to it), when they are two or more and the round is not the run's first (there, peers still starting
+   have published nothing yet; a peer expecting only itself waits for others as before). Every peer reads the
+   same records, so they go alike. A peer that registered after the close sits the round out;
 3. every member publishes the member list it computed under ``pulseloco:{run_id}:loco:r{r}:view0`` and reads the
    others' lists for at most ``request_timeout``. Equal lists make the group (members that published nothing
    in time are left out: they died or stalled before the round began). If the others agree on a group without
@@ -200,13 +204,15 @@ class Matchmaker:
         registration closed, no member is in server mode, the members' views still disagreed after
         :data:`VIEW_ATTEMPTS` attempts, or most members start from another theta. Never raises for DHT failures
         (they are logged and look like peers not seen). Takes at most ``matchmaking_time`` plus
-        ``VIEW_ATTEMPTS * request_timeout`` seconds (plus the DHT calls' own timeouts).
+        ``VIEW_ATTEMPTS * request_timeout`` seconds (plus the DHT calls' own timeouts); registration ends at once
+        when every expected peer has registered (:meth:`expected_peers`).
 
         ``expiration`` is the DHT time after which the round's records may vanish.
         """
         me, registered = self.peer_id, get_dht_time()
         value = {"client": self.client_mode, "t": registered, "digest": digest}
         self._store(self._key(round_index, "peers"), me, value, expiration)
+        expected = self.expected_peers(round_index)
         seen: dict[str, tuple[bool, float, str]] = {me: (self.client_mode, registered, digest)}
         while True:
             seen.update(self._registrations(round_index))
@@ -222,10 +228,28 @@ class Matchmaker:
             members = {p: (client, d) for p, (client, t, d) in seen.items() if t <= closes}
             if self.target_group_size is not None and len(members) >= self.target_group_size:
                 break
+            if expected is not None and expected <= members.keys():
+                logger.info(
+                    "round=%d: all %d expected peers registered, %.1fs before the close: the group goes now",
+                    round_index,
+                    len(expected),
+                    closes - get_dht_time(),
+                )
+                break
             if get_dht_time() >= closes + self.poll_interval:  # this read started after the close
                 break
             time.sleep(max(0.0, min(self.poll_interval, closes + self.poll_interval - get_dht_time())))
         return self._agree(round_index, members, expiration)
+
+    def expected_peers(self, round_index: int) -> frozenset[str] | None:
+        """The peers whose state records say they start ``round_index``, this peer included; ``None`` (wait for
+        the close) in the run's first round or when no other peer is expected. Read once per round: a peer that
+        publishes later and registers in time is still a member; one that registers after the others went sits
+        the round out (:meth:`_agree`). A lookup that fails reads as no other peer (never raises)."""
+        if round_index == 0:
+            return None
+        starting = {state.peer_id for state in self.read_states() if state.round == round_index} | {self.peer_id}
+        return frozenset(starting) if len(starting) >= 2 else None
 
     def _agree(self, round_index: int, members: dict[str, tuple[bool, str]], expiration: float) -> Group | None:
         """The view check: every member publishes the member list it computed (peer id -> client mode, digest)

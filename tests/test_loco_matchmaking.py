@@ -1,0 +1,108 @@
+"""Group formation over real hivemind DHTs (four DHT processes on 127.0.0.1): a round whose expected peers have
+all registered goes at once instead of waiting out ``matchmaking_time``; a missing expected peer, and the run's
+first round, still wait for the close."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import hivemind
+import pytest
+from hivemind.utils import get_dht_time
+
+from pulseloco.loco.matchmaking import Group, Matchmaker
+
+PEERS = ("peer-a", "peer-b", "peer-c")
+
+
+@pytest.fixture(scope="module")
+def dhts() -> Iterator[list[hivemind.DHT]]:
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    maddrs = [str(a) for a in first.get_visible_maddrs()]
+    nodes = [hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True) for _ in PEERS]
+    try:
+        yield nodes
+    finally:
+        for node in [*nodes, first]:
+            node.shutdown()
+
+
+def _matchmakers(dhts: list[hivemind.DHT], run_id: str, matchmaking_time: float) -> list[Matchmaker]:
+    return [
+        Matchmaker(
+            dht,
+            run_id=run_id,
+            peer_id=peer,
+            client_mode=False,
+            matchmaking_time=matchmaking_time,
+            target_group_size=None,
+            request_timeout=10.0,
+        )
+        for dht, peer in zip(dhts, PEERS, strict=True)
+    ]
+
+
+def _publish_and_wait(matchmakers: list[Matchmaker], round_index: int, extra: Matchmaker | None = None) -> None:
+    """Every matchmaker (and ``extra``) announces that it starts ``round_index``; returns once each reads all."""
+    announcing = [*matchmakers, *([extra] if extra is not None else [])]
+    for matchmaker in announcing:
+        matchmaker.publish_state(round_index, "d0")
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
+        if all(len([s for s in m.read_states() if s.round == round_index]) == len(announcing) for m in matchmakers):
+            return
+        time.sleep(0.1)
+    raise AssertionError("the state records did not reach every peer within 30 s")
+
+
+def _form_groups(matchmakers: list[Matchmaker], round_index: int, timeout: float) -> list[Group | None]:
+    """``form_group`` on every matchmaker at once (threads); fails if one has not returned within ``timeout``."""
+    groups: list[Group | None] = [None] * len(matchmakers)
+    expiration = get_dht_time() + 600.0
+
+    def form(i: int) -> None:
+        groups[i] = matchmakers[i].form_group(round_index, expiration, "d0")
+
+    threads = [threading.Thread(target=form, args=(i,), daemon=True) for i in range(len(matchmakers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"form_group did not return within {timeout:.0f} s"
+    return groups
+
+
+def test_a_round_whose_expected_peers_all_registered_goes_at_once(
+    dhts: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """matchmaking_time is 300 s; the three peers that completed round 0 register for round 1 and form their group
+    as soon as each has seen the other two, well before the close (the test allows 60 s)."""
+    matchmakers = _matchmakers(dhts, "mm-early", matchmaking_time=300.0)
+    _publish_and_wait(matchmakers, 1)
+    with caplog.at_level(logging.INFO, logger="pulseloco.loco.matchmaking"):
+        groups = _form_groups(matchmakers, 1, timeout=60.0)
+    assert all(g is not None and g.members == PEERS for g in groups), groups
+    assert len({g.group_id for g in groups if g is not None}) == 1
+    assert caplog.text.count("all 3 expected peers registered") == 3
+
+
+def test_an_expected_peer_that_does_not_register_is_waited_for_until_the_close(
+    dhts: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fourth peer's state says it starts round 1 too, but it never registers (it died after publishing): the
+    others wait for the close, as without the rule, and form the group of three; in the run's first round,
+    nobody is expected (peers still starting have published nothing) and the close is waited for as well."""
+    matchmakers = _matchmakers(dhts, "mm-wait", matchmaking_time=4.0)
+    ghost = _matchmakers(dhts, "mm-wait", matchmaking_time=4.0)[0]
+    ghost.peer_id = "peer-ghost"
+    _publish_and_wait(matchmakers, 1, extra=ghost)
+    with caplog.at_level(logging.INFO, logger="pulseloco.loco.matchmaking"):
+        for round_index in (1, 0):
+            started = get_dht_time()
+            groups = _form_groups(matchmakers, round_index, timeout=60.0)
+            assert all(g is not None and g.members == PEERS for g in groups), (round_index, groups)
+            assert get_dht_time() - started >= 4.0  # registration stayed open until the close
+    assert "expected peers registered" not in caplog.text
