@@ -75,7 +75,7 @@ def run_peer(
         run_id=f"bench-{selector}-{lr:g}",
         round_config=RoundConfig(inner_steps=args.inner_steps, **SELECTORS[selector]),
         averaging_config=AveragingConfig(
-            target_group_size=args.num_peers,
+            target_group_size=args.target_group_size or None,
             matchmaking_time=args.matchmaking_time,
             averaging_timeout=args.averaging_timeout,
             request_timeout=30.0,
@@ -206,8 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--exchange",
         default="auto",
-        choices=["auto", "sums", "gather"],
-        help="how shard owners serve their shard: FP32 sums, the parts relayed, or auto (gather for 2-bit values)",
+        choices=["auto", "sums", "gather", "topk"],
+        help="how shard owners serve their shard: FP32 sums, the parts relayed, the aggregate's largest entries, or "
+        "auto (for 2-bit values topk where it sends less than gather)",
     )
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=256)
@@ -221,10 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--matchmaking-time", type=float, default=30.0)
+    parser.add_argument(
+        "--target-group-size",
+        type=int,
+        default=None,
+        help="a round starts once this many peers registered (default --num-peers; 0: none, each round waits for "
+        "--matchmaking-time or for the peers the state records expect)",
+    )
     parser.add_argument("--averaging-timeout", type=float, default=120.0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    if args.target_group_size is None:
+        args.target_group_size = args.num_peers
+    if args.target_group_size < 0:
+        parser.error(f"--target-group-size must be 0 or more, got {args.target_group_size}")
     if "dense" not in args.selectors:
         parser.error("--selectors must include dense: it is the baseline of the ratios")
     if args.device != "cpu" and not (args.device.startswith("cuda") and torch.cuda.is_available()):
