@@ -1,0 +1,165 @@
+"""A private WAN for local test hosts: one network namespace per peer, each behind its own emulated access link
+(:mod:`linkem`: rate up and down, delay, jitter, loss), joined by a hub namespace that forwards between them.
+
+    net = WanNet([Link(up="10mbit", down="50mbit", delay_ms=20), Link(delay_ms=50, loss=0.005)])
+    net.setup()                                  # namespaces, TUN devices, one linkem process per peer
+    ["ip", "netns", "exec", net.peer_ns(i), ...] # a command inside peer i's namespace, reachable at net.host(i)
+    net.teardown()                               # stops the emulators, kills what runs inside, deletes it all
+
+Peer ``i`` has address 10.78.0.(10+i) on ``tun0``, its only route; in the hub, TUN ``t<i>`` routes to it. Between
+peers A and B the round-trip time is ``2 (delay(A) + delay(B))`` and a transfer from A to B runs at most at
+``min(up(A), down(B))``. Nothing is configured outside the namespaces created here, so deleting them removes
+everything. Failure behaviour: :meth:`WanNet.setup` raises RuntimeError naming the command or emulator that
+failed, leaving what exists to :meth:`WanNet.teardown` (idempotent, never raises).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "10.78.0"
+FIRST_HOST_INDEX = 10
+LINKEM = Path(__file__).resolve().parent / "linkem.py"
+READY_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Link:
+    """One peer's access link: rates (``tc`` style, ``0`` unlimited), one-way delay and jitter of each
+    direction in milliseconds, and the loss probability of each direction."""
+
+    up: str = "0"
+    down: str = "0"
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    loss: float = 0.0
+    queue_ms: float = 100.0
+
+    def argv(self) -> list[str]:
+        """The link as :mod:`linkem` flags."""
+        return [
+            "--up", self.up, "--down", self.down, "--delay-ms", str(self.delay_ms), "--jitter-ms",
+            str(self.jitter_ms), "--loss", str(self.loss), "--queue-ms", str(self.queue_ms),
+        ]  # fmt: skip
+
+
+def _run(cmd: list[str]) -> None:
+    """Run one ``ip``/``sysctl`` command; raises RuntimeError with its stderr when it fails (30 s bound)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
+
+
+class WanNet:
+    """Namespaces and emulated links for ``links`` (one per peer); see the module docstring."""
+
+    def __init__(self, links: list[Link], *, mtu: int = 1500, prefix: str = "plwan", seed: int = 0) -> None:
+        if not links:
+            raise ValueError("a WAN needs at least one peer link")
+        if not 576 <= mtu <= 65535:
+            raise ValueError(f"mtu must be in [576, 65535], got {mtu}")
+        self.links = list(links)
+        self.mtu = mtu
+        self.seed = seed
+        self.prefix = f"{prefix}{os.getpid() % 100000}"
+        self.hub = f"{self.prefix}h"
+        self.names: list[str] = []
+        self.emulators: list[subprocess.Popen[str]] = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """Why this WAN cannot be built here (not root, no ``ip``, no /dev/net/tun); None when it can be tried."""
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            return "needs root with ip netns"
+        if not os.path.exists("/dev/net/tun"):
+            return "needs /dev/net/tun (TUN devices)"
+        return None
+
+    def peer_ns(self, index: int) -> str:
+        """The name of peer ``index``'s namespace."""
+        return f"{self.prefix}p{index}"
+
+    def host(self, index: int) -> str:
+        """Peer ``index``'s address."""
+        return f"{SUBNET}.{FIRST_HOST_INDEX + index}"
+
+    def exec_argv(self, index: int, argv: list[str]) -> list[str]:
+        """``argv`` run inside peer ``index``'s namespace."""
+        return ["ip", "netns", "exec", self.peer_ns(index), *argv]
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        with self._lock:
+            self.names.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def setup(self) -> None:
+        """Create the hub and the peers' namespaces, their TUN devices and routes, and start one emulator per
+        peer; returns once every emulator has opened its devices. Raises RuntimeError."""
+        self._add_ns(self.hub)
+        _run(["ip", "netns", "exec", self.hub, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        for i in range(len(self.links)):
+            ns, hub_dev = self.peer_ns(i), f"t{i}"
+            self._add_ns(ns)
+            for where, dev in ((ns, "tun0"), (self.hub, hub_dev)):
+                _run(["ip", "-n", where, "tuntap", "add", "dev", dev, "mode", "tun"])
+                _run(["ip", "-n", where, "link", "set", dev, "mtu", str(self.mtu), "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "tun0"])
+            _run(["ip", "-n", self.hub, "route", "add", f"{self.host(i)}/32", "dev", hub_dev])
+        for i, link in enumerate(self.links):
+            argv = [sys.executable, str(LINKEM), "--peer-ns", self.peer_ns(i), "--hub-dev", f"t{i}"]
+            argv += [*link.argv(), "--seed", str(self.seed + i)]
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.hub, *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            with self._lock:
+                self.emulators.append(proc)
+            self._wait_ready(i, proc)
+
+    def _wait_ready(self, index: int, proc: subprocess.Popen[str]) -> None:
+        """Wait for the emulator's ``ready`` line (:data:`READY_TIMEOUT_S`); raises RuntimeError."""
+        if proc.stdout is None:
+            raise RuntimeError(f"link emulator of peer {index} has no stdout pipe")
+        timer = threading.Timer(READY_TIMEOUT_S, proc.kill)
+        timer.start()
+        try:
+            line = proc.stdout.readline().strip()
+        finally:
+            timer.cancel()
+        if line != "ready":
+            err = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
+            raise RuntimeError(f"link emulator of peer {index} did not start: {err.strip() or 'no ready line'}")
+
+    def teardown(self) -> None:
+        """Stop the emulators, kill whatever still runs inside the namespaces, delete them (idempotent)."""
+        with self._lock:
+            emulators, self.emulators = self.emulators, []
+            names, self.names = self.names, []
+        for proc in emulators:
+            with contextlib.suppress(Exception):
+                proc.terminate()
+                proc.communicate(timeout=5)
+            with contextlib.suppress(Exception):
+                proc.kill()
+        for name in reversed(names):
+            with contextlib.suppress(Exception):
+                pids = subprocess.run(
+                    ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10, check=False
+                ).stdout.split()
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30, check=False)

@@ -1,0 +1,92 @@
+"""experiments/wan: the userspace link emulator over TUN devices between network namespaces, measured from inside
+the namespaces with real UDP and TCP (experiments/wan/probe.py): round-trip time from the peers' delays, a TCP
+upload held to the sender's uplink, random loss at its rate, jitter without reordering, and bad flags refused.
+Needs root and /dev/net/tun (the skip says so otherwise)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import linkem
+import pytest
+import wan_net
+
+WAN = Path(__file__).resolve().parents[1] / "experiments" / "wan"
+PORT = 9000
+LINKS = [
+    wan_net.Link(up="20mbit", down="20mbit", delay_ms=10),
+    wan_net.Link(up="50mbit", down="50mbit", delay_ms=15),
+    wan_net.Link(delay_ms=5, loss=0.1),
+    wan_net.Link(delay_ms=10, jitter_ms=4),
+]
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[Any]:
+    reason = wan_net.WanNet.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"emulated WAN unavailable: {reason}")
+    network = wan_net.WanNet(LINKS)
+    try:
+        network.setup()
+        server = subprocess.Popen(
+            network.exec_argv(1, [sys.executable, str(WAN / "probe.py"), "serve", str(PORT)]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert server.stdout is not None and "serving" in server.stdout.readline()
+        yield network
+        server.kill()
+        server.wait(timeout=10)
+    finally:
+        network.teardown()
+
+
+def _probe(net: Any, peer: int, *args: str) -> dict[str, Any]:
+    argv = [sys.executable, str(WAN / "probe.py"), *args]
+    out = subprocess.run(net.exec_argv(peer, argv), capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_round_trips_take_both_peers_delays_and_a_transfer_runs_at_the_senders_uplink(net: Any) -> None:
+    """Peer 0 (10 ms, 20 Mbit/s) to peer 1 (15 ms, 50 Mbit/s): 2 (10 + 15) = 50 ms a round trip, never less, and
+    the fastest of 20 within a few ms of it (what comes on top is the emulators' and the probes' wake-ups, which a
+    loaded machine stretches: experiments/wan/bench_link.py measures them); a 3 s TCP upload at most 20 Mbit/s, and
+    most of it after the slow start (IP and TCP headers take 3.5% of 1500-byte packets)."""
+    rtts = _probe(net, 0, "rtt", net.host(1), str(PORT), "--count", "20")["rtt_ms"]
+    assert len(rtts) == 20 and 50.0 <= min(rtts) < 58.0, rtts
+    assert statistics.median(rtts) < 100.0, rtts  # not twice the delay
+    upload = _probe(net, 0, "send", net.host(1), str(PORT), "--seconds", "3")
+    assert 0.5 * 20 < upload["mbit_s"] <= 20.0, upload
+
+
+def test_loss_drops_packets_at_its_rate_and_jitter_never_reorders(net: Any) -> None:
+    """Peer 2 loses 10% of its packets each way: of 300 datagrams to peer 1, 270 arrive, give or take 4 standard
+    deviations. Peer 3's 4 ms of jitter spreads its round trips (2 (10 + 15) = 50 ms, +-8) without reordering:
+    every echo comes back as sent, so no round trip is lost."""
+    counted = _probe(net, 2, "burst", net.host(1), str(PORT), "--count", "300")
+    assert 250 <= counted["received"] <= 290, counted
+    rtts = _probe(net, 3, "rtt", net.host(1), str(PORT), "--count", "30")
+    assert len(rtts["rtt_ms"]) == 30 and rtts["lost"] == 0
+    assert min(rtts["rtt_ms"]) >= 42.0 and max(rtts["rtt_ms"]) - min(rtts["rtt_ms"]) > 1.0, rtts
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--up", "fast"], "bad rate 'fast'"),
+        (["--loss", "1.5"], "--loss must be in [0, 1)"),
+        (["--delay-ms", "5", "--jitter-ms", "9"], "jitter <= delay"),
+    ],
+)
+def test_bad_link_flags_exit_2_with_the_fix(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        linkem.main(["--peer-ns", "x", "--hub-dev", "t0", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
