@@ -76,6 +76,7 @@ def run_peer(
         round_config=RoundConfig(inner_steps=args.inner_steps, **SELECTORS[selector]),
         averaging_config=AveragingConfig(
             target_group_size=args.target_group_size or None,
+            close_when_expected=args.close_when_expected,
             matchmaking_time=args.matchmaking_time,
             averaging_timeout=args.averaging_timeout,
             request_timeout=30.0,
@@ -227,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="a round starts once this many peers registered (default --num-peers; 0: none, each round waits for "
-        "--matchmaking-time or for the peers the state records expect)",
+        "--matchmaking-time, or with --close-when-expected for the peers the state records expect)",
+    )
+    parser.add_argument(
+        "--close-when-expected",
+        action="store_true",
+        help="AveragingConfig.close_when_expected: a round goes once every expected peer has registered",
     )
     parser.add_argument("--averaging-timeout", type=float, default=120.0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")

@@ -40,6 +40,7 @@ def _matchmakers(dhts: list[hivemind.DHT], run_id: str, matchmaking_time: float)
             matchmaking_time=matchmaking_time,
             target_group_size=None,
             request_timeout=10.0,
+            close_when_expected=True,
         )
         for dht, peer in zip(dhts, PEERS, strict=True)
     ]

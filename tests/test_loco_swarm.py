@@ -144,6 +144,11 @@ def test_three_peers_end_every_round_with_equal_digests(initial_peers: list[str]
 
     record = json.loads(lines[-1])
     assert record["bytes_sent"] > 0 and record["bytes_received"] > 0 and record["num_peers"] == 3
+    # the outer step's time, split: group formation, the all-reduce, the digest check; each measured, within it
+    for line in lines:
+        record = json.loads(line)
+        parts = [record["seconds_matchmaking"], record["seconds_exchange"], record["seconds_digest"]]
+        assert all(part > 0 for part in parts) and sum(parts) <= record["seconds_sync"], record
 
 
 def _clipped(x: torch.Tensor, bar: float) -> torch.Tensor:

@@ -158,11 +158,13 @@ class RoundConfig:
 class AveragingConfig:
     """How a round meets its group, and how long each of its waits on the swarm may take."""
 
-    matchmaking_time: float = field(
-        default=15.0,
+    matchmaking_time: float = field(default=15.0, metadata=_help("Seconds to gather peers for a round."))
+    close_when_expected: bool = field(
+        default=False,
         metadata=_help(
-            "Seconds to gather peers for a round at most; a round goes at once when every peer the state records "
-            "expect has registered (not in round 0)."
+            "Start a round as soon as every peer whose state record says it starts that round has registered (not "
+            "in round 0), instead of waiting out matchmaking_time; a joiner or restarted peer still catching up "
+            "may then sit a round out."
         ),
     )
     target_group_size: int | None = field(

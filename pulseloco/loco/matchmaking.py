@@ -10,11 +10,13 @@ deadline, then a check that every member computed the same group before any payl
    it starts the round from);
 2. registration for the round closes ``matchmaking_time`` after the earliest registration: the members are the
    registrations with ``t`` at or before the close. A peer reads registrations until the close has passed,
-   until ``target_group_size`` members are seen, or, in a running swarm, until every **expected** peer has
-   registered: the peers whose state records say they start this round (they completed the previous one, or
-   repaired to it), when they are two or more and the round is not the run's first (there, peers still starting
-   have published nothing yet; a peer expecting only itself waits for others as before). Every peer reads the
-   same records, so they go alike. A peer that registered after the close sits the round out;
+   until ``target_group_size`` members are seen, or, with ``close_when_expected`` in a running swarm, until
+   every **expected** peer has registered: the peers whose state records say they start this round (they
+   completed the previous one, or repaired to it), when they are two or more and the round is not the run's
+   first (there, peers still starting have published nothing yet; a peer expecting only itself waits for
+   others as before). Every peer reads the same records, so they go alike; a joiner or restarted peer that
+   publishes after the others read them sits the round out. A peer that registered after the close sits the
+   round out;
 3. every member publishes the member list it computed under ``pulseloco:{run_id}:loco:r{r}:view0`` and reads the
    others' lists for at most ``request_timeout``. Equal lists make the group (members that published nothing
    in time are left out: they died or stalled before the round began). If the others agree on a group without
@@ -132,6 +134,7 @@ class Matchmaker:
         matchmaking_time: float,
         target_group_size: int | None,
         request_timeout: float,
+        close_when_expected: bool = False,
         state_ttl: float = 600.0,
         poll_interval: float = 0.05,
     ) -> None:
@@ -141,6 +144,7 @@ class Matchmaker:
         self.client_mode = client_mode
         self.matchmaking_time = matchmaking_time
         self.target_group_size = target_group_size
+        self.close_when_expected = close_when_expected
         self.request_timeout = request_timeout
         self.state_ttl = state_ttl
         self.poll_interval = poll_interval
@@ -243,10 +247,11 @@ class Matchmaker:
 
     def expected_peers(self, round_index: int) -> frozenset[str] | None:
         """The peers whose state records say they start ``round_index``, this peer included; ``None`` (wait for
-        the close) in the run's first round or when no other peer is expected. Read once per round: a peer that
-        publishes later and registers in time is still a member; one that registers after the others went sits
-        the round out (:meth:`_agree`). A lookup that fails reads as no other peer (never raises)."""
-        if round_index == 0:
+        the close) without ``close_when_expected``, in the run's first round or when no other peer is expected.
+        Read once per round: a peer that publishes later and registers in time is still a member; one that
+        registers after the others went sits the round out (:meth:`_agree`). A lookup that fails reads as no
+        other peer (never raises)."""
+        if not self.close_when_expected or round_index == 0:
             return None
         starting = {state.peer_id for state in self.read_states() if state.round == round_index} | {self.peer_id}
         return frozenset(starting) if len(starting) >= 2 else None

@@ -54,6 +54,14 @@ class RoundMetrics:
     """Wall time of the round's inner steps."""
     seconds_sync: float
     """Wall time of the outer step: selection, matchmaking, averaging, digest check, model reset."""
+    seconds_matchmaking: float = 0.0
+    """Part of ``seconds_sync``: forming the round's group (registration, the view check)."""
+    seconds_exchange: float = 0.0
+    """Part of ``seconds_sync``: the all-reduce (pushing parts, waiting for the other members' parts as an owner,
+    fetching the shards' sums)."""
+    seconds_digest: float = 0.0
+    """Part of ``seconds_sync``: after the update, announcing the new state and waiting for the group's states
+    (the digest check), with any repair."""
     loss: float | None
     """Mean of the losses passed to ``step`` during the round, if any."""
     theta_digest: str

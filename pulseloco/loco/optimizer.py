@@ -203,6 +203,7 @@ class PulseLoCo:
         self.ledger = Ledger("")
         self._num_reconciled = 0
         self._num_clipped = 0
+        self._seconds_matchmaking = self._seconds_exchange = 0.0  # this round's, for RoundMetrics
         self._complete = True
         if dht is not None and self.is_main_process:
             if client_mode is None:  # a client-mode DHT holding a relay address can own shards through the relay
@@ -229,6 +230,7 @@ class PulseLoCo:
                 client_mode=client_mode,
                 matchmaking_time=averaging.matchmaking_time,
                 target_group_size=averaging.target_group_size,
+                close_when_expected=averaging.close_when_expected,
                 request_timeout=averaging.request_timeout,
             )
             self.ledger = Ledger(self.averager.peer_id)
@@ -547,13 +549,17 @@ class PulseLoCo:
             )
             return None, 1, indices_K, values_K, payload
         expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
+        started = time.monotonic()
         group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
+        self._seconds_matchmaking = time.monotonic() - started
         if group is None:
             self.residual_N.index_add_(0, indices_K, values_K)  # back to the signal, exactly (below)
             self.ledger.record(self.round, LedgerEntry(None), None)
             return None, 0, indices_K[:0], values_K[:0], None  # sat the round out: in no group
         indices_cpu, values_cpu = indices_K.cpu(), values_K.cpu()
+        started = time.monotonic()
         result = self.averager.all_reduce(group, indices_cpu, values_cpu, value_dtype, self._group_starts)
+        self._seconds_exchange = time.monotonic() - started
         if bool(result.returned_K.any()):
             returned = result.returned_K.to(indices_K.device)
             # A selected entry's residual is 0 (or the BF16 rounding remainder r of the signal s, with the value
@@ -611,6 +617,7 @@ class PulseLoCo:
             self._drop_diverged_round()
         self._num_reconciled = 0
         self._num_clipped = 0
+        self._seconds_matchmaking = self._seconds_exchange = 0.0
         repaired = self._catch_up()  # a repair replaces theta_N by a new tensor; theta_start_N stays as it was
         self._add_pseudo_gradient(theta_start_N, finite)
         del theta_start_N
@@ -639,12 +646,14 @@ class PulseLoCo:
         # A peer that sat the round out (no group) applied nothing: its record must not outvote the peers that
         # averaged (three peers left out would otherwise make two that averaged download the stale state).
         self._complete = result.complete if result is not None else self.averager is None
+        digest_started = time.monotonic()
         if self.averager is not None and self.matchmaker is not None:
             self._record_round(round_index, num_peers, result)
             self._publish()
             waiting = set(result.live_peers) - {str(self.peer_id)} if result is not None else set()
             states = self.matchmaker.wait_for_states(self.round, waiting, self.digest_timeout)
             repaired = self._catch_up(states) or repaired
+        seconds_digest = time.monotonic() - digest_started
         self.placement.broadcast(self.theta_N)
         digest = theta_digest(self.theta_N)
         metrics = RoundMetrics(
@@ -659,6 +668,9 @@ class PulseLoCo:
             bytes_received=result.bytes_received if result is not None else 0,
             seconds_inner=seconds_inner,
             seconds_sync=time.monotonic() - start,
+            seconds_matchmaking=self._seconds_matchmaking,
+            seconds_exchange=self._seconds_exchange,
+            seconds_digest=seconds_digest,
             loss=sum(self._losses) / len(self._losses) if self._losses else None,
             theta_digest=digest,
             repaired=repaired,
