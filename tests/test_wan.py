@@ -93,3 +93,24 @@ def test_bad_link_flags_exit_2_with_the_fix(flags: list[str], message: str, caps
         linkem.main(["--peer-ns", "x", "--hub-dev", "t0", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_pulseloco_swarm_over_the_emulated_links_reports_utilization_and_the_round_split(net: Any) -> None:
+    """experiments/wan/swarm.py end to end: a bootstrap and three trainers in namespaces 40 ms apart at 100 Mbit/s,
+    real hivemind over the emulated links; every round one group of three on one theta, the outer step split into
+    matchmaking, exchange and digest check, and from round 1 on the group goes once the expected peers registered
+    (``--close-when-expected``: well under the 20 s matchmaking_time). Its own namespaces; ``net`` only skips it
+    where a WAN cannot be built."""
+    import swarm
+
+    argv = ["--peers", "3", "--rtt-ms", "40", "--rounds", "3", "--inner-steps", "3", "--step-seconds", "0.2"]
+    argv += ["--width", "128", "--matchmaking-time", "20", "--close-when-expected", "--timeout", "280"]
+    args = swarm.build_parser().parse_args(argv)
+    result = swarm.run(args)
+    rounds = result["per_round"]
+    assert [r["round"] for r in rounds] == [0, 1, 2]
+    assert all(r["group_sizes"] == [3] and r["digests"] == 1 for r in rounds), rounds
+    assert all(r["seconds_matchmaking"] < 10.0 for r in rounds[1:]), rounds
+    assert all(r["seconds_exchange"] > 0.0 and r["seconds_digest"] > 0.0 for r in rounds), rounds
+    assert all(p["finished"] and 0.0 < p["utilization"] < 1.0 for p in result["per_peer"]), result["per_peer"]
+    assert all(p["bytes_sent_per_round"] > 0 and p["bytes_received_per_round"] > 0 for p in result["per_peer"])

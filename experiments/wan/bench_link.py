@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
 from wan_net import Link, WanNet
 
 PROBE = Path(__file__).resolve().parent / "probe.py"

@@ -6,11 +6,13 @@
     ["ip", "netns", "exec", net.peer_ns(i), ...] # a command inside peer i's namespace, reachable at net.host(i)
     net.teardown()                               # stops the emulators, kills what runs inside, deletes it all
 
-Peer ``i`` has address 10.78.0.(10+i) on ``tun0``, its only route; in the hub, TUN ``t<i>`` routes to it. Between
+Peer ``i`` has address 10.77.0.(10+i) on ``tun0``, its only route; in the hub, TUN ``t<i>`` routes to it. Between
 peers A and B the round-trip time is ``2 (delay(A) + delay(B))`` and a transfer from A to B runs at most at
 ``min(up(A), down(B))``. Nothing is configured outside the namespaces created here, so deleting them removes
-everything. Failure behaviour: :meth:`WanNet.setup` raises RuntimeError naming the command or emulator that
-failed, leaving what exists to :meth:`WanNet.teardown` (idempotent, never raises).
+everything. The namespaces, addresses and teardown are :class:`harness.netns.NetNS`'s (scripts/harness: a
+program puts ``scripts/`` on ``sys.path`` before importing this module); the links are these. Failure behaviour:
+:meth:`WanNet.setup` raises RuntimeError naming the command or emulator that failed, leaving what exists to
+:meth:`WanNet.teardown` (idempotent, never raises).
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-SUBNET = "10.78.0"
-FIRST_HOST_INDEX = 10
+from harness.netns import NetNS, run_command
+
 LINKEM = Path(__file__).resolve().parent / "linkem.py"
 READY_TIMEOUT_S = 20.0
 
@@ -51,14 +52,7 @@ class Link:
         ]  # fmt: skip
 
 
-def _run(cmd: list[str]) -> None:
-    """Run one ``ip``/``sysctl`` command; raises RuntimeError with its stderr when it fails (30 s bound)."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {proc.stderr.strip() or proc.returncode}")
-
-
-class WanNet:
+class WanNet(NetNS):
     """Namespaces and emulated links for ``links`` (one per peer); see the module docstring."""
 
     def __init__(self, links: list[Link], *, mtu: int = 1500, prefix: str = "plwan", seed: int = 0) -> None:
@@ -66,14 +60,11 @@ class WanNet:
             raise ValueError("a WAN needs at least one peer link")
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be in [576, 65535], got {mtu}")
+        super().__init__(len(links), rate="emulated", prefix=prefix)
         self.links = list(links)
         self.mtu = mtu
         self.seed = seed
-        self.prefix = f"{prefix}{os.getpid() % 100000}"
-        self.hub = f"{self.prefix}h"
-        self.names: list[str] = []
         self.emulators: list[subprocess.Popen[str]] = []
-        self._lock = threading.Lock()
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -84,37 +75,19 @@ class WanNet:
             return "needs /dev/net/tun (TUN devices)"
         return None
 
-    def peer_ns(self, index: int) -> str:
-        """The name of peer ``index``'s namespace."""
-        return f"{self.prefix}p{index}"
-
-    def host(self, index: int) -> str:
-        """Peer ``index``'s address."""
-        return f"{SUBNET}.{FIRST_HOST_INDEX + index}"
-
-    def exec_argv(self, index: int, argv: list[str]) -> list[str]:
-        """``argv`` run inside peer ``index``'s namespace."""
-        return ["ip", "netns", "exec", self.peer_ns(index), *argv]
-
-    def _add_ns(self, name: str) -> None:
-        _run(["ip", "netns", "add", name])
-        with self._lock:
-            self.names.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
-
     def setup(self) -> None:
         """Create the hub and the peers' namespaces, their TUN devices and routes, and start one emulator per
         peer; returns once every emulator has opened its devices. Raises RuntimeError."""
         self._add_ns(self.hub)
-        _run(["ip", "netns", "exec", self.hub, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
+        run_command(["ip", "netns", "exec", self.hub, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         for i in range(len(self.links)):
             ns, hub_dev = self.peer_ns(i), f"t{i}"
             self._add_ns(ns)
             for where, dev in ((ns, "tun0"), (self.hub, hub_dev)):
-                _run(["ip", "-n", where, "tuntap", "add", "dev", dev, "mode", "tun"])
-                _run(["ip", "-n", where, "link", "set", dev, "mtu", str(self.mtu), "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "tun0"])
-            _run(["ip", "-n", self.hub, "route", "add", f"{self.host(i)}/32", "dev", hub_dev])
+                run_command(["ip", "-n", where, "tuntap", "add", "dev", dev, "mode", "tun"])
+                run_command(["ip", "-n", where, "link", "set", dev, "mtu", str(self.mtu), "up"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "tun0"])
+            run_command(["ip", "-n", self.hub, "route", "add", f"{self.host(i)}/32", "dev", hub_dev])
         for i, link in enumerate(self.links):
             argv = [sys.executable, str(LINKEM), "--peer-ns", self.peer_ns(i), "--hub-dev", f"t{i}"]
             argv += [*link.argv(), "--seed", str(self.seed + i)]
@@ -143,23 +116,13 @@ class WanNet:
             raise RuntimeError(f"link emulator of peer {index} did not start: {err.strip() or 'no ready line'}")
 
     def teardown(self) -> None:
-        """Stop the emulators, kill whatever still runs inside the namespaces, delete them (idempotent)."""
+        """Stop the emulators, then :meth:`NetNS.teardown`: kill what still runs inside, delete the namespaces."""
         with self._lock:
             emulators, self.emulators = self.emulators, []
-            names, self.names = self.names, []
         for proc in emulators:
             with contextlib.suppress(Exception):
                 proc.terminate()
                 proc.communicate(timeout=5)
             with contextlib.suppress(Exception):
                 proc.kill()
-        for name in reversed(names):
-            with contextlib.suppress(Exception):
-                pids = subprocess.run(
-                    ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10, check=False
-                ).stdout.split()
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30, check=False)
+        super().teardown()

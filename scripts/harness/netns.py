@@ -26,7 +26,7 @@ SUBNET = "10.77.0"
 FIRST_HOST_INDEX = 10
 
 
-def _run(cmd: list[str]) -> None:
+def run_command(cmd: list[str]) -> None:
     """Run one ``ip``/``tc`` command; raises RuntimeError with its stderr when it fails (30 s bound)."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
     if proc.returncode != 0:
@@ -71,28 +71,29 @@ class NetNS:
         return ["ip", "netns", "exec", self.peer_ns(index), *argv]
 
     def _add_ns(self, name: str) -> None:
-        _run(["ip", "netns", "add", name])
+        run_command(["ip", "netns", "add", name])
         self.names.append(name)
-        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        run_command(["ip", "-n", name, "link", "set", "lo", "up"])
 
     def setup(self) -> None:
         """Create the hub, the peers' namespaces and their limited links; raises RuntimeError (or
         subprocess.TimeoutExpired) on the first command that fails, leaving what exists to :meth:`teardown`."""
         tbf = ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
         self._add_ns(self.hub)
-        _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
-        _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+        run_command(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
+        run_command(["ip", "-n", self.hub, "link", "set", "br0", "up"])
         for i in range(self.num_peers):
             ns = self.peer_ns(i)
             self._add_ns(ns)
             hub_end = f"v{i}"
-            _run(["ip", "-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", "eth0", "netns", ns])
-            _run(["ip", "-n", self.hub, "link", "set", hub_end, "master", "br0"])
-            _run(["ip", "-n", self.hub, "link", "set", hub_end, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", hub_end, "root", *tbf])
-            _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf])
+            veth = ["ip", "-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", "eth0", "netns", ns]
+            run_command(veth)
+            run_command(["ip", "-n", self.hub, "link", "set", hub_end, "master", "br0"])
+            run_command(["ip", "-n", self.hub, "link", "set", hub_end, "up"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "eth0"])
+            run_command(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            run_command(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", hub_end, "root", *tbf])
+            run_command(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf])
         # the bridge needs a moment to forward; check the path from the first peer to the last
         for _ in range(50):
             probe = subprocess.run(

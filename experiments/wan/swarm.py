@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""A PULSELoCo swarm over emulated internet links: a bootstrap node and ``--peers`` trainers, each in its own
+network namespace behind its own link (experiments/wan/wan_net.py: rate, delay, jitter, loss), real hivemind over
+real TCP. Reports per peer the compute utilization (inner-step seconds over the run's wall time) and the bytes
+sent and received, and per round the group sizes and how the outer step's time splits (matchmaking, exchange,
+digest check), with whether every peer ended each round on one theta.
+
+    python experiments/wan/swarm.py --peers 16 --rate 100mbit --rtt-ms 100 [--json out.json]   # as root
+
+Every peer has the same link: ``--rate`` each way and a one-way delay of ``--rtt-ms / 4`` per direction, so two
+peers are ``--rtt-ms`` apart; ``--lossy N`` gives the last N peers ``--loss``. The trainers are experiments/wan/
+wan_peer.py: a small MLP whose inner steps are padded to ``--step-seconds`` (the scaling: the exchange's bytes
+follow the model's size, the compute time the padding). Failure behaviour: exits 1 with the reason when the
+WAN cannot be built or a peer fails or runs past ``--timeout``; the namespaces and processes are removed either
+way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+from wan_net import Link, WanNet
+
+PEER = Path(__file__).resolve().parent / "wan_peer.py"
+
+
+def start_bootstrap(net: WanNet) -> tuple[subprocess.Popen[str], list[str]]:
+    """The bootstrap DHT node in namespace 0 and its multiaddrs; raises RuntimeError if it prints none in 120 s."""
+    proc = subprocess.Popen(
+        net.exec_argv(0, [sys.executable, str(PEER), "bootstrap", "--host", net.host(0)]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    timer = threading.Timer(120.0, proc.kill)
+    timer.start()
+    try:
+        line = proc.stdout.readline() if proc.stdout is not None else ""
+    finally:
+        timer.cancel()
+    try:
+        return proc, list(json.loads(line)["maddrs"])
+    except (ValueError, KeyError, TypeError):
+        proc.kill()
+        raise RuntimeError(f"the bootstrap node printed no address: {line!r}") from None
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """A peer's RoundMetrics lines and its summary line (None if it did not finish)."""
+    rounds, summary = [], None
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if "summary" in record:
+                summary = record["summary"]
+            else:
+                rounds.append(record)
+    return rounds, summary
+
+
+def report(peers: list[tuple[list[dict[str, Any]], dict[str, Any] | None]], args: argparse.Namespace) -> dict:
+    """Per peer utilization and bytes, per round group sizes, digests and the time split (medians over peers)."""
+    per_peer = []
+    for i, (rounds, summary) in enumerate(peers):
+        inner = sum(r["seconds_inner"] for r in rounds)
+        wall = summary["wall_s"] if summary else float("nan")
+        per_peer.append(
+            {
+                "peer": i,
+                "finished": summary is not None,
+                "utilization": inner / wall if summary else None,
+                "bytes_sent_per_round": statistics.mean(r["bytes_sent"] for r in rounds) if rounds else 0,
+                "bytes_received_per_round": statistics.mean(r["bytes_received"] for r in rounds) if rounds else 0,
+            }
+        )
+    per_round = []
+    for k in range(args.rounds):
+        records = [r for rounds, _ in peers for r in rounds if r["round"] == k]
+        if not records:
+            continue
+        per_round.append(
+            {
+                "round": k,
+                "group_sizes": sorted({r["num_peers"] for r in records}),
+                "digests": len({r["theta_digest"] for r in records}),
+                **{
+                    name: statistics.median(r.get(name, 0.0) for r in records)
+                    for name in ("seconds_sync", "seconds_matchmaking", "seconds_exchange", "seconds_digest")
+                },
+            }
+        )
+    utilizations = [p["utilization"] for p in per_peer if p["utilization"] is not None]
+    return {
+        "utilization_median": statistics.median(utilizations) if utilizations else None,
+        "utilization_min": min(utilizations) if utilizations else None,
+        "per_peer": per_peer,
+        "per_round": per_round,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    delay = args.rtt_ms / 4
+    link = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay))
+    lossy = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay), loss=args.loss)
+    links = [link] + [lossy if i >= args.peers - args.lossy else link for i in range(args.peers)]
+    net = WanNet(links, mtu=args.mtu, prefix="plsw")
+    workdir = Path(tempfile.mkdtemp(prefix="pulseloco-wan-"))
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        net.setup()
+        bootstrap, maddrs = start_bootstrap(net)
+        procs.append(bootstrap)
+        flags = ["--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps)]
+        flags += ["--step-seconds", str(args.step_seconds), "--width", str(args.width), "--depth", str(args.depth)]
+        flags += ["--selector", args.selector, "--exchange", args.exchange, "--run-id", "wan"]
+        flags += ["--matchmaking-time", str(args.matchmaking_time)]
+        flags += ["--target-group-size", str(args.target_group_size)]
+        flags += ["--close-when-expected"] if args.close_when_expected else []
+        logs = []
+        for i in range(args.peers):
+            argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
+            argv += ["--metrics", str(workdir / f"peer{i}.jsonl"), "--seed", str(i), *flags]
+            log = (workdir / f"peer{i}.log").open("w")
+            logs.append(log)
+            procs.append(subprocess.Popen(net.exec_argv(1 + i, argv), stdout=log, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + args.timeout
+        for i, proc in enumerate(procs[1:]):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"peer {i} ran past --timeout {args.timeout:.0f} s (logs in {workdir})") from None
+            if code != 0:
+                raise RuntimeError(f"peer {i} exited {code}: {(workdir / f'peer{i}.log').read_text()[-2000:]}")
+        result = report([read_metrics(workdir / f"peer{i}.jsonl") for i in range(args.peers)], args)
+        result["config"] = {k: v for k, v in vars(args).items() if k != "json"}
+        result["numel"] = args.depth * args.width * (args.width + 1) + args.width + 1
+        return result
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        net.teardown()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=16)
+    parser.add_argument("--rate", default="100mbit", help="each peer's link, each way (0: unlimited)")
+    parser.add_argument("--rtt-ms", type=float, default=100.0, help="round-trip time between two peers")
+    parser.add_argument("--jitter-ms", type=float, default=0.0)
+    parser.add_argument("--lossy", type=int, default=0, help="the last N peers lose --loss of their packets")
+    parser.add_argument("--loss", type=float, default=0.005)
+    parser.add_argument("--mtu", type=int, default=1500)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--inner-steps", type=int, default=8)
+    parser.add_argument("--step-seconds", type=float, default=0.5)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=2)
+    parser.add_argument("--selector", default="pulse")
+    parser.add_argument("--exchange", default="auto")
+    parser.add_argument("--matchmaking-time", type=float, default=15.0)
+    parser.add_argument("--target-group-size", type=int, default=0, help="0: none (the default matchmaking)")
+    parser.add_argument(
+        "--close-when-expected", action="store_true", help="a round goes once every expected peer has registered"
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--json", metavar="PATH")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.peers < 2 or not 0 <= args.lossy <= args.peers:
+        parser.error("--peers must be at least 2 and --lossy between 0 and --peers")
+    reason = WanNet.unavailable_reason()
+    if reason is not None:
+        print(f"swarm.py: error: {reason}", file=sys.stderr)
+        return 1
+    try:
+        result = run(args)
+    except RuntimeError as exc:
+        print(f"swarm.py: error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: v for k, v in result.items() if k != "per_peer"}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""One process of the WAN swarm (experiments/wan/swarm.py), run inside its peer's namespace.
+
+    wan_peer.py bootstrap --host IP                      # a DHT node; prints its multiaddr, runs until killed
+    wan_peer.py train --host IP --initial-peers MADDR --metrics PATH [options]
+
+``train`` is a PULSELoCo trainer of a small MLP on synthetic regression batches (the model's size sets the
+exchange's bytes; each inner step is padded with a sleep to ``--step-seconds``, the compute time of a larger
+model's step): it runs ``--rounds`` outer rounds of ``--inner-steps`` steps, writes one RoundMetrics line per round
+to ``--metrics`` and at the end a line ``{"summary": ...}`` with its wall time and final digest.
+
+Failure behaviour: exits 1 with one line when it cannot join the DHT (hivemind's own timeout) and 2 for bad flags;
+every wait on the swarm is PulseLoCo's, each with its timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+import hivemind
+
+
+def bootstrap(host: str) -> int:
+    """A DHT node at ``host``: prints its multiaddrs as JSON, then serves until SIGTERM or SIGINT."""
+    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+    print(json.dumps({"maddrs": [str(a) for a in dht.get_visible_maddrs()]}), flush=True)
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    dht.shutdown()
+    return 0
+
+
+def make_model(width: int, depth: int, seed: int) -> Any:
+    """The MLP: ``depth`` square layers of ``width`` with GELU, and a linear head; the same weights for a seed."""
+    import torch
+
+    torch.manual_seed(seed)
+    layers: list[Any] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def train(args: argparse.Namespace) -> int:
+    """The trainer (module docstring); imports torch and pulseloco here, so that a bootstrap starts quickly."""
+    import torch
+
+    from pulseloco import PulseLoCo
+    from pulseloco.loco import AveragingConfig, RoundConfig
+
+    logging.basicConfig(level=logging.WARNING, format=f"peer {args.host} %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(1)
+    try:
+        dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
+    except Exception as exc:  # hivemind raises plain exceptions when the daemon cannot reach its initial peers
+        print(f"wan_peer.py: error: cannot join the DHT through {args.initial_peers}: {exc}", file=sys.stderr)
+        return 1
+    model = make_model(args.width, args.depth, seed=0)  # every peer starts from the same weights
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = PulseLoCo(
+        model,
+        inner,
+        dht=dht,
+        run_id=args.run_id,
+        round_config=RoundConfig(inner_steps=args.inner_steps, selector=args.selector),
+        averaging_config=AveragingConfig(
+            matchmaking_time=args.matchmaking_time,
+            target_group_size=args.target_group_size or None,
+            close_when_expected=args.close_when_expected,
+            averaging_timeout=args.averaging_timeout,
+            request_timeout=args.request_timeout,
+            exchange=args.exchange,
+        ),
+        metrics_path=args.metrics,
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
+    started = time.monotonic()
+    while opt.round < args.rounds:
+        step_start = time.monotonic()
+        x = torch.randn(args.batch, args.width, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), x @ target)
+        loss.backward()
+        time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_start)))
+        opt.step(loss=loss)
+        opt.zero_grad()
+    wall = time.monotonic() - started
+    summary = {"wall_s": wall, "round": opt.round, "numel": opt.numel, "host": args.host}
+    with open(args.metrics, "a") as out:
+        out.write(json.dumps({"summary": summary}) + "\n")
+    time.sleep(args.linger)  # serve the last round's sums and state to slower peers
+    opt.shutdown()
+    dht.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    boot = sub.add_parser("bootstrap")
+    boot.add_argument("--host", required=True)
+    peer = sub.add_parser("train")
+    peer.add_argument("--host", required=True, help="this peer's address (its namespace's)")
+    peer.add_argument("--initial-peers", nargs="+", required=True)
+    peer.add_argument("--metrics", required=True, help="RoundMetrics JSON lines, then a summary line")
+    peer.add_argument("--run-id", default="wan")
+    peer.add_argument("--rounds", type=int, default=4)
+    peer.add_argument("--inner-steps", type=int, default=8)
+    peer.add_argument("--step-seconds", type=float, default=0.5, help="each inner step padded to this")
+    peer.add_argument("--width", type=int, default=1024, help="MLP width (depth x width^2 parameters)")
+    peer.add_argument("--depth", type=int, default=2)
+    peer.add_argument("--batch", type=int, default=16)
+    peer.add_argument("--lr", type=float, default=1e-3)
+    peer.add_argument("--seed", type=int, default=0)
+    peer.add_argument("--selector", default="pulse")
+    peer.add_argument("--exchange", default="auto")
+    peer.add_argument("--matchmaking-time", type=float, default=15.0)
+    peer.add_argument("--target-group-size", type=int, default=0, help="0: none (the default matchmaking)")
+    peer.add_argument("--close-when-expected", action="store_true", help="AveragingConfig.close_when_expected")
+    peer.add_argument("--averaging-timeout", type=float, default=60.0)
+    peer.add_argument("--request-timeout", type=float, default=10.0)
+    peer.add_argument("--linger", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    if args.command == "bootstrap":
+        return bootstrap(args.host)
+    return train(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
