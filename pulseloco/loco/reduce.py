@@ -162,7 +162,7 @@ class TileMap:
         return begin + first_row * cols, begin + min(rows, first_row + self.chunk) * cols
 
     def _row_before(self, start: int) -> tuple[int, int]:
-        """The entries of ``start``'s tile row before it (none at a row boundary or the first entry)."""
+        """The entries of ``start``'s tile row before it (none where that tile row begins at ``start``)."""
         return (self._tile_row(start)[0], start) if start > 0 else (0, 0)
 
     def _row_after(self, end: int) -> tuple[int, int]:
