@@ -22,6 +22,8 @@ import torch
 import xxhash
 import zstandard
 
+from pulseloco.codec.frame import FLAG_HEADER_ZSTD, header_text
+
 PREFIX = struct.Struct("<4sHHI")
 CHECKSUM_BYTES = 8
 
@@ -138,7 +140,8 @@ class Frame:
     def parse(cls, payload: bytes) -> Frame:
         magic, fmt, flags, header_len = PREFIX.unpack_from(payload)
         start = PREFIX.size + header_len
-        header = json.loads(payload[PREFIX.size : start])
+        header = json.loads(header_text(payload[PREFIX.size : start], flags))
+        flags &= ~FLAG_HEADER_ZSTD  # re-assembled with the header as plain JSON
         idx_size = header["index_section"]["size"]
         val_size = header["value_section"]["size"]
         index_stored = payload[start : start + idx_size]

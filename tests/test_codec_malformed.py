@@ -6,6 +6,7 @@ checksum does not catch them and the deeper validation (sizes, indices, header f
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import numpy as np
@@ -27,7 +28,7 @@ from codec_helpers import (
 )
 
 from pulseloco.codec import DEFAULT_MAX_ELEMENTS, SparseTensor, decode_payload, encode_payload, peek_header
-from pulseloco.codec.frame import READABLE_FORMATS
+from pulseloco.codec.frame import FLAG_HEADER_ZSTD, READABLE_FORMATS, header_text
 from pulseloco.errors import (
     BadMagicError,
     ChecksumError,
@@ -218,7 +219,7 @@ def test_wrong_magic(magic: bytes) -> None:
     assert_rejected(frame.assemble(), BadMagicError, "not a pulseloco payload")
 
 
-@pytest.mark.parametrize("fmt", [0, 1, 4, 255, 65535])
+@pytest.mark.parametrize("fmt", [0, 1, 5, 255, 65535])
 def test_unknown_format_version(fmt: int) -> None:
     frame = _frame()
     frame.fmt = fmt
@@ -229,6 +230,55 @@ def test_unknown_format_version(fmt: int) -> None:
 def test_huge_header_len_is_refused_before_reading(header_len: int) -> None:
     frame = _frame()
     assert_rejected(frame.assemble(header_len=header_len), PayloadSizeError, "header of")
+
+
+def test_headers_travel_compressed_and_read_back() -> None:
+    payload = _payload()
+    frame = Frame.parse(payload)
+    assert int.from_bytes(payload[6:8], "little") == FLAG_HEADER_ZSTD
+    stored = int.from_bytes(payload[8:12], "little")
+    assert stored < len(frame.header_json()) / 2
+    assert json.loads(header_text(payload[12 : 12 + stored], FLAG_HEADER_ZSTD)) == frame.header
+    # the same frame with its header as plain JSON (flag clear) reads the same
+    plain = frame.assemble()
+    assert int.from_bytes(plain[6:8], "little") == 0
+    assert peek_header(plain).tensors == peek_header(payload).tensors
+
+
+@pytest.mark.parametrize("flags", [2, 0x8000, FLAG_HEADER_ZSTD | 4])
+def test_unknown_flags_are_refused(flags: int) -> None:
+    frame = _frame()
+    frame.flags = flags
+    assert_rejected(frame.assemble(), PayloadError, "flags")
+
+
+def _compressed(frame: Frame, stored: bytes) -> bytes:
+    """``frame`` with ``stored`` as its compressed header (flag set) and a correct checksum."""
+    frame.flags = FLAG_HEADER_ZSTD
+    return frame.assemble(header_json=stored)
+
+
+@pytest.mark.parametrize(
+    ("stored", "error", "match"),
+    [
+        (zstd_frame_declaring((16 << 20) + 1), PayloadSizeError, "declares"),
+        (zstd_frame_declaring(40), PayloadError, "corrupt compressed header"),
+        (zstandard.ZstdCompressor(write_content_size=False).compress(b"{}"), PayloadSizeError, "declares"),
+        (b"not zstd at all", PayloadError, "not a zstd frame"),
+        (zstandard.ZstdCompressor().compress(b"{not json"), PayloadError, "not valid JSON"),
+    ],
+    ids=["bomb", "short", "no-size", "garbage", "not-json"],
+)
+def test_bad_compressed_headers_are_refused(stored: bytes, error: type[PayloadError], match: str) -> None:
+    assert_rejected(_compressed(_frame(), stored), error, match)
+
+
+def test_a_compressed_header_is_never_read_past_its_limit() -> None:
+    frame = _frame()
+    bomb = zstandard.ZstdCompressor().compress(b" " * ((16 << 20) + 1))  # 16 MiB of spaces: a few hundred bytes
+    payload = _compressed(frame, bomb)
+    with address_space_limit(8 << 20):
+        assert_rejected(payload, PayloadSizeError, "declares")
 
 
 @pytest.mark.parametrize("delta", [-1, 1, 1000])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_helpers import Frame
 
 from pulseloco.codec import decode_payload, encode_payload, peek_header
 from pulseloco.codec.frame import SparseTensor
@@ -97,25 +98,16 @@ def test_lut_refuses_unquantized_values_and_malformed_bytes() -> None:
     [("groups", [2, 2], "add up"), ("groups", [0, 3], "positive"), ("bits", 3, "bits"), ("groups", None, "groups")],
 )
 def test_frame_header_of_a_lut_tensor_is_checked(field: str, value: object, message: str) -> None:
-    import json
-    import struct
-
-    import xxhash
-
     frame = encode_payload(
         [SparseTensor("x", (8,), torch.float32, torch.tensor([1, 2, 5]), torch.tensor([0.5, 0.25, 0.5]), groups=(3,))],
         value_mode="lut",
         version=0,
         base_version=None,
     )
-    magic, fmt, flags, header_len = struct.unpack_from("<4sHHI", frame)
-    header = json.loads(frame[12 : 12 + header_len])
-    header["tensors"][0][field] = value
-    body = json.dumps(header, separators=(",", ":")).encode()
-    rest = frame[12 + header_len : -8]
-    forged = struct.pack("<4sHHI", magic, fmt, flags, len(body)) + body + rest
+    parsed = Frame.parse(frame)
+    parsed.tensors[0][field] = value
     with pytest.raises(PayloadError, match=message):
-        decode_payload(forged + xxhash.xxh3_64_digest(forged))
+        decode_payload(parsed.assemble())
 
 
 def test_a_lut_frame_is_refused_where_another_tensor_is_expected() -> None:
