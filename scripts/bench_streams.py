@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--read-delay", type=float, default=0.02, help="seconds before reading a reply (0.02)")
     parser.add_argument("--burners", type=int, default=2, help="CPU-spinning processes meanwhile (default 2)")
     parser.add_argument(
-        "--out", type=Path, default=None,
+        "--out",
+        type=Path,
+        default=None,
         help="output directory (default: a new folder experiments/benchmarks/results/bench-streams-ASKERSaskers-STAMP)",
     )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
