@@ -314,8 +314,9 @@ def parse_header(raw: bytes) -> dict[str, Any]:
 
 
 def header_message(message_type: Callable[..., M], header: dict[str, Any]) -> M:
-    """One message of ``message_type`` whose ``metadata`` is ``header`` as JSON (a unary request or reply)."""
-    return message_type(metadata=json.dumps(header).encode())
+    """One message of ``message_type`` whose ``metadata`` is ``header`` as compact JSON (no spaces: a peer of a
+    group of R sends some 4R headers a round), a unary request or reply."""
+    return message_type(metadata=json.dumps(header, separators=(",", ":")).encode())
 
 
 def stream_messages(

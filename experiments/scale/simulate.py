@@ -388,7 +388,7 @@ def chunk_messages(size: int, chunk: int = CHUNK_BYTES) -> tuple[int, int]:
 
 def header_bytes(header: dict[str, Any]) -> int:
     """``ByteSize()`` of :func:`pulseloco.p2p.header_message` of ``header``."""
-    return metadata_message_bytes(len(json.dumps(header).encode()))
+    return metadata_message_bytes(len(json.dumps(header, separators=(",", ":")).encode()))
 
 
 def peer_ids(count: int) -> list[str]:
@@ -594,7 +594,7 @@ def wire_bytes(
             total = sum(column)
             header = compact_header({**header, "size": total}, ids)
             header["parts"] = column
-            text = len(json.dumps(header).encode())
+            text = len(json.dumps(header, separators=(",", ":")).encode())
             chunks = [chunk_messages(size) for size in column]
             chunk_count, chunk_bytes = sum(c[0] for c in chunks), sum(c[1] for c in chunks)
         else:
