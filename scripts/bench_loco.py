@@ -228,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="a round starts once this many peers registered (default --num-peers; 0: none, each round waits for "
-        "--matchmaking-time, or with --close-when-expected for the peers the state records expect)",
+        "--matchmaking-time, or, by default, for the peers the state records expect: --no-close-when-expected)",
     )
     parser.add_argument(
         "--close-when-expected",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="AveragingConfig.close_when_expected: a round goes once every expected peer has registered",
     )
     parser.add_argument("--averaging-timeout", type=float, default=120.0)

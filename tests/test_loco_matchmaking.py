@@ -95,7 +95,8 @@ def test_an_expected_peer_that_does_not_register_is_waited_for_until_the_close(
 ) -> None:
     """A fourth peer's state says it starts round 1 too, but it never registers (it died after publishing): the
     others wait for the close, as without the rule, and form the group of three; in the run's first round,
-    nobody is expected (peers still starting have published nothing) and the close is waited for as well."""
+    nobody is expected (peers still starting have published nothing) and the close is waited for as well. In
+    round 2 its record still says round 1, where it did not register: it costs no second wait."""
     matchmakers = _matchmakers(dhts, "mm-wait", matchmaking_time=4.0)
     ghost = _matchmakers(dhts, "mm-wait", matchmaking_time=4.0)[0]
     ghost.peer_id = "peer-ghost"
@@ -106,4 +107,42 @@ def test_an_expected_peer_that_does_not_register_is_waited_for_until_the_close(
             groups = _form_groups(matchmakers, round_index, timeout=60.0)
             assert all(g is not None and g.members == PEERS for g in groups), (round_index, groups)
             assert get_dht_time() - started >= 4.0  # registration stayed open until the close
-    assert "expected peers registered" not in caplog.text
+        assert "expected peers registered" not in caplog.text
+        _publish_and_wait(matchmakers, 2)
+        groups = _form_groups(matchmakers, 2, timeout=60.0)
+    assert all(g is not None and g.members == PEERS for g in groups), groups
+    assert caplog.text.count("all 3 expected peers registered") == 3
+
+
+def test_a_peer_still_in_the_previous_round_is_waited_for(
+    dhts: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Round 2 with matchmaking_time 300 s: three peers start it; a fourth one's record still says round 1 (it is
+    finishing that round, or downloading the state as a joiner does). It publishes round 2 and registers 3 s into
+    the others' registration: they wait for it (reading the records again), and the group of four goes as soon
+    as it has registered, not at the close."""
+    matchmakers = _matchmakers(dhts, "mm-behind", matchmaking_time=300.0)
+    behind = _matchmakers(dhts, "mm-behind", matchmaking_time=300.0)[0]
+    behind.peer_id = "peer-behind"
+    behind.publish_state(1, "d0")
+    _publish_and_wait(matchmakers, 2)
+    deadline = time.monotonic() + 30.0
+    while not all(any(s.peer_id == "peer-behind" for s in m.read_states()) for m in matchmakers):
+        assert time.monotonic() < deadline, "the fourth peer's record did not reach the others within 30 s"
+        time.sleep(0.1)
+    late: list[Group | None] = []
+
+    def catch_up() -> None:
+        time.sleep(3.0)
+        behind.publish_state(2, "d0")
+        late.append(behind.form_group(2, get_dht_time() + 600.0, "d0"))
+
+    thread = threading.Thread(target=catch_up, daemon=True)
+    thread.start()
+    with caplog.at_level(logging.INFO, logger="pulseloco.loco.matchmaking"):
+        groups = _form_groups(matchmakers, 2, timeout=60.0)
+    thread.join(60.0)
+    assert not thread.is_alive() and late, "the late peer's form_group did not return"
+    everyone = tuple(sorted((*PEERS, "peer-behind")))
+    assert all(g is not None and g.members == everyone for g in [*groups, *late]), (groups, late)
+    assert caplog.text.count("all 4 expected peers registered") == 4  # the late peer too

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flags += ["--selector", args.selector, "--exchange", args.exchange, "--run-id", "wan"]
         flags += ["--matchmaking-time", str(args.matchmaking_time)]
         flags += ["--target-group-size", str(args.target_group_size)]
-        flags += ["--close-when-expected"] if args.close_when_expected else []
+        flags += ["--close-when-expected" if args.close_when_expected else "--no-close-when-expected"]
         logs = []
         for i in range(args.peers):
             argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
@@ -175,7 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--matchmaking-time", type=float, default=15.0)
     parser.add_argument("--target-group-size", type=int, default=0, help="0: none (the default matchmaking)")
     parser.add_argument(
-        "--close-when-expected", action="store_true", help="a round goes once every expected peer has registered"
+        "--close-when-expected",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a round goes once every expected peer has registered",
     )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")

@@ -121,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--exchange", default="auto")
     peer.add_argument("--matchmaking-time", type=float, default=15.0)
     peer.add_argument("--target-group-size", type=int, default=0, help="0: none (the default matchmaking)")
-    peer.add_argument("--close-when-expected", action="store_true", help="AveragingConfig.close_when_expected")
+    peer.add_argument(
+        "--close-when-expected",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="AveragingConfig.close_when_expected",
+    )
     peer.add_argument("--averaging-timeout", type=float, default=60.0)
     peer.add_argument("--request-timeout", type=float, default=10.0)
     peer.add_argument("--linger", type=float, default=10.0)

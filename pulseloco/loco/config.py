@@ -160,11 +160,11 @@ class AveragingConfig:
 
     matchmaking_time: float = field(default=15.0, metadata=_help("Seconds to gather peers for a round."))
     close_when_expected: bool = field(
-        default=False,
+        default=True,
         metadata=_help(
-            "Start a round as soon as every peer whose state record says it starts that round has registered (not "
-            "in round 0), instead of waiting out matchmaking_time; a joiner or restarted peer still catching up "
-            "may then sit a round out."
+            "Start a round as soon as every expected peer has registered (those whose state record says they start "
+            "that round or are still in the previous one, catching up included; not in round 0), instead of "
+            "waiting out matchmaking_time."
         ),
     )
     target_group_size: int | None = field(

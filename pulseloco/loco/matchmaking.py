@@ -11,12 +11,14 @@ deadline, then a check that every member computed the same group before any payl
 2. registration for the round closes ``matchmaking_time`` after the earliest registration: the members are the
    registrations with ``t`` at or before the close. A peer reads registrations until the close has passed,
    until ``target_group_size`` members are seen, or, with ``close_when_expected`` in a running swarm, until
-   every **expected** peer has registered: the peers whose state records say they start this round (they
-   completed the previous one, or repaired to it), when they are two or more and the round is not the run's
-   first (there, peers still starting have published nothing yet; a peer expecting only itself waits for
-   others as before). Every peer reads the same records, so they go alike; a joiner or restarted peer that
-   publishes after the others read them sits the round out. A peer that registered after the close sits the
-   round out;
+   every **expected** peer has registered (:meth:`Matchmaker.expected_peers`): the peers whose state records say
+   they start this round (they completed the previous one, or repaired to it) or the previous one (still in it,
+   or catching up: a joiner's or restarted peer's record says where it got to), except those that were
+   expected in the previous round, did not register, and have not moved since (dead: one wait, not two); when
+   they are two or more and the round is not the run's first (there, peers still starting have published
+   nothing yet; a peer expecting only itself waits for others as before). The records are read again every
+   :data:`STATE_REREAD` seconds while registration is open, so a peer that publishes meanwhile is waited for
+   too. A peer that registered after the close sits the round out;
 3. every member publishes the member list it computed under ``pulseloco:{run_id}:loco:r{r}:view0`` and reads the
    others' lists for at most ``request_timeout``. Equal lists make the group (members that published nothing
    in time are left out: they died or stalled before the round began). If the others agree on a group without
@@ -74,6 +76,9 @@ __all__ = [
 
 VIEW_ATTEMPTS = 3
 """How many times members compare their views of a round's group before sitting the round out."""
+STATE_REREAD = 1.0
+"""Seconds between two reads of the state records while a round's registration is open and some expected peer
+has not registered (``close_when_expected``): a peer that publishes meanwhile is waited for too."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +139,7 @@ class Matchmaker:
         matchmaking_time: float,
         target_group_size: int | None,
         request_timeout: float,
-        close_when_expected: bool = False,
+        close_when_expected: bool = True,
         state_ttl: float = 600.0,
         poll_interval: float = 0.05,
     ) -> None:
@@ -150,6 +155,9 @@ class Matchmaker:
         self.poll_interval = poll_interval
         self.rounds: collections.deque[RoundRecord] = collections.deque(maxlen=MAX_ROUND_RECORDS)
         """This peer's latest rounds, published with its state (:meth:`record_round`)."""
+        self.no_shows: tuple[int, frozenset[str]] = (-1, frozenset())
+        """The last round whose registration closed while some expected peers had not registered, and those peers
+        (:meth:`expected_peers` does not wait for them again unless their state record moved on)."""
 
     # -- DHT helpers -------------------------------------------------------------------------------------
     def _store(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
@@ -217,6 +225,7 @@ class Matchmaker:
         value = {"client": self.client_mode, "t": registered, "digest": digest}
         self._store(self._key(round_index, "peers"), me, value, expiration)
         expected = self.expected_peers(round_index)
+        reread = time.monotonic() + STATE_REREAD
         seen: dict[str, tuple[bool, float, str]] = {me: (self.client_mode, registered, digest)}
         while True:
             seen.update(self._registrations(round_index))
@@ -241,19 +250,36 @@ class Matchmaker:
                 )
                 break
             if get_dht_time() >= closes + self.poll_interval:  # this read started after the close
+                if expected is not None and not expected <= members.keys():
+                    self.no_shows = (round_index, frozenset(expected - members.keys()))
+                    logger.info(
+                        "round=%d: registration closed without %d expected peer(s): %s",
+                        round_index,
+                        len(self.no_shows[1]),
+                        ", ".join(sorted(self.no_shows[1])),
+                    )
                 break
+            if self.close_when_expected and time.monotonic() >= reread:
+                expected, reread = self.expected_peers(round_index), time.monotonic() + STATE_REREAD
             time.sleep(max(0.0, min(self.poll_interval, closes + self.poll_interval - get_dht_time())))
         return self._agree(round_index, members, expiration)
 
     def expected_peers(self, round_index: int) -> frozenset[str] | None:
-        """The peers whose state records say they start ``round_index``, this peer included; ``None`` (wait for
-        the close) without ``close_when_expected``, in the run's first round or when no other peer is expected.
-        Read once per round: a peer that publishes later and registers in time is still a member; one that
-        registers after the others went sits the round out (:meth:`_agree`). A lookup that fails reads as no
-        other peer (never raises)."""
+        """The peers a round's registration waits for, this peer included: those whose state records say they
+        start ``round_index`` or ``round_index - 1`` (still in it, or catching up), less the peers that did not
+        register when last expected (:attr:`no_shows`, the previous round) and whose record has not moved past
+        ``round_index - 1`` since. ``None`` (wait for the close) without ``close_when_expected``, in the run's
+        first round or when no other peer is expected. :meth:`form_group` reads them again every
+        :data:`STATE_REREAD` seconds; a peer that registers after the others went sits the round out
+        (:meth:`_agree`). A lookup that fails reads as no other peer (never raises)."""
         if not self.close_when_expected or round_index == 0:
             return None
-        starting = {state.peer_id for state in self.read_states() if state.round == round_index} | {self.peer_id}
+        last, missing = self.no_shows
+        starting = {self.peer_id}
+        for state in self.read_states():
+            gone = last == round_index - 1 and state.peer_id in missing and state.round < round_index
+            if state.round in (round_index, round_index - 1) and not gone:
+                starting.add(state.peer_id)
         return frozenset(starting) if len(starting) >= 2 else None
 
     def _agree(self, round_index: int, members: dict[str, tuple[bool, str]], expiration: float) -> Group | None:
