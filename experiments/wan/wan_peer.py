@@ -54,6 +54,7 @@ def train(args: argparse.Namespace) -> int:
     from pulseloco.loco import AveragingConfig, RoundConfig
 
     logging.basicConfig(level=logging.WARNING, format=f"peer {args.host} %(name)s %(levelname)s %(message)s")
+    logging.getLogger("pulseloco.loco.matchmaking").setLevel(logging.DEBUG)  # when each round closed, and why
     torch.set_num_threads(1)
     try:
         dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)

@@ -243,9 +243,11 @@ class Matchmaker:
                 break
             if expected is not None and expected <= members.keys():
                 logger.info(
-                    "round=%d: all %d expected peers registered, %.1fs before the close: the group goes now",
+                    "round=%d: all %d expected peers registered, %.1fs after this one and %.1fs before the close: "
+                    "the group goes now",
                     round_index,
                     len(expected),
+                    get_dht_time() - registered,
                     closes - get_dht_time(),
                 )
                 break
@@ -262,7 +264,16 @@ class Matchmaker:
             if self.close_when_expected and time.monotonic() >= reread:
                 expected, reread = self.expected_peers(round_index), time.monotonic() + STATE_REREAD
             time.sleep(max(0.0, min(self.poll_interval, closes + self.poll_interval - get_dht_time())))
-        return self._agree(round_index, members, expiration)
+        started = time.monotonic()
+        group = self._agree(round_index, members, expiration)
+        logger.debug(
+            "round=%d: view check of %d registrations took %.1fs: %s",
+            round_index,
+            len(members),
+            time.monotonic() - started,
+            "no group for this peer" if group is None else f"a group of {len(group.members)}",
+        )
+        return group
 
     def expected_peers(self, round_index: int) -> frozenset[str] | None:
         """The peers a round's registration waits for, this peer included: those whose state records say they
