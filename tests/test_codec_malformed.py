@@ -263,7 +263,7 @@ def _compressed(frame: Frame, stored: bytes) -> bytes:
     [
         (zstd_frame_declaring((16 << 20) + 1), PayloadSizeError, "declares"),
         (zstd_frame_declaring(40), PayloadError, "corrupt compressed header"),
-        (zstandard.ZstdCompressor(write_content_size=False).compress(b"{}"), PayloadSizeError, "declares"),
+        (zstandard.ZstdCompressor(write_content_size=False).compress(b"{}"), PayloadSizeError, "declares no size"),
         (b"not zstd at all", PayloadError, "not a zstd frame"),
         (zstandard.ZstdCompressor().compress(b"{not json"), PayloadError, "not valid JSON"),
     ],

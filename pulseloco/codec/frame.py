@@ -323,7 +323,9 @@ def header_text(stored: bytes, flags: int) -> bytes:
         declared = zstandard.frame_content_size(stored)
     except zstandard.ZstdError as exc:
         raise PayloadError(f"compressed header is not a zstd frame: {exc}") from None
-    if declared < 0 or declared > MAX_HEADER_BYTES:
+    if declared < 0:
+        raise PayloadSizeError("compressed header declares no size: a format 4 frame's header zstd frame must")
+    if declared > MAX_HEADER_BYTES:
         raise PayloadSizeError(f"compressed header declares {declared} bytes; at most {MAX_HEADER_BYTES} are read")
     try:
         text = zstandard.ZstdDecompressor(dict_data=_HEADER_DICT).decompress(
