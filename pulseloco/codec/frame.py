@@ -7,7 +7,7 @@ Layout (all integers little-endian)::
 
 With flag bit 0 set (:data:`FLAG_HEADER_ZSTD`), the ``header_len`` bytes of the header are its JSON as one zstd frame
 (declaring its size) compressed against the format's fixed dictionary of header text (:data:`HEADER_DICTIONARY`);
-the encoder sets it where that is shorter: a frame of the trainers' exchange then carries a 60-70 byte header
+the encoder sets it where that is shorter: a frame of the trainers' exchange then carries a 65-75 byte header
 instead of about 290, and a peer of a group of R sends and receives some 2R frames a round.
 
 The header names every tensor (name, shape, dtype, count, index method and size), the value mode, the
@@ -92,10 +92,11 @@ HEADER_DICTIONARY = (
     b'","shape":[],"dtype":"float32","count":,"index":{"method":"rice","k":5,"size":},"bits":2,"groups":[]}],'
     b'"index_section":{"codec":"raw","raw":,"size":},"value_section":{"codec":"raw","raw":,"size":}}'
 )
-_HEADER_DICT = zstandard.ZstdCompressionDict(HEADER_DICTIONARY, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 #: zstd level for headers: a patch's header of 300 tensors (43 kB of JSON) codes in 0.3 ms to 1.2 kB (level 19:
 #: 11 ms, and larger); an exchange frame's header to about 65 bytes.
 _HEADER_LEVEL = 9
+_HEADER_DICT = zstandard.ZstdCompressionDict(HEADER_DICTIONARY, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+_HEADER_DICT.precompute_compress(level=_HEADER_LEVEL)  # once, not per frame
 _PREFIX = struct.Struct("<4sHHI")
 _CHECKSUM_BYTES = 8
 #: Header JSON above this size is rejected before parsing.
@@ -192,8 +193,11 @@ def _compress(raw: bytes, level: int) -> tuple[bytes, str]:
     return raw, "raw"
 
 
-def _decompress(stored: bytes, codec: str, raw_size: int) -> bytes:
-    """Inverse of :func:`_compress`, bounded: output larger than the declared ``raw_size`` is refused."""
+def _decompress(
+    stored: bytes, codec: str, raw_size: int, dict_data: zstandard.ZstdCompressionDict | None = None
+) -> bytes:
+    """Inverse of :func:`_compress` (``dict_data``: the dictionary it was compressed against), bounded: output
+    larger than the declared ``raw_size`` is refused."""
     if codec == "raw":
         if len(stored) != raw_size:
             raise PayloadSizeError(f"raw section is {len(stored)} bytes, header says {raw_size}")
@@ -207,7 +211,9 @@ def _decompress(stored: bytes, codec: str, raw_size: int) -> bytes:
     if declared != raw_size:
         raise PayloadSizeError(f"zstd frame declares {declared} bytes, header says {raw_size}")
     try:
-        out = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_size, allow_extra_data=False)
+        out = zstandard.ZstdDecompressor(dict_data=dict_data).decompress(
+            stored, max_output_size=raw_size, allow_extra_data=False
+        )
     except zstandard.ZstdError as exc:
         raise PayloadError(f"corrupt zstd section: {exc}") from None
     if len(out) != raw_size:
@@ -328,14 +334,9 @@ def header_text(stored: bytes, flags: int) -> bytes:
     if declared > MAX_HEADER_BYTES:
         raise PayloadSizeError(f"compressed header declares {declared} bytes; at most {MAX_HEADER_BYTES} are read")
     try:
-        text = zstandard.ZstdDecompressor(dict_data=_HEADER_DICT).decompress(
-            stored, max_output_size=declared, allow_extra_data=False
-        )
-    except zstandard.ZstdError as exc:
-        raise PayloadError(f"corrupt compressed header: {exc}") from None
-    if len(text) != declared:
-        raise PayloadSizeError(f"compressed header decompressed to {len(text)} bytes, it declares {declared}")
-    return bytes(text)
+        return _decompress(stored, "zstd", declared, _HEADER_DICT)
+    except PayloadError as exc:
+        raise type(exc)(f"corrupt compressed header: {exc}") from None
 
 
 def _is_int(value: object, minimum: int = 0, maximum: int | None = None) -> TypeGuard[int]:
