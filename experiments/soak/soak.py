@@ -237,15 +237,23 @@ class Soak:
     def swarm_round(self) -> int:
         return max((r["end_round"] for r in self.peer_records()), default=0)
 
-    def pushed(self, member: Member, round_index: int) -> bool:
-        """Whether the current incarnation of ``member`` has written its contribution for ``round_index`` (it
-        pushes it right after; the caller then waits a moment so that the push is on its way)."""
-        id_file = self.out / "ids" / f"{member.name}.{member.incarnation}"
+    def mid_round(self, member: Member, since: int) -> bool:
+        """Whether the current incarnation of ``member`` has written its contribution for a round at or after
+        ``since`` that it has not finished (it pushes it right after; the caller then waits a moment so that the push
+        is on its way). Any such round, not only the swarm's newest: a peer a round behind the others (after a stall
+        or a split) pushes its round when the swarm has moved on, and fast rounds leave no moment when both agree."""
+        name = f"{member.name}.{member.incarnation}"
+        id_file = self.out / "ids" / name
         if not id_file.exists():
             return False
-        return (self.out / "sent" / f"{id_file.read_text()}.{round_index}.npy").exists()
+        finished = {record["round"] for record in read_records(self.out / f"{name}.jsonl")}
+        for path in (self.out / "sent").glob(f"{id_file.read_text()}.*.npy"):
+            round_index = int(path.name.split(".")[1])
+            if round_index >= since and round_index not in finished:
+                return True
+        return False
 
-    def apply(self, event: Event, now_round: int) -> bool:
+    def apply(self, event: Event) -> bool:
         """Do ``event`` if its time has come; returns True once done."""
         member = self.members[event.target]
         if event.action == "start" or event.action == "restart":
@@ -255,12 +263,12 @@ class Soak:
         elif event.action == "kill":
             self.kill(member)
         elif event.action == "kill_after_push":
-            if not self.pushed(member, now_round):
+            if not self.mid_round(member, event.round):
                 return False
             time.sleep(0.3)
             self.kill(member)
         elif event.action.startswith("stall:"):
-            if not self.pushed(member, now_round) or member.proc is None:
+            if not self.mid_round(member, event.round) or member.proc is None:
                 return False
             time.sleep(0.3)
             seconds = float(event.action.split(":")[1])
@@ -357,7 +365,7 @@ class Soak:
             now_round = self.swarm_round()
             for event in events:
                 if not event.done and event.round <= now_round:
-                    event.done = self.apply(event, now_round)
+                    event.done = self.apply(event)
             for peer in peers:
                 if peer.stalled_until is not None and time.monotonic() >= peer.stalled_until and peer.proc:
                     peer.proc.send_signal(signal.SIGCONT)
