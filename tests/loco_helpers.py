@@ -244,7 +244,7 @@ def _record_parts(opt: Any, report: dict[str, Any], dense: bool) -> None:
     round the L2 norm of this peer's part of every shard, every shard's accepted list and clip scales, and (with
     ``dense``) the parts as one dense vector; and, over the run, ``counted``: the sum of what the shards counted of
     this peer's parts (clipped at the reported scales), this peer's own view."""
-    from pulseloco.loco.robust import clip_split
+    from pulseloco.loco.robust import clip_split, part_norm
 
     all_reduce = opt.averager.all_reduce
     counted_N = torch.zeros(opt.numel)
@@ -255,8 +255,8 @@ def _record_parts(opt: Any, report: dict[str, Any], dense: bool) -> None:
         result = all_reduce(group, indices_K, values_K, *args)
         stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
         offsets = [0, *torch.searchsorted(indices_K, stops).tolist()]
-        norms = [float(torch.linalg.vector_norm(values_K[offsets[j] : offsets[j + 1]])) for j in range(len(stops))]
-        for j, scale in enumerate(result.own_scales(opt.averager.peer_id)):
+        norms = [part_norm(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(stops))]
+        for j, scale in enumerate(result.own_scales):
             if scale is not None:
                 part = slice(offsets[j], offsets[j + 1])
                 counted_N.index_add_(0, indices_K[part], clip_split(values_K[part], scale)[0])
@@ -265,7 +265,7 @@ def _record_parts(opt: Any, report: dict[str, Any], dense: bool) -> None:
             "peer_id": opt.averager.peer_id,
             "norms": norms,
             "accepted": [None if a is None else list(a) for a in result.accepted],
-            "scales": [None if s is None else list(s) for s in result.scales],
+            "bars": list(result.bars),
         }
         if dense:
             sent_N = torch.zeros(opt.numel)

@@ -234,7 +234,7 @@ def _expected(
         k = 1 - p  # the other owner's shard (peer p owns shard p)
         base = {"round": round_index, "group": group_id, "shard": k}
         part, served = peek_header(parts[p][k]), peek_header(sums[p])
-        sum_header = {"ok": True, "accepted": sorted(ids), "scales": [1.0, 1.0], "rejected": [], "exchange": "sums"}
+        sum_header = {"ok": True, "accepted": sorted(ids), "rejected": [], "exchange": "sums"}  # no clip: no bar
         sum_header |= {"mean_over": "peers", "size": len(sums[p])}
         sum_header = compact_header(sum_header, sorted(ids))  # as the owner serves it: the accepted bitmask
         push = list(stream_messages(runtime_pb2.ExpertRequest, base, [parts[p][k]], chunk_bytes=CHUNK))

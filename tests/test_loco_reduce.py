@@ -6,6 +6,7 @@ The swarm form (real DHTs, real processes) is in tests/test_loco_swarm.py."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.quantize import ParamLayout
 from pulseloco.loco.reduce import DEFAULT_EXCHANGE_BUDGET, ReduceSpec, TileMap, check_budget, reduce_parts
-from pulseloco.loco.robust import RepeatOutliers
+from pulseloco.loco.robust import RepeatOutliers, part_norm
 from pulseloco.loco.selection import ChunkedSelector
 from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, ShardOwner, ShardSum
 from pulseloco.loco.validation import decode_sparse, encode_sparse
@@ -169,8 +170,10 @@ def test_conservation_in_a_group_of_three_hand_checked() -> None:
         member = _member(peer)
         own = encode_sparse(CONTRIBUTION_NAME, NUMEL, indices_K, values_K, round_index=0)
         results: list[tuple[dict[str, Any], bytes] | None] = [(summed.header, summed.payload)]
-        got = member._average_shards(GROUP, [(0, NUMEL)], results, [float(values_K.abs().max())], [own])
-        indices, averages, accepted, _, _, kept = got
+        got = member._average_shards(
+            GROUP, [(0, NUMEL)], results, [float(values_K.abs().max())], [own], [part_norm(values_K)]
+        )
+        indices, averages, accepted, _, _, _, kept = got
         assert accepted == [("a", "b", "c")]
         assert indices[0].tolist() == [0, 1, 4, 6, 33]
         assert averages[0].tolist() == pytest.approx([1.0, -2 / 3, 5 / 3, 0.1 / 3, 0.5 / 3])
@@ -231,13 +234,13 @@ def test_a_malformed_or_oversized_aggregate_is_refused_and_nothing_is_lost() -> 
     indices_K, values_K = torch.tensor(PARTS["b"][0]), torch.tensor(PARTS["b"][1])
     own = encode_sparse(CONTRIBUTION_NAME, NUMEL, indices_K, values_K, round_index=0)
     dense = encode_sparse(AGGREGATE_NAME, NUMEL, torch.arange(NUMEL), torch.ones(NUMEL), round_index=0)
-    honest = {"ok": True, "accepted": ["a", "b", "c"], "scales": [1.0, 1.0, 1.0], "exchange": "topk"}
+    honest = {"ok": True, "accepted": ["a", "b", "c"], "exchange": "topk"}
     served = _Owner("a").sum(PARTS)  # within the budget, but reduced at another exchange_budget than the member's
     other_budget = ({**served.header, "budget": 4.0}, served.payload)
     assert served.header["budget"] == FP32.factor
     for header, payload in ((honest, dense), (honest, dense[:-3]), other_budget):
-        got = member._average_shards(GROUP, [(0, NUMEL)], [(header, payload)], [4.0], [own])
-        indices, _, accepted, _, _, kept = got
+        got = member._average_shards(GROUP, [(0, NUMEL)], [(header, payload)], [4.0], [own], [part_norm(values_K)])
+        indices, _, accepted, _, _, _, kept = got
         assert indices == [] and accepted == [None] and kept == [None]
         returned_K, dropped_K, unknown = delivery(
             "b", indices_K, [0, 4], [(0, NUMEL)], accepted, kept, topk_expected=True
@@ -283,7 +286,8 @@ def test_the_owners_absorbed_rounding_follows_the_adopted_lineage(caplog: pytest
 def test_a_state_that_counted_an_unfetched_topk_part_names_the_kept_entries() -> None:
     """A peer that never fetched a topk shard returned its whole part there; the adopted state counted it, and its
     ledger's kept set (JSON, Rice-coded) says which entries: exactly those leave the residual, once."""
-    entry = LedgerEntry("g", (("me",), ("me",)), ((1.0,), (0.5,)), (None, torch.tensor([3, 5])))
+    # shard 1's part is 2, 4, 8 (norm sqrt(84)); its owner's bar, half that, clips it at 1/2
+    entry = LedgerEntry("g", (("me",), ("me",)), (None, 0.5 * math.sqrt(84.0)), (None, torch.tensor([3, 5])))
     parsed = Ledger.parse({"3": entry.to_json(6)})[3]
     assert parsed.kept_in(0) is None and parsed.kept_in(1) is not None
     assert parsed.kept_in(1).tolist() == [3, 5]  # type: ignore[union-attr]
@@ -308,43 +312,29 @@ def test_a_state_that_counted_an_unfetched_topk_part_names_the_kept_entries() ->
     ],
 )
 def test_a_malformed_kept_set_is_refused(kept: Any) -> None:
-    data = {"group": "g", "accepted": [["a"]], "scales": [[1.0]], "numel": 6, "kept": [kept]}
+    data = {"group": "g", "accepted": [["a"]], "bars": [None], "numel": 6, "kept": [kept]}
+    Ledger.parse({"1": {**data, "kept": [None]}})  # well formed but for the kept set
     with pytest.raises(PayloadError):
         Ledger.parse({"1": data})
 
 
-def test_served_headers_name_the_accepted_peers_by_a_mask_of_the_group() -> None:
+def test_served_headers_name_the_accepted_peers_by_a_mask_of_the_group_and_carry_one_clip_bar() -> None:
     """An owner sends its accepted list as a hex mask over the group's sorted members (peer ids would cost every
-    member O(R) bytes per shard) and only the clipped parts' FP32 scales, by a mask over the accepted list; the
-    member reads names and scales back and refuses a mask or scale text that is not the group's."""
-    import base64
-    import struct
-
-    from pulseloco.loco.shard_owner import accepted_names, compact_header, served_scales
+    member O(R) bytes per shard) and one clip bar, whatever the group's size (each member derives its own scale);
+    the member reads them back and refuses a mask or a bar that is not valid."""
+    from pulseloco.loco.shard_owner import accepted_names, compact_header, served_bar
 
     members = ("a", "b", "c", "d")
-    half = base64.b64encode(struct.pack("<f", 0.5)).decode()
-    header = {"ok": True, "accepted": ["a", "c"], "scales": [1.0, 0.5], "rejected": ["d"], "exchange": "topk"}
+    header = {"ok": True, "accepted": ["a", "c"], "clip_bar": 7.5, "rejected": ["d"], "exchange": "topk"}
     wire = compact_header(header, list(members))
-    assert wire == {"ok": True, "exchange": "topk", "accepted_mask": "5", "clipped_mask": "2", "clip_scales": half}
+    assert wire == {"ok": True, "exchange": "topk", "accepted_mask": "5", "clip_bar": 7.5}
     assert accepted_names(wire, members) == ["a", "c"]
-    assert served_scales(wire, ["a", "c"]) == (1.0, 0.5)
-    assert served_scales({"scales": [1.0, 0.5]}, ["a", "c"]) == (1.0, 0.5)  # an uncompacted header
-    unclipped = compact_header({**header, "scales": [1.0, 1.0]}, list(members))
-    assert (unclipped["clipped_mask"], unclipped["clip_scales"]) == ("0", "")
-    assert served_scales(unclipped, ["a", "c"]) == (1.0, 1.0)
+    assert served_bar(wire) == 7.5 and served_bar({**wire, "clip_bar": 3}) == 3.0
+    assert served_bar({"accepted_mask": "5"}) is None  # nothing clipped
     assert accepted_names(compact_header({**header, "accepted": []}, list(members)), members) == []
     for bad in ("", "10", "zz", 5, "0000f"):
         with pytest.raises(PayloadError, match="accepted_mask"):
             accepted_names({"accepted_mask": bad}, members)
-    too_large = base64.b64encode(struct.pack("<f", 1.5)).decode()
-    for mask, text, match in [
-        ("4", half, "clipped_mask"),
-        ("2", "", "clip_scales"),
-        ("0", half, "clip_scales"),
-        ("2", "!!!!", "clip_scales"),
-        ("2", 7, "clip_scales"),
-        ("2", too_large, "clip scale of c"),
-    ]:
-        with pytest.raises(PayloadError, match=match):
-            served_scales({"clipped_mask": mask, "clip_scales": text}, ["a", "c"])
+    for bar in ("7.5", True, -1.0, float("nan"), float("inf"), [7.5]):
+        with pytest.raises(PayloadError, match="clip bar"):
+            served_bar({"clip_bar": bar})

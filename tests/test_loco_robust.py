@@ -1,8 +1,9 @@
 """pulseloco.loco.robust and its use by the owner, the member and the sender, on hand-checked tensors (no swarm).
 
-The owner's sum (``ShardOwner._sum_contributions``) clips each part to the median norm and reports the scales; the
-member checks the scales it receives (``SparseAverager._average_shards``); the sender returns what was clipped off
-to its residual (``PulseLoCo._average``) and its ledger follows an adopted state's scales (``Ledger.reconcile``).
+The owner's sum (``ShardOwner._sum_contributions``) clips each part to the median norm and reports the bar; the
+member checks the bar it receives and derives its own scale (``SparseAverager._average_shards``); the sender
+returns what was clipped off to its residual (``PulseLoCo._average``) and its ledger follows an adopted state's
+bars (``Ledger.reconcile``).
 A real group with a Byzantine peer: tests/test_loco_swarm.py.
 """
 
@@ -18,7 +19,7 @@ from pulseloco.loco import AveragingConfig, PulseLoCo, RoundConfig
 from pulseloco.loco.averaging import AllReduceResult, SparseAverager, shard_bounds
 from pulseloco.loco.ledger import Ledger, LedgerEntry
 from pulseloco.loco.matchmaking import Group
-from pulseloco.loco.robust import RepeatOutliers, clip_split, parse_scales
+from pulseloco.loco.robust import RepeatOutliers, clip_scale, clip_split, parse_bar, part_norm, to_float32
 from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, ShardOwner, ShardSum
 from pulseloco.loco.validation import decode_sparse, encode_sparse
 
@@ -56,25 +57,49 @@ PARTS = {
 }
 
 
-def test_parts_are_clipped_to_the_median_norm_and_the_scales_reported() -> None:
+def test_parts_are_clipped_to_the_median_norm_and_the_bar_reported() -> None:
     summed = _Owner("a").sum(PARTS)
     assert summed.header["accepted"] == ["a", "b", "c", "d"]
-    assert summed.header["scales"] == [1.0, 1.0, 0.75, 0.1875]
+    assert summed.header["clip_bar"] == 7.5 and summed.scales == (1.0, 1.0, 0.75, 0.1875)
+    # every sender derives its own scale from the bar and its own part, to the owner's bit
+    derived = tuple(clip_scale(part_norm(torch.tensor(values)), 7.5) for _, values in PARTS.values())
+    assert derived == summed.scales
     assert summed.header["rejected"] == [] and summed.num_rejected == 0
     # 3 - 24 * 0.1875, 4 + 3 - 32 * 0.1875, 10 * 0.75: the sign-flipped part subtracts one median-sized vector
     assert _sum_of(summed) == {0: -1.5, 1: 1.0, 3: 7.5}
     assert summed.largest_norm_ratio == pytest.approx(40 / 7.5)
     # The screen alone lets the attack through whole, and it reverses the honest sum (3 + 4 + ... -> -21, -25).
-    assert _sum_of(_Owner("a", clip_to_median=False).sum(PARTS)) == {0: -21.0, 1: -25.0, 3: 10.0}
+    unclipped = _Owner("a", clip_to_median=False).sum(PARTS)
+    assert _sum_of(unclipped) == {0: -21.0, 1: -25.0, 3: 10.0} and "clip_bar" not in unclipped.header
 
 
 def test_without_a_majority_the_bar_is_the_owners_own_part_and_a_zero_bar_clips_nothing() -> None:
     pair = {"a": ([0, 1], [3.0, 4.0]), "d": ([0, 1], [-24.0, -32.0])}
     summed = _Owner("a").sum(pair)  # d is 8x a (under the 10x screen): clipped to a's norm, 1/8
-    assert summed.header["scales"] == [1.0, 0.125] and _sum_of(summed) == {0: 0.0, 1: 0.0}
-    assert _Owner("x").sum(pair).header["scales"] == [1.0, 1.0]  # no part of its own: no bar
+    assert summed.scales == (1.0, 0.125) and summed.header["clip_bar"] == 5.0
+    assert _sum_of(summed) == {0: 0.0, 1: 0.0}
+    no_bar = _Owner("x").sum(pair)  # no part of its own: no bar
+    assert no_bar.scales == (1.0, 1.0) and "clip_bar" not in no_bar.header
     lone = {"a": ([], []), "b": ([], []), "c": ([], []), "d": ([2], [5.0])}
-    assert _Owner("a").sum(lone).header["scales"] == [1.0, 1.0, 1.0, 1.0]  # median 0: a lone sender is not held
+    held = _Owner("a").sum(lone)  # median 0: a lone sender is not held
+    assert held.scales == (1.0, 1.0, 1.0, 1.0) and "clip_bar" not in held.header
+
+
+def test_the_part_norm_is_the_same_in_any_order_and_exact_where_it_can_be() -> None:
+    """The owner and the sender must reach the same scale on any machine: the norm does not depend on the order
+    of the values (a sum rounded once) and is exact where the true norm is an FP64 number."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(10_000, generator=gen) * torch.logspace(-20, 20, 10_000)
+    norm = part_norm(values)
+    for _ in range(3):
+        assert part_norm(values[torch.randperm(values.numel(), generator=gen)]) == norm
+    assert part_norm(torch.tensor([3.0, 4.0])) == 5.0 and part_norm(torch.zeros(0)) == 0.0
+    orders = [torch.randperm(values.numel(), generator=gen) for _ in range(8)]
+    naive = torch.stack([values[order].double().square().sum() for order in orders])
+    assert naive.unique().numel() > 1  # what a plain FP64 sum would give depends on the order
+    assert clip_scale(5.0, None) == clip_scale(5.0, 0.0) == clip_scale(5.0, 5.0) == 1.0
+    assert clip_scale(10.0, 7.5) == 0.75 and clip_scale(float("inf"), 7.5) == 0.0
+    assert clip_scale(3.0, 1.0) == to_float32(1.0 / 3.0)
 
 
 def test_clip_split_halves_add_up_to_the_values_exactly() -> None:
@@ -125,7 +150,9 @@ class _FakeAverager:
             bytes_sent=0,
             bytes_received=0,
             accepted=(("b", "me"), ("b", "me"), None),
-            scales=((1.0, 0.75), (1.0, float(torch.tensor(0.3))), None),
+            bars=(0.75, to_float32(0.3), None),  # this peer's parts taken to have norm 1: scales 0.75 and 0.3
+            own_scales=(0.75, to_float32(0.3), None),
+            own_norms=(1.0, 1.0, 1.0),
             bounds=tuple(bounds),
         )
 
@@ -153,53 +180,60 @@ def test_the_sender_keeps_exactly_what_was_clipped_and_follows_an_adopted_ledger
     pending = opt.ledger.pending[0]
     assert pending.counted == [True, True, False] and pending.scales == [0.75, float(torch.tensor(0.3)), 1.0]
     group = opt.ledger.entries[0].group
-    scales = [[1.0], [1.0, float(torch.tensor(0.3))], [0.5]]
-    adopted = Ledger.parse({"0": {"group": group, "accepted": [["b"], ["b", "me"], ["me"]], "scales": scales}})
-    assert adopted[0] == LedgerEntry(group, (("b",), ("b", "me"), ("me",)), tuple(map(tuple, scales)))
+    bars = [1.0, to_float32(0.3), 0.5]  # at this peer's norms of 1: not counted, 0.3 and 0.5
+    adopted = Ledger.parse({"0": {"group": group, "accepted": [["b"], ["b", "me"], ["me"]], "bars": bars}})
+    assert adopted[0] == LedgerEntry(group, (("b",), ("b", "me"), ("me",)), tuple(bars))
     assert opt.ledger.reconcile(adopted, 1, opt.residual_N) == 10
     check([None, float(torch.tensor(0.3)), 0.5])
     assert opt.ledger.reconcile(adopted, 1, opt.residual_N) == 0  # idempotent
 
 
 @pytest.mark.parametrize(
-    ("scales", "message"),
+    ("bar", "message"),
     [
-        (None, "lacks"),
-        ([1.0], "1 clip scales for 2"),
-        ([1.0, True], "not a number"),
-        ([1.0, "0.5"], "not a number"),
-        ([1.0, 0.0], r"in \(0, 1\]"),
-        ([1.0, 1.5], r"in \(0, 1\]"),
-        ([1.0, float("nan")], r"in \(0, 1\]"),
-        ([1.0, float("inf")], r"in \(0, 1\]"),
-        ([1.0, 0.1], "not an FP32 number"),
+        (True, "not a number"),
+        ("0.5", "not a number"),
+        ([0.5], "not a number"),
+        (-1.0, "finite number at least 0"),
+        (float("nan"), "finite number at least 0"),
+        (float("inf"), "finite number at least 0"),
     ],
 )
-def test_bad_clip_scales_are_refused_with_a_clear_error(scales: Any, message: str) -> None:
+def test_a_bad_clip_bar_is_refused_with_a_clear_error(bar: Any, message: str) -> None:
     with pytest.raises(PayloadError, match=message):
-        parse_scales(scales, ["a", "b"])
+        parse_bar(bar)
     ledger = Ledger("me")
-    entry = {"group": "g", "accepted": [["a", "b"]], "scales": [scales]}
-    with pytest.raises(PayloadError):
+    entry = {"group": "g", "accepted": [["a", "b"]], "bars": [bar]}
+    with pytest.raises(PayloadError, match=message):
         ledger.reconcile(Ledger.parse({"3": entry}), 4, torch.zeros(3))
     assert ledger.entries == {} and ledger.pending == {}
 
 
-def test_a_member_refuses_a_sum_with_a_bad_scale_and_applies_nothing_of_it() -> None:
-    """The member side: a shard whose header carries a bad scale is not applied (the sender's part of it goes back
-    to its residual, as for a missing sum); the well-formed shard is."""
+def test_a_ledger_with_per_contributor_scales_is_refused_with_the_fix() -> None:
+    """A state from a release before the clip bar lists scales per contributor: refused, naming the fix, not
+    read as counted whole."""
+    with pytest.raises(PayloadError, match="same pulseloco release"):
+        Ledger.parse({"3": {"group": "g", "accepted": [["a", "b"]], "scales": [[1.0, 0.5]]}})
+
+
+def test_a_member_refuses_a_sum_with_a_bad_bar_and_applies_nothing_of_it() -> None:
+    """The member side: a shard whose header carries a bad clip bar, or one that would scale the member's own
+    counted part to nothing, is not applied (the sender's part of it goes back to its residual, as for a missing
+    sum); the well-formed shard is."""
     member = object.__new__(SparseAverager)  # only the checks of _average_shards: no network
     member.peer_id, member.max_norm_ratio, member.disputed = "b", 10.0, set()
     group = Group(round=0, members=("a", "b", "c", "d"), servers=("a", "b"))
     good = _Owner("a").sum(PARTS)
     bad = _Owner("b").sum(PARTS)
-    bad.header["scales"][3] = 2.0
     bounds = [(0, NUMEL), (NUMEL, 2 * NUMEL)]
-    results: list[tuple[dict[str, Any], bytes] | None] = [(good.header, good.payload), (bad.header, bad.payload)]
-    indices, averages, accepted, scales, _, _ = member._average_shards(group, bounds, results, [3.0, 3.0], [b"", b""])
-    assert accepted == [("a", "b", "c", "d"), None] and scales == [(1.0, 1.0, 0.75, 0.1875), None]
-    assert len(indices) == 1 and indices[0].tolist() == [0, 1, 3]
-    assert averages[0].tolist() == [-1.5 / 4, 1.0 / 4, 7.5 / 4]
+    for bad_bar in (-2.0, "7.5", 1e-300):  # the last: b's part (norm 3) would count at a scale of 0
+        bad.header["clip_bar"] = bad_bar
+        results: list[tuple[dict[str, Any], bytes] | None] = [(good.header, good.payload), (bad.header, bad.payload)]
+        got = member._average_shards(group, bounds, results, [3.0, 3.0], [b"", b""], [3.0, 3.0])
+        indices, averages, accepted, bars, own_scales, _, _ = got
+        assert accepted == [("a", "b", "c", "d"), None] and bars == [7.5, None] and own_scales == [1.0, None]
+        assert len(indices) == 1 and indices[0].tolist() == [0, 1, 3]
+        assert averages[0].tolist() == [-1.5 / 4, 1.0 / 4, 7.5 / 4]
     assert member.disputed == set()
 
 

@@ -28,6 +28,8 @@ from loco_helpers import (
     run_peer,
 )
 
+from pulseloco.loco.robust import part_norm
+
 REPORT_TIMEOUT_S = 150.0
 
 
@@ -153,8 +155,8 @@ def test_three_peers_end_every_round_with_equal_digests(initial_peers: list[str]
 
 def _clipped(x: torch.Tensor, bar: float) -> torch.Tensor:
     """``x`` scaled down to the L2 norm ``bar`` when above it (an FP32 scale), rounded once so that ``x - kept`` is
-    exact: the plain reference of the owners' clip-to-median rule."""
-    norm = float(torch.linalg.vector_norm(x))
+    exact: the plain reference of the owners' clip-to-median rule (the norm: its definition, ``part_norm``)."""
+    norm = part_norm(x)
     if norm <= bar:
         return x
     scale = torch.tensor(min(1.0, float(torch.tensor(bar / norm, dtype=torch.float32))), dtype=torch.float32)
@@ -206,7 +208,7 @@ def test_dense_swarm_equals_reference_diloco_with_median_clipping(initial_peers:
             total = torch.zeros_like(theta)
             for start, stop in bounds:
                 parts = {i: signals[i][start:stop].clone() for i in order}
-                bar = statistics.median(float(torch.linalg.vector_norm(x)) for x in parts.values())
+                bar = statistics.median(part_norm(x) for x in parts.values())
                 for i in order:
                     kept = _clipped(parts[i], bar)
                     num_clipped += int(kept is not parts[i])
@@ -309,12 +311,12 @@ def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peer
     reports = run_swarm(configs)
     honest, bad = reports[:3], reports[3]["peer_id"]
     assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2]) == _digests(reports[3])
-    from pulseloco.loco.robust import clip_split
+    from pulseloco.loco.robust import clip_scale, clip_split
 
     for r in range(num_rounds):
         records = {report["peer_id"]: report["parts"][r] for report in reports}
         assert all(record["round"] == r for record in records.values())
-        accepted, scales = records[honest[0]["peer_id"]]["accepted"], records[honest[0]["peer_id"]]["scales"]
+        accepted, bars = records[honest[0]["peer_id"]]["accepted"], records[honest[0]["peer_id"]]["bars"]
         assert all(records[h["peer_id"]]["accepted"] == accepted for h in honest)  # one verdict per shard
         sent = {peer: _vector(record, "sent") for peer, record in records.items()}
         honest_N = sum(sent[h["peer_id"]] for h in honest)
@@ -324,9 +326,11 @@ def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peer
         base_size, extra = divmod(numel, 4)
         starts = [j * base_size + min(j, extra) for j in range(5)]
         for j in range(4):
-            names, shard_scales = accepted[j], dict(zip(accepted[j], scales[j]))
+            names = accepted[j]
             norms = {peer: record["norms"][j] for peer, record in records.items()}
             bar = statistics.median(norms[peer] for peer in names)
+            assert bars[j] == bar  # the owner's norms are the senders' own, bit for bit (part_norm)
+            shard_scales = {peer: clip_scale(norms[peer], bar) for peer in names}
             for h in honest:  # honest parts: always counted, never near a strike
                 assert h["peer_id"] in names and norms[h["peer_id"]] < 4.0 * bar
             if bad in names:  # the attacker counts with one honest-sized vector at most

@@ -73,7 +73,7 @@ def test_wire_bytes_equal_the_stream_protocols_messages(result: dict[str, Any], 
     ids = sim.peer_ids(peers)
     r = selections.round_index
     group_id = Group(round=r, members=tuple(ids), servers=tuple(ids), digest="0" * 32).group_id
-    scales = sim.owner_scales(parts, ids)
+    bars = sim.owner_bars(parts, ids)
     sent, received = [0] * peers, [0] * peers
     sent_messages, received_messages = [0] * peers, [0] * peers
 
@@ -88,11 +88,12 @@ def test_wire_bytes_equal_the_stream_protocols_messages(result: dict[str, Any], 
         header: dict[str, Any] = {
             "ok": True,
             "accepted": ids,
-            "scales": scales[j],
             "rejected": [],
             "exchange": owner_exchange,
             "mean_over": strategy.mean_over,
         }
+        if bars[j] > 0.0:
+            header["clip_bar"] = bars[j]
         for i in range(peers):
             if i == j:
                 continue

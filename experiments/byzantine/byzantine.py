@@ -68,12 +68,14 @@ def install(opt: Any, attack: str, *, factor: float = 9.0, seed: int = 0) -> Non
     ) -> Any:
         bad_indices, bad_values = attack_selection(attack, indices_K, values_K, opt.numel, factor, generator, fixed_N)
         result = honest_all_reduce(group, bad_indices, bad_values.to(torch.float32), "float32")
-        me = averager.peer_id
-        scales = tuple(
-            None if names is None else tuple(1.0 if name == me else s for name, s in zip(names, shard_scales))
-            for names, shard_scales in zip(result.accepted, result.scales)
-        )
+        # The attacker keeps nothing back: its parts count whole in its own books (a norm of 0 is never clipped).
+        own_scales = tuple(None if scale is None else 1.0 for scale in result.own_scales)
         logger.info("attack=%s round=%d sent=%d entries", attack, group.round, bad_indices.numel())
-        return dataclasses.replace(result, returned_K=torch.zeros(indices_K.numel(), dtype=torch.bool), scales=scales)
+        return dataclasses.replace(
+            result,
+            returned_K=torch.zeros(indices_K.numel(), dtype=torch.bool),
+            own_scales=own_scales,
+            own_norms=tuple(0.0 for _ in result.own_norms),
+        )
 
     averager.all_reduce = all_reduce

@@ -13,7 +13,7 @@ carries it), its owner-side aggregation (``combine_parts``) and its ``topk`` red
 (:func:`pulseloco.loco.reduce.reduce_parts`) produce every frame; the stream protocol of :mod:`pulseloco.p2p`
 (``stream_messages``: one JSON header message, then chunks of at most 1 MiB, in hivemind ``ExpertRequest`` /
 ``ExpertResponse`` protobufs) is counted message by message at its serialized size, with the real headers (the
-accepted members as ``compact_header`` writes them, the clip scales the owner would list, the gathered parts' sizes).
+accepted members as ``compact_header`` writes them, the owner's clip bar, the gathered parts' sizes).
 Exchanges (``--exchanges``):
 
 * ``diloco``: selector ``dense``, FP32, exchange ``sums`` (DiLoCo's all-reduce of every entry);
@@ -85,7 +85,7 @@ from pulseloco.loco.config import RoundConfig
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.quantize import ParamLayout
 from pulseloco.loco.reduce import DEFAULT_EXCHANGE_BUDGET, ReduceSpec, combine_parts, reduce_parts
-from pulseloco.loco.robust import clip_bar, clip_scales
+from pulseloco.loco.robust import clip_bar, part_norm
 from pulseloco.loco.selection import Selector, select_in_place
 from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, compact_header
 from pulseloco.loco.validation import encode_sparse
@@ -410,7 +410,7 @@ def peer_ids(count: int) -> list[str]:
 class Parts:
     """Every peer's parts of every shard in one group of ``P`` peers: ``sizes[i][j]`` the bytes of peer ``i``'s
     part of shard ``j`` (frames in ``frames`` when kept), the local indices and values (``local``), and their L2
-    norms (the owner's clip scales come from them)."""
+    norms (the owner's clip bar comes from them)."""
 
     bounds: list[tuple[int, int]]
     sizes: torch.Tensor
@@ -452,7 +452,7 @@ def encode_parts(
                 group_starts=starts - start if strategy.value_dtype == "quantized" else None,
             )
             sizes[i, j] = len(frame)
-            norms[i, j] = float(torch.linalg.vector_norm(vals))
+            norms[i, j] = part_norm(vals)
             local[i].append((idx, vals))
             if frames is not None:
                 frames[i].append(frame)
@@ -553,16 +553,14 @@ class Wire:
         return [a + b for a, b in zip(self.received_push, self.received_fetch, strict=True)]
 
 
-def owner_scales(parts: Parts, ids: list[str]) -> list[list[float]]:
-    """Per shard, the clip scale the owner lists for every member (:func:`pulseloco.loco.robust.clip_scales` at the
-    median of the parts' norms): the numbers the fetch headers carry."""
-    scales = []
+def owner_bars(parts: Parts, ids: list[str]) -> list[float]:
+    """Per shard, the clip bar its owner serves (:func:`pulseloco.loco.robust.clip_bar`, the median of the parts'
+    norms; 0: none): the one number of the clip the fetch headers carry."""
+    bars = []
     for j in range(len(parts.bounds)):
         norms = {ids[i]: float(parts.norms[i, j]) for i in range(len(ids))}
-        bar, _ = clip_bar(norms, ids[j])
-        by_id = clip_scales(norms, bar)
-        scales.append([by_id[peer] for peer in ids])
-    return scales
+        bars.append(clip_bar(norms, ids[j])[0])
+    return bars
 
 
 def wire_bytes(
@@ -573,7 +571,7 @@ def wire_bytes(
     num = len(parts.bounds)
     ids = peer_ids(num)
     group_id = Group(round=round_index, members=tuple(ids), servers=tuple(ids), digest="0" * 32).group_id
-    scales = owner_scales(parts, ids)
+    bars = owner_bars(parts, ids)
     sizes = parts.sizes.tolist()
     reply = header_bytes({"ok": True, "reason": None})
     zero = [0] * num
@@ -584,10 +582,10 @@ def wire_bytes(
         header: dict[str, Any] = {
             "ok": True,
             "accepted": ids,
-            "scales": scales[j],
             "rejected": [],
             "exchange": exchange,
             "mean_over": strategy.mean_over,
+            **({"clip_bar": bars[j]} if bars[j] > 0.0 else {}),
         }
         column = [sizes[i][j] for i in range(num)]
         if exchange == "gather":
@@ -1033,7 +1031,7 @@ def markdown(result: dict[str, Any], settings: Settings, space: Space, command: 
         "",
         md_table(head, _grid(rows, peers, lambda r: f"{r['sent_frame_payloads']:.2f}")),
         "",
-        "## Share of the bytes sent that are not frames (stream headers: accepted ids, clip scales, part sizes)",
+        "## Share of the bytes sent that are not frames (stream headers: accepted ids, clip bar, part sizes)",
         "",
         md_table(head, _grid(rows, peers, lambda r: f"{100 * r['header_share']:.1f}%")),
         "",

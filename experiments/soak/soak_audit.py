@@ -81,7 +81,7 @@ class Audit:
                 group=group.group_id,
                 members=list(group.members),
                 accepted=[sorted(names) if names is not None else None for names in result.accepted],
-                scales=[_scales_by_name(names, scales) for names, scales in zip(result.accepted, result.scales)],
+                bars=list(result.bars),
                 bounds=[list(b) for b in result.bounds],
             )
             return result
@@ -131,18 +131,13 @@ class Audit:
         self.current = {}
 
 
-def _scales_by_name(names: tuple[str, ...] | None, scales: tuple[float, ...] | None) -> dict[str, float] | None:
-    """A shard's clip scales by contributor (``None`` for a shard that was not applied)."""
-    return None if names is None or scales is None else dict(zip(names, scales))
-
-
 def lineage_counts(
     out: Path, transitions: dict[str, dict[str, Any]], digest: str, initial: str, max_steps: int
 ) -> dict[tuple[str, int], np.ndarray]:
-    """What the lineage of ``digest`` counted of each contributor, per round: ``{(peer id, round): the entries of
-    its contribution that the accepting shards summed, at the clip scales they reported}``, walking ``transitions``
-    (keyed by the digest they lead to) back to ``initial``. Raises ValueError when the lineage breaks (an unknown
-    digest, or more than ``max_steps`` steps) or an accepted contribution has no ``sent/`` record."""
+    """What the lineage of ``digest`` counted of each contributor, per round: ``{(peer id, round): the entries of its
+    contribution that the accepting shards summed, at the scales the owners' clip bars give its parts}``, walking
+    ``transitions`` (keyed by the digest they lead to) back to ``initial``. Raises ValueError when the lineage breaks
+    (an unknown digest, or more than ``max_steps`` steps) or an accepted contribution has no ``sent/`` record."""
     lineage = []
     while digest != initial:
         step = transitions.get(digest)
@@ -150,18 +145,19 @@ def lineage_counts(
             raise ValueError(f"lineage broken at digest {digest}")
         lineage.append(step)
         digest = step["transition"][0]
-    from pulseloco.loco.robust import clip_split
+    from pulseloco.loco.robust import clip_scale, clip_split, part_norm
 
     counted: dict[tuple[str, int], np.ndarray] = {}
     for step in lineage:
-        shard_scales = step.get("scales") or [None] * len(step["accepted"])
-        for names, scales, (start, stop) in zip(step["accepted"], shard_scales, step["bounds"]):
+        shard_bars = step.get("bars") or [None] * len(step["accepted"])
+        for names, bar, (start, stop) in zip(step["accepted"], shard_bars, step["bounds"]):
             for name in names or []:
                 sent_path = out / "sent" / f"{name}.{step['round']}.npy"
                 if not sent_path.exists():
                     raise ValueError(f"an accepted contribution has no record: {sent_path.name}")
                 sent = np.load(sent_path)
-                kept = clip_split(torch.from_numpy(sent[start:stop]), (scales or {}).get(name, 1.0))[0]
+                part = torch.from_numpy(sent[start:stop])  # zeros off the selection add nothing to the norm
+                kept = clip_split(part, clip_scale(part_norm(part), bar))[0]
                 counted.setdefault((name, step["round"]), np.zeros_like(sent))[start:stop] = kept.numpy()
     return counted
 

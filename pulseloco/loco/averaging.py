@@ -73,7 +73,13 @@ from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.config import EXCHANGES, MEAN_OVER
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.reduce import ReduceSpec, check_budget, combine_parts
-from pulseloco.loco.robust import DEFAULT_DISPUTE_NORM_RATIO, DEFAULT_DISPUTE_ROUNDS, RepeatOutliers
+from pulseloco.loco.robust import (
+    DEFAULT_DISPUTE_NORM_RATIO,
+    DEFAULT_DISPUTE_ROUNDS,
+    RepeatOutliers,
+    clip_scale,
+    part_norm,
+)
 from pulseloco.loco.shard_owner import (
     AGGREGATE_NAME,
     CONTRIBUTION_NAME,
@@ -81,7 +87,7 @@ from pulseloco.loco.shard_owner import (
     ShardOwner,
     accepted_names,
     peak,
-    served_scales,
+    served_bar,
 )
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
@@ -184,10 +190,12 @@ class AllReduceResult:
 
     ``indices_K`` / ``average_K``: the averaged pseudo-gradient (global flat indices, FP32 values); entries not
     listed are zero. ``accepted``: per shard (``bounds``), the contributors its sum counted, or ``None`` where
-    the sum could not be fetched; ``scales``: beside each list, every contributor's clip scale in the same order
-    (:mod:`pulseloco.loco.robust`). ``returned_K``: one flag per entry this peer sent, True where its shard's list
-    does not show it counted (the caller puts those back into its residual; entries counted at a scale below 1
-    give back what the scale clipped off, :meth:`own_scales`). ``complete`` is False if any
+    the sum could not be fetched; ``bars``: beside each list, the clip bar its owner reported (``None``: nothing
+    clipped; :mod:`pulseloco.loco.robust`); ``own_scales``: per shard, the scale this peer's part was counted at
+    (derived from the bar and ``own_norms``, its part's :func:`~pulseloco.loco.robust.part_norm`), ``None`` where
+    it was not counted. ``returned_K``: one flag per entry this peer sent, True where its shard's list does not
+    show it counted (the caller puts those back into its residual; entries counted at a scale below 1 give back
+    what the scale clipped off). ``complete`` is False if any
     shard's sum is missing, so this peer's theta may differ from the others' (the caller repairs and reconciles).
 
     Bytes (:class:`Traffic`, counted until this peer's exchange ended): ``bytes_sent`` / ``bytes_received`` every
@@ -206,7 +214,9 @@ class AllReduceResult:
     bytes_sent: int
     bytes_received: int
     accepted: tuple[tuple[str, ...] | None, ...] = ()
-    scales: tuple[tuple[float, ...] | None, ...] = ()
+    bars: tuple[float | None, ...] = ()
+    own_scales: tuple[float | None, ...] = ()
+    own_norms: tuple[float, ...] = ()
     bounds: tuple[tuple[int, int], ...] = ()
     payload_bytes: int = 0
     payload_index_bytes: int = 0
@@ -238,17 +248,6 @@ class AllReduceResult:
     num_union: int = 0
     """With the ``topk`` exchange in this peer's own shard: the size of the parts' union there (the kept entries
     are ``num_sum_entries``)."""
-
-    def own_scales(self, peer_id: str) -> list[float | None]:
-        """Per shard, the scale ``peer_id``'s part was counted at, or ``None`` where it was not counted."""
-        own: list[float | None] = []
-        for j, names in enumerate(self.accepted):
-            scales = self.scales[j] if j < len(self.scales) else None
-            if names is None or peer_id not in names:
-                own.append(None)
-            else:
-                own.append(1.0 if scales is None else scales[names.index(peer_id)])
-        return own
 
     @property
     def num_contributors(self) -> int:
@@ -506,33 +505,38 @@ class SparseAverager(ShardOwner, StateTransfer):
         results: list[tuple[dict[str, Any], bytes] | None],
         own_peaks: list[float],
         own_parts: list[bytes],
+        own_norms: list[float],
     ) -> tuple[
         list[torch.Tensor],
         list[torch.Tensor],
         list[tuple[str, ...] | None],
-        list[tuple[float, ...] | None],
+        list[float | None],
+        list[float | None],
         set[str],
         list[torch.Tensor | None],
     ]:
         """Check and average every fetched shard of ``results`` (``bounds`` the shards, ``own_peaks`` the largest
-        entry of this peer's part of each, ``own_parts`` its encoded parts; :meth:`_shard_average`): the accepted
-        list must name members only, once each, with one
-        valid clip scale per name (:func:`~pulseloco.loco.shard_owner.served_scales`), a sum with values must name
-        contributors, and the average must pass :meth:`_screen_aggregate`. Returns the averages' global indices
-        and values (shards with contributors only), the accepted list per shard (sorted; None where the sum is
-        missing or fails a check, logged as a warning: then nothing of that shard is applied), the clip scales
-        beside each list, and the live peers (this one, the owners whose sums were accepted and their
-        contributors), and per shard the kept local indices of a ``topk`` aggregate (None for the other exchanges
-        and for shards not applied). Never raises."""
+        entry of this peer's part of each, ``own_parts`` its encoded parts, ``own_norms`` their
+        :func:`~pulseloco.loco.robust.part_norm`; :meth:`_shard_average`): the accepted list must name members
+        only, once each, the clip bar must be valid (:func:`~pulseloco.loco.shard_owner.served_bar`) and leave
+        every counted part a scale above 0, a sum with values must name contributors, and the average must pass
+        :meth:`_screen_aggregate`. Returns the averages' global indices and values (shards with contributors
+        only), the accepted list per shard (sorted; None where the sum is missing or fails a check, logged as a
+        warning: then nothing of that shard is applied), the clip bar beside each list, the scale this peer's part
+        was counted at (None: not counted), the live peers (this one, the owners whose sums were accepted and
+        their contributors), and per shard the kept local indices of a ``topk`` aggregate (None for the other
+        exchanges and for shards not applied). Never raises."""
         all_indices, all_average = [], []
         kept_lists: list[torch.Tensor | None] = []
         accepted_lists: list[tuple[str, ...] | None] = []
-        scale_lists: list[tuple[float, ...] | None] = []
+        bar_lists: list[float | None] = []
+        own_scale_list: list[float | None] = []
         live_peers: set[str] = {self.peer_id}
         for j, (start, stop) in enumerate(bounds):
             result = results[j]
             accepted: tuple[str, ...] | None = None
-            scales: tuple[float, ...] | None = None
+            bar: float | None = None
+            own_scale: float | None = None
             kept: torch.Tensor | None = None
             if result is not None:
                 reply, payload = result
@@ -544,17 +548,21 @@ class SparseAverager(ShardOwner, StateTransfer):
                         raise PayloadError("aggregate counts peers outside the group")
                     if len(set(names)) != len(names):
                         raise PayloadError("aggregate counts a peer twice")
-                    by_name = dict(zip(names, served_scales(reply, names)))
+                    bar = served_bar(reply)
+                    if self.peer_id in names:
+                        own_scale = clip_scale(own_norms[j], bar)
+                        if own_scale == 0.0:
+                            raise PayloadError(f"aggregate counts this peer's part at a clip bar of {bar!r}: scale 0")
                     sum_indices_K, average_K = self._shard_average(
-                        reply, payload, names, by_name, own_parts[j], stop - start, start
+                        reply, payload, names, bar, own_parts[j], stop - start, start
                     )
                     if names:
                         self._screen_aggregate(group.servers[j], average_K, own_peaks[j])
                 except PayloadError as exc:
                     logger.warning("aggregate rejected round=%d owner=%s error=%s", group.round, group.servers[j], exc)
+                    bar = own_scale = None
                 else:
                     accepted = tuple(sorted(names))
-                    scales = tuple(by_name[name] for name in accepted)
                     kept = sum_indices_K if reply.get("exchange") == "topk" else None
                     if accepted:  # every part refused: nothing counted in this shard
                         all_indices.append(sum_indices_K + start)
@@ -562,16 +570,17 @@ class SparseAverager(ShardOwner, StateTransfer):
                     live_peers.update(accepted)
                     live_peers.add(group.servers[j])
             accepted_lists.append(accepted)
-            scale_lists.append(scales)
+            bar_lists.append(bar)
+            own_scale_list.append(own_scale)
             kept_lists.append(kept)
-        return all_indices, all_average, accepted_lists, scale_lists, live_peers, kept_lists
+        return all_indices, all_average, accepted_lists, bar_lists, own_scale_list, live_peers, kept_lists
 
     def _shard_average(
         self,
         reply: dict[str, Any],
         payload: bytes,
         names: list[str],
-        scales: dict[str, float],
+        bar: float | None,
         own_part: bytes,
         numel: int,
         start: int = 0,
@@ -581,8 +590,10 @@ class SparseAverager(ShardOwner, StateTransfer):
         kept budget of the aggregate (``topk``, the same division; more entries per tile than this peer's own
         budget allows is refused, :func:`~pulseloco.loco.reduce.check_budget`); or the accepted parts
         themselves (``gather``: this peer's own part is its own bytes, the others' come in ``payload``, their sizes
-        in ``parts``), clipped and combined as the owner would (:func:`combine_parts`). Raises
-        :class:`PayloadError` for a reply that does not follow its rules or a part or sum that does not decode."""
+        in ``parts``), each clipped at the ``bar`` as the owner did (:func:`~pulseloco.loco.robust.clip_scale` of
+        its :func:`~pulseloco.loco.robust.part_norm`) and combined as the owner would (:func:`combine_parts`).
+        Raises :class:`PayloadError` for a reply that does not follow its rules, a part or sum that does not
+        decode, or an accepted part the bar scales to 0."""
         exchange, mean_over = reply.get("exchange", "sums"), reply.get("mean_over", "peers")
         if exchange not in ("sums", "gather", "topk") or mean_over not in MEAN_OVER:
             raise PayloadError(f"aggregate names an unknown exchange {exchange!r} or mean {mean_over!r}")
@@ -614,7 +625,11 @@ class SparseAverager(ShardOwner, StateTransfer):
             offset += size
             if not frame:
                 raise PayloadError(f"gathered shard lacks the part of {name}")
-            parts.append((decode_sparse(frame, CONTRIBUTION_NAME, numel), scales[name]))
+            decoded = decode_sparse(frame, CONTRIBUTION_NAME, numel)
+            scale = clip_scale(part_norm(decoded[1]), bar)
+            if scale == 0.0:
+                raise PayloadError(f"gathered shard counts the part of {name}, which its clip bar scales to 0")
+            parts.append((decoded, scale))
         order = sorted(range(len(names)), key=names.__getitem__)
         indices_K, sum_K = combine_parts([parts[i] for i in order], numel, mean_over)
         return indices_K, (sum_K if mean_over == "senders" else sum_K / float(max(1, len(names))))
@@ -671,8 +686,9 @@ class SparseAverager(ShardOwner, StateTransfer):
         results, owned, traffic = self._run_exchange(group, parts)
         whole = peek_header(parts[0], max_elements=NO_ELEMENT_LIMIT) if whole_frame is None else whole_frame.result()
         own_peaks = [peak(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
-        all_indices, all_average, accepted_lists, scale_lists, live_peers, kept_lists = self._average_shards(
-            group, bounds, results, own_peaks, parts
+        own_norms = [part_norm(values_K[offsets[j] : offsets[j + 1]]) for j in range(len(bounds))]
+        all_indices, all_average, accepted_lists, bar_lists, own_scales, live_peers, kept_lists = self._average_shards(
+            group, bounds, results, own_peaks, parts, own_norms
         )
         returned_K, dropped_K, kept_unknown = delivery(
             self.peer_id,
@@ -703,7 +719,9 @@ class SparseAverager(ShardOwner, StateTransfer):
             bytes_sent=traffic.sent,
             bytes_received=traffic.received,
             accepted=tuple(accepted_lists),
-            scales=tuple(scale_lists),
+            bars=tuple(bar_lists),
+            own_scales=tuple(own_scales),
+            own_norms=tuple(own_norms),
             bounds=tuple(bounds),
             payload_bytes=whole.total_bytes,
             payload_index_bytes=whole.index_bytes,

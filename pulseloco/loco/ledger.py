@@ -1,18 +1,19 @@
 """Which contributions a theta contains, and how a peer's residual follows the theta it ends up with.
 
-A round's sums count exactly the contributions on their owners' ``accepted`` lists, each at the clip scale listed
-beside it (:mod:`pulseloco.loco.averaging`, :mod:`pulseloco.loco.robust`). A :class:`Ledger` keeps, for the last
-``keep_rounds`` rounds of the lineage of a peer's ``theta``, the group id and the accepted list and scales of every
-shard (``None`` for a shard that was not applied). It travels with the state a peer serves, so a peer that
+A round's sums count exactly the contributions on their owners' ``accepted`` lists, each at the scale its owner's
+clip bar gives it (:mod:`pulseloco.loco.averaging`, :mod:`pulseloco.loco.robust`). A :class:`Ledger` keeps, for the
+last ``keep_rounds`` rounds of the lineage of a peer's ``theta``, the group id and the accepted list and clip bar of
+every shard (``None`` for a shard that was not applied). It travels with the state a peer serves, so a peer that
 replaces its theta by a downloaded one also learns what that theta counted.
 
-The peer also keeps its own recent contributions (``Pending``: the entries it sent, split by shard, and whether,
-and at which clip scale, it assumed each shard counted them). :meth:`Ledger.reconcile` compares that assumption
-with an adopted ledger and corrects the residual by exactly the difference: a part the adopted theta counted but
-the peer had returned to its residual is taken out again (otherwise it would be sent, and counted, twice); a part
-the peer thought counted but the adopted theta lacks goes back in (otherwise it would be lost); a part counted at
-a scale goes in or out as the clipped part :func:`pulseloco.loco.robust.clip_split` gives. Corrections are
-additive, so they hold even after the residual has changed in later rounds.
+The peer also keeps its own recent contributions (``Pending``: the entries it sent, split by shard, its parts' norms,
+and whether, and at which clip scale, it assumed each shard counted them; its scale under an adopted ledger's bar
+follows from its part's norm, :func:`pulseloco.loco.robust.clip_scale`). :meth:`Ledger.reconcile` compares that
+assumption with an adopted ledger and corrects the residual by exactly the difference: a part the adopted theta counted
+but the peer had returned to its residual is taken out again (otherwise it would be sent, and counted, twice); a part
+the peer thought counted but the adopted theta lacks goes back in (otherwise it would be lost); a part counted at a
+scale goes in or out as the clipped part :func:`pulseloco.loco.robust.clip_split` gives. Corrections are additive, so
+they hold even after the residual has changed in later rounds.
 
 Invariant (docs/design.md, "Exactly-once contributions"): for every round in the ledger's window, each entry a
 peer selected is either counted by the theta it holds, or in its residual, never both and never neither.
@@ -31,7 +32,7 @@ import torch
 
 from pulseloco.codec.indices import IndexCode, decode_indices, encode_indices
 from pulseloco.errors import PayloadError
-from pulseloco.loco.robust import clip_split, parse_scales
+from pulseloco.loco.robust import clip_scale, clip_split, parse_bar, part_norm
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,13 @@ round of CPU memory."""
 
 @dataclass(frozen=True)
 class LedgerEntry:
-    """What one round applied to a theta: ``group`` is ``None`` when the round averaged nothing; ``scales``, when
-    given, holds beside each accepted list its contributors' clip scales (else every part counted whole)."""
+    """What one round applied to a theta: ``group`` is ``None`` when the round averaged nothing; ``bars``, when
+    given, holds beside each accepted list the clip bar its owner reported (``None``, or none given: every part
+    counted whole)."""
 
     group: str | None
     accepted: tuple[tuple[str, ...] | None, ...] = ()
-    scales: tuple[tuple[float, ...] | None, ...] = ()
+    bars: tuple[float | None, ...] = ()
     kept: tuple[torch.Tensor | None, ...] = ()
     """Per shard served with the ``topk`` exchange, the global indices its owner kept (None elsewhere): a peer that
     never fetched that aggregate learns from them which of its entries the round counted."""
@@ -61,25 +63,24 @@ class LedgerEntry:
 
     def counted(self, group: str, shard: int, peer: str) -> bool:
         """Whether this round counted ``peer``'s part of ``shard`` in group ``group``."""
-        return self.scale(group, shard, peer) is not None
-
-    def scale(self, group: str, shard: int, peer: str) -> float | None:
-        """The clip scale this round counted ``peer``'s part of ``shard`` in group ``group`` at, or ``None`` if it
-        did not count it."""
         if self.group != group or shard >= len(self.accepted):
-            return None
+            return False
         names = self.accepted[shard]
-        if names is None or peer not in names:
+        return names is not None and peer in names
+
+    def scale(self, group: str, shard: int, peer: str, norm: float) -> float | None:
+        """The clip scale this round counted ``peer``'s part of ``shard`` in group ``group`` at (the part's
+        :func:`~pulseloco.loco.robust.part_norm` is ``norm``), or ``None`` if it did not count it."""
+        if not self.counted(group, shard, peer):
             return None
-        scales = self.scales[shard] if shard < len(self.scales) else None
-        return 1.0 if scales is None else scales[names.index(peer)]
+        return clip_scale(norm, self.bars[shard] if shard < len(self.bars) else None)
 
     def to_json(self, numel: int = 0) -> dict[str, Any]:
         """The JSON form; with ``numel`` (the flat space's size) the ``topk`` kept sets too, Rice-coded."""
         data: dict[str, Any] = {
             "group": self.group,
             "accepted": [None if a is None else list(a) for a in self.accepted],
-            "scales": [None if s is None else list(s) for s in self.scales],
+            "bars": list(self.bars),
         }
         if numel and any(k is not None for k in self.kept):
             data["numel"] = numel
@@ -104,14 +105,19 @@ class LedgerEntry:
                 shards.append(tuple(names))
             else:
                 raise PayloadError("ledger accepted list must be a list of peer ids or null")
-        scales = data.get("scales", [])
-        if not isinstance(scales, list) or len(scales) not in (0, len(shards)):
-            raise PayloadError("ledger scales must be a list with one entry per shard")
-        shard_scales: list[tuple[float, ...] | None] = []
-        for names, values in zip(shards, scales):
-            if names is None and values is not None:
-                raise PayloadError("ledger scales given for a shard that was not applied")
-            shard_scales.append(None if names is None else parse_scales(values, list(names)))
+        if "scales" in data:
+            raise PayloadError(
+                "ledger entry lists clip scales per contributor (a release before the clip bar): every peer of a run "
+                "needs the same pulseloco release"
+            )
+        bars = data.get("bars", [])
+        if not isinstance(bars, list) or len(bars) not in (0, len(shards)):
+            raise PayloadError("ledger bars must be a list with one entry per shard")
+        shard_bars: list[float | None] = []
+        for names, value in zip(shards, bars):
+            if names is None and value is not None:
+                raise PayloadError("ledger clip bar given for a shard that was not applied")
+            shard_bars.append(parse_bar(value, "ledger entry"))
         kept = data.get("kept", [])
         numel = data.get("numel", 0)
         if not isinstance(kept, list) or len(kept) not in (0, len(shards)):
@@ -119,7 +125,7 @@ class LedgerEntry:
         if kept and (isinstance(numel, bool) or not isinstance(numel, int) or not 0 < numel <= 2**40):
             raise PayloadError("ledger kept sets need the flat space's numel")
         shard_kept = tuple(None if k is None else _decode_indices(k, numel) for k in kept)
-        return cls(group, tuple(shards), tuple(shard_scales), shard_kept)
+        return cls(group, tuple(shards), tuple(shard_bars), shard_kept)
 
 
 def _code_indices(indices_K: torch.Tensor, numel: int) -> dict[str, Any]:
@@ -163,6 +169,16 @@ class Pending:
     """As a ``topk`` owner: its shard, and the global indices and values of the aggregate's rounding error it added
     to its residual; they belong there exactly when the theta this peer holds applied that shard in this group."""
     absorbed_counted: bool = True
+    norms: list[float] = field(default_factory=list)
+    """Per shard, the :func:`~pulseloco.loco.robust.part_norm` of the part as it was sent (before a ``topk`` owner
+    dropped any of it), from which an adopted ledger's clip bar gives the scale; none given: taken from
+    ``values_K`` when the contribution is recorded (nothing was dropped)."""
+
+    def __post_init__(self) -> None:
+        if not self.norms:  # now, before a reconcile narrows values_K to the kept entries
+            self.norms = [
+                part_norm(self.values_K[self.offsets[j] : self.offsets[j + 1]]) for j in range(len(self.offsets) - 1)
+            ]
 
     def assumed(self, shard: int) -> float | None:
         """The scale this peer assumed ``shard`` counted its part at, ``None`` for not counted."""
@@ -277,7 +293,7 @@ class Ledger:
                 continue
             moved += self._reconcile_absorbed(pending, entry, residual_N)
             for shard in range(len(pending.counted)):
-                was, now = pending.assumed(shard), entry.scale(pending.group, shard, self.peer_id)
+                was, now = pending.assumed(shard), entry.scale(pending.group, shard, self.peer_id, pending.norms[shard])
                 if now == was:
                     continue
                 if shard in pending.kept_unknown and now is not None:

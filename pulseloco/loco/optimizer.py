@@ -572,7 +572,7 @@ class PulseLoCo:
         on_device = sent.to(indices_K.device)
         stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
         offsets = [0, *torch.searchsorted(pending_indices, stops).tolist()]
-        scales = result.own_scales(self.averager.peer_id)
+        scales = result.own_scales
         self._num_clipped = 0
         kept_indices = indices_K[on_device]
         for j, scale in enumerate(scales):
@@ -593,7 +593,7 @@ class PulseLoCo:
             absorbed = (result.absorbed_shard, result.absorbed_indices_K.clone(), result.absorbed_K.clone())
         self.ledger.record(
             self.round,
-            LedgerEntry(group.group_id, result.accepted, result.scales, result.kept),
+            LedgerEntry(group.group_id, result.accepted, result.bars, result.kept),
             Pending(
                 group.group_id,
                 pending_indices.clone(),
@@ -603,6 +603,7 @@ class PulseLoCo:
                 [1.0 if scale is None else scale for scale in scales],
                 kept_unknown=set(result.kept_unknown),
                 absorbed=absorbed,
+                norms=list(result.own_norms),
             ),
         )
         return result, len(group.members), indices_K, values_K, None

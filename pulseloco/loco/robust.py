@@ -23,12 +23,15 @@ does *not* bound an attacker that stays below the median but points against the 
 the group one honest contribution per round, and is never excluded), nor an attacker that owns the shard (the
 member-side screen of :mod:`pulseloco.loco.averaging` is the defence there).
 
-*Exactly once.* What the owner clipped off is the sender's, not lost: the owner reports every accepted peer's
-scale in its sum's header (:func:`parse_scales` checks it on receipt), and the sender puts ``x_p - y_p`` back into
-its error-feedback residual, so that sent-and-counted plus residual equals the signal, element by element.
-:func:`clip_split` computes ``y_p`` and ``x_p - y_p`` with one FP32 rounding in a way both sides reproduce bit for
-bit and whose two halves add up to ``x_p`` exactly (below). An honest peer that is clipped only delays the clipped
-part by a round (error feedback sends it again).
+*Exactly once.* What the owner clipped off is the sender's, not lost: the owner reports its bar in its sum's
+header (one number, :func:`parse_bar` checks it on receipt), each sender derives its own scale from it and its own
+part (:func:`clip_scale` of :func:`part_norm`), and puts ``x_p - y_p`` back into its error-feedback residual, so
+that sent-and-counted plus residual equals the signal, element by element. The owner and the sender compute the
+same norm from the same values on any hardware (:func:`part_norm`: exact squares, a correctly rounded sum), so
+they reach the same scale without the owner listing one per contributor (which cost every peer ``O(R)`` bytes
+per owner, ``O(R^2)`` a round). :func:`clip_split` computes ``y_p`` and ``x_p - y_p`` with one FP32 rounding in a
+way both sides reproduce bit for bit and whose two halves add up to ``x_p`` exactly (below). An honest peer that
+is clipped only delays the clipped part by a round (error feedback sends it again).
 
 **Exclusion of repeat outliers** (:class:`RepeatOutliers`). A part *strikes* when its norm is above
 ``dispute_norm_ratio`` (default 4) times the bar, when the screen rejects it, or when it is not a valid frame. A
@@ -53,8 +56,8 @@ rho) / (rho - 1)`` rounds. Swarms of peers configured alike do not do this; ``di
 Exact split: for ``s >= 1/2``, ``y = fl(s x)`` lies in ``[x/2, x]``, so ``x - y`` is exact (Sterbenz); for ``s < 1/2``
 the returned part ``r = fl(fl(1 - s) x)`` lies in ``[x/2, x]`` and ``y = x - r`` is exact, but ``y`` is then off
 ``s x`` by up to an ulp of ``x`` (2**-23 relative to ``x``, ``2**-23 / s`` relative to ``y``: 2e-6 at the smallest
-scales the screen lets through, about 1/20). Scales are FP32 values (exact in the JSON header's doubles),
-so the owner and the sender compute the same ``y`` from the same ``x``.
+scales the screen lets through, about 1/20). The bar is a double (exact in the JSON header) and a scale the FP32
+rounding of ``bar / norm``, so the owner and the sender compute the same ``y`` from the same ``x``.
 """
 
 from __future__ import annotations
@@ -77,9 +80,11 @@ __all__ = [
     "DEFAULT_DISPUTE_ROUNDS",
     "RepeatOutliers",
     "clip_bar",
+    "clip_scale",
     "clip_scales",
     "clip_split",
-    "parse_scales",
+    "parse_bar",
+    "part_norm",
     "to_float32",
 ]
 
@@ -111,16 +116,42 @@ def clip_bar(norms: dict[str, float], own: str | None) -> tuple[float, str]:
     return 0.0, "no bar"
 
 
+def part_norm(values_K: torch.Tensor) -> float:
+    """The L2 norm of a part's values, the same on every machine and for any order of the values. A shard owner and
+    the part's sender both compute it (:func:`clip_scale`), so no rounding in it may depend on a reduction's order
+    (SIMD width, threads, the device). The squares are exact in float64 (an FP32 significand squared fits in 48
+    bits); each is cut, element by element and exactly, into two integers on a fixed-point grid set by the
+    largest (``b = 62 - bits(n)`` bits below it, and ``b`` more), and the integers are summed exactly. The result
+    depends on the multiset of values alone; what the grid drops is below ``n 2**-(2 b)`` of the largest square
+    (under 1e-10 of the norm up to a billion values). An infinite value gives ``inf``; no values, or all zero,
+    0.0."""
+    if values_K.numel() == 0:
+        return 0.0
+    squares = values_K.detach().to(torch.float64).square()
+    top = float(squares.max())
+    if top == 0.0 or not math.isfinite(top):
+        return top
+    bits = 62 - values_K.numel().bit_length()  # n integers below 2**bits each sum below 2**62
+    shift = bits - math.frexp(top)[1]  # the largest square times 2**shift lies in [2**(bits - 1), 2**bits)
+    scaled = squares * 2.0**shift  # exact: a power of two (but where it makes a tiny square subnormal)
+    high = torch.trunc(scaled)
+    low = torch.trunc((scaled - high) * 2.0**bits)  # the fraction, exact, on a grid 2**bits finer
+    total = (int(high.to(torch.int64).sum()) << bits) + int(low.to(torch.int64).sum())
+    return math.sqrt(math.ldexp(float(total), -(shift + bits)))
+
+
+def clip_scale(norm: float, bar: float | None) -> float:
+    """The scale a part of L2 ``norm`` (:func:`part_norm`) is counted at under clip ``bar``: ``min(1, bar /
+    norm)`` rounded to FP32; 1.0 for no bar (``None``, clipping off) or a bar of 0 (nothing to clip to). A part too
+    large for any positive FP32 scale gets 0 (an owner rejects it; a member refuses a sum that counted it)."""
+    if bar is None or bar <= 0.0 or norm <= bar:
+        return 1.0
+    return min(1.0, to_float32(bar / norm))  # an infinite norm gives 0
+
+
 def clip_scales(norms: dict[str, float], bar: float) -> dict[str, float]:
-    """Every peer's scale ``min(1, bar / norm)``, rounded to FP32 (1.0 for a bar of 0: nothing to clip to). A part
-    too large for any positive FP32 scale gets 0 (the caller rejects it)."""
-    scales: dict[str, float] = {}
-    for peer, norm in norms.items():
-        if bar <= 0.0 or norm <= bar:
-            scales[peer] = 1.0
-        else:  # an infinite norm (an FP32 overflow of finite values) gives 0
-            scales[peer] = min(1.0, to_float32(bar / norm))
-    return scales
+    """Every peer's :func:`clip_scale` at ``bar``."""
+    return {peer: clip_scale(norm, bar) for peer, norm in norms.items()}
 
 
 def clip_split(values_K: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,27 +175,19 @@ def clip_split(values_K: torch.Tensor, scale: float) -> tuple[torch.Tensor, torc
     return values_K - clipped_K, clipped_K
 
 
-def parse_scales(value: Any, names: list[str]) -> tuple[float, ...]:
-    """The clip scales of a sum's header: one per accepted contributor, in the order of ``names``; each an FP32
-    number in ``(0, 1]`` (a part clipped to nothing is rejected, not accepted at scale 0).
+def parse_bar(value: Any, what: str = "aggregate header") -> float | None:
+    """A clip bar received in a served header or a ledger entry (``what`` names it in the error): ``None`` (absent
+    or null: nothing clipped) or a finite number at least 0, as a float.
 
-    Raises :class:`PayloadError` naming the first bad entry (a missing or misaligned list, a non-number, a value
-    out of range, not finite or not an FP32 number)."""
-    if not isinstance(value, list):
-        raise PayloadError("aggregate header lacks its contributors' clip scales")
-    if len(value) != len(names):
-        raise PayloadError(f"aggregate header has {len(value)} clip scales for {len(names)} accepted contributors")
-    scales = []
-    for name, scale in zip(names, value):
-        if isinstance(scale, bool) or not isinstance(scale, int | float):
-            raise PayloadError(f"clip scale of {name} is not a number: {scale!r}")
-        scale = float(scale)
-        if not (0.0 < scale <= 1.0):
-            raise PayloadError(f"clip scale of {name} is {scale!r}: it must be in (0, 1]")
-        if not _is_float32(scale):
-            raise PayloadError(f"clip scale of {name} is {scale!r}: not an FP32 number")
-        scales.append(scale)
-    return tuple(scales)
+    Raises :class:`PayloadError` for anything else (a string, a boolean, a negative or non-finite number)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PayloadError(f"{what}'s clip bar is not a number: {value!r}")
+    bar = float(value)
+    if not (math.isfinite(bar) and bar >= 0.0):
+        raise PayloadError(f"{what}'s clip bar is {bar!r}: it must be a finite number at least 0")
+    return bar
 
 
 class RepeatOutliers:

@@ -1,16 +1,16 @@
-"""The shard owner's side of the sparse all-reduce (:mod:`pulseloco.loco.averaging`): receiving, checking and
-summing the members' parts of the owner's shard, and serving the sum.
+"""The shard owner's side of the sparse all-reduce (:mod:`pulseloco.loco.averaging`): receiving, checking and summing
+the members' parts of the owner's shard, and serving the sum.
 
 :class:`ShardOwner` is a base of :class:`~pulseloco.loco.averaging.SparseAverager` (never used on its own). A
-server-mode member owns one contiguous shard of the flat parameter space per round. It receives the other
-members' parts over ``rpc_push`` (and takes its own locally, :meth:`ShardOwner._open_own_shard`), waits for all of
-them until the round's deadline, decodes and validates them (frame, index range, finiteness, norm against the other
-contributions' median, or largest entry against the owner's own part's in a group of two), clips each part to the
-group's median norm and sums the clipped parts in sorted peer-id order (:meth:`ShardOwner._aggregate`; the rule,
-what it bounds and the exclusion of peers that keep sending outliers: :mod:`pulseloco.loco.robust`).
-``rpc_fetch`` streams that sum, with the sorted list of accepted contributors and each one's clip scale, to every
-member of the group; the list and the scales decide delivery (docs/design.md, "Exactly-once contributions"). Owner
-state is created only for rounds near the current one and for at most four groups per round.
+server-mode member owns one contiguous shard of the flat parameter space per round. It receives the other members' parts
+over ``rpc_push`` (and takes its own locally, :meth:`ShardOwner._open_own_shard`), waits for all of them until the
+round's deadline, decodes and validates them (frame, index range, finiteness, norm against the other contributions'
+median, or largest entry against the owner's own part's in a group of two), clips each part to the group's median norm
+and sums the clipped parts in sorted peer-id order (:meth:`ShardOwner._aggregate`; the rule, what it bounds and the
+exclusion of peers that keep sending outliers: :mod:`pulseloco.loco.robust`). ``rpc_fetch`` streams that sum, with the
+sorted list of accepted contributors and the clip bar (from which each contributor derives its own scale), to every
+member of the group; the list and the scales decide delivery (docs/design.md, "Exactly-once contributions"). Owner state
+is created only for rounds near the current one and for at most four groups per round.
 
 Failure behaviour: a handler never raises because of a peer; a refused push is answered ``ok`` False with a
 reason, a refused fetch with one refusal message (:func:`pulseloco.p2p.read_stream` reads it); a part that fails
@@ -21,10 +21,7 @@ reason).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
-import struct
 import time
 from dataclasses import dataclass, field
 
@@ -39,7 +36,7 @@ from hivemind.proto import runtime_pb2
 from pulseloco.errors import PayloadError, SwarmError
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.reduce import ReduceSpec, combine_parts, reduce_parts
-from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales, parse_scales
+from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales, parse_bar, part_norm
 from pulseloco.loco.traffic import FrameLayout, TrafficCounter
 from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
 from pulseloco.p2p import asker_closes, header_message, parse_header, read_stream, stream_messages
@@ -54,7 +51,7 @@ __all__ = [
     "accepted_names",
     "compact_header",
     "peak",
-    "served_scales",
+    "served_bar",
 ]
 
 CONTRIBUTION_NAME = "pseudo_gradient"
@@ -64,25 +61,18 @@ AGGREGATE_NAME = "pseudo_gradient_sum"
 
 
 def compact_header(header: dict[str, Any], members: list[str]) -> dict[str, Any]:
-    """The header of a served shard as it goes on the wire. Every member is sent every owner's header, so what grows
-    with the group is coded tightly (lists of peer ids and JSON numbers would cost each peer ``O(R^2)`` bytes a
-    round, some 70 bytes per member per owner): the accepted contributors as a hex bitmask over the group's sorted
-    ``members`` (``accepted_mask``), without the rejected ones (the owner logs them); the clip scales as a hex
-    bitmask over the accepted list of the parts clipped (``clipped_mask``) and their FP32 scales, little-endian,
-    base64 (``clip_scales``; the others are 1). Members read it back with :func:`accepted_names` and
-    :func:`served_scales`."""
+    """The header of a served shard as it goes on the wire. Every member is sent every owner's header, so nothing in
+    it may grow much with the group (a list of peer ids would cost each peer ``O(R^2)`` bytes a round, some 70
+    bytes per member per owner): the accepted contributors go as a hex bitmask over the group's sorted ``members``
+    (``accepted_mask``), without the rejected ones (the owner logs them). The clip needs no per-contributor field:
+    the header's one ``clip_bar`` lets each member derive its own scale (:mod:`pulseloco.loco.robust`). Members
+    read it back with :func:`accepted_names` and :func:`served_bar`."""
     if "accepted" not in header:
         return header
     names = set(header["accepted"])
     mask = sum(1 << i for i, member in enumerate(members) if member in names)
-    wire = {key: value for key, value in header.items() if key not in ("accepted", "rejected", "scales")}
+    wire = {key: value for key, value in header.items() if key not in ("accepted", "rejected")}
     wire["accepted_mask"] = format(mask, "x")
-    scales = header.get("scales")
-    if isinstance(scales, list):
-        clipped = [i for i, scale in enumerate(scales) if scale != 1.0]
-        wire["clipped_mask"] = format(sum(1 << i for i in clipped), "x")
-        packed = struct.pack(f"<{len(clipped)}f", *(scales[i] for i in clipped))
-        wire["clip_scales"] = base64.b64encode(packed).decode()
     return wire
 
 
@@ -111,27 +101,11 @@ def accepted_names(reply: dict[str, Any], members: tuple[str, ...]) -> Any:
     return [member for i, member in enumerate(sorted(members)) if bits >> i & 1]
 
 
-def served_scales(reply: dict[str, Any], names: list[str]) -> tuple[float, ...]:
-    """The clip scales of a served header, one per accepted contributor in the order of ``names``: decoded from
-    ``clipped_mask`` and ``clip_scales`` (:func:`compact_header`), or its ``scales`` list. Raises
-    :class:`PayloadError` for a malformed mask, base64 text of another length than the clipped parts' FP32 scales,
-    or a scale out of ``(0, 1]`` (:func:`~pulseloco.loco.robust.parse_scales`)."""
-    mask = reply.get("clipped_mask")
-    if mask is None:
-        return parse_scales(reply.get("scales"), names)
-    bits = _hex_mask(mask, len(names), "clipped_mask")
-    clipped = [i for i in range(len(names)) if bits >> i & 1]
-    text = reply.get("clip_scales")
-    try:
-        packed = base64.b64decode(text, validate=True) if isinstance(text, str) else b""
-    except binascii.Error:
-        packed = b""
-    if not isinstance(text, str) or len(packed) != 4 * len(clipped) or (not packed and text):
-        raise PayloadError(f"aggregate header's clip_scales is not base64 of {len(clipped)} FP32 numbers")
-    scales: list[float] = [1.0] * len(names)
-    for i, scale in zip(clipped, struct.unpack(f"<{len(clipped)}f", packed), strict=True):
-        scales[i] = scale
-    return parse_scales(scales, names)
+def served_bar(reply: dict[str, Any]) -> float | None:
+    """The clip bar of a served header (``clip_bar``; absent or null: nothing was clipped). Raises
+    :class:`PayloadError` for one that is not a finite number at least 0 (:func:`~pulseloco.loco.robust.parse_bar`).
+    """
+    return parse_bar(reply.get("clip_bar"))
 
 
 def peak(values_K: torch.Tensor) -> float:
@@ -171,11 +145,11 @@ class OwnedShard:
 @dataclass(frozen=True)
 class ShardSum:
     """What :meth:`ShardOwner._sum_contributions` made of a shard's parts: the ``header`` served with the sum
-    (``accepted`` contributors, sorted, with their clip ``scales``, the ``rejected`` ones, the ``exchange`` and
-    ``mean_over`` rules), the encoded sum ``payload`` (with the gather exchange, the accepted ``parts`` instead,
-    served by :meth:`ShardOwner._served`), the number of parts rejected, the largest ratio of an accepted
-    part's norm to the clip bar (0 without a bar), and with the ``topk`` exchange the owner's rounding error of the
-    kept aggregate (``absorbed``: local indices and values; the header then also names the ``union``'s size and the
+    (``accepted`` contributors, sorted, the ``clip_bar`` when parts were clipped to one, the ``rejected`` ones, the
+    ``exchange`` and ``mean_over`` rules), the encoded sum ``payload`` (with the gather exchange, the accepted ``parts``
+    instead, served by :meth:`ShardOwner._served`), the number of parts rejected, the largest ratio of an accepted
+    part's norm to the clip bar (0 without a bar), and with the ``topk`` exchange the owner's rounding error of the kept
+    aggregate (``absorbed``: local indices and values; the header then also names the ``union``'s size and the
     ``budget``)."""
 
     header: dict[str, Any]
@@ -184,6 +158,9 @@ class ShardSum:
     largest_norm_ratio: float
     parts: tuple[bytes, ...] = ()
     absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+    scales: tuple[float, ...] = ()
+    """The accepted parts' clip scales, in the order of ``accepted`` (the owner's record; not served: each member
+    derives its own from ``clip_bar``)."""
 
 
 def _refusal(reason: str) -> dict[str, Any]:
@@ -458,7 +435,7 @@ class ShardOwner(TrafficCounter):
                 valid[peer] = decode_sparse(contributions[peer], CONTRIBUTION_NAME, numel)
             except PayloadError as exc:
                 rejected[peer] = strikes[peer] = f"{type(exc).__name__}: {exc}"
-        l2_norms = {peer: float(torch.linalg.vector_norm(values_K)) for peer, (_, values_K) in valid.items()}
+        l2_norms = {peer: part_norm(values_K) for peer, (_, values_K) in valid.items()}
         if len(valid) >= 3:  # L2 norms against the leave-one-out median
             screen_norms, reference = l2_norms, None
         else:  # no majority: largest entries against this owner's own (the part it can trust)
@@ -497,14 +474,16 @@ class ShardOwner(TrafficCounter):
             )
         accepted = sorted(valid)
         exchange = self.exchange_for(group_size)
-        header = {
+        header: dict[str, Any] = {
             "ok": True,
             "accepted": accepted,
-            "scales": [scales[peer] for peer in accepted],
             "rejected": sorted(rejected),
             "exchange": exchange,
             "mean_over": self.mean_over,
         }
+        if self.clip_to_median and bar > 0.0:
+            header["clip_bar"] = bar
+        accepted_scales = tuple(scales[peer] for peer in accepted)
         if exchange == "topk" and self.reduce_spec is not None:
             spec = self.reduce_spec
             reduced = reduce_parts(
@@ -529,10 +508,18 @@ class ShardOwner(TrafficCounter):
                 len(rejected),
                 largest_ratio,
                 absorbed=(reduced.indices_K, reduced.absorbed_K),
+                scales=accepted_scales,
             )
         if exchange == "gather":
             parts = tuple(contributions[peer] for peer in accepted)
-            return ShardSum({**header, "size": sum(map(len, parts))}, b"", len(rejected), largest_ratio, parts)
+            return ShardSum(
+                {**header, "size": sum(map(len, parts))},
+                b"",
+                len(rejected),
+                largest_ratio,
+                parts,
+                scales=accepted_scales,
+            )
         indices_K, sum_K = combine_parts([(valid[peer], scales[peer]) for peer in accepted], numel, self.mean_over)
         payload = encode_sparse(AGGREGATE_NAME, numel, indices_K, sum_K, round_index=round_index)
-        return ShardSum({**header, "size": len(payload)}, payload, len(rejected), largest_ratio)
+        return ShardSum({**header, "size": len(payload)}, payload, len(rejected), largest_ratio, scales=accepted_scales)
