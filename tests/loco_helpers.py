@@ -95,6 +95,8 @@ class PeerConfig:
     record_parts: bool = False
     """Report every round's parts as sent (dense), their shard norms, and the shards' accepted lists and scales."""
     extra: dict[str, Any] = field(default_factory=dict)
+    log_file: str | None = None
+    """Log at INFO level to this file (else warnings to stderr, which a forked peer's test capture loses)."""
 
 
 def _die_now() -> None:
@@ -284,7 +286,11 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     Peers given a ``start_barrier`` begin training together, so that a slow start (process and DHT startup on a
     loaded machine) does not make a peer miss the first round's group.
     """
-    logging.basicConfig(level=logging.WARNING, format=f"peer{config.index} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if config.log_file is None else logging.INFO,
+        filename=config.log_file,
+        format=f"%(relativeCreated)d peer{config.index} %(name)s %(levelname)s %(message)s",
+    )
     torch.set_num_threads(1)
     if config.join_late and late_event is not None:
         late_event.wait(timeout=120)

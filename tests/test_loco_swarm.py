@@ -93,6 +93,17 @@ def _vector(report: dict[str, Any], key: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(report[key]), dtype=torch.float32)
 
 
+def _rounds_summary(reports: list[dict[str, Any]]) -> str:
+    """Each peer's rounds, one line each (for an assertion's message: what a failed exactly-once check ran into)."""
+    keys = ("num_peers", "complete", "repaired", "num_returned", "num_reconciled", "num_rejected")
+    lines = []
+    for report in sorted(reports, key=lambda r: r["index"]):
+        for r in report["rounds"]:
+            fields = " ".join(f"{key}={r.get(key)}" for key in keys)
+            lines.append(f"peer{report['index']} round={r['round']} digest={r['digest'][:8]} {fields}")
+    return "\n".join(lines)
+
+
 def _conservation_error(reports: list[dict[str, Any]]) -> float:
     """Relative error of the exact ledger: everything the peers produced equals what the rounds of the final
     theta's lineage counted plus what the peers still hold in their residuals. A contribution counted twice
@@ -139,7 +150,7 @@ def test_three_peers_end_every_round_with_equal_digests(initial_peers: list[str]
     assert len(set(_digests(reports[0]).values())) == 4
     assert torch.equal(_theta(reports[0]), _theta(reports[1]))
     assert all(r["num_contributors"] == 3 and r["complete"] for report in reports for r in report["rounds"])
-    assert _conservation_error(reports) < 1e-5
+    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
     lines = [line for line in (tmp_path / "peer0.jsonl").read_text().splitlines() if line]
     assert len(lines) == 4
     import json
@@ -363,7 +374,7 @@ def test_bf16_values_average_to_equal_digests_and_conserve(initial_peers: list[s
     for report in reports:
         assert all(r["num_contributors"] == 3 and r["complete"] and r["num_sent"] > 0 for r in report["rounds"])
     assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
-    assert _conservation_error(reports) < 1e-5
+    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
     assert torch.any(torch.frombuffer(bytearray(reports[0]["residual"]), dtype=torch.float32) != 0)
 
 
@@ -403,7 +414,7 @@ def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: l
         for report in reports:
             assert all(r["num_contributors"] == 3 and r["complete"] and r["num_sent"] > 0 for r in report["rounds"])
         assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
-        assert _conservation_error(reports) < 1e-5
+        assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
         thetas.append(_theta(reports[0]))
     # The two swarms' peers have fresh ids, so the sorted-id order of the additions can differ: equal up to the
     # rounding of three FP32 additions per entry, not bit for bit (within one swarm every peer has the same bits).
@@ -467,14 +478,14 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     # exactly once (a double count is a whole shard part of a round: percents of the total, not 1e-5).
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32))
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32))
-    assert _conservation_error(reports) < 1e-5
+    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
     # The faults did what they should: incomplete rounds, and residuals reconciled with the adopted state.
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
     assert any(not r["complete"] for report in reports for r in report["rounds"])
     assert _digests(reports[0])[0] == _digests(reports[1])[0] == _digests(reports[2])[0]
 
 
-def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[str]) -> None:
+def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[str], tmp_path: Any) -> None:
     """The topk exchange over real DHTs under the faults of the test above, on the PULSE gate with 2-bit values and
     a top-64 budget (each owner keeps the top 64 of the aggregate per tile, ``exchange_budget=1``, and requantizes
     it): round 1, peer 1
@@ -484,16 +495,18 @@ def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[st
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=7, run_id="once-topk")
     extra = {"pulse_values": "quantized", "pulse_budget": 64, "exchange": "topk", "exchange_budget": 1.0}
     base = replace(base, matchmaking_time=4.0, linger=6.0, extra=extra)
+    logs = [tmp_path / f"peer{i}.log" for i in range(3)]
     configs = [
-        replace(base, index=0, faults={5: "cut_fetch"}),
-        replace(base, index=1, faults={1: "alone"}),
-        replace(base, index=2, faults={3: "stall:4"}),
+        replace(base, index=0, faults={5: "cut_fetch"}, log_file=str(logs[0])),
+        replace(base, index=1, faults={1: "alone"}, log_file=str(logs[1])),
+        replace(base, index=2, faults={3: "stall:4"}, log_file=str(logs[2])),
     ]
     reports = run_swarm(configs)
     assert all(report["final_round"] == 7 for report in reports)
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32))
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32))
-    assert _conservation_error(reports) < 1e-5
+    log_lines = [line for log in logs if log.exists() for line in log.read_text().splitlines() if "pulseloco" in line]
+    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports) + "\n" + "\n".join(log_lines)
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
     # the owners dropped entries in rounds that completed: those went back to their senders
     assert sum(r["num_returned"] for report in reports for r in report["rounds"] if r["complete"]) > 0
