@@ -150,12 +150,14 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
     - ``stall:S``: the process stops for S seconds when it starts fetching the shard sums (its parts pushed);
     - ``cut_fetch``: as a shard owner, end the sum's stream without a message for one member (the largest
       peer id other than its own) on every attempt, while serving the others;
-    - ``alone``: its DHT view fails at the start of the round: it forms a group of itself alone.
+    - ``alone``: its DHT view fails at the start of the round: it forms a group of itself alone;
+    - ``miss_own``: as a shard owner, its own wait for its shard's sum ends empty (as when the aggregation outlasts
+      this peer's deadline) while the sum is served to the others as usual.
     """
     from pulseloco.loco.matchmaking import Group
 
     averager, matchmaker = opt.averager, opt.matchmaker
-    original_fetch, original_form = averager._fetch, matchmaker.form_group
+    original_fetch, original_form, original_own = averager._fetch, matchmaker.form_group, averager._own_sum
     stalled: set[int] = set()
 
     async def fetch(owner: str, header: dict[str, Any], deadline: float) -> Any:
@@ -171,7 +173,12 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
             return Group(round=round_index, members=(me,), servers=(me,), digest=digest)
         return original_form(round_index, expiration, digest)
 
+    async def own_sum(group: Any, deadline: float) -> Any:
+        served = await original_own(group, deadline)
+        return None if faults.get(group.round) == "miss_own" else served
+
     averager._fetch = fetch
+    averager._own_sum = own_sum
     matchmaker.form_group = form_group
 
 
@@ -290,6 +297,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
         level=logging.WARNING if config.log_file is None else logging.INFO,
         filename=config.log_file,
         format=f"%(relativeCreated)d peer{config.index} %(name)s %(levelname)s %(message)s",
+        force=config.log_file is not None,  # a forked peer inherits the test's handlers, which would keep it silent
     )
     torch.set_num_threads(1)
     if config.join_late and late_event is not None:

@@ -281,6 +281,19 @@ def test_the_owners_absorbed_rounding_follows_the_adopted_lineage(caplog: pytest
         ledger2.reconcile({3: LedgerEntry("g", (("me",), ("me",)))}, 4, residual2)
     assert torch.equal(residual2, torch.zeros(6))  # shard 1's kept set is unknown: not corrected
     assert "cannot reconcile round=3 shard=1 exactly" in caplog.text
+    # The owner's own wait for its shard was cut short (not applied here, the error kept aside), but the others
+    # applied it: a repair to their theta puts the error into the residual, once.
+    ledger3 = Ledger("me")
+    residual3 = torch.zeros(6)
+    pending3 = Pending(
+        "g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [0, 2, 2], [False, False], absorbed=absorbed
+    )
+    pending3.absorbed_counted = False
+    ledger3.record(3, LedgerEntry("g", (None, None)), pending3)
+    applied = {3: LedgerEntry("g", (("me", "x"), ("x",)))}
+    assert ledger3.reconcile(applied, 4, residual3) == 4  # the part counted after all, and the error
+    assert residual3.tolist() == [0.0, -0.75, 0.0, 0.0, -2.5, 0.0]  # - (1, 2) counted + (0.25, -0.5) absorbed
+    assert ledger3.reconcile(applied, 4, residual3) == 0
 
 
 def test_a_state_that_counted_an_unfetched_topk_part_names_the_kept_entries() -> None:

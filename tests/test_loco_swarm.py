@@ -488,17 +488,18 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
 def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[str], tmp_path: Any) -> None:
     """The topk exchange over real DHTs under the faults of the test above, on the PULSE gate with 2-bit values and
     a top-64 budget (each owner keeps the top 64 of the aggregate per tile, ``exchange_budget=1``, and requantizes
-    it): round 1, peer 1
-    averages alone; round 3, peer 2 stalls 4 s while fetching; round 5, peer 0 as an owner cuts one member's fetch
-    streams. Dropped entries, the owners' absorbed rounding and the repaired peers' reconciled residuals together
-    still hold every contribution once, and every peer ends on one theta."""
+    it): round 1, peer 1 averages alone; round 3, peer 2 stalls 4 s while fetching; round 4, peer 1's own wait for
+    its shard's sum ends empty while the others apply it (its rounding error must still reach its residual, through
+    the repair); round 5, peer 0 as an owner cuts one member's fetch streams. Dropped entries, the owners' absorbed
+    rounding and the repaired peers' reconciled residuals together still hold every contribution once, and every
+    peer ends on one theta."""
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=7, run_id="once-topk")
     extra = {"pulse_values": "quantized", "pulse_budget": 64, "exchange": "topk", "exchange_budget": 1.0}
     base = replace(base, matchmaking_time=4.0, linger=6.0, extra=extra)
     logs = [tmp_path / f"peer{i}.log" for i in range(3)]
     configs = [
         replace(base, index=0, faults={5: "cut_fetch"}, log_file=str(logs[0])),
-        replace(base, index=1, faults={1: "alone"}, log_file=str(logs[1])),
+        replace(base, index=1, faults={1: "alone", 4: "miss_own"}, log_file=str(logs[1])),
         replace(base, index=2, faults={3: "stall:4"}, log_file=str(logs[2])),
     ]
     reports = run_swarm(configs)

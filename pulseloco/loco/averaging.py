@@ -242,6 +242,10 @@ class AllReduceResult:
     absorbed_K: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float32))
     absorbed_shard: int | None = None
     """The shard whose error this peer absorbed (its own), or None."""
+    absorbed_counted: bool = True
+    """Whether this peer applied its own shard's aggregate, so that the error goes into its residual now; when it
+    did not (its own wait cut short) the error is kept aside in the ledger, for a repair to a theta that applied
+    that shard (:meth:`pulseloco.loco.ledger.Ledger.reconcile`)."""
     kept: tuple[torch.Tensor | None, ...] = ()
     """Per shard served with the ``topk`` exchange and fetched, the global indices its owner kept (for the
     ledger, :class:`pulseloco.loco.ledger.LedgerEntry`); None elsewhere."""
@@ -655,6 +659,7 @@ class SparseAverager(ShardOwner, StateTransfer):
         """
         self._current_round = group.round
         bounds = shard_bounds(self.numel, len(group.servers))
+        exchange = self.exchange_for(len(group.members))
         stops = torch.tensor([stop for _, stop in bounds], dtype=torch.int64)
         cut = torch.searchsorted(indices_K, stops).tolist()
         offsets = [0, *cut]
@@ -697,16 +702,23 @@ class SparseAverager(ShardOwner, StateTransfer):
             bounds,
             accepted_lists,
             kept_lists,
-            topk_expected=self.exchange_for(len(group.members)) == "topk",
+            topk_expected=exchange == "topk",
         )
         absorbed_indices_K = torch.zeros(0, dtype=torch.int64)
         absorbed_K = torch.zeros(0, dtype=torch.float32)
         absorbed_shard = None
         own_index = group.servers.index(self.peer_id) if self.peer_id in group.servers else None
-        # Applied here (the own shard's list is known): the rounding error is this owner's to keep.
-        if own_index is not None and owned is not None and owned.absorbed is not None and accepted_lists[own_index]:
-            absorbed_indices_K = owned.absorbed[0] + bounds[own_index][0]
-            absorbed_K = owned.absorbed[1]
+        absorbed = owned.absorbed if owned is not None else None
+        if own_index is not None and absorbed is None and exchange == "topk":
+            # This peer's wait was cut short, or its own aggregation outlasted it: the others may still have
+            # applied that aggregate, and then its rounding error is this owner's to keep all the same.
+            try:
+                absorbed = self._host.run(self._settled_absorbed(group), timeout=self.request_timeout + 1.0)
+            except (SwarmError, TimeoutError) as exc:
+                logger.warning("reading the own aggregation failed round=%d error=%s", group.round, exc)
+        if own_index is not None and absorbed is not None:
+            absorbed_indices_K = absorbed[0] + bounds[own_index][0]
+            absorbed_K = absorbed[1]
             absorbed_shard = own_index
         return AllReduceResult(
             group=group,
@@ -740,5 +752,6 @@ class SparseAverager(ShardOwner, StateTransfer):
             absorbed_indices_K=absorbed_indices_K,
             absorbed_K=absorbed_K,
             absorbed_shard=absorbed_shard,
+            absorbed_counted=own_index is not None and bool(accepted_lists[own_index]),
             num_union=int((owned.header or {}).get("union", 0)) if owned is not None else 0,
         )

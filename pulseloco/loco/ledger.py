@@ -166,9 +166,11 @@ class Pending:
     """Shards served with the ``topk`` exchange whose aggregate this peer did not fetch: which of its entries there
     the owner kept is unknown, so a state that counted them cannot be reconciled exactly (logged)."""
     absorbed: tuple[int, torch.Tensor, torch.Tensor] | None = None
-    """As a ``topk`` owner: its shard, and the global indices and values of the aggregate's rounding error it added
-    to its residual; they belong there exactly when the theta this peer holds applied that shard in this group."""
+    """As a ``topk`` owner: its shard, and the global indices and values of the aggregate's rounding error; they
+    belong in its residual exactly when the theta this peer holds applied that shard in this group."""
     absorbed_counted: bool = True
+    """Whether the residual holds the rounding error now (this peer applied its own shard, or a reconcile moved the
+    error in since)."""
     norms: list[float] = field(default_factory=list)
     """Per shard, the :func:`~pulseloco.loco.robust.part_norm` of the part as it was sent (before a ``topk`` owner
     dropped any of it), from which an adopted ledger's clip bar gives the scale; none given: taken from

@@ -584,12 +584,14 @@ class PulseLoCo:
                 self._num_clipped += offsets[j + 1] - offsets[j]
         absorbed = None
         if result.absorbed_shard is not None and result.absorbed_K.numel():
-            # This owner's rounding of its topk aggregate: what the group sent there and theta did not get.
-            self.residual_N.index_add_(
-                0,
-                result.absorbed_indices_K.to(indices_K.device),
-                result.absorbed_K.to(self.residual_N.device),
-            )
+            # This owner's rounding of its topk aggregate: what the group sent there and theta did not get. Kept
+            # aside in the ledger when this peer did not apply its own shard (a repair to a theta that did adds it).
+            if result.absorbed_counted:
+                self.residual_N.index_add_(
+                    0,
+                    result.absorbed_indices_K.to(indices_K.device),
+                    result.absorbed_K.to(self.residual_N.device),
+                )
             absorbed = (result.absorbed_shard, result.absorbed_indices_K.clone(), result.absorbed_K.clone())
         self.ledger.record(
             self.round,
@@ -603,6 +605,7 @@ class PulseLoCo:
                 [1.0 if scale is None else scale for scale in scales],
                 kept_unknown=set(result.kept_unknown),
                 absorbed=absorbed,
+                absorbed_counted=result.absorbed_counted,
                 norms=list(result.own_norms),
             ),
         )
