@@ -178,7 +178,8 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
         return None if faults.get(group.round) == "miss_own" else served
 
     averager._fetch = fetch
-    averager._own_sum = own_sum
+    if "miss_own" in faults.values():
+        averager._own_sum = own_sum
     matchmaker.form_group = form_group
 
 

@@ -104,6 +104,12 @@ def _rounds_summary(reports: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _peer_logs(logs: list[Any]) -> str:
+    """The pulseloco lines of the peers' log files, in order of time (for an assertion's message)."""
+    lines = [line for log in logs if log.exists() for line in log.read_text().splitlines() if " pulseloco." in line]
+    return "\n".join(sorted(lines, key=lambda line: int(line.split(" ", 1)[0]) if line[:1].isdigit() else 0))
+
+
 def _conservation_error(reports: list[dict[str, Any]]) -> float:
     """Relative error of the exact ledger: everything the peers produced equals what the rounds of the final
     theta's lineage counted plus what the peers still hold in their residuals. A contribution counted twice
@@ -452,7 +458,7 @@ def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initia
     assert _theta(reports[0]).abs().max() < 10.0
 
 
-def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list[str]) -> None:
+def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list[str], tmp_path: Any) -> None:
     """Four failure modes, one per round, on three peers with the dense selector (every entry sent),
     checked against an exact outside ledger (tests/loco_helpers.py ``_record_ledger``):
 
@@ -466,19 +472,21 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     """
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=9, run_id="once", selector="dense")
     base = replace(base, matchmaking_time=4.0, linger=6.0)
+    logs = [tmp_path / f"peer{i}.log" for i in range(3)]
     configs = [
-        replace(base, index=0, faults={7: "cut_fetch"}),
-        replace(base, index=1, faults={1: "alone"}),
-        replace(base, index=2, faults={3: "stall:4", 5: "stall:14"}),
+        replace(base, index=0, faults={7: "cut_fetch"}, log_file=str(logs[0])),
+        replace(base, index=1, faults={1: "alone"}, log_file=str(logs[1])),
+        replace(base, index=2, faults={3: "stall:4", 5: "stall:14"}, log_file=str(logs[2])),
     ]
     reports = run_swarm(configs)
     for report in reports:
         assert report["final_round"] == 9
     # Every peer ends on the same theta, and that theta together with the residuals holds every contribution
     # exactly once (a double count is a whole shard part of a round: percents of the total, not 1e-5).
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32))
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32))
-    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
+    context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
+    assert _conservation_error(reports) < 1e-5, context
     # The faults did what they should: incomplete rounds, and residuals reconciled with the adopted state.
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
     assert any(not r["complete"] for report in reports for r in report["rounds"])
@@ -504,10 +512,10 @@ def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[st
     ]
     reports = run_swarm(configs)
     assert all(report["final_round"] == 7 for report in reports)
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32))
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32))
-    log_lines = [line for log in logs if log.exists() for line in log.read_text().splitlines() if "pulseloco" in line]
-    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports) + "\n" + "\n".join(log_lines)
+    context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
+    assert _conservation_error(reports) < 1e-5, context
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
     # the owners dropped entries in rounds that completed: those went back to their senders
     assert sum(r["num_returned"] for report in reports for r in report["rounds"] if r["complete"]) > 0
