@@ -23,15 +23,15 @@ does *not* bound an attacker that stays below the median but points against the 
 the group one honest contribution per round, and is never excluded), nor an attacker that owns the shard (the
 member-side screen of :mod:`pulseloco.loco.averaging` is the defence there).
 
-*Exactly once.* What the owner clipped off is the sender's, not lost: the owner reports its bar in its sum's
-header (one number, :func:`parse_bar` checks it on receipt), each sender derives its own scale from it and its own
-part (:func:`clip_scale` of :func:`part_norm`), and puts ``x_p - y_p`` back into its error-feedback residual, so
-that sent-and-counted plus residual equals the signal, element by element. The owner and the sender compute the
-same norm from the same values on any hardware (:func:`part_norm`: exact squares, a correctly rounded sum), so
-they reach the same scale without the owner listing one per contributor (which cost every peer ``O(R)`` bytes
-per owner, ``O(R^2)`` a round). :func:`clip_split` computes ``y_p`` and ``x_p - y_p`` with one FP32 rounding in a
-way both sides reproduce bit for bit and whose two halves add up to ``x_p`` exactly (below). An honest peer that
-is clipped only delays the clipped part by a round (error feedback sends it again).
+*Exactly once.* What the owner clipped off is the sender's, not lost: the owner reports its bar in its sum's header (one
+number, :func:`parse_bar` checks it on receipt), each sender derives its own scale from it and its own part
+(:func:`clip_scale` of :func:`part_norm`), and puts ``x_p - y_p`` back into its error-feedback residual, so that
+sent-and-counted plus residual equals the signal, element by element. The owner and the sender compute the same norm
+from the same values on any hardware (:func:`part_norm`: exact squares summed exactly on a fixed-point grid), so they
+reach the same scale without the owner listing one per contributor (which cost every peer ``O(R)`` bytes per owner,
+``O(R^2)`` a round). :func:`clip_split` computes ``y_p`` and ``x_p - y_p`` with one FP32 rounding in a way both sides
+reproduce bit for bit and whose two halves add up to ``x_p`` exactly (below). An honest peer that is clipped only delays
+the clipped part by a round (error feedback sends it again).
 
 **Exclusion of repeat outliers** (:class:`RepeatOutliers`). A part *strikes* when its norm is above
 ``dispute_norm_ratio`` (default 4) times the bar, when the screen rejects it, or when it is not a valid frame. A

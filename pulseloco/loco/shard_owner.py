@@ -348,37 +348,42 @@ class ShardOwner(TrafficCounter):
         self._aggregations[(group.round, group.group_id)] = asyncio.create_task(self._aggregate(owned, deadline))
         return owned
 
+    async def _finished_aggregation(self, group: Group, timeout: float) -> OwnedShard | None:
+        """This owner's state for ``group``'s round once its aggregation has finished, waiting at most ``timeout``
+        seconds; None when it aggregates nothing for that group. Raises :class:`TimeoutError` when it does not finish
+        in time (the aggregation itself goes on: the other members still fetch its sum)."""
+        task = self._aggregations.get((group.round, group.group_id))
+        owned = self._owned.get((group.round, group.group_id))
+        if task is None or owned is None:
+            return None
+        await asyncio.wait_for(asyncio.shield(task), timeout=timeout)
+        return owned
+
     async def _settled_absorbed(self, group: Group) -> tuple[torch.Tensor, torch.Tensor] | None:
         """This owner's rounding error of its ``topk`` aggregate of ``group``'s round (local indices, values), once
         its aggregation has finished (waiting at most ``request_timeout`` for it): the other members may have
         applied that aggregate even when this peer's own wait for it was cut short. None without one: no
         aggregation of this group here, another exchange, or not finished in time (logged)."""
-        task = self._aggregations.get((group.round, group.group_id))
-        owned = self._owned.get((group.round, group.group_id))
-        if task is None or owned is None:
-            return None
         try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=self.request_timeout)
+            owned = await self._finished_aggregation(group, self.request_timeout)
         except TimeoutError:
             logger.warning(
                 "own aggregation still running round=%d: if the others apply it, its rounding error is lost",
                 group.round,
             )
             return None
-        return owned.absorbed
+        return owned.absorbed if owned is not None else None
 
     async def _own_sum(self, group: Group, deadline: float) -> tuple[dict[str, Any], bytes] | None:
         """This owner's sum of its shard of ``group``'s round, once aggregated (waiting at least
         ``request_timeout``, else until ``deadline``); None when there is none or the aggregation did not finish
         in time (logged)."""
-        task = self._aggregations.get((group.round, group.group_id))
-        owned = self._owned.get((group.round, group.group_id))
-        if task is None or owned is None:
-            return None
         try:
-            await asyncio.wait_for(asyncio.shield(task), timeout=max(self.request_timeout, deadline - time.monotonic()))
+            owned = await self._finished_aggregation(group, max(self.request_timeout, deadline - time.monotonic()))
         except TimeoutError:
             logger.warning("own aggregation did not finish round=%d", group.round)
+            return None
+        if owned is None:
             return None
         owned.fetched.add(self.peer_id)
         if owned.header is None:
