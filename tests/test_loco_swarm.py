@@ -462,7 +462,8 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     """Four failure modes, one per round, on three peers with the dense selector (every entry sent),
     checked against an exact outside ledger (tests/loco_helpers.py ``_record_ledger``):
 
-    round 1: peer 1's DHT view fails at the round's start: it averages in a group of itself alone;
+    round 1: the DHT views of peers 1 and 2 fail at the round's start: each averages alone, and so does peer 0
+    (a three-way split: two of the three are then repaired to one lineage and keep their own contributions);
     round 3: peer 2 stalls for 4 s (SIGSTOP) while fetching the sums, its parts already pushed;
     round 5: peer 2 stalls for 14 s, past the whole averaging wait (averaging 6 s + 2 x 3 s requests);
     round 7: peer 0, as a shard owner, ends one member's fetch streams before their first message.
@@ -476,11 +477,12 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     configs = [
         replace(base, index=0, faults={7: "cut_fetch"}, log_file=str(logs[0])),
         replace(base, index=1, faults={1: "alone"}, log_file=str(logs[1])),
-        replace(base, index=2, faults={3: "stall:4", 5: "stall:14"}, log_file=str(logs[2])),
+        replace(base, index=2, faults={1: "alone", 3: "stall:4", 5: "stall:14"}, log_file=str(logs[2])),
     ]
     reports = run_swarm(configs)
     for report in reports:
         assert report["final_round"] == 9
+    assert [report["rounds"][1]["num_peers"] for report in reports] == [1, 1, 1], _rounds_summary(reports)
     # Every peer ends on the same theta, and that theta together with the residuals holds every contribution
     # exactly once (a double count is a whole shard part of a round: percents of the total, not 1e-5).
     context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
