@@ -224,10 +224,12 @@ def _record_ledger(opt: Any, report: dict[str, Any]) -> None:
     outer_step = NesterovOuterOptimizer.step_sparse
     last_sum: list[torch.Tensor] = []
 
-    def add_and_record(theta_start_N: torch.Tensor, finite: bool) -> None:
-        produced.add_(theta_start_N - flat_params(opt.model))
+    def add_and_record(chunks: Any) -> None:
+        chunks = None if chunks is None else [(lo, hi, chunk.clone()) for lo, hi, chunk in chunks]
+        for lo, hi, chunk in chunks or []:
+            produced[lo:hi] += chunk
         report["produced"] = produced.numpy().tobytes()
-        add_pseudo_gradient(theta_start_N, finite)
+        add_pseudo_gradient(None if chunks is None else iter(chunks))
 
     def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
         result = all_reduce(group, indices_K, values_K, *args)
@@ -334,6 +336,7 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
             topk_k=extra.pop("topk_k", 64),
             pulse_values=extra.pop("pulse_values", "float32"),
             pulse_budget=extra.pop("pulse_budget", None),
+            overlap=extra.pop("overlap", False),
         ),
         averaging_config=AveragingConfig(
             target_group_size=config.target_group_size,
@@ -372,17 +375,9 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
             return group
 
         opt.matchmaker.form_group = form_group_then_die
-    target = opt.round + config.num_rounds
-    while opt.round < target:
-        if late_event is not None and config.announce_round is not None and opt.round > config.announce_round:
-            late_event.set()
-        tokens = batch(config.index, opt.round * config.inner_steps + opt.local_step)
-        loss = inner_step(model, inner_optimizer, tokens)
-        round_before = opt.round
-        opt.step(loss=loss)
-        opt.zero_grad()
-        if opt.local_step == 0 and opt.last_metrics is not None and opt.round != round_before:
-            m = opt.last_metrics
+
+    def record_round(_opt: Any, m: Any) -> None:
+        if m is not None:
             report["rounds"].append(
                 {
                     "round": m.round,
@@ -399,16 +394,32 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
                     "num_sent": m.num_sent,
                     "bytes_sent": m.bytes_sent,
                     "seconds_sync": m.seconds_sync,
+                    "seconds_blocked": m.seconds_blocked,
                     "t": time.time(),
                 }
             )
+
+    opt.add_round_listener(record_round)
+    # Blocking rounds: until the round counter (which a repair may move) reaches the target. Overlapped rounds
+    # change it in the background: count the boundaries instead, then land the last round.
+    target, phases = opt.round + config.num_rounds, 0
+    while (phases < config.num_rounds) if opt.overlap else (opt.round < target):
+        if late_event is not None and config.announce_round is not None and opt.round > config.announce_round:
+            late_event.set()
+        phase = target - config.num_rounds + phases if opt.overlap else opt.round
+        tokens = batch(config.index, phase * config.inner_steps + opt.local_step)
+        loss = inner_step(model, inner_optimizer, tokens)
+        opt.step(loss=loss)
+        opt.zero_grad()
+        phases += opt.local_step == 0
+    if config.state_out is not None:  # at the boundary (an overlapped round in flight is waited for, not landed)
+        torch.save(opt.state_dict(), config.state_out)
+    opt.finish()
     # Plain bytes: a tensor would travel as shared memory that must outlive this process.
     report["theta"] = opt.theta_N.numpy().tobytes()
     report["residual"] = opt.residual_N.numpy().tobytes()
     report["final_round"] = opt.round
     report["distrusted"] = list(opt.averager.distrusted_peers()) if opt.averager is not None else []
-    if config.state_out is not None:
-        torch.save(opt.state_dict(), config.state_out)
     results.put(report)
     # Stay reachable a little so that slower peers can finish fetching shards and state from this one.
     time.sleep(config.linger)

@@ -519,6 +519,8 @@ def test_strategies_are_the_recipe_flags_of_the_frontier() -> None:
         "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
         "diloco-published": ("diloco", ["--clip_to_median", "false"]),
         "pulseloco-published": ("pulseloco", ["--clip_to_median", "false"]),
+        "diloco-overlap": ("diloco", ["--overlap", "true"]),
+        "sparseloco-overlap": ("sparseloco", ["--overlap", "true"]),
     }
     assert ["ddp", *DEFAULT_STRATEGIES] == compare_runs.CORE_STRATEGIES
     args = compare.argparse.Namespace(recipe="grpo", config=TINY_CONFIG, steps=16, model_name_or_path=None)
@@ -548,13 +550,14 @@ def test_every_strategy_parses_as_the_recipes_parse_its_flags() -> None:
         exchange = "gather" if name.endswith("-gather") else "topk" if "-topk" in name else "auto"
         assert averaging.exchange == exchange, name
         assert averaging.exchange_budget == (1.0 if name.endswith("-x1") else 2.0), name
+        assert options.round_config().overlap is name.endswith("-overlap"), name
 
 
 def test_every_strategy_has_a_color_and_line_style_of_its_own() -> None:
     styles = compare_report.plot_styles([*compare_runs.STRATEGIES, "fedavg", "topk-old"])
     known = [styles[s] for s in compare_runs.STRATEGIES]
     assert all(s in compare_report.STYLES for s in compare_runs.STRATEGIES)
-    assert len({color for color, _, _ in known}) == len(known) == len(compare_runs.STRATEGIES) == 15
+    assert len({color for color, _, _ in known}) == len(known) == len(compare_runs.STRATEGIES) == 17
     assert len({(color, str(line), marker) for color, line, marker in styles.values()}) == len(styles)
 
 

@@ -210,3 +210,87 @@ def test_a_diverged_round_drops_its_local_progress_and_restarts_from_theta(caplo
     assert _bits_equal(flat_params(model), opt.theta_N)  # the model restarts from theta
     assert not inner.state  # the non-finite moments are gone
     assert torch.isfinite(opt.residual_N).all() and not opt.residual_N.any()
+
+
+def _train_overlapped(
+    opt: PulseLoCo, model: torch.nn.Module, inner: torch.optim.Optimizer, first_phase: int, num_phases: int
+) -> list[tuple[int, int]]:
+    """Overlapped rounds: ``num_phases`` inner phases from ``first_phase``; returns (phase at delivery, round) of
+    every round the listeners received (the phase is ``-1`` for one landed after the loop, by the caller)."""
+    delivered: list[tuple[int, int]] = []
+    phase = -1
+    opt.add_round_listener(lambda _opt, m: delivered.append((phase, m.round)) if m is not None else None)
+    for phase in range(first_phase, first_phase + num_phases):
+        for i in range(H):
+            opt.step(loss=inner_step(model, inner, batch(0, phase * H + i)))
+            opt.zero_grad()
+    phase = -1
+    return delivered
+
+
+def test_overlapped_rounds_land_one_round_late_on_the_blocking_trajectory_of_plain_averaging() -> None:
+    """Alone, with every entry sent and the outer step theta - average (lr 1, no momentum), starting the next phase
+    from theta minus the phase's own pseudo-gradient is exactly the next theta: the overlapped run must follow
+    the blocking one bit for bit, its rounds landing one boundary late and the last one at ``finish``."""
+    config = {"inner_steps": H, "selector": "dense", "outer_lr": 1.0, "outer_momentum": 0.0}
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-3)
+    blocking = PulseLoCo(model, inner, round_config=RoundConfig(**config))
+    digests = _train(blocking, model, inner, 4)
+
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-3)
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(**config, overlap=True))
+    landed: list[str] = []
+    opt.add_round_listener(lambda _opt, m: landed.append(m.theta_digest) if m is not None else None)
+    delivered = _train_overlapped(opt, model, inner, 0, 4)
+    assert delivered == [(1, 0), (2, 1), (3, 2)]
+    assert opt.last_metrics is not None and opt.last_metrics.round == 2
+    final = opt.finish()
+    assert final is not None and final.round == 3 and delivered[-1] == (-1, 3)
+    assert opt.finish() is None  # nothing in flight any more
+    assert opt.round == 4
+    assert _bits_equal(opt.theta_N, blocking.theta_N)
+    assert _bits_equal(flat_params(model), opt.theta_N)
+    assert landed == digests
+
+
+@pytest.mark.parametrize("selector", ["pulse", "sparseloco"])
+def test_overlapped_resume_from_state_dict_continues_the_same_trajectory(selector: str, tmp_path: Path) -> None:
+    """A state saved at a boundary with the round in flight (``state_dict`` waits for it) resumes on the straight
+    run's trajectory: the local model restarts from the saved phase start, not from theta."""
+
+    def fresh(seed: int = 0) -> tuple[PulseLoCo, torch.nn.Module, torch.optim.Optimizer]:
+        model = make_model(seed)
+        inner = make_inner_optimizer(model, 1e-4)
+        return (
+            PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector=selector, overlap=True)),
+            model,
+            inner,
+        )
+
+    opt, model, inner = fresh()
+    _train_overlapped(opt, model, inner, 0, 4)
+    opt.finish()
+    straight = opt.theta_N.clone()
+
+    opt, model, inner = fresh()
+    _train_overlapped(opt, model, inner, 0, 2)
+    state = opt.state_dict()
+    assert state["round"] == 2 and not torch.equal(state["start_N"], state["theta_N"])
+    torch.save(state, tmp_path / "state.pt")
+
+    opt, model, inner = fresh(seed=123)  # a different init: everything must come from the state
+    opt.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False))
+    assert _bits_equal(flat_params(model), state["start_N"])
+    _train_overlapped(opt, model, inner, 2, 2)
+    opt.finish()
+    assert _bits_equal(opt.theta_N, straight)
+    assert _bits_equal(flat_params(model), straight)
+
+    # the same state mid-round cannot resume blocking rounds: their inner steps would start from theta
+    mid_round = {**state, "local_step": 1}
+    blocking = PulseLoCo(make_model(0), None, round_config=RoundConfig(inner_steps=H, selector=selector))
+    with pytest.raises(ConfigError, match="overlap=True"):
+        blocking.load_state_dict(mid_round)
+    assert blocking.round == 0

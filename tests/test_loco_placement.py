@@ -165,10 +165,10 @@ def test_overflowing_pseudo_gradient_drops_the_round_like_a_non_finite_one() -> 
     theta_before = opt.theta_N.clone()
     with torch.no_grad():
         first.view(-1)[5] = 2.0**110  # finite, large, and theta - local stays finite
-    assert opt._pseudo_gradient_is_finite()
+    assert opt._pseudo_gradient_is_finite(opt.theta_N)
     with torch.no_grad():
         first.view(-1)[5] = 3e38  # -3e38 - 3e38 overflows
-    assert not opt._pseudo_gradient_is_finite()
+    assert not opt._pseudo_gradient_is_finite(opt.theta_N)
     opt.count_inner_step()
     assert _bits_equal(opt.theta_N, theta_before)  # a zero pseudo-gradient moves nothing
     assert not opt.residual_N.any()

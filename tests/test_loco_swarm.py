@@ -523,6 +523,30 @@ def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[st
     assert sum(r["num_returned"] for report in reports for r in report["rounds"] if r["complete"]) > 0
 
 
+def test_overlapped_rounds_count_every_contribution_once_under_faults(initial_peers: list[str], tmp_path: Any) -> None:
+    """``RoundConfig.overlap``: each round's exchange runs in the background during the next round's inner steps.
+    On three peers (pulse selector, FP32 values) with round 1 a three-way split (each peer alone) and peer 2
+    stalled 4 s while fetching in round 3, every peer lands every round one boundary late, ends on one theta, and
+    theta with the residuals holds every contribution once."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=6, run_id="once-overlap")
+    base = replace(base, matchmaking_time=4.0, linger=6.0, extra={"overlap": True})
+    logs = [tmp_path / f"peer{i}.log" for i in range(3)]
+    configs = [
+        replace(base, index=0, log_file=str(logs[0])),
+        replace(base, index=1, faults={1: "alone"}, log_file=str(logs[1])),
+        replace(base, index=2, faults={1: "alone", 3: "stall:4"}, log_file=str(logs[2])),
+    ]
+    reports = run_swarm(configs)
+    context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
+    assert all(report["final_round"] == 6 for report in reports), context
+    assert all([r["round"] for r in report["rounds"]] == list(range(6)) for report in reports), context
+    assert [report["rounds"][1]["num_peers"] for report in reports] == [1, 1, 1], context
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
+    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
+    assert _conservation_error(reports) < 1e-5, context
+    assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
+
+
 def test_client_mode_peer_averages_without_serving(initial_peers: list[str]) -> None:
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="client")
     configs = [replace(base, index=0), replace(base, index=1), replace(base, index=2, client_mode=True)]

@@ -53,6 +53,8 @@ STYLES: dict[str, tuple[str, Any, str]] = {
     "pulseloco-topk": ("teal", "--", "o"),
     "diloco-published": ("saddlebrown", ":", "D"),
     "pulseloco-published": ("navy", "-.", "o"),
+    "diloco-overlap": ("darkorange", ":", "D"),
+    "sparseloco-overlap": ("mediumpurple", "-.", "^"),
 }
 """Every strategy's color, line style and marker in every plot (one distinct color each)."""
 SPARE_STYLES = (

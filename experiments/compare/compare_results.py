@@ -91,7 +91,8 @@ def summarize_worker(out: Path, recipe: str, num_workers: int, swarm: bool) -> d
 
         clock = [(0.0, 0.0)]
         for end, r in zip(ends, rounds):
-            clock.append((float(end), clock[-1][1] + r["seconds_inner"] + r["seconds_sync"]))
+            # the time training stopped for the round (overlapped rounds exchange during the next inner steps)
+            clock.append((float(end), clock[-1][1] + r["seconds_inner"] + r.get("seconds_blocked", r["seconds_sync"])))
     else:
         per_step = allreduce_bytes(num_params, num_workers) if num_params is not None and not swarm else None
         result["bytes_sent"] = per_step * steps if per_step is not None and steps is not None else None

@@ -34,6 +34,8 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
     "diloco-published": ("diloco", ["--clip_to_median", "false"]),
     "pulseloco-published": ("pulseloco", ["--clip_to_median", "false"]),
+    "diloco-overlap": ("diloco", ["--overlap", "true"]),
+    "sparseloco-overlap": ("sparseloco", ["--overlap", "true"]),
 }
 """Name in the table -> (the recipe's ``--strategy``, further recipe flags): DDP, DiLoCo, the PULSE gate with FP32,
 BF16 and 2-bit quantized values (``-k64``: the gate intersected with a top-64 budget per 64x64 tile), and SparseLoCo
@@ -41,8 +43,9 @@ BF16 and 2-bit quantized values (``-k64``: the gate intersected with a top-64 bu
 library's exchange (``--exchange``; the others run its ``auto``) named: SparseLoCo as published, its parts relayed
 to every member (``gather``, an all-gather), SparseLoCo and PULSE (FP32 and 2-bit values) with ``topk``
 (``-x1``: the owners keep one part's budget of the aggregate per tile, Ok-Topk's rule, instead of the default
-two); and the baselines as published,
-without the median clip that every other strategy here runs (``--clip_to_median false``)."""
+two); the baselines as published,
+without the median clip that every other strategy here runs (``--clip_to_median false``); and DiLoCo and SparseLoCo
+with overlapped rounds (``--overlap true``: each round's exchange runs during the next round's inner steps)."""
 CORE_STRATEGIES = [
     "ddp", "diloco", "pulseloco", "pulseloco-bf16", "sparseloco", "sparseloco-k128", "pulseloco-2bit",
     "pulseloco-2bit-k64",

@@ -58,15 +58,17 @@ class Audit:
         is_finite = opt._pseudo_gradient_is_finite
         round_started: list[int] = []
 
-        def is_finite_and_record() -> bool:
+        def is_finite_and_record(base_N: torch.Tensor) -> bool:
             round_started[:] = [opt.round]  # before the catch-up, which may move the round
-            return is_finite()
+            return is_finite(base_N)
 
-        def add_and_record(theta_start_N: torch.Tensor, finite: bool) -> None:
-            local = opt.placement.flatten_local()
-            name = f"{self.peer_id}.{round_started[0]}.npy"
-            np.save(self.out / "prod" / name, (theta_start_N - local).numpy())
-            add_pseudo_gradient(theta_start_N, finite)
+        def add_and_record(chunks: Any) -> None:
+            chunks = None if chunks is None else [(lo, hi, chunk.clone()) for lo, hi, chunk in chunks]
+            produced = torch.zeros(opt.numel)
+            for lo, hi, chunk in chunks or []:
+                produced[lo:hi] = chunk
+            np.save(self.out / "prod" / f"{self.peer_id}.{round_started[0]}.npy", produced.numpy())
+            add_pseudo_gradient(None if chunks is None else iter(chunks))
 
         def form_group_and_record(*args: Any) -> Any:
             self.current["start"] = theta_digest(opt.theta_N)  # after the repair at the round's start

@@ -67,17 +67,33 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | Non
     return rounds, summary
 
 
+def _steady_utilization(rounds: list[dict[str, Any]]) -> float | None:
+    """Inner-step seconds over inner plus blocked seconds of rounds 1 to the second last (``seconds_blocked``: how
+    long the inner steps stopped at a boundary): the share a long run approaches, without the first round's
+    start and the last round's landing after training (``None`` with fewer than 3 rounds)."""
+    middle = sorted(rounds, key=lambda r: r["round"])[1:-1]
+    if not middle:
+        return None
+    inner = sum(r["seconds_inner"] for r in middle)
+    return inner / (inner + sum(r.get("seconds_blocked", r["seconds_sync"]) for r in middle))
+
+
 def report(peers: list[tuple[list[dict[str, Any]], dict[str, Any] | None]], args: argparse.Namespace) -> dict:
     """Per peer utilization and bytes, per round group sizes, digests and the time split (medians over peers)."""
     per_peer = []
     for i, (rounds, summary) in enumerate(peers):
         inner = sum(r["seconds_inner"] for r in rounds)
+        blocked = sum(r.get("seconds_blocked", r["seconds_sync"]) for r in rounds)
         wall = summary["wall_s"] if summary else float("nan")
         per_peer.append(
             {
                 "peer": i,
                 "finished": summary is not None,
                 "utilization": inner / wall if summary else None,
+                # every round boundary but the first (overlap: nothing lands there) and the last landing: what a
+                # long run approaches
+                "utilization_rounds": _steady_utilization(rounds),
+                "seconds_blocked": blocked,
                 "bytes_sent_per_round": statistics.mean(r["bytes_sent"] for r in rounds) if rounds else 0,
                 "bytes_received_per_round": statistics.mean(r["bytes_received"] for r in rounds) if rounds else 0,
             }
@@ -94,14 +110,23 @@ def report(peers: list[tuple[list[dict[str, Any]], dict[str, Any] | None]], args
                 "digests": len({r["theta_digest"] for r in records}),
                 **{
                     name: statistics.median(r.get(name, 0.0) for r in records)
-                    for name in ("seconds_sync", "seconds_matchmaking", "seconds_exchange", "seconds_digest")
+                    for name in (
+                        "seconds_sync",
+                        "seconds_blocked",
+                        "seconds_matchmaking",
+                        "seconds_exchange",
+                        "seconds_digest",
+                    )
                 },
             }
         )
     utilizations = [p["utilization"] for p in per_peer if p["utilization"] is not None]
+    steady = [p["utilization_rounds"] for p in per_peer if p["utilization_rounds"] is not None]
     return {
         "utilization_median": statistics.median(utilizations) if utilizations else None,
         "utilization_min": min(utilizations) if utilizations else None,
+        "utilization_rounds_median": statistics.median(steady) if steady else None,
+        "utilization_rounds_min": min(steady) if steady else None,
         "per_peer": per_peer,
         "per_round": per_round,
     }
@@ -125,6 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flags += ["--matchmaking-time", str(args.matchmaking_time)]
         flags += ["--target-group-size", str(args.target_group_size)]
         flags += ["--close-when-expected" if args.close_when_expected else "--no-close-when-expected"]
+        flags += ["--overlap"] if args.overlap else []
         logs = []
         for i in range(args.peers):
             argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
@@ -179,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="a round goes once every expected peer has registered",
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="RoundConfig.overlap: each exchange runs during the next inner steps"
     )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")

@@ -68,7 +68,7 @@ def train(args: argparse.Namespace) -> int:
         inner,
         dht=dht,
         run_id=args.run_id,
-        round_config=RoundConfig(inner_steps=args.inner_steps, selector=args.selector),
+        round_config=RoundConfig(inner_steps=args.inner_steps, selector=args.selector, overlap=args.overlap),
         averaging_config=AveragingConfig(
             matchmaking_time=args.matchmaking_time,
             target_group_size=args.target_group_size or None,
@@ -81,8 +81,9 @@ def train(args: argparse.Namespace) -> int:
     )
     gen = torch.Generator().manual_seed(args.seed)
     target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
-    started = time.monotonic()
-    while opt.round < args.rounds:
+    started, phases = time.monotonic(), 0
+    # overlapped rounds move the round counter in the background: count the boundaries, then land the last round
+    while (phases < args.rounds) if args.overlap else (opt.round < args.rounds):
         step_start = time.monotonic()
         x = torch.randn(args.batch, args.width, generator=gen)
         loss = torch.nn.functional.mse_loss(model(x), x @ target)
@@ -90,6 +91,8 @@ def train(args: argparse.Namespace) -> int:
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_start)))
         opt.step(loss=loss)
         opt.zero_grad()
+        phases += opt.local_step == 0
+    opt.finish()
     wall = time.monotonic() - started
     summary = {"wall_s": wall, "round": opt.round, "numel": opt.numel, "host": args.host}
     with open(args.metrics, "a") as out:
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="AveragingConfig.close_when_expected",
     )
+    peer.add_argument("--overlap", action="store_true", help="RoundConfig.overlap")
     peer.add_argument("--averaging-timeout", type=float, default=60.0)
     peer.add_argument("--request-timeout", type=float, default=10.0)
     peer.add_argument("--linger", type=float, default=10.0)

@@ -83,6 +83,7 @@ class _RoundTotals:
     num_sent: int = 0
     numel: int = 0
     seconds_sync: float = 0.0
+    seconds_blocked: float = 0.0
     repaired: int = 0
     last: RoundMetrics | None = None
 
@@ -93,6 +94,7 @@ class _RoundTotals:
         self.num_sent += metrics.num_sent
         self.numel += metrics.numel
         self.seconds_sync += metrics.seconds_sync
+        self.seconds_blocked += metrics.seconds_blocked
         self.repaired += int(metrics.repaired)
         self.last = metrics
 
@@ -108,6 +110,7 @@ class _RoundTotals:
             "pulseloco/num_peers": self.last.num_peers,
             "pulseloco/num_contributors": self.last.num_contributors,
             "pulseloco/seconds_sync": self.seconds_sync,
+            "pulseloco/seconds_blocked": self.seconds_blocked,
             "pulseloco/repaired": self.repaired,
         }
 
@@ -145,8 +148,9 @@ class PulseLoCoCallback(LogsContributor):
       when the log covers one round;
     * ``pulseloco/num_peers``, ``pulseloco/num_contributors``: the latest round's ``num_peers`` (group members,
       this peer included) and ``num_contributors`` (peers whose contributions the round aggregated);
-    * ``pulseloco/seconds_sync``: the sum of ``seconds_sync`` (wall time of the outer steps, when training
-      waits for the swarm);
+    * ``pulseloco/seconds_sync``: the sum of ``seconds_sync`` (wall time of the outer steps; with
+      ``RoundConfig.overlap`` they run in the background);
+    * ``pulseloco/seconds_blocked``: the sum of ``seconds_blocked`` (how long training waited for the swarm);
     * ``pulseloco/repaired``: the rounds in which this peer downloaded the global state (``repaired``).
 
     The same rounds are in the JSON-lines file of ``metrics_path`` (one line each, every field).
@@ -268,6 +272,8 @@ class PulseLoCoCallback(LogsContributor):
         if self._closed:
             return
         self._closed = True
+        if self.loco is not None:
+            self.loco.finish()  # an overlapped round in flight lands: the model holds the swarm's theta
         for hook in self._before_close:
             hook()
         if self.loco is not None and self.dht is not None and self.linger > 0:

@@ -114,9 +114,21 @@ class RoundConfig:
         metadata=_help("pulse: at most this many visible entries per tile (the largest); default every visible one."),
     )
 
+    overlap: bool = field(
+        default=False,
+        metadata=_help(
+            "Overlap each round's exchange with the next round's inner steps: the exchange runs in the background "
+            "and its outer step is applied one round late, while the local model starts the next round from theta "
+            "minus its own pseudo-gradient. The inner optimizer waits only for an exchange longer than a round of "
+            "compute. Costs 8 more bytes a parameter (docs/design.md 2.6)."
+        ),
+    )
+
     def __post_init__(self) -> None:
         if isinstance(self.inner_steps, bool) or not isinstance(self.inner_steps, int) or self.inner_steps < 1:
             raise ConfigError(f"inner_steps must be an integer of at least 1, got {self.inner_steps!r}")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"overlap must be true or false, got {self.overlap!r}")
         decay = self.resolved("error_decay")
         if not (0.0 < decay <= 1.0):
             raise ConfigError(f"error_decay must be in (0, 1], got {self.error_decay}")

@@ -53,7 +53,12 @@ class RoundMetrics:
     seconds_inner: float
     """Wall time of the round's inner steps."""
     seconds_sync: float
-    """Wall time of the outer step: selection, matchmaking, averaging, digest check, model reset."""
+    """Wall time of the outer step: selection, matchmaking, averaging, digest check, model reset (with
+    ``RoundConfig.overlap``, in the background while the next round's inner steps run)."""
+    seconds_blocked: float = 0.0
+    """Wall time the inner steps stopped at the round boundary where this round's metrics were delivered: the whole
+    ``seconds_sync`` of a blocking round; with ``RoundConfig.overlap``, the wait for this round's exchange (run
+    during the next round's inner steps) plus the next round's local reset."""
     seconds_matchmaking: float = 0.0
     """Part of ``seconds_sync``: forming the round's group (registration, the view check)."""
     seconds_exchange: float = 0.0

@@ -14,7 +14,9 @@ catch up (download the state if the swarm is ahead); select (pulse / dense / spa
 average over the swarm (:class:`~pulseloco.loco.averaging.SparseAverager`); return undelivered entries to the
 residual; outer step (Nesterov, or plain SGD for SparseLoCo); check the digest against the swarm's majority and
 repair; reset the local model to ``theta``. Entries a shard counted at a clip scale below 1
-(:mod:`pulseloco.loco.robust`) give back to the residual exactly what the scale clipped off.
+(:mod:`pulseloco.loco.robust`) give back to the residual exactly what the scale clipped off. With
+``RoundConfig(overlap=True)`` the round after the pseudo-gradient runs in the background during the next round's
+inner steps and lands one round late (docs/design.md 2.6); :meth:`PulseLoCo.finish` lands the last one.
 
 Failure behaviour: the swarm never makes :meth:`step` raise. A round whose group cannot be formed or whose
 averaging times out keeps every unsent or undelivered entry in the residual and leaves ``theta`` unchanged
@@ -26,11 +28,13 @@ at construction.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypedDict
 
 import torch
@@ -175,6 +179,7 @@ class PulseLoCo:
         self.selector = rounds.make_selector(self.layout)
         self.outer_optimizer = rounds.make_outer_optimizer()
         self.error_decay = float(rounds.resolved("error_decay"))
+        self.overlap = rounds.overlap
         self._group_starts = self.layout.group_starts()
         reduce_spec = ReduceSpec(
             self.layout,
@@ -205,6 +210,14 @@ class PulseLoCo:
         self._num_clipped = 0
         self._seconds_matchmaking = self._seconds_exchange = 0.0  # this round's, for RoundMetrics
         self._complete = True
+        # RoundConfig.overlap: the round in flight (on every rank; the future on the main process only), the local
+        # model's start of the current inner phase and the pseudo-gradient handed to the background round.
+        self._in_flight = False
+        self._future: Future[RoundMetrics] | None = None
+        self._finished: RoundMetrics | None = None  # a background round waited for before its boundary
+        self._executor: ThreadPoolExecutor | None = None
+        self._start_N: torch.Tensor | None = None
+        self._delta_N: torch.Tensor | None = None
         if dht is not None and self.is_main_process:
             if client_mode is None:  # a client-mode DHT holding a relay address can own shards through the relay
                 client_mode = not is_reachable(dht)
@@ -238,6 +251,11 @@ class PulseLoCo:
             self._publish()
         self.placement.broadcast(self.theta_N)
         self.placement.load_into_model(self.theta_N)
+        if self.overlap:
+            self._start_N = self.placement.flatten_local("phase start")
+            self._delta_N = self.placement.empty("pseudo-gradient in flight")
+            if self.is_main_process:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseloco-round")
 
     # -- public API -------------------------------------------------------------------------------------------
     @property
@@ -293,19 +311,49 @@ class PulseLoCo:
         return self.inner_optimizer
 
     def outer_step(self) -> RoundMetrics | None:
-        """Run one outer round now (``step`` calls this every ``inner_steps`` inner steps)."""
+        """Run one outer round now (``step`` calls this every ``inner_steps`` inner steps). Returns its metrics
+        on the main process; with ``RoundConfig.overlap`` it starts this round in the background and returns the
+        metrics of the previous round, which it waits for (``None`` at the first boundary). An exception of a
+        background round propagates from here."""
         start = time.monotonic()
         seconds_inner = start - self._round_start
-        metrics = None
-        if not self.is_main_process:
-            self.round += 1
-            self.placement.broadcast(self.theta_N)
+        loss = sum(self._losses) / len(self._losses) if self._losses else None
+        if self.overlap:
+            metrics = self._overlapped_boundary(seconds_inner, start, loss)
         else:
-            metrics = self._outer_round(seconds_inner, start)
-        self.placement.load_into_model(self.theta_N)
+            metrics = None
+            if not self.is_main_process:
+                self.round += 1
+            else:
+                metrics = self._outer_round(seconds_inner, start, loss)
+            self.placement.broadcast(self.theta_N)
+            self.placement.load_into_model(self.theta_N)
+            if metrics is not None:
+                metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
         self.local_step = 0
         self._losses = []
         self._round_start = time.monotonic()
+        if metrics is not None or not self.overlap or not self.is_main_process:
+            for listener in self._round_listeners:
+                listener(self, metrics)
+        return metrics
+
+    def finish(self) -> RoundMetrics | None:
+        """With ``RoundConfig.overlap``: wait for the round in flight, apply it and, between rounds, load the new
+        ``theta`` into the model (the local model then holds the swarm's state, as after a blocking round);
+        returns that round's metrics and calls the round listeners with them. Call it on every process when
+        training ends (the Trainer callback does). Nothing to do (``None``) without overlap or a round in flight.
+        An exception of the background round propagates from here."""
+        if not self.overlap or not self._in_flight:
+            return None
+        start = time.monotonic()
+        metrics = self._land_round()
+        if self.local_step == 0:
+            assert self._start_N is not None  # noqa: S101 (set with overlap)
+            self._start_N.copy_(self.theta_N)
+            self.placement.load_into_model(self.theta_N)
+        if metrics is not None:
+            metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
         for listener in self._round_listeners:
             listener(self, metrics)
         return metrics
@@ -320,6 +368,7 @@ class PulseLoCo:
         """
         if self.local_step != 0:
             raise RuntimeError(f"reset_outer_momentum in the middle of a round (inner step {self.local_step})")
+        self._wait_background()  # the round in flight steps with the momentum it had
         if self.outer_optimizer.momentum_N is not None:
             self._withdraw_snapshot()
             self.outer_optimizer.momentum_N.zero_()
@@ -328,7 +377,10 @@ class PulseLoCo:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: global parameters, outer optimizer (momentum), residual, inner
         optimizer (when this instance owns one), round and inner-step counters. Saved between rounds, the model
-        itself is ``theta``; saved mid-round, also save ``model.state_dict()``."""
+        itself is ``theta``; saved mid-round, also save ``model.state_dict()``. With ``RoundConfig.overlap`` it
+        first waits for the round in flight (its metrics are still delivered at the next boundary) and also saves
+        ``start_N``, where the local model began the current inner phase (the model itself between rounds)."""
+        self._wait_background()
         state = {
             "round": self.round,
             "local_step": self.local_step,
@@ -339,13 +391,17 @@ class PulseLoCo:
         }
         if self.inner_optimizer is not None:
             state["inner_optimizer"] = self.inner_optimizer.state_dict()
+        if self._start_N is not None:
+            state["start_N"] = self._start_N.detach().clone()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict` and, between rounds, reset the model to the restored ``theta``.
 
         Raises :class:`TensorMismatchError` (a :class:`ValueError`) for tensors of the wrong size or dtype and
-        :class:`ConfigError` for a missing entry or another selector, before changing anything.
+        :class:`ConfigError` for a missing entry, another selector, or an overlapped state saved mid-round into a
+        blocking ``PulseLoCo`` (its inner steps did not start from ``theta``), before changing anything. A round
+        still in flight here is waited for and dropped with the state it belonged to.
         """
         required = ["round", "local_step", "theta_N", "residual_N", "outer_optimizer"]
         if self.inner_optimizer is not None:
@@ -357,14 +413,24 @@ class PulseLoCo:
             raise ConfigError(
                 f"state_dict was saved with selector {state['selector']!r}, this PulseLoCo uses {self.selector.name!r}"
             )
-        for key in ("theta_N", "residual_N"):
+        keys = ("theta_N", "residual_N", "start_N") if "start_N" in state else ("theta_N", "residual_N")
+        for key in keys:
             tensor = state[key]
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32 or tensor.shape != (self.numel,):
                 raise TensorMismatchError(f"state_dict[{key!r}] must be a flat FP32 tensor of {self.numel} entries")
+        mid_round = "start_N" in state and not self.overlap and int(state["local_step"]) != 0
+        if mid_round and not torch.equal(state["start_N"], state["theta_N"]):
+            raise ConfigError(
+                "state_dict was saved mid-round with overlap=True (its inner steps started from its own "
+                "theta-minus-pseudo-gradient, not theta); resume it with RoundConfig(overlap=True), or from a "
+                "checkpoint saved between rounds"
+            )
         outer = NesterovOuterOptimizer(self.outer_optimizer.lr, self.outer_optimizer.momentum)
         outer.load_state_dict(state["outer_optimizer"], numel=self.numel)
         if self.inner_optimizer is not None:
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self._wait_background()
+        self._finished, self._in_flight = None, False
         self.outer_optimizer = outer
         self.round = int(state["round"])
         self.local_step = int(state["local_step"])
@@ -372,13 +438,24 @@ class PulseLoCo:
         self.residual_N = self.placement.place(state["residual_N"], "residual")
         if self.outer_optimizer.momentum_N is not None:
             self.outer_optimizer.momentum_N = self.placement.place(self.outer_optimizer.momentum_N, "momentum")
+        if self._start_N is not None:
+            self._start_N = self.placement.place(state.get("start_N", state["theta_N"]), "phase start")
         if self.local_step == 0:
-            self.placement.load_into_model(self.theta_N)
+            self.placement.load_into_model(self.theta_N if self._start_N is None else self._start_N)
         if self.averager is not None:
             self._publish()
 
     def shutdown(self) -> None:
-        """Leave the swarm (the DHT stays up: it belongs to the caller)."""
+        """Leave the swarm (the DHT stays up: it belongs to the caller). A round still in flight
+        (``RoundConfig.overlap``) is waited for first; call :meth:`finish` before to also apply it to the model."""
+        try:
+            self._wait_background()
+        except Exception:  # the round's own failure was already its caller's to see; leaving must go on
+            logger.exception("the round in flight failed while leaving the swarm")
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
         if self.averager is not None:
             self.averager.shutdown()
             self.averager = None
@@ -483,10 +560,10 @@ class PulseLoCo:
         self._publish()
         return True
 
-    def _pseudo_gradient_is_finite(self) -> bool:
-        """Whether ``theta - local`` is finite everywhere, without materializing it: local parameters finite and
-        below :data:`_NO_OVERFLOW_BOUND` (a reduction on the model's device) settle it; larger ones are checked
-        chunk by chunk."""
+    def _pseudo_gradient_is_finite(self, base_N: torch.Tensor) -> bool:
+        """Whether ``base_N - local`` (``base_N``: where the inner steps started) is finite everywhere, without
+        materializing it: local parameters finite and below :data:`_NO_OVERFLOW_BOUND` (a reduction on the model's
+        device) settle it; larger ones are checked chunk by chunk."""
         with torch.no_grad():
             peaks = []
             for p in self.params:
@@ -499,24 +576,37 @@ class PulseLoCo:
             if peak < _NO_OVERFLOW_BOUND:
                 return True
             for start, stop, local_chunk in self.placement.local_chunks():
-                if not bool(torch.isfinite(self.theta_N[start:stop] - local_chunk).all()):
+                if not bool(torch.isfinite(base_N[start:stop] - local_chunk).all()):
                     return False
             return True
 
-    def _add_pseudo_gradient(self, theta_start_N: torch.Tensor, finite: bool) -> None:
-        """``residual_N = error_decay * residual_N + (theta_start_N - local)``, chunk by chunk and in place: the
-        residual becomes the round's signal (``+= 0`` when the round diverged). Same bits as the out-of-place
-        ``residual + (theta - local)`` (the decay, when below 1, multiplies first)."""
+    def _pseudo_gradient_chunks(
+        self, theta_start_N: torch.Tensor, delta_N: torch.Tensor | None
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """The round's pseudo-gradient chunk by chunk, ``(start, stop, chunk)``: ``theta_start_N - local`` (the
+        local parameters read as it goes), or the slices of ``delta_N`` computed at the boundary (overlap)."""
+        if delta_N is not None:
+            for start, stop in self.placement.chunk_ranges():
+                yield start, stop, delta_N[start:stop]
+            return
+        for start, stop, local_chunk in self.placement.local_chunks():
+            yield start, stop, theta_start_N[start:stop] - local_chunk
+
+    def _add_pseudo_gradient(self, chunks: Iterator[tuple[int, int, torch.Tensor]] | None) -> None:
+        """``residual_N = error_decay * residual_N + pseudo_gradient``, chunk by chunk (``chunks``, see
+        :meth:`_pseudo_gradient_chunks`) and in place: the residual becomes the round's signal (``+= 0`` for
+        ``None``, a round that diverged). Same bits as the out-of-place ``residual + (theta - local)`` (the decay,
+        when below 1, multiplies first)."""
         if self.error_decay != 1.0:
             for start, stop in self.placement.chunk_ranges():
                 self.residual_N[start:stop].mul_(self.error_decay)
         with torch.no_grad():
-            if not finite:
+            if chunks is None:
                 for start, stop in self.placement.chunk_ranges():
                     self.residual_N[start:stop].add_(torch.zeros(stop - start, device=self.placement.device))
                 return
-            for start, stop, local_chunk in self.placement.local_chunks():
-                self.residual_N[start:stop].add_(theta_start_N[start:stop] - local_chunk)
+            for start, stop, chunk in chunks:
+                self.residual_N[start:stop].add_(chunk)
 
     def _drop_diverged_round(self) -> None:
         """The inner steps made the local parameters non-finite: nothing of them may reach the swarm. Drops the
@@ -611,19 +701,30 @@ class PulseLoCo:
         )
         return result, len(group.members), indices_K, values_K, None
 
-    def _outer_round(self, seconds_inner: float, start: float) -> RoundMetrics:
+    def _outer_round(
+        self,
+        seconds_inner: float,
+        start: float,
+        loss: float | None,
+        finite: bool | None = None,
+        delta_N: torch.Tensor | None = None,
+    ) -> RoundMetrics:
+        """The round on the main process (on the background thread with overlap, given the boundary's ``finite``
+        and pseudo-gradient ``delta_N``; it then touches no model parameter and no ``torch.distributed``
+        collective). Returns its metrics; the caller reports them (:meth:`_report`)."""
         # The pseudo-gradient is theta (as the round starts) minus the local parameters; it is never held whole:
         # it is added to the residual chunk by chunk once the catch-up below has corrected the residual, so the
         # signal is ``residual + pseudo_gradient`` with the residual this peer keeps after any repair.
         theta_start_N = self.theta_N
-        finite = self._pseudo_gradient_is_finite()
-        if not finite:
-            self._drop_diverged_round()
+        if finite is None:
+            finite = self._pseudo_gradient_is_finite(theta_start_N)
+            if not finite:
+                self._drop_diverged_round()
         self._num_reconciled = 0
         self._num_clipped = 0
         self._seconds_matchmaking = self._seconds_exchange = 0.0
         repaired = self._catch_up()  # a repair replaces theta_N by a new tensor; theta_start_N stays as it was
-        self._add_pseudo_gradient(theta_start_N, finite)
+        self._add_pseudo_gradient(self._pseudo_gradient_chunks(theta_start_N, delta_N) if finite else None)
         del theta_start_N
         round_index = self.round
         result, num_peers, indices_K, values_K, payload = self._average()
@@ -658,7 +759,6 @@ class PulseLoCo:
             states = self.matchmaker.wait_for_states(self.round, waiting, self.digest_timeout)
             repaired = self._catch_up(states) or repaired
         seconds_digest = time.monotonic() - digest_started
-        self.placement.broadcast(self.theta_N)
         digest = theta_digest(self.theta_N)
         metrics = RoundMetrics(
             round=round_index,
@@ -675,7 +775,7 @@ class PulseLoCo:
             seconds_matchmaking=self._seconds_matchmaking,
             seconds_exchange=self._seconds_exchange,
             seconds_digest=seconds_digest,
-            loss=sum(self._losses) / len(self._losses) if self._losses else None,
+            loss=loss,
             theta_digest=digest,
             repaired=repaired,
             num_contributors=result.num_contributors if result is not None else int(self.averager is None),
@@ -686,6 +786,10 @@ class PulseLoCo:
             largest_norm_ratio=result.largest_norm_ratio if result is not None else 0.0,
             **_byte_split(result, payload),
         )
+        return metrics
+
+    def _report(self, metrics: RoundMetrics) -> RoundMetrics:
+        """Log a finished round's metrics, keep them as ``last_metrics``, append them to ``metrics_path``."""
         logger.info(
             "outer round=%d num_peers=%d num_sent=%d density=%.4g bytes_sent=%d seconds_sync=%.2f digest=%s",
             metrics.round,
@@ -694,10 +798,62 @@ class PulseLoCo:
             metrics.density,
             metrics.bytes_sent,
             metrics.seconds_sync,
-            digest,
+            metrics.theta_digest,
         )
         self._warn_if_alone(metrics)
         self.last_metrics = metrics
         if self.metrics_writer is not None:
             self.metrics_writer.write(metrics)
+        return metrics
+
+    # -- overlapped rounds (RoundConfig.overlap) --------------------------------------------------------------
+
+    def _overlapped_boundary(self, seconds_inner: float, start: float, loss: float | None) -> RoundMetrics | None:
+        """Every process, at a round boundary with overlap: land the round in flight (``theta`` then holds it),
+        take this phase's pseudo-gradient ``start - local`` into ``_delta_N``, start the next phase from
+        ``theta - _delta_N`` (the phase's own progress on the swarm's theta; the swarm's average of it replaces it
+        one round later) and, on the main process, run this round in the background. Returns the landed round's
+        metrics (main process; ``None`` at the first boundary)."""
+        start_N, delta_N = self._start_N, self._delta_N
+        assert start_N is not None and delta_N is not None  # noqa: S101 (set with overlap)
+        metrics = self._land_round() if self._in_flight else None
+        finite = self._pseudo_gradient_is_finite(start_N)
+        if not finite:
+            self._drop_diverged_round()
+        with torch.no_grad():
+            if finite:
+                for lo, hi, local_chunk in self.placement.local_chunks():
+                    torch.sub(start_N[lo:hi], local_chunk, out=delta_N[lo:hi])
+            for lo, hi in self.placement.chunk_ranges():
+                if finite:
+                    torch.sub(self.theta_N[lo:hi], delta_N[lo:hi], out=start_N[lo:hi])
+                else:
+                    start_N[lo:hi].copy_(self.theta_N[lo:hi])
+            self.placement.load_into_model(start_N)
+            for lo, hi, local_chunk in self.placement.local_chunks():
+                start_N[lo:hi].copy_(local_chunk)  # what the model holds (a BF16 model rounds): the next phase's base
+        self._in_flight = True
+        if self._executor is not None:
+            self._future = self._executor.submit(self._outer_round, seconds_inner, start, loss, finite, delta_N)
+        if metrics is not None:
+            metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
+        return metrics
+
+    def _wait_background(self) -> None:
+        """Main process: wait for the round running in the background, if any, and keep its metrics for the
+        boundary that lands it. The round's own waits are bounded (``matchmaking_time``, ``averaging_timeout``,
+        ``request_timeout``, ``digest_timeout``); its exception propagates from here."""
+        future, self._future = self._future, None
+        if future is not None:
+            self._finished = future.result()
+
+    def _land_round(self) -> RoundMetrics | None:
+        """Every process: complete the round in flight (the main process waits for it; every rank then receives its
+        ``theta``) and return its metrics (main process)."""
+        self._wait_background()
+        metrics, self._finished = self._finished, None
+        if not self.is_main_process:
+            self.round += 1
+        self._in_flight = False
+        self.placement.broadcast(self.theta_N)
         return metrics
