@@ -72,9 +72,14 @@ def train(output_dir: Path, callbacks: list[Any], resume: str | None = None, **o
     return trainer
 
 
-def test_inner_steps_count_optimizer_steps_under_gradient_accumulation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_inner_steps_count_optimizer_steps_under_gradient_accumulation(tmp_path: Path, overlap: bool) -> None:
+    """With ``overlap`` the last round lands when training ends (the callback's ``finish``)."""
     callback = PulseLoCoCallback(
-        run_id="accum", round_config=RoundConfig(inner_steps=4), metrics_path=tmp_path / "rounds.jsonl", **LONE_PEER
+        run_id="accum",
+        round_config=RoundConfig(inner_steps=4, overlap=overlap),
+        metrics_path=tmp_path / "rounds.jsonl",
+        **LONE_PEER,
     )
     trainer = train(tmp_path / "out", [callback], max_steps=8, gradient_accumulation_steps=3)
     assert trainer.state.global_step == 8
@@ -87,14 +92,16 @@ def test_inner_steps_count_optimizer_steps_under_gradient_accumulation(tmp_path:
     assert torch.equal(flat, callback.loco.theta_N)
 
 
-def test_resume_from_a_mid_round_checkpoint_continues_the_same_trajectory(tmp_path: Path) -> None:
-    # Run A: 12 steps, H = 4, checkpoints at 6 (mid-round) and 12.
-    first = PulseLoCoCallback(run_id="resume-a", round_config=RoundConfig(inner_steps=4), **LONE_PEER)
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_resume_from_a_mid_round_checkpoint_continues_the_same_trajectory(tmp_path: Path, overlap: bool) -> None:
+    # Run A: 12 steps, H = 4, checkpoints at 6 (mid-round; with overlap, round 0 in flight) and 12.
+    rounds = RoundConfig(inner_steps=4, overlap=overlap)
+    first = PulseLoCoCallback(run_id="resume-a", round_config=rounds, **LONE_PEER)
     a = train(tmp_path / "a", [first], max_steps=12, save_strategy="steps", save_steps=6)
     assert (tmp_path / "a" / "checkpoint-6" / STATE_FILE).is_file()
     # Run B resumes A's step-6 checkpoint in a fresh Trainer and callback.
     shutil.copytree(tmp_path / "a" / "checkpoint-6", tmp_path / "b" / "checkpoint-6")
-    second = PulseLoCoCallback(run_id="resume-b", round_config=RoundConfig(inner_steps=4), **LONE_PEER)
+    second = PulseLoCoCallback(run_id="resume-b", round_config=rounds, **LONE_PEER)
     b = train(tmp_path / "b", [second], resume=str(tmp_path / "b" / "checkpoint-6"), max_steps=12)
     assert first.loco is not None and second.loco is not None
     assert second.loco.round == first.loco.round == 3

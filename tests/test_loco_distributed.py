@@ -20,7 +20,7 @@ NUM_ROUNDS = 2
 H = 2
 
 
-def _rank_main(rank: int, init_file: str, results: Any) -> None:
+def _rank_main(rank: int, init_file: str, results: Any, overlap: bool) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -40,7 +40,7 @@ def _rank_main(rank: int, init_file: str, results: Any) -> None:
         inner,
         dht=dht,
         run_id="dist",
-        round_config=RoundConfig(inner_steps=H),
+        round_config=RoundConfig(inner_steps=H, overlap=overlap),
         averaging_config=AveragingConfig(target_group_size=1, matchmaking_time=2.0),
     )
     report: dict[str, Any] = {"rank": rank, "joined": opt.peer_id is not None, "thetas": [], "models": []}
@@ -53,6 +53,10 @@ def _rank_main(rank: int, init_file: str, results: Any) -> None:
         if opt.local_step == 0:
             report["thetas"].append(opt.theta_N.numpy().tobytes())
             report["models"].append(flat_params(model).numpy().tobytes())
+    if overlap:  # the last round lands on every rank, and the model then holds theta
+        opt.finish()
+        report["thetas"].append(opt.theta_N.numpy().tobytes())
+        report["models"].append(flat_params(model).numpy().tobytes())
     report["has_metrics"] = opt.last_metrics is not None
     results.put(report)
     opt.shutdown()
@@ -61,11 +65,16 @@ def _rank_main(rank: int, init_file: str, results: Any) -> None:
     dist.destroy_process_group()
 
 
-def test_only_the_main_process_joins_and_others_receive_theta_by_broadcast(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_only_the_main_process_joins_and_others_receive_theta_by_broadcast(tmp_path: Path, overlap: bool) -> None:
+    """With ``overlap`` the rounds land one boundary late; every rank still receives each landed theta, and after
+    ``finish`` every model holds the last one (between boundaries a rank's model is theta minus its own phase's
+    pseudo-gradient: equal on every rank under DDP, whose ranks share their gradients; not here)."""
     make_model(0)  # import the model code before forking
     ctx = mp.get_context("fork")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(rank, str(tmp_path / "init"), results)) for rank in range(2)]
+    init = str(tmp_path / "init")
+    procs = [ctx.Process(target=_rank_main, args=(rank, init, results, overlap)) for rank in range(2)]
     for proc in procs:
         proc.start()
     try:
@@ -78,7 +87,12 @@ def test_only_the_main_process_joins_and_others_receive_theta_by_broadcast(tmp_p
     main, other = reports
     assert main["joined"] and not other["joined"]
     assert main["has_metrics"] and not other["has_metrics"]
-    assert len(main["thetas"]) == NUM_ROUNDS + 1
+    assert len(main["thetas"]) == NUM_ROUNDS + 1 + overlap
     assert main["thetas"] == other["thetas"]  # construction and every round
-    assert main["models"] == main["thetas"] and other["models"] == other["thetas"]
+    if overlap:
+        assert main["thetas"][1] == main["thetas"][0]  # the first boundary lands nothing
+        assert main["thetas"][-1] != main["thetas"][0]
+        assert main["models"][-1] == main["thetas"][-1] and other["models"][-1] == other["thetas"][-1]
+    else:
+        assert main["models"] == main["thetas"] and other["models"] == other["thetas"]
     assert torch.frombuffer(bytearray(main["thetas"][0]), dtype=torch.float32).numel() > 0
