@@ -96,15 +96,17 @@ def test_bad_link_flags_exit_2_with_the_fix(flags: list[str], message: str, caps
 
 
 def test_a_pulseloco_swarm_over_the_emulated_links_reports_utilization_and_the_round_split(net: Any) -> None:
-    """experiments/wan/swarm.py end to end: a bootstrap and three trainers in namespaces 40 ms apart at 100 Mbit/s,
-    real hivemind over the emulated links; every round one group of three on one theta, the outer step split into
-    matchmaking, exchange and digest check, and from round 1 on the group goes once the expected peers registered
-    (``--close-when-expected``: well under the 20 s matchmaking_time). Its own namespaces; ``net`` only skips it
-    where a WAN cannot be built."""
+    """experiments/wan/swarm.py end to end: a bootstrap and three trainers in namespaces behind the mixed profile's
+    links (two home connections, 50/10 Mbit/s, and a cloud machine), the third losing 0.5% of its packets, with
+    overlapped rounds, real hivemind over the emulated links; every round one group of three on one theta, the
+    outer step split into matchmaking, exchange and digest check, and from round 1 on the group goes once the
+    expected peers registered (``--close-when-expected``: well under the 20 s matchmaking_time). Its own
+    namespaces; ``net`` only skips it where a WAN cannot be built."""
     import swarm
 
-    argv = ["--peers", "3", "--rtt-ms", "40", "--rounds", "3", "--inner-steps", "3", "--step-seconds", "0.2"]
-    argv += ["--width", "128", "--matchmaking-time", "20", "--close-when-expected", "--timeout", "280"]
+    argv = ["--peers", "3", "--profile", "mixed", "--lossy", "1", "--overlap", "--rounds", "3", "--inner-steps", "3"]
+    argv += ["--step-seconds", "0.2", "--width", "128", "--matchmaking-time", "20", "--close-when-expected"]
+    argv += ["--timeout", "280"]
     args = swarm.build_parser().parse_args(argv)
     result = swarm.run(args)
     rounds = result["per_round"]
@@ -114,3 +116,6 @@ def test_a_pulseloco_swarm_over_the_emulated_links_reports_utilization_and_the_r
     assert all(r["seconds_exchange"] > 0.0 and r["seconds_digest"] > 0.0 for r in rounds), rounds
     assert all(p["finished"] and 0.0 < p["utilization"] < 1.0 for p in result["per_peer"]), result["per_peer"]
     assert all(p["bytes_sent_per_round"] > 0 and p["bytes_received_per_round"] > 0 for p in result["per_peer"])
+    assert [p["link"]["kind"] for p in result["per_peer"]] == ["home", "cloud", "home"]
+    assert [p["link"]["loss"] for p in result["per_peer"]] == [0.0, 0.0, 0.005]
+    assert all(r["seconds_blocked"] >= 0.0 for r in rounds), rounds

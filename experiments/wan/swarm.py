@@ -7,8 +7,10 @@ digest check), with whether every peer ended each round on one theta.
 
     python experiments/wan/swarm.py --peers 16 --rate 100mbit --rtt-ms 100 [--json out.json]   # as root
 
-Every peer has the same link: ``--rate`` each way and a one-way delay of ``--rtt-ms / 4`` per direction, so two
-peers are ``--rtt-ms`` apart; ``--lossy N`` gives the last N peers ``--loss``. The trainers are experiments/wan/
+By default every peer has the same link: ``--rate`` each way and a one-way delay of ``--rtt-ms / 4`` per direction,
+so two peers are ``--rtt-ms`` apart; ``--profile mixed`` makes half of them home connections and half cloud machines
+(:func:`peer_links`); ``--lossy N`` gives the last N peers ``--loss``. ``--overlap`` runs each round's exchange
+during the next round's inner steps (``RoundConfig.overlap``). The trainers are experiments/wan/
 wan_peer.py: a small MLP whose inner steps are padded to ``--step-seconds`` (the scaling: the exchange's bytes
 follow the model's size, the compute time the padding). Failure behaviour: exits 1 with the reason when the
 WAN cannot be built or a peer fails or runs past ``--timeout``; the namespaces and processes are removed either
@@ -18,6 +20,7 @@ way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -132,12 +135,38 @@ def report(peers: list[tuple[list[dict[str, Any]], dict[str, Any] | None]], args
     }
 
 
+PROFILES: dict[str, tuple[str, str, float, float]] = {
+    "home": ("10mbit", "50mbit", 30.0, 80.0),
+    "cloud": ("1gbit", "1gbit", 10.0, 150.0),
+}
+"""``--profile mixed``: kind -> (up, down, round trip between two peers of the kind at the low and the high end of
+its range, ms): a home connection of 50/10 Mbit/s 30-80 ms apart, a cloud machine of 1 Gbit/s 10-150 ms apart."""
+
+
+def peer_links(args: argparse.Namespace) -> list[tuple[str, Link]]:
+    """Each trainer's (kind, link). ``uniform``: ``--rate`` each way, ``--rtt-ms`` between any two. ``mixed``: even
+    peers home, odd peers cloud (:data:`PROFILES`), each kind's one-way delays spread evenly over its range (a
+    quarter of the round trips: two peers ``d`` and ``e`` ms away from the hub are ``2 (d + e)`` apart). ``--lossy
+    N``: the last N peers also lose ``--loss`` of their packets each way."""
+    links = []
+    for i in range(args.peers):
+        if args.profile == "uniform":
+            kind, up, down, delay = "uniform", args.rate, args.rate, args.rtt_ms / 4
+        else:
+            kind = "home" if i % 2 == 0 else "cloud"
+            up, down, low, high = PROFILES[kind]
+            of_kind = len(range(i % 2, args.peers, 2))
+            delay = (low + (high - low) * (i // 2) / max(1, of_kind - 1)) / 4
+        loss = args.loss if i >= args.peers - args.lossy else 0.0
+        links.append((kind, Link(up=up, down=down, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay), loss=loss)))
+    return links
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     delay = args.rtt_ms / 4
-    link = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay))
-    lossy = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay), loss=args.loss)
-    links = [link] + [lossy if i >= args.peers - args.lossy else link for i in range(args.peers)]
-    net = WanNet(links, mtu=args.mtu, prefix="plsw")
+    trainers = peer_links(args)
+    bootstrap_link = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay))
+    net = WanNet([bootstrap_link] + [link for _, link in trainers], mtu=args.mtu, prefix="plsw")
     workdir = Path(tempfile.mkdtemp(prefix="pulseloco-wan-"))
     procs: list[subprocess.Popen[str]] = []
     try:
@@ -168,6 +197,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"peer {i} exited {code}: {(workdir / f'peer{i}.log').read_text()[-2000:]}")
         result = report([read_metrics(workdir / f"peer{i}.jsonl") for i in range(args.peers)], args)
         result["config"] = {k: v for k, v in vars(args).items() if k != "json"}
+        for peer, (kind, link) in zip(result["per_peer"], trainers):
+            peer["link"] = {"kind": kind, **dataclasses.asdict(link)}
         result["numel"] = args.depth * args.width * (args.width + 1) + args.width + 1
         return result
     finally:
@@ -185,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=16)
+    parser.add_argument(
+        "--profile",
+        choices=("uniform", "mixed"),
+        default="uniform",
+        help="uniform: every trainer's link from --rate and --rtt-ms; mixed: half home (50/10 Mbit/s, 30-80 ms), "
+        "half cloud (1 Gbit/s, 10-150 ms); the bootstrap node keeps --rate and --rtt-ms",
+    )
     parser.add_argument("--rate", default="100mbit", help="each peer's link, each way (0: unlimited)")
     parser.add_argument("--rtt-ms", type=float, default=100.0, help="round-trip time between two peers")
     parser.add_argument("--jitter-ms", type=float, default=0.0)
