@@ -298,7 +298,9 @@ class PulseLoCo:
 
     def add_round_listener(self, listener: Callable[[PulseLoCo, RoundMetrics | None], None]) -> None:
         """Call ``listener(self, metrics)`` on every process after each outer round, once the local model holds
-        the new ``theta`` (``metrics`` is ``None`` on processes other than the main one). A listener that raises
+        the new ``theta`` (``metrics`` is ``None`` on processes other than the main one). With
+        ``RoundConfig.overlap``: when the round lands (at the next boundary, or in :meth:`finish`); the local model
+        then holds the next phase's start, ``theta`` minus this peer's last pseudo-gradient (docs/design.md 2.6). A listener that raises
         propagates out of :meth:`step` / :meth:`count_inner_step`."""
         self._round_listeners.append(listener)
 
@@ -318,7 +320,9 @@ class PulseLoCo:
         start = time.monotonic()
         seconds_inner = start - self._round_start
         loss = sum(self._losses) / len(self._losses) if self._losses else None
+        landed = True  # a round's outer step reached theta at this boundary (the same on every rank)
         if self.overlap:
+            landed = self._in_flight
             metrics = self._overlapped_boundary(seconds_inner, start, loss)
         else:
             metrics = None
@@ -333,7 +337,7 @@ class PulseLoCo:
         self.local_step = 0
         self._losses = []
         self._round_start = time.monotonic()
-        if metrics is not None or not self.overlap or not self.is_main_process:
+        if landed:
             for listener in self._round_listeners:
                 listener(self, metrics)
         return metrics
