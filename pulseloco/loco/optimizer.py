@@ -300,8 +300,8 @@ class PulseLoCo:
         """Call ``listener(self, metrics)`` on every process after each outer round, once the local model holds
         the new ``theta`` (``metrics`` is ``None`` on processes other than the main one). With
         ``RoundConfig.overlap``: when the round lands (at the next boundary, or in :meth:`finish`); the local model
-        then holds the next phase's start, ``theta`` minus this peer's last pseudo-gradient (docs/design.md 2.6). A listener that raises
-        propagates out of :meth:`step` / :meth:`count_inner_step`."""
+        then holds the next phase's start, ``theta`` minus this peer's last pseudo-gradient (docs/design.md 2.6).
+        A listener that raises propagates out of :meth:`step` / :meth:`count_inner_step`."""
         self._round_listeners.append(listener)
 
     def _require_inner_optimizer(self, what: str) -> torch.optim.Optimizer:
