@@ -838,7 +838,9 @@ class PulseLoCo:
                 start_N[lo:hi].copy_(local_chunk)  # what the model holds (a BF16 model rounds): the next phase's base
         self._in_flight = True
         if self._executor is not None:
-            self._future = self._executor.submit(self._outer_round, seconds_inner, start, loss, finite, delta_N)
+            # the round's own clock (seconds_sync) starts here, after this boundary's wait for the previous round
+            launched = time.monotonic()
+            self._future = self._executor.submit(self._outer_round, seconds_inner, launched, loss, finite, delta_N)
         if metrics is not None:
             metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
         return metrics
