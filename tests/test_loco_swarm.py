@@ -320,8 +320,16 @@ def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peer
     honest peer's exact ledger holds (produced = counted at the reported scales + residual), and after strikes in
     five rounds every owner excludes the attacker and names it disputed (and no one else)."""
     num_rounds = 7
+    # generous waits: the per-round checks need every shard of every round fetched by every peer; the defaults (6 s,
+    # 3 s) let a fetch time out under a loaded CI machine (seen once: one peer's accepted lists differed in a round)
     base = PeerConfig(
-        index=0, initial_peers=initial_peers, num_rounds=num_rounds, run_id="byzantine", target_group_size=4
+        index=0,
+        initial_peers=initial_peers,
+        num_rounds=num_rounds,
+        run_id="byzantine",
+        target_group_size=4,
+        averaging_timeout=30.0,
+        request_timeout=10.0,
     )
     configs = [replace(base, index=i, record_parts=True) for i in range(3)]
     configs.append(replace(base, index=3, record_parts=True, attack="flip"))
