@@ -92,6 +92,8 @@ class PeerConfig:
     """Faults to inject, by round (see :func:`_inject_faults`)."""
     attack: str | None = None
     """A Byzantine trainer: send this attack of ``experiments/byzantine/byzantine.py`` at 9x the honest norm."""
+    end_together: bool = False
+    """Wait for the other ``end_together`` peers after training, then ``catch_up`` (see :func:`run_peer`)."""
     record_parts: bool = False
     """Report every round's parts as sent (dense), their shard norms, and the shards' accepted lists and scales."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -290,11 +292,15 @@ def _record_parts(opt: Any, report: dict[str, Any], dense: bool) -> None:
     opt.averager.all_reduce = recorded
 
 
-def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_event: Any = None) -> None:
+def run_peer(
+    config: PeerConfig, results: Any, start_barrier: Any = None, late_event: Any = None, end_barrier: Any = None
+) -> None:
     """Body of a peer process: join, train ``num_rounds`` outer rounds, put a report on ``results``.
 
     Peers given a ``start_barrier`` begin training together, so that a slow start (process and DHT startup on a
-    loaded machine) does not make a peer miss the first round's group.
+    loaded machine) does not make a peer miss the first round's group. Peers given an ``end_barrier`` wait there
+    once all have trained and then call ``PulseLoCo.catch_up``: a peer that fell a round behind and averaged its
+    last round alone after the others stopped does not leave the swarm on two states.
     """
     logging.basicConfig(
         level=logging.WARNING if config.log_file is None else logging.INFO,
@@ -415,6 +421,9 @@ def run_peer(config: PeerConfig, results: Any, start_barrier: Any = None, late_e
     if config.state_out is not None:  # at the boundary (an overlapped round in flight is waited for, not landed)
         torch.save(opt.state_dict(), config.state_out)
     opt.finish()
+    if end_barrier is not None:
+        end_barrier.wait(timeout=120)
+        opt.catch_up()
     # Plain bytes: a tensor would travel as shared memory that must outlive this process.
     report["theta"] = opt.theta_N.numpy().tobytes()
     report["residual"] = opt.residual_N.numpy().tobytes()

@@ -192,6 +192,19 @@ def test_reset_outer_momentum_between_rounds_only() -> None:
         opt.reset_outer_momentum()
 
 
+def test_catch_up_between_rounds_only_and_a_peer_alone_keeps_its_state() -> None:
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-3)
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector="dense"))
+    _train(opt, model, inner, 1)
+    theta = opt.theta_N.clone()
+    assert opt.catch_up() is False  # no swarm to catch up with
+    assert _bits_equal(opt.theta_N, theta) and opt.round == 1
+    opt.step(loss=inner_step(model, inner, batch(0, 99)))
+    with pytest.raises(RuntimeError, match="between rounds"):
+        opt.catch_up()
+
+
 def test_a_diverged_round_drops_its_local_progress_and_restarts_from_theta(caplog: pytest.LogCaptureFixture) -> None:
     model = make_model(0)
     inner = make_inner_optimizer(model, 1e-3)

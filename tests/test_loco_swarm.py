@@ -52,9 +52,19 @@ def run_swarm(configs: list[PeerConfig], num_reports: int | None = None) -> list
     results = ctx.Queue()
     on_time = [config for config in configs if config.start_delay == 0 and not config.join_late]
     barrier = ctx.Barrier(len(on_time))
+    end_barrier = ctx.Barrier(max(1, sum(config.end_together for config in configs)))
     late_event = ctx.Event()
     procs = [
-        ctx.Process(target=run_peer, args=(config, results, barrier if config in on_time else None, late_event))
+        ctx.Process(
+            target=run_peer,
+            args=(
+                config,
+                results,
+                barrier if config in on_time else None,
+                late_event,
+                end_barrier if config.end_together else None,
+            ),
+        )
         for config in configs
     ]
     for proc in procs:
@@ -102,6 +112,14 @@ def _rounds_summary(reports: list[dict[str, Any]]) -> str:
             fields = " ".join(f"{key}={r.get(key)}" for key in keys)
             lines.append(f"peer{report['index']} round={r['round']} digest={r['digest'][:8]} {fields}")
     return "\n".join(lines)
+
+
+def _split_in_round_1(reports: list[dict[str, Any]]) -> bool:
+    """Whether peers 1 and 2 (their DHT views failed) each averaged round 1 alone, and so did peer 0 unless it
+    reached round 1 after they had finished it (a slow round 0 on a loaded machine): it then adopted their state
+    at round 2 and has no round 1 of its own."""
+    sizes = [[r["num_peers"] for r in report["rounds"] if r["round"] == 1] for report in reports]
+    return sizes[1] == sizes[2] == [1] and sizes[0] in ([1], [])
 
 
 def _peer_logs(logs: list[Any]) -> str:
@@ -482,7 +500,7 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     in CI, ending alone on an older theta when the others left).
     """
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=11, run_id="once", selector="dense")
-    base = replace(base, matchmaking_time=4.0, linger=6.0)
+    base = replace(base, matchmaking_time=4.0, linger=6.0, end_together=True)
     logs = [tmp_path / f"peer{i}.log" for i in range(3)]
     configs = [
         replace(base, index=0, faults={7: "cut_fetch"}, log_file=str(logs[0])),
@@ -490,12 +508,14 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
         replace(base, index=2, faults={1: "alone", 3: "stall:4", 5: "stall:14"}, log_file=str(logs[2])),
     ]
     reports = run_swarm(configs)
-    for report in reports:
-        assert report["final_round"] == 11
-    assert [report["rounds"][1]["num_peers"] for report in reports] == [1, 1, 1], _rounds_summary(reports)
+    context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
+    # A peer that fell a round behind averages its last round alone after the others stopped (once in CI); at
+    # the end all catch up to it (run_peer's end_barrier): one round, one theta, nothing lost.
+    assert len({report["final_round"] for report in reports}) == 1, context
+    assert reports[0]["final_round"] in (11, 12), context
+    assert _split_in_round_1(reports), context
     # Every peer ends on the same theta, and that theta together with the residuals holds every contribution
     # exactly once (a double count is a whole shard part of a round: percents of the total, not 1e-5).
-    context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
     assert _conservation_error(reports) < 1e-5, context
@@ -515,7 +535,7 @@ def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[st
     peer ends on one theta."""
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=7, run_id="once-topk")
     extra = {"pulse_values": "quantized", "pulse_budget": 64, "exchange": "topk", "exchange_budget": 1.0}
-    base = replace(base, matchmaking_time=4.0, linger=6.0, extra=extra)
+    base = replace(base, matchmaking_time=4.0, linger=6.0, extra=extra, end_together=True)
     logs = [tmp_path / f"peer{i}.log" for i in range(3)]
     configs = [
         replace(base, index=0, faults={5: "cut_fetch"}, log_file=str(logs[0])),
@@ -523,8 +543,9 @@ def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[st
         replace(base, index=2, faults={3: "stall:4"}, log_file=str(logs[2])),
     ]
     reports = run_swarm(configs)
-    assert all(report["final_round"] == 7 for report in reports)
     context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
+    assert len({report["final_round"] for report in reports}) == 1, context
+    assert reports[0]["final_round"] in (7, 8), context  # 8: one peer's last round alone, see the test above
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
     assert _conservation_error(reports) < 1e-5, context
@@ -539,7 +560,7 @@ def test_overlapped_rounds_count_every_contribution_once_under_faults(initial_pe
     stalled 4 s while fetching in round 3, every peer lands every round one boundary late, ends on one theta, and
     theta with the residuals holds every contribution once."""
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=6, run_id="once-overlap")
-    base = replace(base, matchmaking_time=4.0, linger=6.0, extra={"overlap": True})
+    base = replace(base, matchmaking_time=4.0, linger=6.0, extra={"overlap": True}, end_together=True)
     logs = [tmp_path / f"peer{i}.log" for i in range(3)]
     configs = [
         replace(base, index=0, log_file=str(logs[0])),
@@ -550,7 +571,7 @@ def test_overlapped_rounds_count_every_contribution_once_under_faults(initial_pe
     context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
     assert all(report["final_round"] >= 6 for report in reports), context  # a repair may move a peer ahead
     assert all(report["rounds"][0]["round"] == 0 for report in reports), context
-    assert [report["rounds"][1]["num_peers"] for report in reports] == [1, 1, 1], context
+    assert _split_in_round_1(reports), context
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
     assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
     assert _conservation_error(reports) < 1e-5, context

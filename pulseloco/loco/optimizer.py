@@ -362,6 +362,26 @@ class PulseLoCo:
             listener(self, metrics)
         return metrics
 
+    def catch_up(self) -> bool:
+        """Adopt the swarm's state if other peers are past this one, or if this peer's ``theta`` is not the
+        majority's at its round: a peer that fell behind, or averaged a last round alone after the others
+        stopped, then ends where the swarm is. Its contributions that the adopted state did not count go back to
+        its residual (the ledger), so nothing is lost. Call it between rounds on every process (after
+        :meth:`finish` with overlap), for example before saving the final model; the model then holds ``theta``.
+        Returns whether the state was replaced (on the main process). Raises ``RuntimeError`` mid-phase or with a
+        round in flight; a failed download is logged and the peer keeps its own state (``False``)."""
+        if self.local_step != 0 or self._in_flight:
+            raise RuntimeError(
+                "PulseLoCo.catch_up() runs between rounds: call it at a round boundary (after finish() with "
+                f"RoundConfig.overlap); now local_step={self.local_step}, round in flight={self._in_flight}"
+            )
+        replaced = self._catch_up() if self.is_main_process else False
+        self.placement.broadcast(self.theta_N)
+        self.placement.load_into_model(self.theta_N)
+        if self._start_N is not None:
+            self._start_N.copy_(self.theta_N)
+        return replaced
+
     def reset_outer_momentum(self) -> None:
         """Zero the outer optimizer's momentum, for a change of training phase (for example from a supervised
         warm-up at a pretraining learning rate to RL, whose pseudo-gradients are hundreds of times smaller and
