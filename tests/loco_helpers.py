@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from harness import ledger
 
 VOCAB = 128
 SEQ_LEN = 16
@@ -211,48 +212,6 @@ def _patch_owner_faults(faults: dict[int, str]) -> None:
     SparseAverager.rpc_fetch = rpc_fetch  # type: ignore[method-assign]
 
 
-def _record_ledger(opt: Any, report: dict[str, Any]) -> None:
-    """An outside ledger: every pseudo-gradient this peer produced (``produced``), and every change its own
-    rounds made to theta (``transitions``: digest before, digest after, and the sum of contributions applied:
-    the average times the number of contributions each shard counted). Downloads change no sums, so walking
-    the transitions back from a final digest gives what that theta's lineage counted."""
-    from pulseloco.loco.outer import NesterovOuterOptimizer
-    from pulseloco.loco.validation import theta_digest
-
-    produced = torch.zeros(opt.numel)
-    report["transitions"] = []
-    report["initial_digest"] = theta_digest(opt.theta_N)
-    add_pseudo_gradient, all_reduce = opt._add_pseudo_gradient, opt.averager.all_reduce
-    outer_step = NesterovOuterOptimizer.step_sparse
-    last_sum: list[torch.Tensor] = []
-
-    def add_and_record(chunks: Any) -> None:
-        chunks = None if chunks is None else [(lo, hi, chunk.clone()) for lo, hi, chunk in chunks]
-        for lo, hi, chunk in chunks or []:
-            produced[lo:hi] += chunk
-        report["produced"] = produced.numpy().tobytes()
-        add_pseudo_gradient(None if chunks is None else iter(chunks))
-
-    def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
-        result = all_reduce(group, indices_K, values_K, *args)
-        sum_N = torch.zeros(opt.numel)
-        sum_N[result.indices_K] = result.average_K
-        for (start, stop), names in zip(result.bounds, result.accepted):
-            sum_N[start:stop] *= len(names) if names else 0
-        last_sum[:] = [sum_N]
-        return result
-
-    def step_and_record(self: Any, theta_N: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        before = theta_digest(theta_N)
-        outer_step(self, theta_N, *args, **kwargs)
-        applied = last_sum.pop() if last_sum else torch.zeros(opt.numel)
-        report["transitions"].append((before, theta_digest(theta_N), applied.numpy().tobytes()))
-
-    opt._add_pseudo_gradient = add_and_record
-    opt.averager.all_reduce = all_reduce_and_record
-    NesterovOuterOptimizer.step_sparse = step_and_record  # type: ignore[method-assign]  (this peer process only)
-
-
 def _record_parts(opt: Any, report: dict[str, Any], dense: bool) -> None:
     """Wrap the averager's ``all_reduce`` (innermost: what is actually pushed, an attack included) to report per
     round the L2 norm of this peer's part of every shard, every shard's accepted list and clip scales, and (with
@@ -370,7 +329,7 @@ def run_peer(
             import byzantine
 
             byzantine.install(opt, config.attack, seed=config.index)
-        _record_ledger(opt, report)
+        ledger.record(opt, report)
     if config.die_in_round is not None:
         original = opt.matchmaker.form_group
 

@@ -17,6 +17,7 @@ from typing import Any
 import hivemind
 import pytest
 import torch
+from harness import ledger
 from loco_helpers import (
     PeerConfig,
     batch,
@@ -91,16 +92,8 @@ def run_swarm(configs: list[PeerConfig], num_reports: int | None = None) -> list
     return sorted(reports, key=lambda r: r["index"])
 
 
-def _theta(report: dict[str, Any]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(report["theta"]), dtype=torch.float32)
-
-
 def _digests(report: dict[str, Any]) -> dict[int, str]:
     return {r["round"]: r["digest"] for r in report["rounds"]}
-
-
-def _vector(report: dict[str, Any], key: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(report[key]), dtype=torch.float32)
 
 
 def _rounds_summary(reports: list[dict[str, Any]]) -> str:
@@ -112,6 +105,11 @@ def _rounds_summary(reports: list[dict[str, Any]]) -> str:
             fields = " ".join(f"{key}={r.get(key)}" for key in keys)
             lines.append(f"peer{report['index']} round={r['round']} digest={r['digest'][:8]} {fields}")
     return "\n".join(lines)
+
+
+def _one_theta(reports: list[dict[str, Any]]) -> bool:
+    """Whether every peer ended on the same theta, bit for bit."""
+    return len({report["theta"] for report in reports}) == 1
 
 
 def _split_in_round_1(reports: list[dict[str, Any]]) -> bool:
@@ -126,32 +124,6 @@ def _peer_logs(logs: list[Any]) -> str:
     """The pulseloco lines of the peers' log files, in order of time (for an assertion's message)."""
     lines = [line for log in logs if log.exists() for line in log.read_text().splitlines() if " pulseloco." in line]
     return "\n".join(sorted(lines, key=lambda line: int(line.split(" ", 1)[0]) if line[:1].isdigit() else 0))
-
-
-def _conservation_error(reports: list[dict[str, Any]]) -> float:
-    """Relative error of the exact ledger: everything the peers produced equals what the rounds of the final
-    theta's lineage counted plus what the peers still hold in their residuals. A contribution counted twice
-    (applied by the others and also kept by its sender) or lost shows up here at the size of its values.
-
-    The lineage is walked back from the final digest through the theta changes the peers' own rounds made
-    (tests/loco_helpers.py ``_record_ledger``); state downloads adopt a digest without changing sums."""
-    steps = {after: (before, applied) for r in reports for before, after, applied in r["transitions"]}
-    initial = {r["initial_digest"] for r in reports}
-    assert len(initial) == 1
-    from pulseloco.loco.validation import theta_digest
-
-    digest = theta_digest(_theta(reports[0]))
-    applied = torch.zeros_like(_theta(reports[0]))
-    for _ in range(1000):
-        if digest in initial:
-            break
-        assert digest in steps, f"digest {digest} was made by no peer's round"
-        digest, applied_bytes = steps[digest]
-        applied += torch.frombuffer(bytearray(applied_bytes), dtype=torch.float32)
-    produced = sum(_vector(r, "produced") for r in reports)
-    held = sum(_vector(r, "residual") for r in reports)
-    assert isinstance(produced, torch.Tensor)
-    return float(torch.linalg.vector_norm(produced - applied - held) / torch.linalg.vector_norm(produced))
 
 
 def test_three_peers_end_every_round_with_equal_digests(initial_peers: list[str], tmp_path: Any) -> None:
@@ -172,9 +144,9 @@ def test_three_peers_end_every_round_with_equal_digests(initial_peers: list[str]
         assert all(r["num_sent"] > 0 for r in report["rounds"])
     assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
     assert len(set(_digests(reports[0]).values())) == 4
-    assert torch.equal(_theta(reports[0]), _theta(reports[1]))
+    assert torch.equal(ledger.vector(reports[0], "theta"), ledger.vector(reports[1], "theta"))
     assert all(r["num_contributors"] == 3 and r["complete"] for report in reports for r in report["rounds"])
-    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
+    assert ledger.conservation_error(reports) < 1e-5, _rounds_summary(reports)
     lines = [line for line in (tmp_path / "peer0.jsonl").read_text().splitlines() if line]
     assert len(lines) == 4
     import json
@@ -257,9 +229,9 @@ def test_dense_swarm_equals_reference_diloco_with_median_clipping(initial_peers:
     assert num_clipped > 0  # the rule did something
     for report in reports:
         assert all(r["num_peers"] == 3 and r["num_sent"] == theta.numel() for r in report["rounds"])
-        assert torch.equal(_theta(report).view(torch.int32), theta.view(torch.int32))
+        assert torch.equal(ledger.vector(report, "theta").view(torch.int32), theta.view(torch.int32))
         index = report["index"]
-        assert torch.equal(_vector(report, "residual").view(torch.int32), residuals[index].view(torch.int32))
+        assert torch.equal(ledger.vector(report, "residual").view(torch.int32), residuals[index].view(torch.int32))
 
 
 def test_peer_killed_mid_round_does_not_stop_the_others(initial_peers: list[str]) -> None:
@@ -281,7 +253,7 @@ def test_peer_killed_mid_round_does_not_stop_the_others(initial_peers: list[str]
         assert rounds[1]["seconds_sync"] < 4.0 + 3 * 3.0
         assert rounds[2]["num_peers"] == 2
     assert _digests(reports[0]) == _digests(reports[1])
-    assert torch.isfinite(_theta(reports[0])).all()
+    assert torch.isfinite(ledger.vector(reports[0], "theta")).all()
     assert elapsed < 60
 
 
@@ -328,7 +300,7 @@ def test_malicious_payloads_are_rejected(initial_peers: list[str]) -> None:
         assert per_peer[0]["num_returned"] == 0 and per_peer[1]["num_returned"] == 0
     assert all(r["num_contributors"] == 2 for report in reports for r in report["rounds"])
     assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
-    assert torch.isfinite(_theta(reports[0])).all()
+    assert torch.isfinite(ledger.vector(reports[0], "theta")).all()
 
 
 def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peers: list[str]) -> None:
@@ -361,7 +333,7 @@ def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peer
         assert all(record["round"] == r for record in records.values())
         accepted, bars = records[honest[0]["peer_id"]]["accepted"], records[honest[0]["peer_id"]]["bars"]
         assert all(records[h["peer_id"]]["accepted"] == accepted for h in honest)  # one verdict per shard
-        sent = {peer: _vector(record, "sent") for peer, record in records.items()}
+        sent = {peer: ledger.vector(record, "sent") for peer, record in records.items()}
         honest_N = sum(sent[h["peer_id"]] for h in honest)
         assert isinstance(honest_N, torch.Tensor)
         applied_N = torch.zeros_like(honest_N)
@@ -390,10 +362,11 @@ def test_a_byzantine_trainer_is_clipped_to_the_median_then_excluded(initial_peer
         assert float(torch.linalg.vector_norm(sent[bad])) > float(torch.linalg.vector_norm(honest_N))
     for h in honest:
         assert h["distrusted"] == [bad]
-        error = _vector(h, "produced") - _vector(h, "counted") - _vector(h, "residual")
-        assert float(torch.linalg.vector_norm(error)) < 1e-6 * float(torch.linalg.vector_norm(_vector(h, "produced")))
-    moved_N = flat_params(make_model(0)) - _theta(honest[0])
-    honest_total = sum(_vector(h, "produced") for h in honest)
+        error = ledger.vector(h, "produced") - ledger.vector(h, "counted") - ledger.vector(h, "residual")
+        produced = ledger.vector(h, "produced")
+        assert float(torch.linalg.vector_norm(error)) < 1e-6 * float(torch.linalg.vector_norm(produced))
+    moved_N = flat_params(make_model(0)) - ledger.vector(honest[0], "theta")
+    honest_total = sum(ledger.vector(h, "produced") for h in honest)
     assert isinstance(honest_total, torch.Tensor)
     assert float(torch.nn.functional.cosine_similarity(moved_N, honest_total, dim=0)) > 0.5
 
@@ -406,8 +379,8 @@ def test_bf16_values_average_to_equal_digests_and_conserve(initial_peers: list[s
     for report in reports:
         assert all(r["num_contributors"] == 3 and r["complete"] and r["num_sent"] > 0 for r in report["rounds"])
     assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
-    assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
-    assert torch.any(torch.frombuffer(bytearray(reports[0]["residual"]), dtype=torch.float32) != 0)
+    assert ledger.conservation_error(reports) < 1e-5, _rounds_summary(reports)
+    assert torch.any(ledger.vector(reports[0], "residual") != 0)
 
 
 def test_sparseloco_pair_ends_every_round_identical(initial_peers: list[str]) -> None:
@@ -421,7 +394,7 @@ def test_sparseloco_pair_ends_every_round_identical(initial_peers: list[str]) ->
         assert all(not r["repaired"] and r["num_returned"] == 0 for r in report["rounds"])
     assert _digests(reports[0]) == _digests(reports[1])
     assert len(set(_digests(reports[0]).values())) == 3
-    assert torch.equal(_theta(reports[0]), _theta(reports[1]))
+    assert torch.equal(ledger.vector(reports[0], "theta"), ledger.vector(reports[1], "theta"))
     for first, second in zip(reports[0]["rounds"], reports[1]["rounds"]):  # the union of the two selections
         assert first["num_averaged"] == second["num_averaged"]
         assert (
@@ -446,8 +419,8 @@ def test_gathered_parts_average_to_the_same_bits_as_summed_ones(initial_peers: l
         for report in reports:
             assert all(r["num_contributors"] == 3 and r["complete"] and r["num_sent"] > 0 for r in report["rounds"])
         assert _digests(reports[0]) == _digests(reports[1]) == _digests(reports[2])
-        assert _conservation_error(reports) < 1e-5, _rounds_summary(reports)
-        thetas.append(_theta(reports[0]))
+        assert ledger.conservation_error(reports) < 1e-5, _rounds_summary(reports)
+        thetas.append(ledger.vector(reports[0], "theta"))
     # The two swarms' peers have fresh ids, so the sorted-id order of the additions can differ: equal up to the
     # rounding of three FP32 additions per entry, not bit for bit (within one swarm every peer has the same bits).
     assert torch.allclose(thetas[0], thetas[1], rtol=1e-6, atol=1e-9)
@@ -480,13 +453,13 @@ def test_a_poisoned_peer_in_a_pair_is_refused_as_contributor_and_as_owner(initia
     assert all(r["num_rejected"] == 1 for r in honest)  # its shard refused the bad part every round
     assert [r["complete"] for r in honest] == [True, True, False]  # round 2: the poisoned average was refused
     assert not any(r["repaired"] for r in honest)  # and the poisoned state was never adopted
-    assert torch.isfinite(_theta(reports[0])).all()
-    assert _theta(reports[0]).abs().max() < 10.0
+    assert torch.isfinite(ledger.vector(reports[0], "theta")).all()
+    assert ledger.vector(reports[0], "theta").abs().max() < 10.0
 
 
 def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list[str], tmp_path: Any) -> None:
     """Four failure modes, one per round, on three peers with the dense selector (every entry sent),
-    checked against an exact outside ledger (tests/loco_helpers.py ``_record_ledger``):
+    checked against an exact outside ledger (scripts/harness/ledger.py):
 
     round 1: the DHT views of peers 1 and 2 fail at the round's start: each averages alone, and so does peer 0
     (a three-way split: two of the three are then repaired to one lineage and keep their own contributions);
@@ -516,9 +489,8 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     assert _split_in_round_1(reports), context
     # Every peer ends on the same theta, and that theta together with the residuals holds every contribution
     # exactly once (a double count is a whole shard part of a round: percents of the total, not 1e-5).
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
-    assert _conservation_error(reports) < 1e-5, context
+    assert _one_theta(reports), context
+    assert ledger.conservation_error(reports) < 1e-5, context
     # The faults did what they should: incomplete rounds, and residuals reconciled with the adopted state.
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
     assert any(not r["complete"] for report in reports for r in report["rounds"])
@@ -546,9 +518,8 @@ def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[st
     context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
     assert len({report["final_round"] for report in reports}) == 1, context
     assert reports[0]["final_round"] in (7, 8), context  # 8: one peer's last round alone, see the test above
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
-    assert _conservation_error(reports) < 1e-5, context
+    assert _one_theta(reports), context
+    assert ledger.conservation_error(reports) < 1e-5, context
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
     # the owners dropped entries in rounds that completed: those went back to their senders
     assert sum(r["num_returned"] for report in reports for r in report["rounds"] if r["complete"]) > 0
@@ -572,9 +543,8 @@ def test_overlapped_rounds_count_every_contribution_once_under_faults(initial_pe
     assert all(report["final_round"] >= 6 for report in reports), context  # a repair may move a peer ahead
     assert all(report["rounds"][0]["round"] == 0 for report in reports), context
     assert _split_in_round_1(reports), context
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[1]).view(torch.int32)), context
-    assert _theta(reports[0]).view(torch.int32).equal(_theta(reports[2]).view(torch.int32)), context
-    assert _conservation_error(reports) < 1e-5, context
+    assert _one_theta(reports), context
+    assert ledger.conservation_error(reports) < 1e-5, context
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
 
 
@@ -623,5 +593,5 @@ def test_resume_from_state_dict_continues_the_same_trajectory(initial_peers: lis
         rounds = straight[i]["rounds"] + first[i]["rounds"] + second[i]["rounds"]
         shown = [{k: r[k] for k in ("round", "num_peers", "num_contributors", "complete", "repaired")} for r in rounds]
         assert {**_digests(first[i]), **_digests(second[i])} == _digests(straight[i]), shown
-        assert torch.equal(_theta(second[i]), _theta(straight[i]))
+        assert torch.equal(ledger.vector(second[i], "theta"), ledger.vector(straight[i], "theta"))
     assert _digests(straight[0]) == _digests(straight[1])

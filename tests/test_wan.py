@@ -119,3 +119,26 @@ def test_a_pulseloco_swarm_over_the_emulated_links_reports_utilization_and_the_r
     assert [p["link"]["kind"] for p in result["per_peer"]] == ["home", "cloud", "home"]
     assert [p["link"]["loss"] for p in result["per_peer"]] == [0.0, 0.0, 0.005]
     assert all(r["seconds_blocked"] >= 0.0 for r in rounds), rounds
+    assert result["final"]["thetas"] == 1 and result["final"]["conservation_error"] < 1e-5, result["final"]
+
+
+def test_a_partition_a_route_change_and_a_bootstrap_restart_end_on_one_theta_with_nothing_lost(net: Any) -> None:
+    """experiments/wan/swarm.py with ``--fault``: four trainers (blocking rounds) on 40 ms links; 3 s into training
+    the bootstrap node and trainers 0 and 1 are cut off from trainers 2 and 3 for 25 s (past the 8 s averaging
+    wait), then trainer 3's round trips jump to 300 ms and the bootstrap node is restarted. The halves average
+    apart while cut off, and the swarm ends on one theta that, with the residuals, holds every contribution
+    exactly once (the outside ledger); the peers logged the repair."""
+    import swarm
+
+    argv = ["--peers", "4", "--rtt-ms", "40", "--rate", "0", "--rounds", "10", "--inner-steps", "3"]
+    argv += ["--step-seconds", "0.2", "--width", "128", "--matchmaking-time", "3", "--timeout", "280"]
+    argv += ["--averaging-timeout", "8", "--request-timeout", "4"]
+    argv += ["--fault", "partition@3:25", "--fault", "rtt@29:3:300", "--fault", "bootstrap@29:1"]
+    result = swarm.run(swarm.build_parser().parse_args(argv))
+    context = json.dumps({k: result[k] for k in ("per_round", "final", "faults", "log_lines")}, indent=1)
+    assert [f["kind"] for f in result["faults"]] == ["partition", "rtt", "bootstrap"], context
+    assert all("error" not in f and "ended" in f for f in result["faults"]), context
+    assert any(len(r["group_sizes"]) > 1 or max(r["group_sizes"]) < 4 for r in result["per_round"]), context
+    assert result["per_round"][-1]["group_sizes"] == [4], context
+    assert result["final"]["thetas"] == 1 and result["final"]["conservation_error"] < 1e-5, context
+    assert any("repairing state" in line for line in result["log_lines"]), context

@@ -20,9 +20,10 @@ measures it, experiments/wan/README.md); a rate of 0 is unlimited.
     ip netns exec HUB python experiments/wan/linkem.py --peer-ns PEER --peer-dev tun0 --hub-dev t3 \\
         --up 10mbit --down 50mbit --delay-ms 20 --jitter-ms 2 --loss 0.005
 
-It prints ``ready`` on stdout once both devices are open, and counts packets and drops to stderr at exit
-(SIGTERM or SIGINT). Failure behaviour: exits 2 with one line for bad arguments, 1 when a device cannot be opened
-(not root, no /dev/net/tun, no such namespace).
+SIGUSR1 switches both directions' delay to ``--alt-delay-ms`` and the next one back (a route change: packets
+in flight keep their times, none overtakes another). It prints ``ready`` on stdout once both devices are open,
+and counts packets and drops to stderr at exit (SIGTERM or SIGINT). Failure behaviour: exits 2 with one line for
+bad arguments, 1 when a device cannot be opened (not root, no /dev/net/tun, no such namespace).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class Direction:
     loss: float
     queue_bytes: int
     rng: random.Random
+    alt_delay_s: float = 0.0
+    """The delay SIGUSR1 switches to (and back: the two swap)."""
     link_free_at: float = 0.0
     last_release: float = 0.0
     queued: int = 0
@@ -147,8 +150,14 @@ def run(peer_fd: int, hub_fd: int, up: Direction, down: Direction) -> None:
         nonlocal stop
         stop = True
 
+    def on_switch(*_: object) -> None:  # SIGUSR1: swap the one-way delays with the alternative ones
+        for direction in (up, down):
+            direction.delay_s, direction.alt_delay_s = direction.alt_delay_s, direction.delay_s
+        print(f"linkem: one-way delay now {up.delay_s * 1000:.1f} ms", file=sys.stderr, flush=True)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGUSR1, on_switch)
     selector = selectors.DefaultSelector()
     selector.register(peer_fd, selectors.EVENT_READ, (up, hub_fd))
     selector.register(hub_fd, selectors.EVENT_READ, (down, peer_fd))
@@ -197,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jitter-ms", type=float, default=0.0, help="uniform jitter of each packet's delay, +/-")
     parser.add_argument("--loss", type=float, default=0.0, help="probability a packet is lost, each direction")
     parser.add_argument("--queue-ms", type=float, default=100.0, help="drop-tail queue, in milliseconds at the rate")
+    parser.add_argument(
+        "--alt-delay-ms",
+        type=float,
+        help="one-way delay after SIGUSR1 (the next SIGUSR1 switches back; default: --delay-ms)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--nice",
@@ -213,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--loss must be in [0, 1), got {args.loss}")
     if args.delay_ms < 0 or args.jitter_ms < 0 or args.jitter_ms > args.delay_ms or args.queue_ms <= 0:
         parser.error("--delay-ms and --jitter-ms must be >= 0 with jitter <= delay, and --queue-ms > 0")
+    if args.alt_delay_ms is not None and args.alt_delay_ms < args.jitter_ms:
+        parser.error("--alt-delay-ms must be at least --jitter-ms")
     rng = random.Random(args.seed)
     try:
         os.setpriority(os.PRIO_PROCESS, 0, args.nice)
@@ -221,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def direction(bps: float) -> Direction:
         queue = max(MAX_PACKET, int(bps * args.queue_ms / 1000 / 8)) if bps else 1 << 30
-        return Direction(bps, args.delay_ms / 1000, args.jitter_ms / 1000, args.loss, queue, rng)
+        alt = (args.delay_ms if args.alt_delay_ms is None else args.alt_delay_ms) / 1000
+        return Direction(bps, args.delay_ms / 1000, args.jitter_ms / 1000, args.loss, queue, rng, alt)
 
     try:
         hub_fd = open_tun(args.hub_dev) if args.hub_ns is None else None

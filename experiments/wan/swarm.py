@@ -10,7 +10,12 @@ digest check), with whether every peer ended each round on one theta.
 By default every peer has the same link: ``--rate`` each way and a one-way delay of ``--rtt-ms / 4`` per direction,
 so two peers are ``--rtt-ms`` apart; ``--profile mixed`` makes half of them home connections and half cloud machines
 (:func:`peer_links`); ``--lossy N`` gives the last N peers ``--loss``. ``--overlap`` runs each round's exchange
-during the next round's inner steps (``RoundConfig.overlap``). The trainers are experiments/wan/
+during the next round's inner steps (``RoundConfig.overlap``). ``--fault`` injects failures at set times (a
+partition that heals, a peer whose round trips jump, the bootstrap node restarted: :class:`Fault`). Every trainer
+keeps an outside ledger (scripts/harness/ledger.py) and, once all have trained, catches up with the swarm's state
+(``PulseLoCo.catch_up``); the report's ``final`` gives the number of distinct final thetas and the conservation
+error (everything produced = what the final theta's lineage counted + the residuals), ``log_lines`` what the
+peers logged about the faults. The trainers are experiments/wan/
 wan_peer.py: a small MLP whose inner steps are padded to ``--step-seconds`` (the scaling: the exchange's bytes
 follow the model's size, the compute time the padding). Failure behaviour: exits 1 with the reason when the
 WAN cannot be built or a peer fails or runs past ``--timeout``; the namespaces and processes are removed either
@@ -20,8 +25,10 @@ way.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -32,15 +39,23 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+from harness import ledger
 from wan_net import Link, WanNet
 
 PEER = Path(__file__).resolve().parent / "wan_peer.py"
 
 
-def start_bootstrap(net: WanNet) -> tuple[subprocess.Popen[str], list[str]]:
-    """The bootstrap DHT node in namespace 0 and its multiaddrs; raises RuntimeError if it prints none in 120 s."""
+BOOTSTRAP_PORT = 31337
+"""The bootstrap node's TCP port in its namespace: fixed, so that a restarted node (``--fault bootstrap@...``) has
+the address the trainers were given."""
+
+
+def start_bootstrap(net: WanNet, identity: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    """The bootstrap DHT node in namespace 0 (the key in ``identity``, created on the first start) and its
+    multiaddrs; raises RuntimeError if it prints none in 120 s."""
+    argv = [sys.executable, str(PEER), "bootstrap", "--host", net.host(0), "--port", str(BOOTSTRAP_PORT)]
     proc = subprocess.Popen(
-        net.exec_argv(0, [sys.executable, str(PEER), "bootstrap", "--host", net.host(0)]),
+        net.exec_argv(0, [*argv, "--identity", str(identity)]),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -135,6 +150,91 @@ def report(peers: list[tuple[list[dict[str, Any]], dict[str, Any] | None]], args
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A failure injected ``at`` seconds after every trainer has started training: ``partition`` (the first half
+    of the trainers and the bootstrap node cut off from the rest for ``seconds``), ``rtt`` (trainer ``peer``'s
+    round trip to the others becomes ``rtt_ms``, for the rest of the run) or ``bootstrap`` (the bootstrap node
+    killed, restarted at the same address ``seconds`` later)."""
+
+    kind: str
+    at: float
+    seconds: float = 0.0
+    peer: int = 0
+    rtt_ms: float = 0.0
+
+
+def parse_fault(text: str) -> Fault:
+    """``partition@AT:SECONDS``, ``rtt@AT:PEER:RTT_MS`` or ``bootstrap@AT:SECONDS``; raises ValueError."""
+    kind, _, rest = text.partition("@")
+    fields = rest.split(":")
+    try:
+        if kind in ("partition", "bootstrap") and len(fields) == 2:
+            return Fault(kind, float(fields[0]), seconds=float(fields[1]))
+        if kind == "rtt" and len(fields) == 3:
+            return Fault(kind, float(fields[0]), peer=int(fields[1]), rtt_ms=float(fields[2]))
+    except ValueError:
+        pass
+    raise ValueError(
+        f"bad --fault {text!r}: use partition@AT:SECONDS, rtt@AT:PEER:RTT_MS or bootstrap@AT:SECONDS (AT: seconds "
+        "after every trainer has started training)"
+    )
+
+
+class FaultPlan(threading.Thread):
+    """Applies the faults at their times in the background and records what it did and when (``done``: kind,
+    planned and actual seconds after the start, and the end of a timed fault). ``stop()`` ends the plan early; a
+    fault that fails is recorded with its error (the run goes on and the report shows it)."""
+
+    def __init__(self, faults: list[Fault], net: WanNet, restart: Any, num_trainers: int, started_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.faults, self.net, self.restart = sorted(faults, key=lambda f: f.at), net, restart
+        self.num_trainers, self.started_dir = num_trainers, started_dir
+        self.start_time = time.monotonic()
+        self.done: list[dict[str, Any]] = []
+        self._stop_event = threading.Event()
+
+    def _wait_for_trainers(self) -> bool:
+        """Until every trainer has started training (its ``started-*`` file; at most 300 s): the faults' clock
+        starts then, not while the processes start. False if stopped first."""
+        deadline = time.monotonic() + 300.0
+        while len(list(self.started_dir.glob("started-*"))) < self.num_trainers and time.monotonic() < deadline:
+            if self._stop_event.wait(0.2):
+                return False
+        self.start_time = time.monotonic()
+        return True
+
+    def _sleep_until(self, t: float) -> bool:
+        return not self._stop_event.wait(max(0.0, self.start_time + t - time.monotonic()))
+
+    def _now(self) -> float:
+        return round(time.monotonic() - self.start_time, 1)
+
+    def run(self) -> None:
+        if not self._wait_for_trainers():
+            return
+        for fault in self.faults:
+            if not self._sleep_until(fault.at):
+                return
+            entry: dict[str, Any] = {**dataclasses.asdict(fault), "started": self._now()}
+            self.done.append(entry)
+            try:
+                if fault.kind == "rtt":
+                    self.net.switch_delay(1 + fault.peer)
+                elif fault.kind == "partition":
+                    self.net.partition(list(range(1 + self.num_trainers // 2)))  # the bootstrap and half
+                    self._stop_event.wait(fault.seconds)
+                    self.net.heal()
+                elif fault.kind == "bootstrap":
+                    self.restart(fault.seconds)
+                entry["ended"] = self._now()
+            except Exception as exc:  # recorded in the report: the run's outcome still says what the swarm did
+                entry["error"] = str(exc)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
 PROFILES: dict[str, tuple[str, str, float, float]] = {
     "home": ("10mbit", "50mbit", 30.0, 80.0),
     "cloud": ("1gbit", "1gbit", 10.0, 150.0),
@@ -158,7 +258,17 @@ def peer_links(args: argparse.Namespace) -> list[tuple[str, Link]]:
             of_kind = len(range(i % 2, args.peers, 2))
             delay = (low + (high - low) * (i // 2) / max(1, of_kind - 1)) / 4
         loss = args.loss if i >= args.peers - args.lossy else 0.0
-        links.append((kind, Link(up=up, down=down, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay), loss=loss)))
+        jitter = min(args.jitter_ms, delay)
+        alt = [f.rtt_ms / 2 - args.rtt_ms / 4 for f in args.fault if f.kind == "rtt" and f.peer == i]
+        link = Link(
+            up=up,
+            down=down,
+            delay_ms=delay,
+            jitter_ms=jitter,
+            loss=loss,
+            alt_delay_ms=max([jitter, *alt]) if alt else None,
+        )
+        links.append((kind, link))
     return links
 
 
@@ -169,9 +279,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     net = WanNet([bootstrap_link] + [link for _, link in trainers], mtu=args.mtu, prefix="plsw")
     workdir = Path(tempfile.mkdtemp(prefix="pulseloco-wan-"))
     procs: list[subprocess.Popen[str]] = []
+    identity = workdir / "bootstrap.key"
+    (workdir / "end").mkdir()
+    plan: FaultPlan | None = None
+
+    def restart_bootstrap(seconds: float) -> None:
+        procs[0].terminate()
+        procs[0].wait(timeout=15)
+        time.sleep(seconds)
+        started = time.monotonic()
+        procs[0], again = start_bootstrap(net, identity)
+        print(f"swarm.py: the bootstrap node restarted in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        if again != maddrs:
+            raise RuntimeError(f"the restarted bootstrap node has other addresses: {again} (was {maddrs})")
+
     try:
         net.setup()
-        bootstrap, maddrs = start_bootstrap(net)
+        bootstrap, maddrs = start_bootstrap(net, identity)
         procs.append(bootstrap)
         flags = ["--rounds", str(args.rounds), "--inner-steps", str(args.inner_steps)]
         flags += ["--step-seconds", str(args.step_seconds), "--width", str(args.width), "--depth", str(args.depth)]
@@ -180,13 +304,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flags += ["--target-group-size", str(args.target_group_size)]
         flags += ["--close-when-expected" if args.close_when_expected else "--no-close-when-expected"]
         flags += ["--overlap"] if args.overlap else []
+        flags += ["--averaging-timeout", str(args.averaging_timeout), "--request-timeout", str(args.request_timeout)]
         logs = []
         for i in range(args.peers):
             argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
             argv += ["--metrics", str(workdir / f"peer{i}.jsonl"), "--seed", str(i), *flags]
+            argv += ["--ledger", str(workdir / f"peer{i}.ledger.pt"), "--end-dir", str(workdir / "end")]
+            argv += ["--num-peers", str(args.peers)]
             log = (workdir / f"peer{i}.log").open("w")
             logs.append(log)
             procs.append(subprocess.Popen(net.exec_argv(1 + i, argv), stdout=log, stderr=subprocess.STDOUT, text=True))
+        plan = FaultPlan(args.fault, net, restart_bootstrap, args.peers, workdir / "end")
+        plan.start()
         deadline = time.monotonic() + args.timeout
         for i, proc in enumerate(procs[1:]):
             try:
@@ -195,13 +324,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"peer {i} ran past --timeout {args.timeout:.0f} s (logs in {workdir})") from None
             if code != 0:
                 raise RuntimeError(f"peer {i} exited {code}: {(workdir / f'peer{i}.log').read_text()[-2000:]}")
+        plan.stop()
+        plan.join(timeout=60)
         result = report([read_metrics(workdir / f"peer{i}.jsonl") for i in range(args.peers)], args)
+        result["final"] = final_state([workdir / f"peer{i}.ledger.pt" for i in range(args.peers)])
+        result["faults"] = plan.done
+        result["log_lines"] = log_lines([workdir / f"peer{i}.log" for i in range(args.peers)])
         result["config"] = {k: v for k, v in vars(args).items() if k != "json"}
+        result["config"]["fault"] = [dataclasses.asdict(f) for f in args.fault]
         for peer, (kind, link) in zip(result["per_peer"], trainers):
             peer["link"] = {"kind": kind, **dataclasses.asdict(link)}
         result["numel"] = args.depth * args.width * (args.width + 1) + args.width + 1
         return result
     finally:
+        if plan is not None:
+            plan.stop()
         for proc in procs:
             proc.terminate()
         for proc in procs:
@@ -210,6 +347,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except subprocess.TimeoutExpired:
                 proc.kill()
         net.teardown()
+
+
+def final_state(paths: list[Path]) -> dict[str, Any]:
+    """The swarm's end from the peers' outside ledgers (scripts/harness/ledger.py): their final rounds, how many
+    distinct thetas they hold, and the conservation error over the lineage of the most common theta (everything
+    produced = what that lineage counted + the residuals; 0 up to FP32 rounding when nothing was lost or counted
+    twice)."""
+    import torch
+
+    reports = [torch.load(path, weights_only=False) for path in paths]
+    thetas = collections.Counter(r["theta"] for r in reports)
+    majority = thetas.most_common(1)[0][0]
+    return {
+        "thetas": len(thetas),
+        "conservation_error": ledger.conservation_error(reports, theta=majority),
+        "num_transitions": sum(len(r["transitions"]) for r in reports),
+    }
+
+
+def log_lines(paths: list[Path]) -> dict[str, int]:
+    """What the peers said about faults: their warnings, errors, repairs and state downloads, with peer ids,
+    digests and numbers blanked, and how many times each was logged (most frequent first)."""
+    counts: collections.Counter[str] = collections.Counter()
+    pattern = re.compile(r" (WARN|WARNING|ERROR|INFO) (.*)$")
+    for path in paths:
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            found = pattern.search(line)
+            if found is None or (found[1] == "INFO" and not re.search("repairing|state downloaded|incomplete", line)):
+                continue
+            message = re.sub(r"\b(Qm|12D3)\w+", "<peer>", found[2])
+            message = re.sub(r"\b[0-9a-f]{16,}\b", "<digest>", message)
+            counts[re.sub(r"\d+(\.\d+)?", "#", message)[:300]] += 1
+    return dict(counts.most_common(40))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +417,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overlap", action="store_true", help="RoundConfig.overlap: each exchange runs during the next inner steps"
     )
+    parser.add_argument("--averaging-timeout", type=float, default=60.0, help="AveragingConfig.averaging_timeout")
+    parser.add_argument("--request-timeout", type=float, default=10.0, help="AveragingConfig.request_timeout")
+    parser.add_argument(
+        "--fault",
+        type=parse_fault,
+        action="append",
+        default=[],
+        help="partition@AT:SECONDS (the bootstrap and the first half of the trainers cut off from the rest), "
+        "rtt@AT:PEER:RTT_MS (trainer PEER's round trips become RTT_MS), bootstrap@AT:SECONDS (killed, restarted "
+        "at its address SECONDS later); AT: seconds after every trainer has started training; repeatable",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")
     return parser
@@ -257,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.peers < 2 or not 0 <= args.lossy <= args.peers:
         parser.error("--peers must be at least 2 and --lossy between 0 and --peers")
+    for fault in args.fault:
+        if fault.kind == "rtt" and not (0 <= fault.peer < args.peers and fault.rtt_ms >= args.rtt_ms / 2):
+            parser.error(f"--fault rtt: PEER must be in [0, {args.peers}) and RTT_MS at least --rtt-ms / 2")
     reason = WanNet.unavailable_reason()
     if reason is not None:
         print(f"swarm.py: error: {reason}", file=sys.stderr)

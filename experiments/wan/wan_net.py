@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -43,12 +44,15 @@ class Link:
     jitter_ms: float = 0.0
     loss: float = 0.0
     queue_ms: float = 100.0
+    alt_delay_ms: float | None = None
+    """The one-way delay :meth:`WanNet.switch_delay` swaps in (a route change); None: no change."""
 
     def argv(self) -> list[str]:
         """The link as :mod:`linkem` flags."""
+        alt = [] if self.alt_delay_ms is None else ["--alt-delay-ms", str(self.alt_delay_ms)]
         return [
             "--up", self.up, "--down", self.down, "--delay-ms", str(self.delay_ms), "--jitter-ms",
-            str(self.jitter_ms), "--loss", str(self.loss), "--queue-ms", str(self.queue_ms),
+            str(self.jitter_ms), "--loss", str(self.loss), "--queue-ms", str(self.queue_ms), *alt,
         ]  # fmt: skip
 
 
@@ -114,6 +118,34 @@ class WanNet(NetNS):
         if line != "ready":
             err = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else ""
             raise RuntimeError(f"link emulator of peer {index} did not start: {err.strip() or 'no ready line'}")
+
+    def switch_delay(self, index: int) -> None:
+        """Swap peer ``index``'s one-way delay with its link's ``alt_delay_ms`` (and back on the next call).
+        Raises RuntimeError if its emulator is not running."""
+        with self._lock:
+            proc = self.emulators[index] if index < len(self.emulators) else None
+        if proc is None or proc.poll() is not None:
+            raise RuntimeError(f"the link emulator of peer {index} is not running")
+        proc.send_signal(signal.SIGUSR1)
+
+    def partition(self, side: list[int]) -> None:
+        """Cut every path between the peers in ``side`` and the others, in the hub (packets dropped both ways,
+        as by a failed route; nothing is rejected), until :meth:`heal`. Raises RuntimeError."""
+        chain = ["ip", "netns", "exec", self.hub, "iptables", "-w"]
+        others = [i for i in range(len(self.links)) if i not in side]
+        run_command([*chain, "-N", "PARTITION"])
+        for a in side:
+            for b in others:
+                for src, dst in ((a, b), (b, a)):
+                    run_command([*chain, "-A", "PARTITION", "-s", self.host(src), "-d", self.host(dst), "-j", "DROP"])
+        run_command([*chain, "-I", "FORWARD", "-j", "PARTITION"])  # all at once
+
+    def heal(self) -> None:
+        """Undo :meth:`partition` (all paths at once). Raises RuntimeError."""
+        chain = ["ip", "netns", "exec", self.hub, "iptables", "-w"]
+        run_command([*chain, "-D", "FORWARD", "-j", "PARTITION"])
+        run_command([*chain, "-F", "PARTITION"])
+        run_command([*chain, "-X", "PARTITION"])
 
     def teardown(self) -> None:
         """Stop the emulators, then :meth:`NetNS.teardown`: kill what still runs inside, delete the namespaces."""

@@ -21,14 +21,23 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import hivemind
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
+from harness import ledger
 
-def bootstrap(host: str) -> int:
-    """A DHT node at ``host``: prints its multiaddrs as JSON, then serves until SIGTERM or SIGINT."""
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{host}/tcp/0"], start=True)
+logger = logging.getLogger("wan_peer")
+
+
+def bootstrap(host: str, port: int, identity: str | None) -> int:
+    """A DHT node at ``host``: prints its multiaddrs as JSON, then serves until SIGTERM or SIGINT. With a fixed
+    ``port`` and ``identity`` (a key file, created if missing) a restarted node has the same address."""
+    dht = hivemind.DHT(
+        host_maddrs=[f"/ip4/{host}/tcp/{port}"], identity_path=identity, check_if_identity_free=False, start=True
+    )
     print(json.dumps({"maddrs": [str(a) for a in dht.get_visible_maddrs()]}), flush=True)
     signal.sigwait({signal.SIGTERM, signal.SIGINT})
     dht.shutdown()
@@ -46,6 +55,20 @@ def make_model(width: int, depth: int, seed: int) -> Any:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
+def _wait_for_the_others(end_dir: Path, host: str, num_peers: int, timeout: float) -> None:
+    """Mark this peer done in ``end_dir`` and wait until ``num_peers`` have (a peer that died never does: the
+    wait then ends at ``timeout``, with a warning)."""
+    (end_dir / f"done-{host}").touch()
+    deadline = time.monotonic() + timeout
+    while len(list(end_dir.glob("done-*"))) < num_peers:
+        if time.monotonic() > deadline:
+            logger.warning(
+                "only %d of %d peers finished within %.0f s", len(list(end_dir.glob("done-*"))), num_peers, timeout
+            )
+            return
+        time.sleep(0.5)
+
+
 def train(args: argparse.Namespace) -> int:
     """The trainer (module docstring); imports torch and pulseloco here, so that a bootstrap starts quickly."""
     import torch
@@ -53,8 +76,12 @@ def train(args: argparse.Namespace) -> int:
     from pulseloco import PulseLoCo
     from pulseloco.loco import AveragingConfig, RoundConfig
 
-    logging.basicConfig(level=logging.WARNING, format=f"peer {args.host} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"%(asctime)s peer {args.host} %(name)s %(levelname)s %(message)s"
+    )
+    logging.getLogger("pulseloco").setLevel(logging.INFO)  # rounds, repairs, incomplete rounds
     logging.getLogger("pulseloco.loco.matchmaking").setLevel(logging.DEBUG)  # when each round closed, and why
+    logger.setLevel(logging.INFO)
     torch.set_num_threads(1)
     try:
         dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
@@ -79,8 +106,13 @@ def train(args: argparse.Namespace) -> int:
         ),
         metrics_path=args.metrics,
     )
+    report: dict[str, Any] = {"host": args.host}
+    if args.ledger is not None:
+        ledger.record(opt, report)
     gen = torch.Generator().manual_seed(args.seed)
     target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
+    if args.end_dir is not None:  # the harness times its faults from when every trainer has started training
+        (Path(args.end_dir) / f"started-{args.host}").touch()
     started, phases = time.monotonic(), 0
     # overlapped rounds move the round counter in the background: count the boundaries, then land the last round
     while (phases < args.rounds) if args.overlap else (opt.round < args.rounds):
@@ -94,6 +126,12 @@ def train(args: argparse.Namespace) -> int:
         phases += opt.local_step == 0
     opt.finish()
     wall = time.monotonic() - started
+    if args.end_dir is not None:  # end on the swarm's state: a peer a round behind averaged its last round alone
+        _wait_for_the_others(Path(args.end_dir), args.host, args.num_peers, args.end_timeout)
+        opt.catch_up()
+    if args.ledger is not None:
+        report.update(theta=opt.theta_N.numpy().tobytes(), residual=opt.residual_N.numpy().tobytes())
+        torch.save(report, args.ledger)
     summary = {"wall_s": wall, "round": opt.round, "numel": opt.numel, "host": args.host}
     with open(args.metrics, "a") as out:
         out.write(json.dumps({"summary": summary}) + "\n")
@@ -108,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     boot = sub.add_parser("bootstrap")
     boot.add_argument("--host", required=True)
+    boot.add_argument("--port", type=int, default=0, help="TCP port (0: any)")
+    boot.add_argument("--identity", help="private key file: the same peer id after a restart (created if missing)")
     peer = sub.add_parser("train")
     peer.add_argument("--host", required=True, help="this peer's address (its namespace's)")
     peer.add_argument("--initial-peers", nargs="+", required=True)
@@ -135,9 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--averaging-timeout", type=float, default=60.0)
     peer.add_argument("--request-timeout", type=float, default=10.0)
     peer.add_argument("--linger", type=float, default=10.0)
+    peer.add_argument("--ledger", help="write the outside ledger (scripts/harness/ledger.py) here, torch.save")
+    peer.add_argument("--end-dir", help="a folder shared by the peers: wait there for --num-peers, then catch up")
+    peer.add_argument("--num-peers", type=int, default=1)
+    peer.add_argument("--end-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
     if args.command == "bootstrap":
-        return bootstrap(args.host)
+        return bootstrap(args.host, args.port, args.identity)
     return train(args)
 
 
