@@ -367,16 +367,15 @@ def run_peer(
     opt.add_round_listener(record_round)
     # Blocking rounds: until the round counter (which a repair may move) reaches the target. Overlapped rounds
     # change it in the background: count the boundaries instead, then land the last round.
-    target, phases = opt.round + config.num_rounds, 0
-    while (phases < config.num_rounds) if opt.overlap else (opt.round < target):
+    target = opt.round + config.num_rounds
+    while (opt.num_boundaries < config.num_rounds) if opt.overlap else (opt.round < target):
         if late_event is not None and config.announce_round is not None and opt.round > config.announce_round:
             late_event.set()
-        phase = target - config.num_rounds + phases if opt.overlap else opt.round
+        phase = target - config.num_rounds + opt.num_boundaries if opt.overlap else opt.round
         tokens = batch(config.index, phase * config.inner_steps + opt.local_step)
         loss = inner_step(model, inner_optimizer, tokens)
         opt.step(loss=loss)
         opt.zero_grad()
-        phases += opt.local_step == 0
     if config.state_out is not None:  # at the boundary (an overlapped round in flight is waited for, not landed)
         torch.save(opt.state_dict(), config.state_out)
     opt.finish()

@@ -199,7 +199,7 @@ def test_catch_up_between_rounds_only_and_a_peer_alone_keeps_its_state() -> None
     _train(opt, model, inner, 1)
     theta = opt.theta_N.clone()
     assert opt.catch_up() is False  # no swarm to catch up with
-    assert _bits_equal(opt.theta_N, theta) and opt.round == 1
+    assert _bits_equal(opt.theta_N, theta) and opt.round == 1 and opt.num_boundaries == 1
     opt.step(loss=inner_step(model, inner, batch(0, 99)))
     with pytest.raises(RuntimeError, match="between rounds"):
         opt.catch_up()

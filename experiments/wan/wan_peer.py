@@ -113,9 +113,9 @@ def train(args: argparse.Namespace) -> int:
     target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
     if args.end_dir is not None:  # the harness times its faults from when every trainer has started training
         (Path(args.end_dir) / f"started-{args.host}").touch()
-    started, phases = time.monotonic(), 0
+    started = time.monotonic()
     # overlapped rounds move the round counter in the background: count the boundaries, then land the last round
-    while (phases < args.rounds) if args.overlap else (opt.round < args.rounds):
+    while (opt.num_boundaries < args.rounds) if args.overlap else (opt.round < args.rounds):
         step_start = time.monotonic()
         x = torch.randn(args.batch, args.width, generator=gen)
         loss = torch.nn.functional.mse_loss(model(x), x @ target)
@@ -123,7 +123,6 @@ def train(args: argparse.Namespace) -> int:
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_start)))
         opt.step(loss=loss)
         opt.zero_grad()
-        phases += opt.local_step == 0
     opt.finish()
     wall = time.monotonic() - started
     if args.end_dir is not None:  # end on the swarm's state: a peer a round behind averaged its last round alone

@@ -194,6 +194,9 @@ class PulseLoCo:
         self.residual_N = self.placement.empty("residual").zero_()
         self.round = 0
         self.local_step = 0
+        self.num_boundaries = 0
+        """Round boundaries this instance passed (phases of ``inner_steps`` trained), on every process: unlike
+        ``round``, neither a repair nor a background round moves it (not saved by :meth:`state_dict`)."""
         self.digest_timeout = averaging.digest_seconds
         self.num_download_retries = averaging.num_download_retries
         self.metrics_writer = JsonLinesWriter(metrics_path) if metrics_path is not None else None
@@ -335,6 +338,7 @@ class PulseLoCo:
             if metrics is not None:
                 metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
         self.local_step = 0
+        self.num_boundaries += 1
         self._losses = []
         self._round_start = time.monotonic()
         if landed:
