@@ -154,6 +154,8 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
     - ``cut_fetch``: as a shard owner, end the sum's stream without a message for one member (the largest
       peer id other than its own) on every attempt, while serving the others;
     - ``alone``: its DHT view fails at the start of the round: it forms a group of itself alone;
+    - ``stale_digest``: it registers for the round with another start digest (as after a lost repair): the others
+      outvote it and it sits the round out;
     - ``miss_own``: as a shard owner, its own wait for its shard's sum ends empty (as when the aggregation outlasts
       this peer's deadline) while the sum is served to the others as usual.
     """
@@ -174,6 +176,8 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
         if faults.get(round_index) == "alone":
             me = averager.peer_id
             return Group(round=round_index, members=(me,), servers=(me,), digest=digest)
+        if faults.get(round_index) == "stale_digest":
+            digest = "0" * len(digest)
         return original_form(round_index, expiration, digest)
 
     async def own_sum(group: Any, deadline: float) -> Any:

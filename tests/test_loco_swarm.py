@@ -497,6 +497,27 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     assert _digests(reports[0])[0] == _digests(reports[1])[0] == _digests(reports[2])[0]
 
 
+def test_a_peer_outvoted_for_its_start_theta_repairs_in_that_round_and_rejoins_the_next(
+    initial_peers: list[str], tmp_path: Any
+) -> None:
+    """Round 1: peer 2 registers with another start digest (as after a lost repair), so peers 0 and 1 average
+    without it. It waits for their state records of the round and repairs at its end, then averages round 2 with
+    them: a peer that read the records at once would see the round before, race into round 2 on its stale theta
+    and be outvoted again (after a partition healed, a peer sat out four rounds in a row that way)."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=4, run_id="outvoted", end_together=True)
+    logs = [tmp_path / f"peer{i}.log" for i in range(3)]
+    configs = [replace(base, index=i, log_file=str(logs[i])) for i in range(2)]
+    configs.append(replace(base, index=2, faults={1: "stale_digest"}, log_file=str(logs[2])))
+    reports = run_swarm(configs)
+    context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
+    sat_out = [r for r in reports[2]["rounds"] if r["round"] == 1]
+    assert len(sat_out) == 1 and sat_out[0]["num_peers"] == 0 and sat_out[0]["repaired"], context
+    assert [r["num_peers"] for r in reports[0]["rounds"]] == [3, 2, 3, 3], context
+    assert all([r["num_peers"] for r in report["rounds"] if r["round"] >= 2] == [3, 3] for report in reports), context
+    assert _one_theta(reports), context
+    assert ledger.conservation_error(reports) < 1e-5, context
+
+
 def test_topk_counts_every_contribution_once_under_faults(initial_peers: list[str], tmp_path: Any) -> None:
     """The topk exchange over real DHTs under the faults of the test above, on the PULSE gate with 2-bit values and
     a top-64 budget (each owner keeps the top 64 of the aggregate per tile, ``exchange_budget=1``, and requantizes

@@ -156,6 +156,9 @@ class Matchmaker:
         self.rounds: collections.deque[RoundRecord] = collections.deque(maxlen=MAX_ROUND_RECORDS)
         """This peer's latest rounds, published with its state (:meth:`record_round`)."""
         self.no_shows: tuple[int, frozenset[str]] = (-1, frozenset())
+        self.outvoted_by: frozenset[str] = frozenset()
+        """The members that went on without this peer in the last :meth:`form_group` because they start from
+        another theta (empty otherwise): the peer waits for their state records after the round and repairs."""
         """The last round whose registration closed while some expected peers had not registered, and those peers
         (:meth:`expected_peers` does not wait for them again unless their state record moved on)."""
 
@@ -222,6 +225,7 @@ class Matchmaker:
         ``expiration`` is the DHT time after which the round's records may vanish.
         """
         me, registered = self.peer_id, get_dht_time()
+        self.outvoted_by = frozenset()
         value = {"client": self.client_mode, "t": registered, "digest": digest}
         self._store(self._key(round_index, "peers"), me, value, expiration)
         expected = self.expected_peers(round_index)
@@ -390,6 +394,7 @@ class Matchmaker:
                 common,
                 agreed[self.peer_id][1],
             )
+            self.outvoted_by = frozenset(p for p, (_, digest) in agreed.items() if digest == common)
             return None
         return common, {p: client for p, (client, digest) in agreed.items() if digest == common}
 

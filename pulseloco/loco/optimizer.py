@@ -783,7 +783,11 @@ class PulseLoCo:
         if self.averager is not None and self.matchmaker is not None:
             self._record_round(round_index, num_peers, result)
             self._publish()
-            waiting = set(result.live_peers) - {str(self.peer_id)} if result is not None else set()
+            # A peer outvoted for its start theta waits for the members that went on without it, as members wait
+            # for each other: at once it would read their records of the round before, and race into the next
+            # round on its stale theta, to be outvoted again (seen for 4 rounds after a partition healed).
+            waiting = set(result.live_peers) if result is not None else set(self.matchmaker.outvoted_by)
+            waiting.discard(str(self.peer_id))
             states = self.matchmaker.wait_for_states(self.round, waiting, self.digest_timeout)
             repaired = self._catch_up(states) or repaired
         seconds_digest = time.monotonic() - digest_started
