@@ -359,9 +359,12 @@ def final_state(paths: list[Path]) -> dict[str, Any]:
     reports = [torch.load(path, weights_only=False) for path in paths]
     thetas = collections.Counter(r["theta"] for r in reports)
     majority = thetas.most_common(1)[0][0]
+    # Decayed error feedback (SparseLoCo's 0.95) forgets part of every residual by design: no identity to check.
+    exact = all(r.get("error_decay", 1.0) == 1.0 for r in reports)
     return {
         "thetas": len(thetas),
-        "conservation_error": ledger.conservation_error(reports, theta=majority),
+        "conservation_error": ledger.conservation_error(reports, theta=majority) if exact else None,
+        "conservation": "checked" if exact else "not defined: error_decay < 1 forgets part of the residuals",
         "num_transitions": sum(len(r["transitions"]) for r in reports),
     }
 

@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> int:
         ),
         metrics_path=args.metrics,
     )
-    report: dict[str, Any] = {"host": args.host}
+    report: dict[str, Any] = {"host": args.host, "error_decay": opt.error_decay}
     if args.ledger is not None:
         ledger.record(opt, report)
     gen = torch.Generator().manual_seed(args.seed)
