@@ -368,8 +368,9 @@ class PulseLoCo:
 
     def catch_up(self) -> bool:
         """Adopt the swarm's state if other peers are past this one, or if this peer's ``theta`` is not the
-        majority's at its round: a peer that fell behind, or averaged a last round alone after the others
-        stopped, then ends where the swarm is. Its contributions that the adopted state did not count go back to
+        majority's at its round: a peer that fell behind then ends where the swarm is (a peer that ran ahead
+        alone, e.g. averaged a last round after the others stopped, is not moved back: the rule never follows or
+        leaves one peer ahead, docs/design.md 4.5). Its contributions that the adopted state did not count go back to
         its residual (the ledger), so nothing is lost. Call it between rounds on every process (after
         :meth:`finish` with overlap), for example before saving the final model; the model then holds ``theta``.
         Returns whether the state was replaced (on the main process). Raises ``RuntimeError`` mid-phase or with a
