@@ -39,6 +39,21 @@ def test_a_peer_racing_ahead_alone_does_not_drag_the_others_along() -> None:
     assert repair_target(others, own) is None
 
 
+def test_at_the_end_a_peer_alone_ahead_steps_back_to_the_round_most_peers_hold() -> None:
+    own = state("me", 12, "alone")
+    others = [state("p1", 11, "swarm"), state("p2", 11, "swarm"), state("p3", 10, "old")]
+    assert repair_target(others, own) is None  # during training the others may still be on their way
+    assert repair_target(others, own, step_back=True) == {11: "swarm"}
+    # not alone at its round: it stays; one peer further ahead: the usual rule follows that one
+    assert repair_target([*others, state("p4", 12, "alone")], own, step_back=True) is None
+    assert repair_target([*others, state("p4", 13, "raced")], own, step_back=True) == {13: "raced"}
+    # nobody else agrees on an older round either: nothing better to go back to
+    assert repair_target([state("p1", 11, "a"), state("p2", 10, "b")], own, step_back=True) is None
+    # among rounds held by equally many, the newest
+    pairs = [state("p1", 11, "x"), state("p2", 11, "x"), state("p3", 10, "y"), state("p4", 10, "y")]
+    assert repair_target(pairs, own, step_back=True) == {11: "x"}
+
+
 def test_a_peer_disagreeing_with_the_majority_of_its_round_repairs_and_an_agreeing_one_does_not() -> None:
     others = [state("p1", 4, "good"), state("p2", 4, "good")]
     assert repair_target(others, state("me", 4, "bad")) == {4: "good"}

@@ -497,23 +497,30 @@ def test_every_contribution_counts_exactly_once_under_faults(initial_peers: list
     assert _digests(reports[0])[0] == _digests(reports[1])[0] == _digests(reports[2])[0]
 
 
-def test_a_peer_outvoted_for_its_start_theta_repairs_in_that_round_and_rejoins_the_next(
+def test_an_outvoted_peer_repairs_and_rejoins_and_a_peer_ahead_alone_steps_back_at_the_end(
     initial_peers: list[str], tmp_path: Any
 ) -> None:
     """Round 1: peer 2 registers with another start digest (as after a lost repair), so peers 0 and 1 average
     without it. It waits for their state records of the round and repairs at its end, then averages round 2 with
     them: a peer that read the records at once would see the round before, race into round 2 on its stale theta
-    and be outvoted again (after a partition healed, a peer sat out four rounds in a row that way)."""
+    and be outvoted again (after a partition healed, a peer sat out four rounds in a row that way).
+
+    Peer 0 then trains one round more than the others and averages it alone, as a peer that fell a round behind
+    does after the others stopped (twice in CI). At the end barrier ``catch_up`` takes it back to the round the
+    other two hold: one theta, and its lone round's contribution back in its residual."""
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=4, run_id="outvoted", end_together=True)
+    base = replace(base, linger=6.0)  # the others serve their state while peer 0 steps back
     logs = [tmp_path / f"peer{i}.log" for i in range(3)]
-    configs = [replace(base, index=i, log_file=str(logs[i])) for i in range(2)]
+    configs = [replace(base, index=0, num_rounds=5, log_file=str(logs[0]))]
+    configs.append(replace(base, index=1, log_file=str(logs[1])))
     configs.append(replace(base, index=2, faults={1: "stale_digest"}, log_file=str(logs[2])))
     reports = run_swarm(configs)
     context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
     sat_out = [r for r in reports[2]["rounds"] if r["round"] == 1]
     assert len(sat_out) == 1 and sat_out[0]["num_peers"] == 0 and sat_out[0]["repaired"], context
-    assert [r["num_peers"] for r in reports[0]["rounds"]] == [3, 2, 3, 3], context
-    assert all([r["num_peers"] for r in report["rounds"] if r["round"] >= 2] == [3, 3] for report in reports), context
+    assert [r["num_peers"] for r in reports[0]["rounds"]] == [3, 2, 3, 3, 1], context
+    assert all([r["num_peers"] for r in report["rounds"] if 2 <= r["round"] < 4] == [3, 3] for report in reports)
+    assert [report["final_round"] for report in reports] == [4, 4, 4], context
     assert _one_theta(reports), context
     assert ledger.conservation_error(reports) < 1e-5, context
 

@@ -48,13 +48,17 @@ def distrusted(states: list[PeerState]) -> set[str]:
     return {p for s in states for p in s.disputed}
 
 
-def repair_target(states: list[PeerState], own: PeerState) -> dict[int, str] | None:
+def repair_target(states: list[PeerState], own: PeerState, *, step_back: bool = False) -> dict[int, str] | None:
     """``{round: digest}`` of the state this peer (``own``) should download, or ``None`` to keep its own.
 
     ``states`` are the other peers' records, already without :func:`distrusted` peers. The newest round some
     other server-mode peer can serve with a majority digest wins when at least as many peers report it as this
     peer's own round (a peer that averaged alone and raced ahead, a group of one while the DHT failed it, must not
-    drag the majority along); else this peer's own round, when the majority there holds another digest."""
+    drag the majority along); else this peer's own round, when the majority there holds another digest.
+
+    ``step_back`` (for a swarm that has stopped, :meth:`PulseLoCo.catch_up`): a peer alone at its round, ahead of
+    every other peer, also goes back to the older round most other peers hold (the newest among equals), since
+    nobody will follow it there; during training it waits instead, because the others may still be on their way."""
     votes = [s for s in states if s.peer_id != own.peer_id] + [own]
     servable = {s.round for s in votes if not s.client_mode and s.peer_id != own.peer_id}
     accept = {r: d for r in servable if (d := majority_digest(votes, r)) is not None}
@@ -64,4 +68,8 @@ def repair_target(states: list[PeerState], own: PeerState) -> dict[int, str] | N
         return {newest: accept[newest]}
     if own.round in accept and accept[own.round] != own.digest:
         return {own.round: accept[own.round]}
+    if step_back and voters[own.round] == 1 and max(voters) == own.round:
+        older = max((r for r in accept if r < own.round and voters[r] > 1), key=lambda r: (voters[r], r), default=None)
+        if older is not None:
+            return {older: accept[older]}
     return None

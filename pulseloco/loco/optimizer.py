@@ -368,11 +368,12 @@ class PulseLoCo:
 
     def catch_up(self) -> bool:
         """Adopt the swarm's state if other peers are past this one, or if this peer's ``theta`` is not the
-        majority's at its round: a peer that fell behind then ends where the swarm is (a peer that ran ahead
-        alone, e.g. averaged a last round after the others stopped, is not moved back: the rule never follows or
-        leaves one peer ahead, docs/design.md 4.5). Its contributions that the adopted state did not count go back to
-        its residual (the ledger), so nothing is lost. Call it between rounds on every process (after
-        :meth:`finish` with overlap), for example before saving the final model; the model then holds ``theta``.
+        majority's at its round: a peer that fell behind then ends where the swarm is. A peer alone at a round
+        ahead of all the others (it averaged a last round alone after they stopped) goes back to the round most of
+        them hold (``repair_target(step_back=True)``, docs/design.md 4.5), so call it once the swarm has stopped
+        training, for example at an end barrier before saving the final model. Its contributions that the adopted
+        state did not count go back to its residual (the ledger), so nothing is lost. Call it between rounds on
+        every process (after :meth:`finish` with overlap); the model then holds ``theta``.
         Returns whether the state was replaced (on the main process). Raises ``RuntimeError`` mid-phase or with a
         round in flight; a failed download is logged and the peer keeps its own state (``False``)."""
         if self.local_step != 0 or self._in_flight:
@@ -380,7 +381,7 @@ class PulseLoCo:
                 "PulseLoCo.catch_up() runs between rounds: call it at a round boundary (after finish() with "
                 f"RoundConfig.overlap); now local_step={self.local_step}, round in flight={self._in_flight}"
             )
-        replaced = self._catch_up() if self.is_main_process else False
+        replaced = self._catch_up(step_back=True) if self.is_main_process else False
         self.placement.broadcast(self.theta_N)
         self.placement.load_into_model(self.theta_N)
         if self._start_N is not None:
@@ -556,10 +557,11 @@ class PulseLoCo:
         )
         return digest
 
-    def _catch_up(self, states: list[PeerState] | None = None) -> bool:
+    def _catch_up(self, states: list[PeerState] | None = None, *, step_back: bool = False) -> bool:
         """Download the state if server-mode peers are ahead, or if this peer's digest is not the majority's
-        at its own round. Returns True if the state was replaced; a failed download is logged and the peer
-        goes on with its own state (the next round retries)."""
+        at its own round (with ``step_back``, also if it is alone ahead of them: :func:`repair_target`). Returns
+        True if the state was replaced; a failed download is logged and the peer goes on with its own state (the
+        next round retries)."""
         if self.averager is None or self.matchmaker is None:
             return False
         if states is None:
@@ -570,7 +572,7 @@ class PulseLoCo:
         distrust = distrusted(states) | set(disputed)
         distrust.discard(own.peer_id)
         states = [s for s in states if s.peer_id not in distrust]
-        wanted = repair_target(states, own)
+        wanted = repair_target(states, own, step_back=step_back)
         if wanted is None:
             return False
         logger.info("repairing state round=%d digest=%s target=%s", self.round, own_digest, wanted)
