@@ -120,6 +120,11 @@ def test_a_pulseloco_swarm_over_the_emulated_links_reports_utilization_and_the_r
     assert [p["link"]["loss"] for p in result["per_peer"]] == [0.0, 0.0, 0.005]
     assert all(r["seconds_blocked"] >= 0.0 for r in rounds), rounds
     assert result["final"]["thetas"] == 1 and result["final"]["conservation_error"] < 1e-5, result["final"]
+    # the CPU accounting the round simulation is calibrated with (experiments/wan/calibrate.py)
+    kinds = result["cpu"]["by_kind"]
+    assert kinds["trainer"]["seconds"] > 0 and kinds["p2pd"]["seconds"] > 0 and kinds["emulator"]["seconds"] > 0
+    assert kinds["emulator"]["processes"] == 4 and 0 < result["cpu"]["machine_busy_share"] <= 1.0, result["cpu"]
+    assert all(0 < p["cpu_inner_s"] < p["cpu_s"] for p in result["per_peer"]), result["per_peer"]
 
 
 def test_a_route_change_and_a_bootstrap_restart_keep_one_group_and_lose_nothing(net: Any) -> None:

@@ -28,7 +28,9 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -114,6 +116,9 @@ def report(peers: list[tuple[list[dict[str, Any]], dict[str, Any] | None]], args
                 "seconds_blocked": blocked,
                 "bytes_sent_per_round": statistics.mean(r["bytes_sent"] for r in rounds) if rounds else 0,
                 "bytes_received_per_round": statistics.mean(r["bytes_received"] for r in rounds) if rounds else 0,
+                # the trainer process's CPU seconds while training, and in its inner steps' forward and backward
+                "cpu_s": summary.get("cpu_s") if summary else None,
+                "cpu_inner_s": summary.get("cpu_inner_s") if summary else None,
             }
         )
     per_round = []
@@ -235,6 +240,101 @@ class FaultPlan(threading.Thread):
         self._stop_event.set()
 
 
+def process_cpu(root: int) -> dict[str, dict[str, float]]:
+    """CPU seconds (user + system) so far of ``root``'s living descendants, by kind: ``trainer`` and ``bootstrap``
+    (wan_peer.py), ``p2pd`` (their hivemind daemons), ``emulator`` (linkem.py) and ``other``; each kind's
+    ``seconds`` and ``processes``. Reads /proc; a process that exits while it is read is skipped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for pid, parent in parents.items():
+        children[parent].append(pid)
+    found: dict[str, dict[str, float]] = {}
+    stack = list(children[root])
+    while stack:
+        pid = stack.pop()
+        stack.extend(children[pid])
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "linkem.py" in cmdline:
+            kind = "emulator"
+        elif "wan_peer.py train" in cmdline:
+            kind = "trainer"
+        elif "wan_peer.py bootstrap" in cmdline:
+            kind = "bootstrap"
+        elif "p2pd" in cmdline.split(" ")[0]:
+            kind = "p2pd"
+        else:
+            kind = "other"
+        slot = found.setdefault(kind, {"seconds": 0.0, "processes": 0})
+        slot["seconds"] += times.get(pid, 0.0)
+        slot["processes"] += 1
+    return found
+
+
+def machine_busy_seconds() -> tuple[float, int]:
+    """The machine's busy CPU seconds so far (every core, /proc/stat: all but idle and iowait) and its cores."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
+
+
+class CpuMeter(threading.Thread):
+    """The swarm's CPU use while it trains: from when every trainer has started training (its ``started-*`` file
+    in ``end_dir``) to when every trainer has finished (``done-*``), the CPU seconds of each kind of process
+    (:func:`process_cpu`) and of the whole machine. ``result`` stays ``None`` if either moment does not come
+    (a peer died) or the meter is stopped; the run's report then has no ``cpu``."""
+
+    def __init__(self, end_dir: Path, num_trainers: int) -> None:
+        super().__init__(daemon=True)
+        self.end_dir, self.num_trainers = end_dir, num_trainers
+        self.result: dict[str, Any] | None = None
+        self._stop_event = threading.Event()
+
+    def _wait_for(self, pattern: str) -> bool:
+        while len(list(self.end_dir.glob(pattern))) < self.num_trainers:
+            if self._stop_event.wait(0.2):
+                return False
+        return True
+
+    def run(self) -> None:
+        root = os.getpid()
+        if not self._wait_for("started-*"):
+            return
+        start, (busy0, cores), kinds0 = time.monotonic(), machine_busy_seconds(), process_cpu(root)
+        if not self._wait_for("done-*"):
+            return
+        wall, (busy1, _), kinds1 = time.monotonic() - start, machine_busy_seconds(), process_cpu(root)
+        self.result = {
+            "wall_s": wall,
+            "cores": cores,
+            "machine_busy_s": busy1 - busy0,
+            "machine_busy_share": (busy1 - busy0) / (wall * cores),
+            "by_kind": {
+                kind: {
+                    "seconds": slot["seconds"] - kinds0.get(kind, {}).get("seconds", 0.0),
+                    "processes": slot["processes"],
+                }
+                for kind, slot in kinds1.items()
+            },
+        }
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
 PROFILES: dict[str, tuple[str, str, float, float]] = {
     "home": ("10mbit", "50mbit", 30.0, 80.0),
     "cloud": ("1gbit", "1gbit", 10.0, 150.0),
@@ -316,6 +416,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             procs.append(subprocess.Popen(net.exec_argv(1 + i, argv), stdout=log, stderr=subprocess.STDOUT, text=True))
         plan = FaultPlan(args.fault, net, restart_bootstrap, args.peers, workdir / "end")
         plan.start()
+        meter = CpuMeter(workdir / "end", args.peers)
+        meter.start()
         deadline = time.monotonic() + args.timeout
         for i, proc in enumerate(procs[1:]):
             try:
@@ -326,9 +428,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"peer {i} exited {code}: {(workdir / f'peer{i}.log').read_text()[-2000:]}")
         plan.stop()
         plan.join(timeout=60)
+        meter.stop()
+        meter.join(timeout=60)
         result = report([read_metrics(workdir / f"peer{i}.jsonl") for i in range(args.peers)], args)
         result["final"] = final_state([workdir / f"peer{i}.ledger.pt" for i in range(args.peers)])
         result["faults"] = plan.done
+        if meter.result is not None:
+            result["cpu"] = meter.result
         result["log_lines"] = log_lines([workdir / f"peer{i}.log" for i in range(args.peers)])
         result["config"] = {k: v for k, v in vars(args).items() if k != "json"}
         result["config"]["fault"] = [dataclasses.asdict(f) for f in args.fault]
@@ -444,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     for fault in args.fault:
         if fault.kind == "rtt" and not (0 <= fault.peer < args.peers and fault.rtt_ms >= args.rtt_ms / 2):
             parser.error(f"--fault rtt: PEER must be in [0, {args.peers}) and RTT_MS at least --rtt-ms / 2")
+    # SIGTERM (a killed run) ends through the cleanup below, not with the namespaces and processes left behind
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"swarm.py: stopped by signal {signum}"))
     reason = WanNet.unavailable_reason()
     if reason is not None:
         print(f"swarm.py: error: {reason}", file=sys.stderr)

@@ -113,18 +113,19 @@ def train(args: argparse.Namespace) -> int:
     target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
     if args.end_dir is not None:  # the harness times its faults from when every trainer has started training
         (Path(args.end_dir) / f"started-{args.host}").touch()
-    started = time.monotonic()
+    started, cpu_started, cpu_inner = time.monotonic(), time.process_time(), 0.0
     # overlapped rounds move the round counter in the background: count the boundaries, then land the last round
     while (opt.num_boundaries < args.rounds) if args.overlap else (opt.round < args.rounds):
-        step_start = time.monotonic()
+        step_start, step_cpu = time.monotonic(), time.process_time()
         x = torch.randn(args.batch, args.width, generator=gen)
         loss = torch.nn.functional.mse_loss(model(x), x @ target)
         loss.backward()
+        cpu_inner += time.process_time() - step_cpu  # this process's CPU (every thread) in the forward and backward
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_start)))
         opt.step(loss=loss)
         opt.zero_grad()
     opt.finish()
-    wall = time.monotonic() - started
+    wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
     if args.end_dir is not None:  # end on the swarm's state: a peer a round behind averaged its last round alone
         _wait_for_the_others(Path(args.end_dir), args.host, args.num_peers, args.end_timeout)
         opt.catch_up()
@@ -132,6 +133,7 @@ def train(args: argparse.Namespace) -> int:
         report.update(theta=opt.theta_N.numpy().tobytes(), residual=opt.residual_N.numpy().tobytes())
         torch.save(report, args.ledger)
     summary = {"wall_s": wall, "round": opt.round, "numel": opt.numel, "host": args.host}
+    summary.update(cpu_s=cpu, cpu_inner_s=cpu_inner)  # the process's CPU while training, and in the inner steps
     with open(args.metrics, "a") as out:
         out.write(json.dumps({"summary": summary}) + "\n")
     time.sleep(args.linger)  # serve the last round's sums and state to slower peers
