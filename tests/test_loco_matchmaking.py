@@ -13,7 +13,7 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from pulseloco.loco.matchmaking import Group, Matchmaker
+from pulseloco.loco.matchmaking import Group, Matchmaker, view_hash
 
 PEERS = ("peer-a", "peer-b", "peer-c")
 
@@ -146,3 +146,33 @@ def test_a_peer_still_in_the_previous_round_is_waited_for(
     everyone = tuple(sorted((*PEERS, "peer-behind")))
     assert all(g is not None and g.members == everyone for g in [*groups, *late]), (groups, late)
     assert caplog.text.count("all 4 expected peers registered") == 4  # the late peer too
+
+
+def test_differing_views_are_compared_in_whole_and_merged(
+    dhts: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The view check compares digests of the member lists (one short record per member); peer-c missed peer-b's
+    registration, so its digest differs: the peers then read the whole lists, merge them and agree on all three at
+    the second attempt."""
+    members = {peer: (False, "d0") for peer in PEERS}
+    assert view_hash(members) == view_hash(dict(reversed(members.items())))  # the order of the entries is not hashed
+    assert view_hash(members) != view_hash({**members, "peer-a": (True, "d0")})
+    seen = [members, members, {p: v for p, v in members.items() if p != "peer-b"}]
+    matchmakers = _matchmakers(dhts, "mm-views", matchmaking_time=4.0)
+    groups: list[Group | None] = [None] * 3
+    expiration = get_dht_time() + 600.0
+
+    def agree(i: int) -> None:
+        groups[i] = matchmakers[i]._agree(5, seen[i], expiration)
+
+    threads = [threading.Thread(target=agree, args=(i,), daemon=True) for i in range(3)]
+    with caplog.at_level(logging.INFO, logger="pulseloco.loco.matchmaking"):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60.0)
+    assert all(g is not None and g.members == PEERS for g in groups), groups
+    assert caplog.text.count("views agreed after 1 retries") == 3, caplog.text
+    # what every peer reads first is one digest per member, not every member's whole list
+    digests = matchmakers[0]._get(matchmakers[0]._key(5, "view0"))
+    assert sorted(digests) == sorted(PEERS) and all(set(value) == {"hash"} for value, _ in digests.values())

@@ -6,18 +6,21 @@
 Each cost is the CPU seconds (user + system) of every process involved, this one and its descendants (hivemind's
 DHT processes and their libp2p daemons), over many repetitions on 127.0.0.1, so that no link is in the way:
 
-* ``dht``: two hivemind DHT nodes; this process stores one subkey under a key, and reads a key holding S subkeys
-  (S = 1, 64, 512), through one of them. Fitted as ``rpc_s + S * record_s`` per operation (``rpc_s`` from the
-  stores and the 1-subkey reads: one DHT request and reply at two nodes, with the call into the node's process).
+* ``dht``: 2 and then 6 hivemind DHT nodes; this process stores one subkey under a key, and reads a key holding S
+  subkeys (S = 1, 64, 512), through one of them. Fitted as ``op + (nodes - 1) * (rpc_s + S * record_s)`` per
+  operation: ``get_op_s`` and ``store_op_s`` the caller's own work (the call into its node's process, the search),
+  ``rpc_s`` one request and reply between two nodes, ``record_s`` a record in a reply.
 * ``stream``: a server process (scripts/bench_streams.py's) answers a request with a JSON header and SIZE bytes in
   256 KiB chunks, as the exchange's streams do; this process reads it (SIZE = 16 KiB and 4 MiB). Fitted as
   ``message_s + SIZE * byte_s`` per request, both ends together.
 * ``round``: one PulseLoCo peer without a swarm, on the WAN harness's MLP (``--width``, ``--depth``, the pulse
   selector): the CPU of one outer step at a boundary (the selection, the part's encoding, the outer step, the
   digest), ``round_s``. A swarm round also decodes and sums the parts and aggregates; that work is not in it.
-* ``emulator`` (with ``--harness-report``): the link emulators' CPU seconds in a swarm.py run over the bytes they
-  forwarded (each byte between two trainers passes two emulators), ``emulator_byte_s``. Without a report it is
-  left out, and the simulation runs only its ``deployment`` mode.
+* with ``--harness-report`` (a swarm.py run's report, with its CPU accounting): ``emulator_byte_s``, the link
+  emulators' CPU seconds over the bytes they forwarded (each byte between two trainers passes two emulators),
+  and ``exchange_s_per_entry``, the trainers' CPU in the exchange (the parts' encoding, the owners' decoding and
+  sums, the aggregates' decoding) per parameter entry: their CPU outside the inner steps less the local outer
+  step's (:func:`trainer_cost`). Without a report both are left out (0: the simulation then undercounts).
 
 Output: one JSON object (the costs, the raw measurements, the machine) on stdout and in ``--out``. Failure
 behaviour: a DHT node or the server that does not start raises (hivemind's or harness.procs' error, with its log);
@@ -46,6 +49,7 @@ from harness import procs
 from harness.machine import git_revision, machine_note
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils.timed_storage import get_dht_time
 from swarm import process_cpu
 from wan_peer import make_model
 
@@ -66,37 +70,48 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def measure_dht(repeats: int) -> dict[str, Any]:
-    """CPU and wall seconds per store and per read of S subkeys (module docstring)."""
-    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
-    second = hivemind.DHT(
-        initial_peers=[str(a) for a in first.get_visible_maddrs()], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True
-    )
-    try:
-        expiration = hivemind.get_dht_time() + 3600
-        record = {"client": False, "t": time.time(), "digest": "0" * 32}
-        rows = []
-        cpu, wall = cpu_now(), time.monotonic()
-        for i in range(repeats):
-            second.store("calibrate-store", record, expiration_time=expiration, subkey=f"peer{i}")
-        rows.append({"op": "store", "records": 1, "cpu_s": (cpu_now() - cpu) / repeats})
-        rows[-1]["wall_s"] = (time.monotonic() - wall) / repeats
-        for size in (1, 64, 512):
-            key = f"calibrate-get-{size}"
-            for i in range(size):
-                first.store(key, record, expiration_time=expiration, subkey=f"12D3KooWpeer{i:040d}")
-            second.get(key, latest=True)  # the connection and any first-time work, not measured
+    """CPU and wall seconds per store and per read of S subkeys, with 2 and with 6 DHT nodes (the caller asks 1 or
+    5 others), fitted as ``op + (nodes - 1) * (rpc + S * record)`` (module docstring)."""
+    record = {"client": False, "t": time.time(), "digest": "0" * 32}
+    rows: list[dict[str, Any]] = []
+    for count in (2, 6):
+        nodes = [hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)]
+        try:
+            first = [str(a) for a in nodes[0].get_visible_maddrs()]
+            for _ in range(count - 1):
+                nodes.append(hivemind.DHT(initial_peers=first, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True))
+            caller, expiration = nodes[-1], get_dht_time() + 3600
+            caller.store("calibrate-warm", record, expiration_time=expiration, subkey="warm")  # connections first
             cpu, wall = cpu_now(), time.monotonic()
-            for _ in range(repeats):
-                found = second.get(key, latest=True)
-                if found is None or len(found.value) != size:
-                    raise RuntimeError(f"the DHT read {0 if found is None else len(found.value)} of {size} subkeys")
-            rows.append({"op": "get", "records": size, "cpu_s": (cpu_now() - cpu) / repeats})
+            for i in range(repeats):
+                caller.store("calibrate-store", record, expiration_time=expiration, subkey=f"peer{i}")
+            rows.append({"op": "store", "nodes": count, "records": 1, "cpu_s": (cpu_now() - cpu) / repeats})
             rows[-1]["wall_s"] = (time.monotonic() - wall) / repeats
-    finally:
-        second.shutdown()
-        first.shutdown()
-    rpc_s, record_s = fit_line([(r["records"], r["cpu_s"]) for r in rows])
-    return {"rows": rows, "rpc_s": rpc_s, "record_s": record_s}
+            for size in (1, 64, 512):
+                key = f"calibrate-get-{size}"
+                for i in range(size):
+                    nodes[0].store(key, record, expiration_time=expiration, subkey=f"12D3KooWpeer{i:040d}")
+                caller.get(key, latest=True)
+                cpu, wall = cpu_now(), time.monotonic()
+                for _ in range(repeats):
+                    found = caller.get(key, latest=True)
+                    if found is None or len(found.value) != size:
+                        got = 0 if found is None else len(found.value)
+                        raise RuntimeError(f"the DHT read {got} of {size} subkeys")
+                rows.append({"op": "get", "nodes": count, "records": size, "cpu_s": (cpu_now() - cpu) / repeats})
+                rows[-1]["wall_s"] = (time.monotonic() - wall) / repeats
+        finally:
+            for node in reversed(nodes):
+                node.shutdown()
+    # unknowns: get_op_s, store_op_s, rpc_s, record_s
+    design = [
+        [float(r["op"] == "get"), float(r["op"] == "store"), r["nodes"] - 1.0, (r["nodes"] - 1.0) * r["records"]]
+        for r in rows
+    ]
+    target = [[r["cpu_s"]] for r in rows]
+    solution = torch.linalg.lstsq(torch.tensor(design, dtype=torch.float64), torch.tensor(target, dtype=torch.float64))
+    get_op_s, store_op_s, rpc_s, record_s = (max(0.0, float(v)) for v in solution.solution.flatten())
+    return {"rows": rows, "get_op_s": get_op_s, "store_op_s": store_op_s, "rpc_s": rpc_s, "record_s": record_s}
 
 
 def measure_stream(repeats: int) -> dict[str, Any]:
@@ -157,6 +172,19 @@ def measure_round(width: int, depth: int, rounds: int) -> dict[str, Any]:
     return {"round_s": statistics.median(seconds[1:]), "numel": opt.numel, "rounds": rounds}
 
 
+def trainer_cost(report: dict[str, Any], local_round_s: float) -> dict[str, Any]:
+    """A trainer's CPU seconds per parameter entry and round in the exchange, from a swarm.py report: the trainer
+    processes' CPU outside their inner steps per round, less the local outer step's (``local_round_s``: the
+    selection, the outer step, the digest), over ``numel`` (the parts' encoding, the owner's decoding and sum, the
+    aggregates' decoding: about one pass over the model each)."""
+    peers = [p for p in report["per_peer"] if p.get("cpu_s") is not None]
+    if not peers:
+        raise ValueError("the harness report has no trainer CPU: rerun experiments/wan/swarm.py at this commit")
+    rounds, numel = report["config"]["rounds"], report["numel"]
+    per_round = statistics.fmean((p["cpu_s"] - p["cpu_inner_s"]) / rounds for p in peers)
+    return {"exchange_s_per_entry": max(0.0, per_round - local_round_s) / numel, "trainer_cpu_s_per_round": per_round}
+
+
 def emulator_cost(report: dict[str, Any]) -> dict[str, Any]:
     """The emulators' CPU seconds per forwarded byte in a swarm.py report with a ``cpu`` section: the bytes the
     trainers sent and received over the run (each byte passes the sender's and the receiver's emulator)."""
@@ -187,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"stream: {result['stream']['rows']}", file=sys.stderr)
     result["round"] = measure_round(args.width, args.depth, rounds=10)
     costs = {
+        "get_op_s": result["dht"]["get_op_s"],
+        "store_op_s": result["dht"]["store_op_s"],
         "rpc_s": result["dht"]["rpc_s"],
         "record_s": result["dht"]["record_s"],
         "message_s": result["stream"]["message_s"],
@@ -196,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     if report is not None:
         result["emulator"] = emulator_cost(report)
         costs["emulator_byte_s"] = result["emulator"]["emulator_byte_s"]
+        result["trainer"] = trainer_cost(report, result["round"]["round_s"])
+        costs["exchange_s_per_entry"] = result["trainer"]["exchange_s_per_entry"]
     result["costs"] = costs
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(costs, indent=1))

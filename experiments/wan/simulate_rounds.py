@@ -11,8 +11,8 @@ A simulation, not a run. Each peer does what ``PulseLoCo.step`` does at a round 
 1. **catch-up**: a DHT read of the state records;
 2. **registration**: a DHT store of its registration, a read of the state records (the expected peers), then DHT
    reads of the registrations every ``poll_s`` (0.05 s) until every expected peer has registered
-   (``close_when_expected``); **view check**: a store of its view of the group (every member's id and digest) and
-   reads of the views until every member's is there;
+   (``close_when_expected``); **view check**: a store of its view of the group (every member's id and digest),
+   a store of the view's digest, and reads of the digests until every member's is there (the views agree);
 3. **exchange** (``sums``, the ``auto`` exchange of the pulse selector): the selection and encoding (CPU), a part
    pushed to every other shard owner (one stream each, the owner's reply after the part arrived); every owner sums
    once all parts have arrived and serves its shard's aggregate to every member that asks; each member asks every
@@ -26,11 +26,14 @@ hops, ``h = 1`` up to ``bucket`` (20) nodes, one more per doubling past it; ever
 of them (a read with ``latest=True``, a store): a read's reply carries every record (subkey) of the key. So the
 few nodes holding a round's registrations, views and state records answer every peer's polls.
 
-**Costs** (``--costs``, experiments/wan/calibrate.py's measurements on this machine): CPU seconds per DHT request
-(``rpc_s``, half at each end) and per record in a reply (``record_s``), per exchange stream (``message_s``) and
-per byte on it (``byte_s``, half at each end), per parameter entry for a peer's outer step (``round_s_per_entry``,
-its selection, encoding, outer step and digest; the same again for decoding and summing, counted at the owner per
-entry received), and per byte through a link emulator (``emulator_byte_s``, from a harness run's CPU accounting).
+**Costs** (``--costs``, experiments/wan/calibrate.py's measurements on this machine): CPU seconds per DHT read
+and store at the caller (``get_op_s``, ``store_op_s``), per DHT request between two nodes (``rpc_s``, half at
+each end) and per record in a reply (``record_s``, half at each end), per exchange stream (``message_s``) and per
+byte on it (``byte_s``, half at each end), per parameter entry for a peer's local outer step
+(``round_s_per_entry``: the pseudo-gradient and selection before the round, the outer step and digest after it,
+half each) and for the exchange's own passes over the model (``exchange_s_per_entry``, from the harness's
+trainers: a third for encoding the parts, a third for the owner's decoding and sum, a third for decoding the
+aggregates), and per byte through a link emulator (``emulator_byte_s``, from a harness run's CPU accounting).
 Every piece of CPU work runs on a processor-sharing pool: in ``--mode machine`` (this machine: the WAN harness's
 16 trainers, their daemons and the 17 emulators share ``--cores`` cores, and each byte between two peers also
 costs two emulator passes) one pool for everything; in ``--mode deployment`` (one machine per peer, no emulator)
@@ -78,9 +81,9 @@ CONTACT_BYTES = 60
 """One node contact in a DHT hop's reply (peer id and address)."""
 REQUEST_BYTES = 200
 """A DHT request, or a reply without records."""
-RECORD_BYTES = {"peers": 120, "states": 380}
-"""A registration (61 bytes of MessagePack) and a state record (319, with its 16 latest round records), each with
-its subkey (the peer id) and expiration."""
+RECORD_BYTES = {"peers": 120, "states": 380, "view": 110}
+"""A registration (61 bytes of MessagePack), a state record (319, with its 16 latest round records) and a view's
+digest (45), each with its subkey (the peer id) and expiration."""
 VIEW_BYTES = (70, 90)
 """A view record: fixed bytes, and bytes per member listed (its id, client flag, digest: 90 bytes of MessagePack)."""
 
@@ -89,11 +92,14 @@ VIEW_BYTES = (70, 90)
 class Costs:
     """CPU seconds per operation (module docstring); ``emulator_byte_s`` only counts in ``machine`` mode."""
 
+    get_op_s: float
+    store_op_s: float
     rpc_s: float
     record_s: float
     message_s: float
     byte_s: float
     round_s_per_entry: float
+    exchange_s_per_entry: float = 0.0
     emulator_byte_s: float = 0.0
 
     @classmethod
@@ -103,7 +109,7 @@ class Costs:
         costs = data.get("costs", data)
         values = {}
         for field in dataclasses.fields(cls):
-            value = costs.get(field.name, 0.0 if field.name == "emulator_byte_s" else None)
+            value = costs.get(field.name, 0.0 if field.name in ("emulator_byte_s", "exchange_s_per_entry") else None)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{path}: cost {field.name!r} must be a number >= 0, got {value!r}")
             values[field.name] = float(value)
@@ -303,6 +309,7 @@ class Swarm:
         sees the records as they were when its request reached the first holder (the reply size counts the records
         at its start). ``done`` gets the records seen (node -> value), once every holder has answered."""
         holders = self.holders(key)
+        op_s = self.c.store_op_s if value is not None else self.c.get_op_s
 
         def last_hop() -> None:
             records = self.records.setdefault(key, {})
@@ -329,7 +336,7 @@ class Swarm:
             other = (node + 1 + left * 7919) % (self.s.peers + 1)
             self.rpc(node, other, REQUEST_BYTES, self.s.bucket, CONTACT_BYTES, lambda: hop(left - 1))
 
-        hop(self.hops - 1)
+        self.work(node, op_s, "dht", lambda: hop(self.hops - 1))
 
     def poll(
         self,
@@ -386,11 +393,28 @@ class Peer:
                 lambda _: w.poll(me, f"peers/{r}", RECORD_BYTES["peers"], everyone, view_check),
             )
 
-        def view_check() -> None:
-            w.dht(me, f"view/{r}", 1, view_bytes, lambda _: w.poll(me, f"view/{r}", view_bytes, everyone, push))
+        def view_check() -> None:  # the whole list, then its digest; the digests are read
+            w.dht(
+                me,
+                f"viewfull/{r}",
+                1,
+                view_bytes,
+                lambda _: w.dht(
+                    me,
+                    f"view/{r}",
+                    1,
+                    RECORD_BYTES["view"],
+                    lambda _: w.poll(me, f"view/{r}", RECORD_BYTES["view"], everyone, push),
+                ),
+            )
+
+        third = s.numel * w.c.exchange_s_per_entry / 3  # the exchange's own passes over the model (Costs)
 
         def push() -> None:
             t["exchange"] = w.sim.now
+            w.work(me, third, "compute", send_parts)  # the parts' encoding
+
+        def send_parts() -> None:
             answered = _after_all(len(others), fetch)
             part = s.payload_bytes / s.peers + HEADER_BYTES
             self.part_arrived(r)  # its own
@@ -398,7 +422,7 @@ class Peer:
                 self.stream(j, part, lambda j=j: w.peers[j].part_arrived(r, reply_to=me, then=answered))
 
         def fetch() -> None:
-            fetched = _after_all(len(others) + 1, apply)
+            fetched = _after_all(len(others) + 1, lambda: w.work(me, third, "compute", apply))  # decoding
             self.when_aggregated(r, fetched)
             aggregate = s.aggregate_bytes / s.peers + HEADER_BYTES
             for j in others:
@@ -454,8 +478,8 @@ class Peer:
         if reply_to is not None and then is not None:
             w.send(self.i, reply_to, REQUEST_BYTES, "exchange", then)
         self.parts_in[r] = self.parts_in.get(r, 0) + 1
-        if self.parts_in[r] == s.peers:
-            w.work(self.i, s.numel * w.c.round_s_per_entry / 2, "compute", lambda: self._aggregated(r))
+        if self.parts_in[r] == s.peers:  # decoding and summing its shard: a third of the exchange's passes
+            w.work(self.i, s.numel * w.c.exchange_s_per_entry / 3, "compute", lambda: self._aggregated(r))
 
     def _aggregated(self, r: int) -> None:
         self.aggregated.add(r)
@@ -539,7 +563,12 @@ def scenario_from_report(report: dict[str, Any], args: argparse.Namespace) -> tu
         cores=args.cores if args.cores else int(report.get("cpu", {}).get("cores", 2)),
         rounds=args.rounds,
     )
-    measured["cpu"] = report.get("cpu")
+    cpu = report.get("cpu")
+    if cpu is not None and all(p.get("cpu_inner_s") is not None for p in report["per_peer"]):
+        inner = sum(p["cpu_inner_s"] for p in report["per_peer"])
+        total = sum(kind["seconds"] for kind in cpu["by_kind"].values())
+        measured["cpu_s_per_round"] = (total - inner) / config["rounds"]
+        measured["emulator_cpu_s_per_round"] = cpu["by_kind"].get("emulator", {}).get("seconds", 0.0) / config["rounds"]
     return scenario, measured
 
 
@@ -582,6 +611,13 @@ def _row_text(row: dict[str, Any], measured: dict[str, Any] | None = None) -> st
             f"\n        measured: round {measured['sync']:.2f} s (matchmaking {measured['matchmaking']:.2f}, exchange "
             f"{measured['exchange']:.2f}, digest {measured['digest']:.2f}); predicted/measured - 1 = {error:+.1%}"
         )
+        if measured.get("cpu_s_per_round") is not None:
+            predicted = sum(row["cpu_s_per_round"].values())
+            text += (
+                f"\n        CPU per round, all processes out of the inner steps: predicted {predicted:.1f} s, measured "
+                f"{measured['cpu_s_per_round']:.1f} s (emulators {row['cpu_s_per_round']['emulator']:.1f} vs "
+                f"{measured['emulator_cpu_s_per_round']:.1f})"
+            )
     return text
 
 

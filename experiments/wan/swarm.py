@@ -12,7 +12,8 @@ so two peers are ``--rtt-ms`` apart; ``--profile mixed`` makes half of them home
 (:func:`peer_links`); ``--lossy N`` gives the last N peers ``--loss``. ``--overlap`` runs each round's exchange
 during the next round's inner steps (``RoundConfig.overlap``). ``--fault`` injects failures at set times (a
 partition that heals, a peer whose round trips jump, the bootstrap node restarted: :class:`Fault`). Every trainer
-keeps an outside ledger (scripts/harness/ledger.py) and, once all have trained, catches up with the swarm's state
+keeps an outside ledger (scripts/harness/ledger.py; ``--no-ledger``: none) and, once all have trained, catches up
+with the swarm's state
 (``PulseLoCo.catch_up``); the report's ``final`` gives the number of distinct final thetas and the conservation
 error (everything produced = what the final theta's lineage counted + the residuals), ``log_lines`` what the
 peers logged about the faults. The trainers are experiments/wan/
@@ -409,7 +410,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.peers):
             argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
             argv += ["--metrics", str(workdir / f"peer{i}.jsonl"), "--seed", str(i), *flags]
-            argv += ["--ledger", str(workdir / f"peer{i}.ledger.pt"), "--end-dir", str(workdir / "end")]
+            argv += ["--ledger", str(workdir / f"peer{i}.ledger.pt")] if args.ledger else []
+            argv += ["--end-dir", str(workdir / "end")]
             argv += ["--num-peers", str(args.peers)]
             log = (workdir / f"peer{i}.log").open("w")
             logs.append(log)
@@ -431,7 +433,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         meter.stop()
         meter.join(timeout=60)
         result = report([read_metrics(workdir / f"peer{i}.jsonl") for i in range(args.peers)], args)
-        result["final"] = final_state([workdir / f"peer{i}.ledger.pt" for i in range(args.peers)])
+        if args.ledger:
+            result["final"] = final_state([workdir / f"peer{i}.ledger.pt" for i in range(args.peers)])
         result["faults"] = plan.done
         if meter.result is not None:
             result["cpu"] = meter.result
@@ -536,6 +539,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="partition@AT:SECONDS (the bootstrap and the first half of the trainers cut off from the rest), "
         "rtt@AT:PEER:RTT_MS (trainer PEER's round trips become RTT_MS), bootstrap@AT:SECONDS (killed, restarted "
         "at its address SECONDS later); AT: seconds after every trainer has started training; repeatable",
+    )
+    parser.add_argument(
+        "--ledger",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each trainer keeps the outside ledger for the report's final conservation check (with the pulse "
+        "selector a dense copy of every round's sum: --no-ledger for 16 trainers in 24 GiB, and for CPU figures "
+        "without its digests and copies)",
     )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")

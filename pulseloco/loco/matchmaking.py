@@ -19,12 +19,16 @@ deadline, then a check that every member computed the same group before any payl
    nothing yet; a peer expecting only itself waits for others as before). The records are read again every
    :data:`STATE_REREAD` seconds while registration is open, so a peer that publishes meanwhile is waited for
    too. A peer that registered after the close sits the round out;
-3. every member publishes the member list it computed under ``pulseloco:{run_id}:loco:r{r}:view0`` and reads the
-   others' lists for at most ``request_timeout``. Equal lists make the group (members that published nothing
-   in time are left out: they died or stalled before the round began). If the others agree on a group without
-   this peer, it sits the round out. Differing lists (a registration some saw and others did not) are merged
-   and compared again under ``view1``, ``view2`` (:data:`VIEW_ATTEMPTS` in all); if they still differ, or the
-   merged group is not confirmed by every member, the peer sits the round out;
+3. every member publishes the member list it computed under ``pulseloco:{run_id}:loco:r{r}:view0full``, then
+   its digest (:func:`view_hash`) under ``...:view0``, and reads the others' digests for at most
+   ``request_timeout``: a read returns one short record per member, not every member's whole list (``P``
+   records, not ``P^2`` entries: at 256 peers each read of whole lists was 5.9 MB, experiments/wan's round
+   simulation). Equal digests make the group (members that published nothing in time are left out: they died or
+   stalled before the round began); only when some differ does the peer read the whole lists under ``view0full``
+   to compare and merge them. If the others agree on a group without this peer, it sits the round out.
+   Differing lists (a registration some saw and others did not) are merged and compared again under ``view1``,
+   ``view2`` (:data:`VIEW_ATTEMPTS` in all); if they still differ, or the merged group is not confirmed by every
+   member, the peer sits the round out;
 4. of the agreed members, those starting from the most common theta digest average (ties: one a server-mode
    member holds, then the smallest: :func:`pulseloco.loco.consensus.preferred_digest`);
    a member starting from another theta (it missed a repair) sits the round out, so that every peer completing a
@@ -101,6 +105,13 @@ class Group:
         refused."""
         text = f"{self.round}|{','.join(self.members)}|{','.join(self.servers)}|{self.digest}"
         return xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def view_hash(members: dict[str, tuple[bool, str]]) -> str:
+    """The digest of a member list (peer id -> (client mode, start digest)) that members compare in the view check:
+    xxh3-128 of the sorted entries, the same on every peer for the same list."""
+    text = "\n".join(f"{peer}|{int(client)}|{digest}" for peer, (client, digest) in sorted(members.items()))
+    return xxhash.xxh3_128_hexdigest(text.encode())
 
 
 def _parse_view(value: Any) -> dict[str, tuple[bool, str]] | None:
@@ -305,18 +316,7 @@ class Matchmaker:
         average (:meth:`_common_start`)."""
         me = self.peer_id
         for attempt in range(VIEW_ATTEMPTS):
-            key = self._key(round_index, f"view{attempt}")
-            self._store(key, me, {"members": {p: list(v) for p, v in members.items()}}, expiration)
-            deadline = time.monotonic() + self.request_timeout
-            while True:
-                views = {me: members}
-                for peer, (value, _) in self._get(key).items():
-                    view = _parse_view(value)
-                    if peer in members and view is not None:
-                        views[peer] = view
-                if set(views) >= set(members) or time.monotonic() >= deadline:
-                    break
-                time.sleep(self.poll_interval)
+            views = self._views(round_index, attempt, members, expiration)
             others = [view for peer, view in views.items() if peer != me]
             if others and all(view == others[0] and me not in view for view in others):
                 logger.warning(
@@ -374,6 +374,39 @@ class Matchmaker:
             VIEW_ATTEMPTS,
         )
         return None
+
+    def _views(
+        self, round_index: int, attempt: int, members: dict[str, tuple[bool, str]], expiration: float
+    ) -> dict[str, dict[str, tuple[bool, str]]]:
+        """One attempt's views: publish this peer's member list and then its :func:`view_hash`, read the members'
+        digests until all are there or ``request_timeout`` passed, and return member -> its list for the members
+        whose digest was read (a digest equal to this peer's stands for ``members``; another digest's list is read
+        from the whole lists, and one that cannot be read or does not match its digest counts as a list of this
+        peer alone: a disagreement that merges nothing, never a silent exclusion). DHT failures read as nothing
+        (logged by the DHT helpers); never raises."""
+        me, mine = self.peer_id, view_hash(members)
+        key, full_key = self._key(round_index, f"view{attempt}"), self._key(round_index, f"view{attempt}full")
+        self._store(full_key, me, {"members": {p: list(v) for p, v in members.items()}}, expiration)
+        self._store(key, me, {"hash": mine}, expiration)
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            hashes = {me: mine}
+            for peer, (value, _) in self._get(key).items():
+                found = value.get("hash") if isinstance(value, dict) else None
+                if peer in members and isinstance(found, str):
+                    hashes[peer] = found
+            if set(hashes) >= set(members) or time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll_interval)
+        views: dict[str, dict[str, tuple[bool, str]]] = {p: members for p, h in hashes.items() if h == mine}
+        differing = {p: h for p, h in hashes.items() if h != mine}
+        if differing:
+            whole = self._get(full_key)
+            for peer, expected in differing.items():
+                view = _parse_view(whole[peer][0]) if peer in whole else None
+                # unreadable: a placeholder that disagrees without claiming a group without this peer
+                views[peer] = view if view is not None and view_hash(view) == expected else {me: members[me]}
+        return views
 
     def _common_start(
         self, round_index: int, agreed: dict[str, tuple[bool, str]]
