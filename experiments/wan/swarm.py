@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,10 +242,11 @@ class FaultPlan(threading.Thread):
         self._stop_event.set()
 
 
-def process_cpu(root: int) -> dict[str, dict[str, float]]:
-    """CPU seconds (user + system) so far of ``root``'s living descendants, by kind: ``trainer`` and ``bootstrap``
-    (wan_peer.py), ``p2pd`` (their hivemind daemons), ``emulator`` (linkem.py) and ``other``; each kind's
-    ``seconds`` and ``processes``. Reads /proc; a process that exits while it is read is skipped."""
+def process_cpu(roots: list[int]) -> dict[str, dict[str, float]]:
+    """CPU seconds (user + system) so far of the living processes ``roots`` and their descendants, by kind:
+    ``trainer`` and ``bootstrap`` (wan_peer.py), ``p2pd`` (their hivemind daemons), ``emulator`` (linkem.py) and
+    ``other``; each kind's ``seconds`` and ``processes``. Reads /proc; a process that exits while it is read is
+    skipped."""
     tick = os.sysconf("SC_CLK_TCK")
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
@@ -262,7 +264,7 @@ def process_cpu(root: int) -> dict[str, dict[str, float]]:
     for pid, parent in parents.items():
         children[parent].append(pid)
     found: dict[str, dict[str, float]] = {}
-    stack = list(children[root])
+    stack = [pid for pid in roots if pid in times]
     while stack:
         pid = stack.pop()
         stack.extend(children[pid])
@@ -295,12 +297,13 @@ def machine_busy_seconds() -> tuple[float, int]:
 class CpuMeter(threading.Thread):
     """The swarm's CPU use while it trains: from when every trainer has started training (its ``started-*`` file
     in ``end_dir``) to when every trainer has finished (``done-*``), the CPU seconds of each kind of process
-    (:func:`process_cpu`) and of the whole machine. ``result`` stays ``None`` if either moment does not come
+    (:func:`process_cpu` of the pids ``roots()`` returns: the swarm's own processes and emulators, not others this
+    process started) and of the whole machine. ``result`` stays ``None`` if either moment does not come
     (a peer died) or the meter is stopped; the run's report then has no ``cpu``."""
 
-    def __init__(self, end_dir: Path, num_trainers: int) -> None:
+    def __init__(self, end_dir: Path, num_trainers: int, roots: Callable[[], list[int]]) -> None:
         super().__init__(daemon=True)
-        self.end_dir, self.num_trainers = end_dir, num_trainers
+        self.end_dir, self.num_trainers, self.roots = end_dir, num_trainers, roots
         self.result: dict[str, Any] | None = None
         self._stop_event = threading.Event()
 
@@ -311,13 +314,12 @@ class CpuMeter(threading.Thread):
         return True
 
     def run(self) -> None:
-        root = os.getpid()
         if not self._wait_for("started-*"):
             return
-        start, (busy0, cores), kinds0 = time.monotonic(), machine_busy_seconds(), process_cpu(root)
+        start, (busy0, cores), kinds0 = time.monotonic(), machine_busy_seconds(), process_cpu(self.roots())
         if not self._wait_for("done-*"):
             return
-        wall, (busy1, _), kinds1 = time.monotonic() - start, machine_busy_seconds(), process_cpu(root)
+        wall, (busy1, _), kinds1 = time.monotonic() - start, machine_busy_seconds(), process_cpu(self.roots())
         self.result = {
             "wall_s": wall,
             "cores": cores,
@@ -418,7 +420,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             procs.append(subprocess.Popen(net.exec_argv(1 + i, argv), stdout=log, stderr=subprocess.STDOUT, text=True))
         plan = FaultPlan(args.fault, net, restart_bootstrap, args.peers, workdir / "end")
         plan.start()
-        meter = CpuMeter(workdir / "end", args.peers)
+        meter = CpuMeter(workdir / "end", args.peers, lambda: [p.pid for p in [*procs, *net.emulators]])
         meter.start()
         deadline = time.monotonic() + args.timeout
         for i, proc in enumerate(procs[1:]):
