@@ -65,6 +65,7 @@ def test_bytes_per_peer_follow_the_sums_exchange_and_a_rate_limit_adds_their_tra
     fast, slow = sim.simulate(scenario(), FREE), sim.simulate(scenario(rate_bps=1e6), FREE)
     exchange = 3 / 4 * (4e6 + 4e6) + 3 * 2 * (sim.HEADER_BYTES + sim.REQUEST_BYTES)  # parts, aggregates, replies
     assert exchange < fast["bytes_sent"] < exchange + 60_000  # + the DHT's requests and records
+    assert fast["bytes_sent_by_kind"]["exchange"] == pytest.approx(exchange)
     assert fast["bytes_received"] == pytest.approx(fast["bytes_sent"], rel=0.05)
     # 3 MB of parts, then 3 MB of aggregates, each way through 1 MB/s links: about 6 s more than unlimited
     assert slow["exchange_s"] - fast["exchange_s"] == pytest.approx(6.0, rel=0.02)
