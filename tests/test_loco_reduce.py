@@ -157,6 +157,19 @@ def _member(peer_id: str, spec: ReduceSpec = FP32) -> SparseAverager:
 GROUP = Group(round=0, members=("a", "b", "c"), servers=("a",))
 
 
+def test_an_owner_takes_parts_of_the_round_it_registers_for_though_it_joined_late() -> None:
+    """An owner accepts parts for rounds next to its current one; a peer that just joined (or downloaded the
+    swarm's state) is many rounds past its last exchange, so registering for a round moves the window there
+    first (``expect_round``, before matchmaking): a member that pushes as soon as the group forms is not refused
+    (it was, and the group then waited out averaging_timeout: tests/test_wan.py's churn run)."""
+    owner = _Owner("a")
+    owner._owned, owner._current_round = {}, 0
+    assert owner._owned_shard(6, "g") is None  # a fresh process: round 6 is out of its window
+    owner.expect_round(6)
+    assert owner._owned_shard(6, "g") is not None and owner._owned_shard(5, "g") is not None
+    assert owner._owned_shard(4, "g") is None and owner._owned_shard(9, "g") is None
+
+
 def test_conservation_in_a_group_of_three_hand_checked() -> None:
     """Each member's sent entries are counted where the owner kept them and returned where it did not; the owner's
     rounding stays with the owner: per peer, counted + returned == sent, and over the group, what theta gets (the

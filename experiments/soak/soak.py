@@ -18,8 +18,8 @@ supervisor checks:
   has; that happens on a loaded machine, and such rounds are counted as "rounds averaged alone", not compared;
 - **exactly once** (the ledger): walking the final theta's lineage back to the initial weights gives, for every
   contribution, the shards that counted it and at which clip scale. For each honest peer process, what it produced
-  minus what the lineage counted of its contributions must equal its residual (its last contribution for a killed
-  process).
+  minus what the lineage counted of its contributions must equal its residual (for a killed process, its last
+  contribution and the residual it left when it pushed it).
   A contribution counted twice or lost shows up as a difference;
 - **no poison**: the final lineage counts no contribution of the poisoning peer, and every finished peer's
   parameters are finite (rounds in which no group counted anything, the sign of a swarm that stopped learning,
@@ -59,15 +59,15 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the 
 import psutil
 import torch
 from harness import models, procs
+from harness.audit import Audit, check_ledger
 from harness.report import read_records
-from soak_audit import Audit, check_ledger
 from soak_report import followed, print_table, summarize, sync_check
 from soak_schedule import Event, Member, schedule
 
 VOCAB, SEQ_LEN, BATCH = 64, 16, 4
 PRELOAD = (
     "torch", "hivemind", "transformers.models.llama.modeling_llama", "pulseloco.loco", "pulseloco.sync.publisher",
-    "pulseloco.sync.subscriber", "pulseloco.swarm", "pulseloco.cli", "soak_audit",
+    "pulseloco.sync.subscriber", "pulseloco.swarm", "pulseloco.cli", "harness.audit",
 )  # fmt: skip
 """What the peers, the publisher and the subscribers import: their processes are forks of a fork server that
 imported these once (:class:`harness.procs.Runner`), not interpreters that import them again (5 CPU-s each)."""
@@ -430,8 +430,8 @@ class Soak:
         """The checks over what the run left (:func:`soak_report.summarize`)."""
         records = self.peer_records()
         ledger = check_ledger(
-            self.out, records, initial_digest=self._initial_digest, rounds=self.args.rounds, peers=self.args.peers,
-            notes=self.notes,
+            self.out, records, initial_digest=self._initial_digest, rounds=self.args.rounds,
+            poisoner=f"peer{self.args.peers - 1}", notes=self.notes,
         )  # fmt: skip
         published = {p["version"]: p["digest"] for p in self._published()}
         sync = sync_check(published, self.out / "logs", self.notes)

@@ -1,7 +1,7 @@
 """The end of ``experiments/soak/soak.py``: its checks over the files a run left (the peers' round records, the
 subscribers' logs) put together into one summary (:func:`summarize`), and the table it prints (:func:`print_table`).
 
-The exactly-once ledger check is :func:`soak_audit.check_ledger`; the digest, divergence and PULSESync
+The exactly-once ledger check is :func:`harness.audit.check_ledger`; the digest, divergence and PULSESync
 checks are here. Reading a run's files raises OSError only for files that exist but cannot be read.
 """
 
@@ -80,7 +80,7 @@ def summarize(
     missed: list[str],
 ) -> dict[str, Any]:
     """The soak's summary (what ``--json`` writes and :func:`print_table` prints) from the peers' round records,
-    the ledger check (:func:`soak_audit.check_ledger`), the PULSESync check, ``pulseloco status``'s JSON,
+    the ledger check (:func:`harness.audit.check_ledger`), the PULSESync check, ``pulseloco status``'s JSON,
     the leaked processes and the supervisor's notes; ``ok`` is whether every check passed. Never raises for
     missing optional record keys."""
     by_round: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)

@@ -11,12 +11,17 @@ By default every peer has the same link: ``--rate`` each way and a one-way delay
 so two peers are ``--rtt-ms`` apart; ``--profile mixed`` makes half of them home connections and half cloud machines
 (:func:`peer_links`); ``--lossy N`` gives the last N peers ``--loss``. ``--overlap`` runs each round's exchange
 during the next round's inner steps (``RoundConfig.overlap``). ``--fault`` injects failures at set times (a
-partition that heals, a peer whose round trips jump, the bootstrap node restarted: :class:`Fault`). Every trainer
-keeps an outside ledger (scripts/harness/ledger.py; ``--no-ledger``: none) and, once all have trained, catches up
-with the swarm's state
-(``PulseLoCo.catch_up``); the report's ``final`` gives the number of distinct final thetas and the conservation
-error (everything produced = what the final theta's lineage counted + the residuals), ``log_lines`` what the
-peers logged about the faults. The trainers are experiments/wan/
+partition that heals, a peer whose round trips jump, the bootstrap node restarted: :class:`Fault`) and churn
+(trainers killed with their DHT and daemon, leaving, joining late, coming back as new processes: :data:`CHURN`,
+:class:`Trainers`). ``--nat N`` puts the first N trainers behind NAT in client mode (``wan_net``: a private
+address, SNAT, nothing new let in; the WAN's addresses are then public-looking, so the bootstrap relays for
+them). Every trainer keeps an outside ledger (scripts/harness/ledger.py; with churn scripts/harness/audit.py,
+whose files a killed process keeps; ``--no-ledger``: none) and, once all have trained, catches up with the swarm's
+state (``PulseLoCo.catch_up``); the report's ``final`` gives the number of distinct final thetas and the
+conservation error (everything produced = what the final theta's lineage counted + the residuals; with churn per
+process, a killed one included), ``joins`` how many rounds each joiner took from joining to its first counted
+contribution, ``leaked_processes`` what was left in the trainers' namespaces, ``log_lines`` what the peers logged
+about the faults. The trainers are experiments/wan/
 wan_peer.py: a small MLP whose inner steps are padded to ``--step-seconds`` (the scaling: the exchange's bytes
 follow the model's size, the compute time the padding). Failure behaviour: exits 1 with the reason when the
 WAN cannot be built or a peer fails or runs past ``--timeout``; the namespaces and processes are removed either
@@ -27,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -44,7 +51,9 @@ from typing import Any
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
 from harness import ledger
-from wan_net import Link, WanNet
+from harness.audit import check_ledger
+from harness.netns import SUBNET
+from wan_net import PUBLIC_SUBNET, Link, WanNet
 
 PEER = Path(__file__).resolve().parent / "wan_peer.py"
 
@@ -162,7 +171,10 @@ class Fault:
     """A failure injected ``at`` seconds after every trainer has started training: ``partition`` (the first half
     of the trainers and the bootstrap node cut off from the rest for ``seconds``), ``rtt`` (trainer ``peer``'s
     round trip to the others becomes ``rtt_ms``, for the rest of the run) or ``bootstrap`` (the bootstrap node
-    killed, restarted at the same address ``seconds`` later)."""
+    killed, restarted at the same address ``seconds`` later); or churn (:data:`CHURN`) of trainer ``peer``:
+    ``kill`` (SIGKILL to its processes, as a machine that died), ``leave`` (SIGTERM: it stops training and exits),
+    ``join`` (started then, not with the others) and ``restart`` (a new process, with a new identity, after a kill
+    or a leave)."""
 
     kind: str
     at: float
@@ -171,8 +183,13 @@ class Fault:
     rtt_ms: float = 0.0
 
 
+CHURN = ("kill", "leave", "join", "restart")
+"""The churn faults, each of one trainer: ``KIND@AT:PEER``."""
+
+
 def parse_fault(text: str) -> Fault:
-    """``partition@AT:SECONDS``, ``rtt@AT:PEER:RTT_MS`` or ``bootstrap@AT:SECONDS``; raises ValueError."""
+    """``partition@AT:SECONDS``, ``rtt@AT:PEER:RTT_MS``, ``bootstrap@AT:SECONDS`` or a churn fault
+    ``KIND@AT:PEER`` (:data:`CHURN`); raises ValueError."""
     kind, _, rest = text.partition("@")
     fields = rest.split(":")
     try:
@@ -180,12 +197,33 @@ def parse_fault(text: str) -> Fault:
             return Fault(kind, float(fields[0]), seconds=float(fields[1]))
         if kind == "rtt" and len(fields) == 3:
             return Fault(kind, float(fields[0]), peer=int(fields[1]), rtt_ms=float(fields[2]))
+        if kind in CHURN and len(fields) == 2:
+            return Fault(kind, float(fields[0]), peer=int(fields[1]))
     except ValueError:
         pass
     raise ValueError(
-        f"bad --fault {text!r}: use partition@AT:SECONDS, rtt@AT:PEER:RTT_MS or bootstrap@AT:SECONDS (AT: seconds "
-        "after every trainer has started training)"
+        f"bad --fault {text!r}: use partition@AT:SECONDS, rtt@AT:PEER:RTT_MS, bootstrap@AT:SECONDS or "
+        f"{'|'.join(CHURN)}@AT:PEER (AT: seconds after every trainer has started training)"
     )
+
+
+def check_churn(faults: list[Fault], peers: int) -> str | None:
+    """Why a churn plan cannot run (None when it can): each fault's trainer in range; per trainer, in time order,
+    a ``join`` first if at all, ``kill`` or ``leave`` only of a running process and ``restart`` only of one that
+    was killed or left."""
+    for peer in range(peers):
+        own = sorted((f for f in faults if f.kind in CHURN and f.peer == peer), key=lambda f: f.at)
+        running = not (own and own[0].kind == "join")
+        for i, fault in enumerate(own):
+            if fault.kind == "join" and i > 0:
+                return f"join@{fault.at:g}:{peer}: a join must be the trainer's first churn fault"
+            if fault.kind in ("kill", "leave") and not running:
+                return f"{fault.kind}@{fault.at:g}:{peer}: trainer {peer} is not running then"
+            if fault.kind == "restart" and running:
+                return f"restart@{fault.at:g}:{peer}: trainer {peer} is still running then (kill or leave it first)"
+            running = fault.kind in ("join", "restart")
+    bad = [f for f in faults if f.kind in CHURN and not 0 <= f.peer < peers]
+    return f"{bad[0].kind}@{bad[0].at:g}:{bad[0].peer}: PEER must be in [0, {peers})" if bad else None
 
 
 class FaultPlan(threading.Thread):
@@ -193,11 +231,14 @@ class FaultPlan(threading.Thread):
     planned and actual seconds after the start, and the end of a timed fault). ``stop()`` ends the plan early; a
     fault that fails is recorded with its error (the run goes on and the report shows it)."""
 
-    def __init__(self, faults: list[Fault], net: WanNet, restart: Any, num_trainers: int, started_dir: Path) -> None:
+    def __init__(
+        self, faults: list[Fault], net: WanNet, restart: Any, num_trainers: int, started_dir: Path, churn: Any = None
+    ) -> None:
         super().__init__(daemon=True)
         self.faults, self.net, self.restart = sorted(faults, key=lambda f: f.at), net, restart
+        self.churn = churn  # called with a churn Fault
         self.num_trainers, self.started_dir = num_trainers, started_dir
-        self.start_time = time.monotonic()
+        self.start_time, self.start_time_wall = time.monotonic(), time.time()
         self.done: list[dict[str, Any]] = []
         self._stop_event = threading.Event()
 
@@ -208,8 +249,12 @@ class FaultPlan(threading.Thread):
         while len(list(self.started_dir.glob("started-*"))) < self.num_trainers and time.monotonic() < deadline:
             if self._stop_event.wait(0.2):
                 return False
-        self.start_time = time.monotonic()
+        self.start_time, self.start_time_wall = time.monotonic(), time.time()
         return True
+
+    def finished(self) -> bool:
+        """Whether the plan is over: every fault applied, or it stopped."""
+        return not self.is_alive()
 
     def _sleep_until(self, t: float) -> bool:
         return not self._stop_event.wait(max(0.0, self.start_time + t - time.monotonic()))
@@ -234,6 +279,8 @@ class FaultPlan(threading.Thread):
                     self.net.heal()
                 elif fault.kind == "bootstrap":
                     self.restart(fault.seconds)
+                elif fault.kind in CHURN:
+                    entry.update(self.churn(fault))
                 entry["ended"] = self._now()
             except Exception as exc:  # recorded in the report: the run's outcome still says what the swarm did
                 entry["error"] = str(exc)
@@ -375,16 +422,117 @@ def peer_links(args: argparse.Namespace) -> list[tuple[str, Link]]:
     return links
 
 
+class Trainers:
+    """The trainer processes of a run, one slot per trainer and a new incarnation (``peer<i>.<k>``, a new process and
+    peer id) for each start: each in a session of its own inside its namespace, so that a kill takes its DHT
+    process and libp2p daemon with it, as a machine that dies. ``argv(i, name)`` gives the command line of trainer
+    ``i``'s process ``name``; ``workdir`` holds their logs (``peer<i>.log``, every incarnation appended)."""
+
+    def __init__(self, net: WanNet, argv: Callable[[int, str], list[str]], workdir: Path) -> None:
+        self.net, self.argv, self.workdir = net, argv, workdir
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+        self.incarnations: dict[int, int] = collections.defaultdict(int)
+        self.killed: set[int] = set()  # slots whose current process the plan killed on purpose
+        self.starts: list[dict[str, Any]] = []  # every process: trainer, name, wall-clock start
+
+    def start(self, i: int) -> dict[str, Any]:
+        """Start trainer ``i``'s next incarnation; returns its entry in :attr:`starts`."""
+        name = f"peer{i}.{self.incarnations[i]}"
+        self.incarnations[i] += 1
+        with (self.workdir / f"peer{i}.log").open("a") as log:
+            self.procs[i] = subprocess.Popen(
+                self.net.exec_argv(1 + i, self.argv(i, name)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        self.killed.discard(i)
+        entry = {"trainer": i, "name": name, "t": time.time()}
+        self.starts.append(entry)
+        return entry
+
+    def signal(self, i: int, sig: int) -> None:
+        """Send ``sig`` to trainer ``i``'s current process (SIGKILL: to its whole session, then reaped)."""
+        proc = self.procs[i]
+        if sig == signal.SIGKILL:
+            self.killed.add(i)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+        else:
+            proc.send_signal(sig)
+
+    def churn(self, fault: Fault) -> dict[str, Any]:
+        """Apply a churn fault (:data:`CHURN`); returns what the report records of it."""
+        if fault.kind in ("join", "restart"):
+            return {"name": self.start(fault.peer)["name"]}
+        if fault.kind == "kill":
+            self.signal(fault.peer, signal.SIGKILL)
+            return {"name": f"peer{fault.peer}.{self.incarnations[fault.peer] - 1}"}
+        self.signal(fault.peer, signal.SIGTERM)
+        return {"name": f"peer{fault.peer}.{self.incarnations[fault.peer] - 1}"}
+
+    def running(self) -> list[int]:
+        """The slots whose current process still runs."""
+        return [i for i, proc in self.procs.items() if proc.poll() is None]
+
+    def failed(self) -> tuple[int, int] | None:
+        """A slot whose current process exited non-zero without being killed on purpose, and its code; or None."""
+        for i, proc in self.procs.items():
+            code = proc.poll()
+            if code not in (None, 0) and i not in self.killed:
+                return i, code
+        return None
+
+    def all(self) -> list[subprocess.Popen[str]]:
+        return list(self.procs.values())
+
+
+def leftover_processes(net: WanNet, namespaces: list[int], timeout: float = 10.0) -> list[str]:
+    """The command lines of processes still running in the namespaces of ``namespaces`` (net indices) once every
+    trainer there has exited (a peer that exits cleanly leaves no DHT process or libp2p daemon behind), after up
+    to ``timeout`` s for them to go; the link emulators, which work in the peers' namespaces, are not counted."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for index in namespaces:
+            listed = subprocess.run(
+                ["ip", "netns", "pids", net.peer_ns(index)], capture_output=True, text=True, timeout=10, check=False
+            ).stdout.split()
+            for pid in listed:
+                with contextlib.suppress(OSError):
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    if "linkem.py" not in cmdline:
+                        found.append(cmdline[:160])
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     delay = args.rtt_ms / 4
     trainers = peer_links(args)
     bootstrap_link = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay))
-    net = WanNet([bootstrap_link] + [link for _, link in trainers], mtu=args.mtu, prefix="plsw")
+    nat = frozenset(range(1, 1 + args.nat))  # net indices: the bootstrap is 0, trainer i is 1 + i
+    net = WanNet(
+        [bootstrap_link] + [link for _, link in trainers],
+        mtu=args.mtu,
+        prefix="plsw",
+        subnet=PUBLIC_SUBNET if args.nat else SUBNET,
+        nat=nat,
+    )
     workdir = Path(tempfile.mkdtemp(prefix="pulseloco-wan-"))
     procs: list[subprocess.Popen[str]] = []
     identity = workdir / "bootstrap.key"
     (workdir / "end").mkdir()
     plan: FaultPlan | None = None
+    churn = [f for f in args.fault if f.kind in CHURN]
+    joiners = {f.peer for f in churn if f.kind == "join"}
+    audit = workdir / "audit" if churn and args.ledger else None
+    if audit is not None:
+        audit.mkdir()
+    pool: Trainers | None = None
 
     def restart_bootstrap(seconds: float) -> None:
         procs[0].terminate()
@@ -408,35 +556,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flags += ["--close-when-expected" if args.close_when_expected else "--no-close-when-expected"]
         flags += ["--overlap"] if args.overlap else []
         flags += ["--averaging-timeout", str(args.averaging_timeout), "--request-timeout", str(args.request_timeout)]
-        logs = []
-        for i in range(args.peers):
+
+        def trainer_argv(i: int, name: str) -> list[str]:
             argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
             argv += ["--metrics", str(workdir / f"peer{i}.jsonl"), "--seed", str(i), *flags]
-            argv += ["--ledger", str(workdir / f"peer{i}.ledger.pt")] if args.ledger else []
-            argv += ["--end-dir", str(workdir / "end")]
-            argv += ["--num-peers", str(args.peers)]
-            log = (workdir / f"peer{i}.log").open("w")
-            logs.append(log)
-            procs.append(subprocess.Popen(net.exec_argv(1 + i, argv), stdout=log, stderr=subprocess.STDOUT, text=True))
-        plan = FaultPlan(args.fault, net, restart_bootstrap, args.peers, workdir / "end")
+            if audit is not None:  # churn: the ledger in files, which a killed process keeps
+                argv += ["--audit", str(audit), "--name", name]
+            elif args.ledger:
+                argv += ["--ledger", str(workdir / f"peer{i}.ledger.pt")]
+            argv += ["--client-mode"] if 1 + i in nat else []
+            return [*argv, "--end-dir", str(workdir / "end"), "--num-peers", str(args.peers)]
+
+        pool = Trainers(net, trainer_argv, workdir)
+        for i in range(args.peers):
+            if i not in joiners:
+                pool.start(i)
+        plan = FaultPlan(
+            args.fault, net, restart_bootstrap, args.peers - len(joiners), workdir / "end", churn=pool.churn
+        )
         plan.start()
-        meter = CpuMeter(workdir / "end", args.peers, lambda: [p.pid for p in [*procs, *net.emulators]])
+        meter = CpuMeter(
+            workdir / "end", args.peers - len(joiners), lambda: [p.pid for p in [*procs, *pool.all(), *net.emulators]]
+        )
         meter.start()
         deadline = time.monotonic() + args.timeout
-        for i, proc in enumerate(procs[1:]):
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(f"peer {i} ran past --timeout {args.timeout:.0f} s (logs in {workdir})") from None
-            if code != 0:
-                raise RuntimeError(f"peer {i} exited {code}: {(workdir / f'peer{i}.log').read_text()[-2000:]}")
+        while True:
+            failed = pool.failed()
+            if failed is not None:
+                log = (workdir / f"peer{failed[0]}.log").read_text()[-2000:]
+                raise RuntimeError(f"peer {failed[0]} exited {failed[1]}: {log}")
+            if not pool.running() and plan.finished():
+                break
+            if time.monotonic() > deadline:
+                running = pool.running()
+                raise RuntimeError(f"peers {running} ran past --timeout {args.timeout:.0f} s (logs in {workdir})")
+            if plan.finished():  # a trainer killed for good counts as done: the others' end waits for no one
+                for i in pool.killed:
+                    (workdir / "end" / f"done-{net.host(1 + i)}").touch()
+            time.sleep(0.5)
         plan.stop()
         plan.join(timeout=60)
         meter.stop()
         meter.join(timeout=60)
         result = report([read_metrics(workdir / f"peer{i}.jsonl") for i in range(args.peers)], args)
-        if args.ledger:
+        if audit is not None:
+            left = {entry["name"] for entry in plan.done if entry["kind"] == "leave"}
+            result["final"] = audit_state(audit, args, left)
+            result["joins"] = join_rounds(audit, pool.starts, after=plan.start_time_wall)
+            result["starts"] = pool.starts
+            shutil.rmtree(audit, ignore_errors=True)  # dense copies of every contribution: gigabytes at 16 peers
+        elif args.ledger:
             result["final"] = final_state([workdir / f"peer{i}.ledger.pt" for i in range(args.peers)])
+        result["leaked_processes"] = leftover_processes(net, list(range(1, 1 + args.peers)))
         result["faults"] = plan.done
         if meter.result is not None:
             result["cpu"] = meter.result
@@ -450,9 +621,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if plan is not None:
             plan.stop()
-        for proc in procs:
+        everything = procs + (pool.all() if pool is not None else [])
+        for proc in everything:
             proc.terminate()
-        for proc in procs:
+        for proc in everything:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -478,6 +650,79 @@ def final_state(paths: list[Path]) -> dict[str, Any]:
         "conservation": "checked" if exact else "not defined: error_decay < 1 forgets part of the residuals",
         "num_transitions": sum(len(r["transitions"]) for r in reports),
     }
+
+
+def audit_records(audit: Path) -> list[dict[str, Any]]:
+    """Every record the trainer processes wrote under ``audit`` (scripts/harness/audit.py), in file order."""
+    return [json.loads(line) for path in sorted(audit.glob("*.jsonl")) for line in path.read_text().splitlines()]
+
+
+def audit_state(audit: Path, args: argparse.Namespace, left: set[str]) -> dict[str, Any]:
+    """The swarm's end from the processes' audit files (churn runs): how many distinct thetas the processes that
+    trained to the end hold (``left``: the names of those that left, whose older theta is not compared), and the
+    exactly-once check of :func:`harness.audit.check_ledger`: for every process, what it produced = what the
+    lineage of its final theta counted of it + its residual (a killed one: + its last contribution), the largest
+    error relative to everything produced."""
+    import torch
+    from wan_peer import make_model
+
+    from pulseloco.loco.validation import theta_digest
+
+    def initial_digest() -> str:
+        model = make_model(args.width, args.depth, seed=0)
+        return theta_digest(torch.cat([p.detach().reshape(-1).float() for p in model.parameters()]))
+
+    records = audit_records(audit)
+    notes: list[str] = []
+    exact = args.selector != "sparseloco"  # decayed error feedback (0.95) forgets part of every residual by design
+    checked = check_ledger(
+        audit, records, initial_digest=initial_digest, rounds=args.rounds, poisoner=None, notes=notes
+    )
+    finals = {r["name"]: r["digest"] for r in records if r["final"] and r["name"] not in left}
+    return {
+        "thetas": len(set(finals.values())),
+        "conservation_error": checked["max_error"] if exact and checked["checked"] else None,
+        "conservation": ("checked" if exact else "not defined: error_decay < 1") + f" over {checked['checked']} "
+        f"processes ({checked['violations']} over 1e-5){'; ' + checked['note'] if checked['note'] else ''}",
+        "notes": notes,
+        "processes": sorted(p.name for p in (audit / "ids").iterdir()),  # killed before a record too
+    }
+
+
+def join_rounds(audit: Path, starts: list[dict[str, Any]], after: float) -> list[dict[str, Any]]:
+    """For each trainer process started ``after`` (a wall-clock time: the joiners and restarts): how long it took to
+    join (``startup_s``: from its start to its DHT and optimizer being up, when it wrote its ``ids/`` file; the
+    imports and the DHT's bootstrap), the round the swarm was in then (one past the last round any other process
+    had finished), the first round whose averaging counted its contribution (its peer id in a shard's accepted
+    list), and the rounds between."""
+    records = audit_records(audit)
+    out = []
+    for start in starts:
+        if start["t"] <= after:
+            continue
+        ids = audit / "ids" / start["name"]
+        if not ids.exists():  # it never joined
+            out.append({"name": start["name"], "startup_s": None, "rounds_to_contribute": None})
+            continue
+        peer_id, joined_at = ids.read_text(), ids.stat().st_mtime
+        finished = [r["round"] for r in records if "round" in r and r["name"] != start["name"] and r["t"] <= joined_at]
+        joined = max(finished) + 1 if finished else 0
+        counted = [
+            r["round"]
+            for r in records
+            if "round" in r and any(peer_id in (names or []) for names in r.get("accepted", []))
+        ]
+        first = min(counted) if counted else None
+        out.append(
+            {
+                "name": start["name"],
+                "startup_s": round(joined_at - start["t"], 1),
+                "joined_round": joined,
+                "first_counted_round": first,
+                "rounds_to_contribute": None if first is None else first - joined,
+            }
+        )
+    return out
 
 
 def log_lines(paths: list[Path]) -> dict[str, int]:
@@ -540,7 +785,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="partition@AT:SECONDS (the bootstrap and the first half of the trainers cut off from the rest), "
         "rtt@AT:PEER:RTT_MS (trainer PEER's round trips become RTT_MS), bootstrap@AT:SECONDS (killed, restarted "
-        "at its address SECONDS later); AT: seconds after every trainer has started training; repeatable",
+        "at its address SECONDS later), and churn: kill@AT:PEER (SIGKILL), leave@AT:PEER (SIGTERM: stops and "
+        "exits), join@AT:PEER (started late), restart@AT:PEER (after a kill or leave, a new process); AT: seconds "
+        "after every trainer has started training; repeatable",
     )
     parser.add_argument(
         "--ledger",
@@ -549,6 +796,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="each trainer keeps the outside ledger for the report's final conservation check (with the pulse "
         "selector a dense copy of every round's sum: --no-ledger for 16 trainers in 24 GiB, and for CPU figures "
         "without its digests and copies)",
+    )
+    parser.add_argument(
+        "--nat",
+        type=int,
+        default=0,
+        help="the first N trainers are volunteers behind NAT (private address, SNAT, nothing new in) in client "
+        "mode; the WAN's addresses are then ones libp2p counts as public, so the bootstrap can relay for them",
     )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")
@@ -563,6 +817,13 @@ def main(argv: list[str] | None = None) -> int:
     for fault in args.fault:
         if fault.kind == "rtt" and not (0 <= fault.peer < args.peers and fault.rtt_ms >= args.rtt_ms / 2):
             parser.error(f"--fault rtt: PEER must be in [0, {args.peers}) and RTT_MS at least --rtt-ms / 2")
+    churn_problem = check_churn(args.fault, args.peers)
+    if churn_problem is not None:
+        parser.error(f"--fault {churn_problem}")
+    if args.overlap and any(f.kind in CHURN for f in args.fault):
+        parser.error("churn faults need blocking rounds (drop --overlap): their ledger records each round as it ends")
+    if not 0 <= args.nat <= min(args.peers, 190):
+        parser.error(f"--nat must be in [0, {min(args.peers, 190)}]")
     # SIGTERM (a killed run) ends through the cleanup below, not with the namespaces and processes left behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"swarm.py: stopped by signal {signum}"))
     reason = WanNet.unavailable_reason()

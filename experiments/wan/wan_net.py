@@ -6,11 +6,19 @@
     ["ip", "netns", "exec", net.peer_ns(i), ...] # a command inside peer i's namespace, reachable at net.host(i)
     net.teardown()                               # stops the emulators, kills what runs inside, deletes it all
 
-Peer ``i`` has address 10.77.0.(10+i) on ``tun0``, its only route; in the hub, TUN ``t<i>`` routes to it. Between
-peers A and B the round-trip time is ``2 (delay(A) + delay(B))`` and a transfer from A to B runs at most at
-``min(up(A), down(B))``. Nothing is configured outside the namespaces created here, so deleting them removes
-everything. The namespaces, addresses and teardown are :class:`harness.netns.NetNS`'s (scripts/harness: a
-program puts ``scripts/`` on ``sys.path`` before importing this module); the links are these. Failure behaviour:
+Peer ``i`` has address ``SUBNET``.(10+i) (10.77.0 by default) on ``tun0``, its only route; in the hub, TUN ``t<i>``
+routes to it. Between peers A and B the round-trip time is ``2 (delay(A) + delay(B))`` and a transfer from A to B
+runs at most at ``min(up(A), down(B))``.
+
+A peer in ``nat`` is a volunteer behind a home router: it has the private address 192.168.(i).2 and a default
+route through its link, and the hub translates its connections to the address ``SUBNET``.(200+i) on the way out
+(iptables SNAT) and forwards to it nothing but their replies (a new connection towards it is dropped), so it can
+connect to anyone and nobody can connect to it. With a ``subnet`` that libp2p counts as public (not RFC 1918:
+``PUBLIC_SUBNET``) the public peers can serve it as circuit relays, as on the internet.
+
+Nothing is configured outside the namespaces created here, so deleting them removes everything. The namespaces,
+addresses and teardown are :class:`harness.netns.NetNS`'s (scripts/harness: a program puts ``scripts/`` on
+``sys.path`` before importing this module); the links are these. Failure behaviour:
 :meth:`WanNet.setup` raises RuntimeError naming the command or emulator that failed, leaving what exists to
 :meth:`WanNet.teardown` (idempotent, never raises).
 """
@@ -27,10 +35,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.netns import NetNS, run_command
+from harness.netns import SUBNET, NetNS, run_command
 
 LINKEM = Path(__file__).resolve().parent / "linkem.py"
 READY_TIMEOUT_S = 20.0
+PUBLIC_SUBNET = "11.77.0"
+"""A /24 that libp2p counts as public (relay addresses are built only through public relays); it exists only inside
+the namespaces made here, as ``tests/nat_lab.py``'s test internet does."""
 
 
 @dataclass(frozen=True)
@@ -59,16 +70,36 @@ class Link:
 class WanNet(NetNS):
     """Namespaces and emulated links for ``links`` (one per peer); see the module docstring."""
 
-    def __init__(self, links: list[Link], *, mtu: int = 1500, prefix: str = "plwan", seed: int = 0) -> None:
+    def __init__(
+        self,
+        links: list[Link],
+        *,
+        mtu: int = 1500,
+        prefix: str = "plwan",
+        seed: int = 0,
+        subnet: str = SUBNET,
+        nat: frozenset[int] = frozenset(),
+    ) -> None:
         if not links:
             raise ValueError("a WAN needs at least one peer link")
         if not 576 <= mtu <= 65535:
             raise ValueError(f"mtu must be in [576, 65535], got {mtu}")
-        super().__init__(len(links), rate="emulated", prefix=prefix)
+        if not all(0 <= i < min(len(links), 190) for i in nat):
+            raise ValueError(f"nat must name peers in [0, {min(len(links), 190)}), got {sorted(nat)}")
+        super().__init__(len(links), rate="emulated", prefix=prefix, subnet=subnet)
+        self.nat = frozenset(nat)
         self.links = list(links)
         self.mtu = mtu
         self.seed = seed
         self.emulators: list[subprocess.Popen[str]] = []
+
+    def host(self, index: int) -> str:
+        """Peer ``index``'s own address: on the WAN, or its home network's behind NAT."""
+        return f"192.168.{index}.2" if index in self.nat else super().host(index)
+
+    def public_host(self, index: int) -> str:
+        """The address the others see peer ``index``'s connections come from (its router's behind NAT)."""
+        return f"{self.subnet}.{200 + index}" if index in self.nat else super().host(index)
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -92,6 +123,8 @@ class WanNet(NetNS):
                 run_command(["ip", "-n", where, "link", "set", dev, "mtu", str(self.mtu), "up"])
             run_command(["ip", "-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", "tun0"])
             run_command(["ip", "-n", self.hub, "route", "add", f"{self.host(i)}/32", "dev", hub_dev])
+            if i in self.nat:
+                self._add_nat(i)
         for i, link in enumerate(self.links):
             argv = [sys.executable, str(LINKEM), "--peer-ns", self.peer_ns(i), "--hub-dev", f"t{i}"]
             argv += [*link.argv(), "--seed", str(self.seed + i)]
@@ -104,6 +137,16 @@ class WanNet(NetNS):
             with self._lock:
                 self.emulators.append(proc)
             self._wait_ready(i, proc)
+
+    def _add_nat(self, index: int) -> None:
+        """Peer ``index`` behind a home router (module docstring): a default route through its link; in the hub,
+        its connections leave as :meth:`public_host` and nothing new is forwarded to it. Raises RuntimeError."""
+        ns, chain = self.peer_ns(index), ["ip", "netns", "exec", self.hub, "iptables", "-w"]
+        run_command(["ip", "-n", ns, "route", "add", "default", "dev", "tun0"])
+        private, public = self.host(index), self.public_host(index)
+        run_command([*chain, "-t", "nat", "-A", "POSTROUTING", "-s", private, "-j", "SNAT", "--to-source", public])
+        new = ["-m", "conntrack", "--ctstate", "NEW", "-j", "DROP"]
+        run_command([*chain, "-A", "FORWARD", "-d", private, *new])
 
     def _wait_ready(self, index: int, proc: subprocess.Popen[str]) -> None:
         """Wait for the emulator's ``ready`` line (:data:`READY_TIMEOUT_S`); raises RuntimeError."""

@@ -7,7 +7,12 @@
 ``train`` is a PULSELoCo trainer of a small MLP on synthetic regression batches (the model's size sets the
 exchange's bytes; each inner step is padded with a sleep to ``--step-seconds``, the compute time of a larger
 model's step): it runs ``--rounds`` outer rounds of ``--inner-steps`` steps, writes one RoundMetrics line per round
-to ``--metrics`` and at the end a line ``{"summary": ...}`` with its wall time and final digest.
+to ``--metrics`` and at the end a line ``{"summary": ...}`` with its wall time and final digest. It joins with
+:func:`pulseloco.swarm.make_dht` (``--client-mode``: a volunteer behind NAT, reachable through a relay slot on a
+public initial peer when there is one). ``--audit DIR`` keeps the outside ledger of ``scripts/harness/audit.py``
+in files written as it goes (a SIGKILL loses nothing written), as ``--name``. SIGTERM is a volunteer leaving: the
+peer stops training at once (the round in flight lands first), writes its summary with ``"left": true`` and
+exits without waiting for the others.
 
 Failure behaviour: exits 1 with one line when it cannot join the DHT (hivemind's own timeout) and 2 for bad flags;
 every wait on the swarm is PulseLoCo's, each with its timeout.
@@ -28,6 +33,7 @@ import hivemind
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the shared scripts/harness
 from harness import ledger
+from harness.audit import Audit
 
 logger = logging.getLogger("wan_peer")
 
@@ -55,12 +61,16 @@ def make_model(width: int, depth: int, seed: int) -> Any:
     return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
+LEAVING: list[int] = []
+"""The signal that asked this peer to leave (SIGTERM), once it came."""
+
+
 def _wait_for_the_others(end_dir: Path, host: str, num_peers: int, timeout: float) -> None:
     """Mark this peer done in ``end_dir`` and wait until ``num_peers`` have (a peer that died never does: the
-    wait then ends at ``timeout``, with a warning)."""
+    wait then ends at ``timeout``, with a warning; a SIGTERM ends it at once)."""
     (end_dir / f"done-{host}").touch()
     deadline = time.monotonic() + timeout
-    while len(list(end_dir.glob("done-*"))) < num_peers:
+    while len(list(end_dir.glob("done-*"))) < num_peers and not LEAVING:
         if time.monotonic() > deadline:
             logger.warning(
                 "only %d of %d peers finished within %.0f s", len(list(end_dir.glob("done-*"))), num_peers, timeout
@@ -74,7 +84,9 @@ def train(args: argparse.Namespace) -> int:
     import torch
 
     from pulseloco import PulseLoCo
+    from pulseloco.errors import SwarmUnreachableError
     from pulseloco.loco import AveragingConfig, RoundConfig
+    from pulseloco.swarm import SwarmConfig, make_dht
 
     logging.basicConfig(
         level=logging.WARNING, format=f"%(asctime)s peer {args.host} %(name)s %(levelname)s %(message)s"
@@ -83,10 +95,14 @@ def train(args: argparse.Namespace) -> int:
     logging.getLogger("pulseloco.loco.matchmaking").setLevel(logging.DEBUG)  # when each round closed, and why
     logger.setLevel(logging.INFO)
     torch.set_num_threads(1)
+    signal.signal(signal.SIGTERM, lambda signum, frame: LEAVING.append(signum))
+    config = SwarmConfig(
+        initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"], client_mode=args.client_mode
+    )
     try:
-        dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"], start=True)
-    except Exception as exc:  # hivemind raises plain exceptions when the daemon cannot reach its initial peers
-        print(f"wan_peer.py: error: cannot join the DHT through {args.initial_peers}: {exc}", file=sys.stderr)
+        dht = make_dht(config)
+    except SwarmUnreachableError as exc:
+        print(f"wan_peer.py: error: {exc}", file=sys.stderr)
         return 1
     model = make_model(args.width, args.depth, seed=0)  # every peer starts from the same weights
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -109,34 +125,44 @@ def train(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"host": args.host, "error_decay": opt.error_decay}
     if args.ledger is not None:
         ledger.record(opt, report)
+    audit = Audit(opt, Path(args.audit), args.name) if args.audit is not None else None
     gen = torch.Generator().manual_seed(args.seed)
     target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
     if args.end_dir is not None:  # the harness times its faults from when every trainer has started training
         (Path(args.end_dir) / f"started-{args.host}").touch()
     started, cpu_started, cpu_inner = time.monotonic(), time.process_time(), 0.0
     # overlapped rounds move the round counter in the background: count the boundaries, then land the last round
-    while (opt.num_boundaries < args.rounds) if args.overlap else (opt.round < args.rounds):
+    while ((opt.num_boundaries < args.rounds) if args.overlap else (opt.round < args.rounds)) and not LEAVING:
         step_start, step_cpu = time.monotonic(), time.process_time()
         x = torch.randn(args.batch, args.width, generator=gen)
         loss = torch.nn.functional.mse_loss(model(x), x @ target)
         loss.backward()
         cpu_inner += time.process_time() - step_cpu  # this process's CPU (every thread) in the forward and backward
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_start)))
+        round_before = opt.round
         opt.step(loss=loss)
         opt.zero_grad()
+        if audit is not None and opt.round != round_before and opt.last_metrics is not None:
+            audit.end_round()
     opt.finish()
     wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
-    if args.end_dir is not None:  # end on the swarm's state: a peer a round behind averaged its last round alone
+    if LEAVING and args.end_dir is not None:  # a volunteer leaving: counted as done, waits for no one
+        (Path(args.end_dir) / f"done-{args.host}").touch()
+    elif args.end_dir is not None:  # end on the swarm's state: a peer a round behind averaged its last round alone
         _wait_for_the_others(Path(args.end_dir), args.host, args.num_peers, args.end_timeout)
         opt.catch_up()
+    if audit is not None:
+        audit.finish()
     if args.ledger is not None:
         report.update(theta=opt.theta_N.numpy().tobytes(), residual=opt.residual_N.numpy().tobytes())
         torch.save(report, args.ledger)
-    summary = {"wall_s": wall, "round": opt.round, "numel": opt.numel, "host": args.host}
+    summary = {"wall_s": wall, "round": opt.round, "numel": opt.numel, "host": args.host, "left": bool(LEAVING)}
     summary.update(cpu_s=cpu, cpu_inner_s=cpu_inner)  # the process's CPU while training, and in the inner steps
     with open(args.metrics, "a") as out:
         out.write(json.dumps({"summary": summary}) + "\n")
-    time.sleep(args.linger)  # serve the last round's sums and state to slower peers
+    deadline = time.monotonic() + (0.0 if LEAVING else args.linger)
+    while time.monotonic() < deadline and not LEAVING:  # serve the last round's sums and state to slower peers
+        time.sleep(0.2)
     opt.shutdown()
     dht.shutdown()
     return 0
@@ -177,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--request-timeout", type=float, default=10.0)
     peer.add_argument("--linger", type=float, default=10.0)
     peer.add_argument("--ledger", help="write the outside ledger (scripts/harness/ledger.py) here, torch.save")
+    peer.add_argument("--audit", help="keep the outside ledger (scripts/harness/audit.py) in this folder")
+    peer.add_argument("--name", default="peer", help="this process's name in the audit, peer<i>.<incarnation>")
+    peer.add_argument("--client-mode", action="store_true", help="SwarmConfig.client_mode: behind NAT")
     peer.add_argument("--end-dir", help="a folder shared by the peers: wait there for --num-peers, then catch up")
     peer.add_argument("--num-peers", type=int, default=1)
     peer.add_argument("--end-timeout", type=float, default=300.0)

@@ -671,6 +671,7 @@ class PulseLoCo:
             return None, 1, indices_K, values_K, payload
         expiration = get_dht_time() + self.matchmaker.matchmaking_time + self.averager.averaging_timeout + 60.0
         started = time.monotonic()
+        self.averager.expect_round(self.round)  # parts may come once the group forms, before all_reduce starts
         group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
         self._seconds_matchmaking = time.monotonic() - started
         if group is None:

@@ -219,8 +219,16 @@ class ShardOwner(TrafficCounter):
         self._count(round_index, sent=message.ByteSize())
         return message
 
+    def expect_round(self, round_index: int) -> None:
+        """Accept parts for ``round_index`` (and the rounds next to it) from now on. Call it before this peer
+        registers for the round: a member may push as soon as the group forms, and a peer that has just joined,
+        or repaired its state, can be many rounds past its last exchange (before this, such an owner refused
+        every part as out of range and its group waited out ``averaging_timeout``)."""
+        self._current_round = round_index
+
     def _owned_shard(self, round_index: int, group_id: str) -> OwnedShard | None:
-        """The owner state for ``(round, group)``, created on demand for rounds near the current one."""
+        """The owner state for ``(round, group)``, created on demand for rounds near the current one
+        (:meth:`expect_round`)."""
         key = (round_index, group_id)
         shard = self._owned.get(key)
         if shard is None:

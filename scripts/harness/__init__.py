@@ -24,6 +24,10 @@ that need them), so a coordinator process stays light.
 - :mod:`harness.recipe_runs`: launching the recipes as a benchmark does (accelerate's launcher, a bootstrap node, a
   signing key, swarm flags); :mod:`harness.run_outputs`: a recipe run's output directory read back.
 
+- :mod:`harness.audit`: the outside ledger of a swarm's processes, written as they go (a SIGKILL loses nothing
+  written), and its exactly-once check (the churn soak, the WAN swarm); :mod:`harness.ledger`: the in-memory ledger
+  of the tests' in-process swarms.
+
 Also :mod:`harness.warm`: warm_model's sizes, training and cache (its command line is ``scripts/warm_model.py``).
 
 An experiment under ``experiments/`` (one folder each: its program, the modules only it uses, its results) imports

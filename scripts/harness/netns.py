@@ -36,12 +36,13 @@ def run_command(cmd: list[str]) -> None:
 class NetNS:
     """A private network: a hub namespace with a bridge, and one namespace per peer with a rate-limited veth.
 
-    Peer ``i`` gets address 10.77.0.(10+i) in namespace ``<prefix><pid>p<i>``; its veth is limited by ``tc tbf`` at
-    ``rate`` on both ends (the peer's egress is its uplink, the hub end's egress its downlink). All links are
-    created inside these namespaces, so deleting them removes everything.
+    Peer ``i`` gets address ``subnet``.(10+i) (10.77.0 by default) in namespace ``<prefix><pid>p<i>``; its veth is
+    limited by ``tc tbf`` at ``rate`` on both ends (the peer's egress is its uplink, the hub end's egress its
+    downlink). All links are created inside these namespaces, so deleting them removes everything.
     """
 
-    def __init__(self, num_peers: int, rate: str, *, prefix: str = "plbs") -> None:
+    def __init__(self, num_peers: int, rate: str, *, prefix: str = "plbs", subnet: str = SUBNET) -> None:
+        self.subnet = subnet
         self.prefix = f"{prefix}{os.getpid() % 100000}"
         self.hub = f"{self.prefix}h"
         self.rate = rate
@@ -64,7 +65,7 @@ class NetNS:
 
     def host(self, index: int) -> str:
         """Peer ``index``'s address on the private network."""
-        return f"{SUBNET}.{FIRST_HOST_INDEX + index}"
+        return f"{self.subnet}.{FIRST_HOST_INDEX + index}"
 
     def exec_argv(self, index: int, argv: list[str]) -> list[str]:
         """``argv`` run inside peer ``index``'s namespace."""

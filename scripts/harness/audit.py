@@ -1,8 +1,9 @@
-"""The outside ledger of ``experiments/soak/soak.py``, both ends: what every peer process records as it trains
-(:class:`Audit`, hooked into its PulseLoCo optimizer) and the exactly-once check the supervisor runs over those
-records at the end (:func:`check_ledger`).
+"""The outside ledger of a swarm of PULSELoCo processes (the churn soak, ``experiments/soak/soak.py``, and the WAN
+swarm, ``experiments/wan/swarm.py``), both ends: what every peer process records as it trains (:class:`Audit`,
+hooked into its PulseLoCo optimizer) and the exactly-once check the supervisor runs over those records at the end
+(:func:`check_ledger`).
 
-The files under the soak's ``--out``: ``prod/<peer id>.<round>.npy`` (pseudo-gradients produced),
+The files under the run's folder: ``prod/<peer id>.<round>.npy`` (pseudo-gradients produced),
 ``sent/<peer id>.<round>.npy`` (dense contributions pushed), ``resid/<name>.npy`` (the last residual),
 ``ids/<name>`` (a process's peer id) and ``<name>.jsonl`` (one record per finished round). A SIGKILLed peer loses
 nothing it already wrote. Writing raises OSError (the peer process then fails); the check never raises for a broken
@@ -34,7 +35,9 @@ class Audit:
     - ``sent/<peer>.<round>.npy``: the dense contribution pushed in the round (written before it is pushed);
     - ``<name>.jsonl``: one record per finished round: group, accepted lists and shard bounds, the theta digests
       before and after the outer step (a transition) and at the end, metrics, downloads;
-    - ``resid/<name>.npy``: the residual after the last round (rewritten every round).
+    - ``resid/<name>.npy``: the residual after the last round (rewritten every round);
+    - ``resid/<name>.push.<round>.npy``: the residual left when the last contribution was pushed (the selection
+      taken out), so that a process killed mid-round is checked against all it held.
     """
 
     def __init__(self, opt: Any, out: Path, name: str) -> None:
@@ -77,6 +80,13 @@ class Audit:
         def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
             sent = torch.zeros(opt.numel)
             sent[indices_K] = values_K
+            # what stays behind when this contribution goes (the residual after the selection), then the sent part:
+            # a process killed after this holds both, whatever the owners counted
+            push = self.out / "resid" / f"{self.name}.push.{group.round}.npy"
+            np.save(push, opt.residual_N.numpy())
+            for older in (self.out / "resid").glob(f"{self.name}.push.*.npy"):
+                if older != push:
+                    older.unlink()
             np.save(self.out / "sent" / f"{self.peer_id}.{group.round}.npy", sent.numpy())
             result = all_reduce(group, indices_K, values_K, *args)
             self.current.update(
@@ -132,6 +142,25 @@ class Audit:
             fh.write(json.dumps(record) + "\n")
         self.current = {}
 
+    def finish(self) -> None:
+        """Write the process's end: a ``final`` record of the theta it holds now (after a catch-up at the end, which
+        may replace it or step back a round alone) and its residual; no round, so no transition."""
+        from pulseloco.loco.validation import theta_digest
+
+        np.save(self.out / "resid" / f"{self.name}.npy", self.opt.residual_N.numpy())
+        record = {
+            "name": self.name,
+            "peer_id": self.peer_id,
+            "end_round": self.opt.round,
+            "digest": theta_digest(self.opt.theta_N),
+            "finite": bool(torch.isfinite(self.opt.theta_N).all()),
+            "downloads": self.downloads,
+            "final": True,
+            "t": time.time(),
+        }
+        with (self.out / f"{self.name}.jsonl").open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
 
 def lineage_counts(
     out: Path, transitions: dict[str, dict[str, Any]], digest: str, initial: str, max_steps: int
@@ -170,13 +199,14 @@ def check_ledger(
     *,
     initial_digest: Callable[[], str],
     rounds: int,
-    peers: int,
+    poisoner: str | None,
     notes: list[str],
 ) -> dict[str, Any]:
     """The exactly-once check (see ``experiments/soak/soak.py``'s docstring) over the :class:`Audit` files under ``out``
     and the peers' round ``records``. Transitions are keyed by the digest they lead to; a finished peer is checked
     against the lineage of the theta it holds, a killed one against the lineage of the theta most finished peers
-    hold. Poisoned contributions (of ``peer<peers - 1>``) are counted in the latter.
+    hold. Poisoned contributions (of the processes named ``<poisoner>.<incarnation>``; None: no poisoner) are counted
+    in the latter.
 
     Returns ``{"violations", "max_error", "checked", "note", "poisoned"}``; a violation is also appended to
     ``notes``. Never raises for a broken lineage: ``note`` says why nothing was checked (also when no peer
@@ -199,23 +229,28 @@ def check_ledger(
         result["note"] = str(exc)
         return result
     majority = lineages[finals.most_common(1)[0][0]]
-    malicious = f"peer{peers - 1}."
+    malicious = f"{poisoner}." if poisoner is not None else None
     peer_ids = {r["name"]: r["peer_id"] for r in records}
-    poisoners = {peer_id for name, peer_id in peer_ids.items() if name.startswith(malicious)}
+    if (out / "ids").is_dir():  # a process killed before it finished a round wrote no record, but its id
+        peer_ids.update({p.name: p.read_text() for p in (out / "ids").iterdir() if p.name not in peer_ids})
+    poisoners = {peer_id for name, peer_id in peer_ids.items() if malicious is not None and name.startswith(malicious)}
     result["poisoned"] = sum(1 for (name, _) in majority if name in poisoners)
     final_digest = {r["name"]: r["digest"] for r in records if r["final"]}
     total = sum(float(np.abs(np.load(p)).sum()) for p in (out / "prod").glob("*.npy")) or 1.0
     for name, peer_id in peer_ids.items():
-        if name.startswith(malicious):
+        if malicious is not None and name.startswith(malicious):
             continue
         sent_rounds = sorted(int(p.name.split(".")[1]) for p in (out / "sent").glob(f"{peer_id}.*.npy"))
         prod = {int(p.name.split(".")[1]): np.load(p) for p in (out / "prod").glob(f"{peer_id}.*.npy")}
         if name in final_digest:  # all it produced, all its own theta's lineage counted of it
             held = np.load(out / "resid" / f"{name}.npy")
             counted, upto, skip = lineages[final_digest[name]], sys.maxsize, None
-        elif sent_rounds:  # killed: its last contribution is what it held
+        elif sent_rounds:  # killed: its last contribution and what stayed behind when it went are what it held
             upto = sent_rounds[-1]
             held = np.load(out / "sent" / f"{peer_id}.{upto}.npy")
+            push = out / "resid" / f"{name}.push.{upto}.npy"
+            if push.exists():
+                held = held + np.load(push)
             counted, skip = majority, upto
         else:
             continue
