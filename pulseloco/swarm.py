@@ -409,16 +409,22 @@ def make_dht(config: SwarmConfig) -> hivemind.DHT:
 
 BOOTSTRAP_ATTEMPTS = 3
 """Daemon starts :func:`make_dht` tries when no initial peer answers (p2pd gives up on its initial peers after
-10 s: a loaded machine or a passing network fault can miss that once), while within ``startup_timeout``. A start
-that never connected holds no relay reservation, so trying again costs the relays nothing."""
-_BOOTSTRAP_FAILED = "failed to connect to bootstrap peers"  # p2pd's message, in hivemind's P2PDaemonError
+10 s, hivemind's DHT node on their pings after a few seconds: a loaded machine, a slow link or a passing network
+fault can miss that once; 16 peers starting at once behind 100 ms links on 2 cores did), while within
+``startup_timeout``. A start that never connected holds no relay reservation, so trying again costs the relays
+nothing."""
+_BOOTSTRAP_FAILED = (
+    "failed to connect to bootstrap peers",  # p2pd's message, in hivemind's P2PDaemonError
+    "none of the initial_peers responded to a ping",  # hivemind's DHTNode: connected, but no DHT answer in time
+)
 
 
 def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwargs: dict) -> hivemind.DHT:
     """Start a ``hivemind.DHT``; raises :class:`SwarmUnreachableError` (initial peers given) or
     :class:`ConfigError` (none: the host addresses) with a hint when it fails.
 
-    When the daemon connects to none of the initial peers it is started again, up to :data:`BOOTSTRAP_ATTEMPTS`
+    When the daemon connects to none of the initial peers, or none answers the DHT node's ping, it is started
+    again, up to :data:`BOOTSTRAP_ATTEMPTS`
     times in all and while ``config.startup_timeout`` s have not passed since the first try, with a warning each
     time; any other failure is raised at once."""
     started = time.monotonic()
@@ -429,7 +435,7 @@ def _start_dht(config: SwarmConfig, validators: list[RecordValidatorBase], kwarg
             )
         except Exception as exc:  # hivemind surfaces daemon and bootstrap failures as assorted exceptions
             again = (
-                _BOOTSTRAP_FAILED in str(exc)
+                any(message in str(exc) for message in _BOOTSTRAP_FAILED)
                 and attempt < BOOTSTRAP_ATTEMPTS
                 and time.monotonic() - started + attempt < config.startup_timeout
             )

@@ -38,6 +38,55 @@ def test_unreachable_bootstrap_is_one_clear_error() -> None:
     assert time.monotonic() - started < 30
 
 
+def test_a_bootstrap_whose_dht_does_not_answer_pings_in_time_is_joined_by_starting_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The other way a start fails on a loaded machine or a slow link: p2pd connects, but the bootstrap's DHT
+    process does not answer the new node's ping in time (hivemind: "none of the initial_peers responded to a
+    ping"; 16 WAN peers starting at once behind 100 ms links on 2 cores). Here the bootstrap's DHT process is
+    stopped (SIGSTOP; its p2pd still connects) until make_dht has failed once, then resumed: the next start joins."""
+    import logging
+    import os
+    import signal
+    import threading
+
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    maddr = str(first.get_visible_maddrs()[0])
+    failed_once = threading.Event()
+
+    class OnRetry(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "no initial peer answered" in record.getMessage():
+                failed_once.set()
+
+    handler = OnRetry()
+    logging.getLogger("pulseloco.swarm").addHandler(handler)
+    os.kill(first.pid, signal.SIGSTOP)
+
+    def resume() -> None:
+        failed_once.wait(60)
+        os.kill(first.pid, signal.SIGCONT)
+
+    resumer = threading.Thread(target=resume, daemon=True)
+    resumer.start()
+    dht = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="pulseloco.swarm"):
+            dht = make_dht(SwarmConfig(initial_peers=[maddr], startup_timeout=45))
+        assert failed_once.is_set() and "attempt 1 of 3" in caplog.text
+        assert dht.store("late", b"joined", get_dht_time() + 30)
+        found = first.get("late", latest=True)
+        assert found is not None and found.value == b"joined"
+    finally:
+        logging.getLogger("pulseloco.swarm").removeHandler(handler)
+        failed_once.set()
+        resumer.join(timeout=60)
+        os.kill(first.pid, signal.SIGCONT)
+        for node in (dht, first):
+            if node is not None:
+                node.shutdown()
+
+
 def test_a_bootstrap_that_answers_late_is_joined_by_starting_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

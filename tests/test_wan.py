@@ -150,29 +150,32 @@ def test_a_route_change_and_a_bootstrap_restart_keep_one_group_and_lose_nothing(
     assert result["final"]["thetas"] == 1 and result["final"]["conservation_error"] < 1e-5, context
 
 
-def test_churn_and_a_volunteer_behind_nat_lose_nothing_and_leave_no_process(net: Any) -> None:
-    """experiments/wan/swarm.py with churn: four trainers on 40 ms links, trainer 0 a volunteer behind NAT (a private
+def test_churn_a_volunteer_behind_nat_and_followers_lose_nothing_and_leave_no_process(net: Any) -> None:
+    """experiments/wan/swarm.py with churn: five trainers on 40 ms links, trainer 0 a volunteer behind NAT (a private
     address, SNAT in the hub, nothing new let in) in client mode, reachable through a relay slot on the bootstrap
     node; 4 s into training trainer 2 is SIGKILLed with its DHT and daemon (mid-round), trainer 3 joins at 5 s,
-    trainer 2 comes back as a new process at 8 s, and trainer 1 leaves (SIGTERM) at 12 s. Every joiner's
-    contribution is counted within 2 rounds of its start, the trainers that trained to the end hold one theta, the
-    outside ledger (scripts/harness/audit.py, in files a kill does not lose) balances for every process, the killed
-    one included, and no process is left in the trainers' namespaces."""
+    trainer 2 comes back as a new process at 8 s, and trainer 1 leaves (SIGTERM) at 12 s; two PULSESync followers
+    (`pulseloco sync follow`) in namespaces of their own follow trainer 4's versions. Every joiner's contribution
+    is counted within 2 rounds of joining, the trainers that trained to the end hold one theta, the outside ledger
+    (scripts/harness/audit.py, in files a kill does not lose) balances for every process, the killed one included,
+    both followers hold every version they printed with the publisher's digest and reach the last, and no process
+    is left in the trainers' or the followers' namespaces."""
     import nat_lab  # installs iptables where it is missing, as the NAT tests do
     import swarm
 
     reason = nat_lab.unavailable_reason()
     if reason is not None:
         pytest.skip(f"NAT needs iptables: {reason}")
-    argv = ["--peers", "4", "--rtt-ms", "40", "--rate", "0", "--rounds", "8", "--inner-steps", "3", "--nat", "1"]
+    argv = ["--peers", "5", "--rtt-ms", "40", "--rate", "0", "--rounds", "8", "--inner-steps", "3", "--nat", "1"]
     argv += ["--step-seconds", "0.2", "--width", "128", "--matchmaking-time", "3", "--timeout", "280"]
     argv += ["--fault", "kill@4:2", "--fault", "join@5:3", "--fault", "restart@8:2", "--fault", "leave@12:1"]
+    argv += ["--followers", "2"]
     result = swarm.run(swarm.build_parser().parse_args(argv))
     context = json.dumps({k: result[k] for k in ("per_round", "final", "faults", "joins", "log_lines")}, indent=1)
     assert [f["kind"] for f in result["faults"]] == ["kill", "join", "restart", "leave"], context
     assert all("error" not in f for f in result["faults"]), context
-    assert result["final"]["processes"] == ["peer0.0", "peer1.0", "peer2.0", "peer2.1", "peer3.0"], context
-    assert "checked over 5 processes (0 over 1e-5)" in result["final"]["conservation"], context
+    assert result["final"]["processes"] == ["peer0.0", "peer1.0", "peer2.0", "peer2.1", "peer3.0", "peer4.0"], context
+    assert "checked over 6 processes (0 over 1e-5)" in result["final"]["conservation"], context
     assert result["final"]["thetas"] == 1 and result["final"]["conservation_error"] < 1e-5, context
     assert sorted(j["name"] for j in result["joins"]) == ["peer2.1", "peer3.0"], context
     assert all(j["rounds_to_contribute"] is not None and j["rounds_to_contribute"] <= 2 for j in result["joins"]), (
@@ -183,4 +186,7 @@ def test_churn_and_a_volunteer_behind_nat_lose_nothing_and_leave_no_process(net:
     assert all(r["seconds_sync"] < 30.0 for r in result["per_round"]), context
     behind_nat = result["per_peer"][0]
     assert behind_nat["finished"] and behind_nat["bytes_sent_per_round"] > 0, behind_nat
-    assert result["per_round"][-1]["group_sizes"] == [3], context  # 0, 2 and 3 after 1 left
+    assert result["per_round"][-1]["group_sizes"] == [4], context  # 0, 2, 3 and 4 after 1 left
+    sync = result["sync"]
+    assert sync["published"] >= 8 and sync["patch_bytes_mean"] > 0, sync  # one a round, and the final state
+    assert all(f["reached_last"] and f["mismatches"] == 0 and f["versions"] >= 2 for f in sync["followers"]), sync

@@ -489,6 +489,73 @@ class Trainers:
         return list(self.procs.values())
 
 
+class Followers:
+    """``pulseloco sync follow`` processes in their own namespaces (net indices ``first``, ``first + 1``, ...),
+    following the run's PULSESync versions; each line they print is kept with the wall time it came
+    (:attr:`lines`: follower -> [(t, line)])."""
+
+    def __init__(self, net: WanNet, first: int, count: int, workdir: Path, key: Path, maddrs: list[str]) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.lines: dict[int, list[tuple[float, str]]] = {j: [] for j in range(count)}
+        self._readers = []
+        for j in range(count):
+            argv = [sys.executable, "-m", "pulseloco", "sync", "follow", "--run-id", "wan.policy"]
+            argv += ["--public-key", f"{key}.pub", "--out", str(workdir / f"follower{j}"), "--interval", "0.5"]
+            argv += ["--initial-peers", *maddrs, "--host-maddrs", f"/ip4/{net.host(first + j)}/tcp/0"]
+            with (workdir / f"follower{j}.log").open("a") as err:
+                argv = net.exec_argv(first + j, argv)
+                proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+            self.procs.append(proc)
+            reader = threading.Thread(target=self._read, args=(j, proc), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    def _read(self, j: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None  # noqa: S101 (a pipe)
+        for line in proc.stdout:
+            self.lines[j].append((time.time(), line.strip()))
+
+    def versions(self, j: int) -> list[dict[str, Any]]:
+        """The versions follower ``j`` printed: version, digest, bytes received, when."""
+        out = []
+        for t, line in list(self.lines[j]):
+            parts = line.split()
+            if len(parts) == 7 and parts[0].isdigit():
+                out.append({"version": int(parts[0]), "digest": parts[4], "bytes": int(parts[2]), "t": t})
+        return out
+
+    def hold(self, version: int) -> bool:
+        """Whether every follower has printed ``version`` (or a later one)."""
+        return all(any(v["version"] >= version for v in self.versions(j)) for j in self.lines)
+
+    def report(self, published: list[dict[str, Any]]) -> dict[str, Any]:
+        """Per follower: versions seen, digest mismatches against the publisher's, whether it reached the last
+        version, seconds from a version's publication to its line (median and max) and bytes per version."""
+        digests = {p["version"]: p["digest"] for p in published}
+        times = {p["version"]: p["t"] for p in published}
+        last = max(digests, default=None)
+        followers = []
+        for j in self.lines:
+            seen = self.versions(j)
+            delays = [v["t"] - times[v["version"]] for v in seen if v["version"] in times]
+            followers.append(
+                {
+                    "versions": len(seen),
+                    "mismatches": sum(1 for v in seen if digests.get(v["version"]) != v["digest"]),
+                    "reached_last": last is not None and any(v["version"] == last for v in seen),
+                    "delay_s_median": statistics.median(delays) if delays else None,
+                    "delay_s_max": max(delays) if delays else None,
+                    "bytes_per_version": statistics.mean(v["bytes"] for v in seen) if seen else None,
+                }
+            )
+        patches = [p["patch_bytes"] for p in published if p["patch_bytes"]]
+        return {
+            "published": len(published),
+            "patch_bytes_mean": statistics.mean(patches) if patches else None,
+            "followers": followers,
+        }
+
+
 def leftover_processes(net: WanNet, namespaces: list[int], timeout: float = 10.0) -> list[str]:
     """The command lines of processes still running in the namespaces of ``namespaces`` (net indices) once every
     trainer there has exited (a peer that exits cleanly leaves no DHT process or libp2p daemon behind), after up
@@ -510,13 +577,20 @@ def leftover_processes(net: WanNet, namespaces: list[int], timeout: float = 10.0
         time.sleep(0.5)
 
 
+def publisher_index(args: argparse.Namespace) -> int | None:
+    """The trainer that publishes PULSESync versions to the followers: the first one neither behind NAT nor in a
+    churn fault (None if there is none)."""
+    churned = {f.peer for f in args.fault if f.kind in CHURN}
+    return next((i for i in range(args.nat, args.peers) if i not in churned), None)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     delay = args.rtt_ms / 4
     trainers = peer_links(args)
     bootstrap_link = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=min(args.jitter_ms, delay))
-    nat = frozenset(range(1, 1 + args.nat))  # net indices: the bootstrap is 0, trainer i is 1 + i
+    nat = frozenset(range(1, 1 + args.nat))  # net indices: the bootstrap is 0, trainer i is 1 + i, then followers
     net = WanNet(
-        [bootstrap_link] + [link for _, link in trainers],
+        [bootstrap_link] + [link for _, link in trainers] + [bootstrap_link] * args.followers,
         mtu=args.mtu,
         prefix="plsw",
         subnet=PUBLIC_SUBNET if args.nat else SUBNET,
@@ -533,6 +607,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if audit is not None:
         audit.mkdir()
     pool: Trainers | None = None
+    followers: Followers | None = None
+    publisher = publisher_index(args)
 
     def restart_bootstrap(seconds: float) -> None:
         procs[0].terminate()
@@ -565,8 +641,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             elif args.ledger:
                 argv += ["--ledger", str(workdir / f"peer{i}.ledger.pt")]
             argv += ["--client-mode"] if 1 + i in nat else []
+            if args.followers and i == publisher:  # its model after every round, to the followers
+                argv += ["--publish", str(workdir / "sync.key"), "--store", str(workdir / "store")]
+                argv += ["--publish-log", str(workdir / "published.jsonl")]
             return [*argv, "--end-dir", str(workdir / "end"), "--num-peers", str(args.peers)]
 
+        if args.followers:
+            keygen = [sys.executable, "-m", "pulseloco", "keygen", "--out", str(workdir / "sync.key")]
+            subprocess.run(keygen, check=True, capture_output=True, timeout=120)
+            followers = Followers(net, 1 + args.peers, args.followers, workdir, workdir / "sync.key", maddrs)
         pool = Trainers(net, trainer_argv, workdir)
         for i in range(args.peers):
             if i not in joiners:
@@ -593,6 +676,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if plan.finished():  # a trainer killed for good counts as done: the others' end waits for no one
                 for i in pool.killed:
                     (workdir / "end" / f"done-{net.host(1 + i)}").touch()
+            last = workdir / "published-last"  # the publisher's last version is out: it serves until they hold it
+            if followers is not None and last.exists() and followers.hold(int(last.read_text() or 0)):
+                (workdir / "end" / "followers-done").touch()
             time.sleep(0.5)
         plan.stop()
         plan.join(timeout=60)
@@ -607,7 +693,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(audit, ignore_errors=True)  # dense copies of every contribution: gigabytes at 16 peers
         elif args.ledger:
             result["final"] = final_state([workdir / f"peer{i}.ledger.pt" for i in range(args.peers)])
-        result["leaked_processes"] = leftover_processes(net, list(range(1, 1 + args.peers)))
+        if followers is not None:
+            published = [json.loads(line) for line in (workdir / "published.jsonl").read_text().splitlines()]
+            result["sync"] = followers.report(published)
+            for proc in followers.procs:
+                proc.terminate()
+            for proc in followers.procs:
+                proc.wait(timeout=30)
+        namespaces = list(range(1, 1 + args.peers + args.followers))
+        result["leaked_processes"] = leftover_processes(net, namespaces)
         result["faults"] = plan.done
         if meter.result is not None:
             result["cpu"] = meter.result
@@ -621,7 +715,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if plan is not None:
             plan.stop()
-        everything = procs + (pool.all() if pool is not None else [])
+        everything = procs + (pool.all() if pool is not None else []) + (followers.procs if followers else [])
         for proc in everything:
             proc.terminate()
         for proc in everything:
@@ -804,6 +898,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the first N trainers are volunteers behind NAT (private address, SNAT, nothing new in) in client "
         "mode; the WAN's addresses are then ones libp2p counts as public, so the bootstrap can relay for them",
     )
+    parser.add_argument(
+        "--followers",
+        type=int,
+        default=0,
+        help="PULSESync followers (`pulseloco sync follow`), each in its own namespace behind the bootstrap's link; "
+        "the first trainer neither behind NAT nor churned publishes its model after every round",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--json", metavar="PATH")
     return parser
@@ -824,6 +925,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("churn faults need blocking rounds (drop --overlap): their ledger records each round as it ends")
     if not 0 <= args.nat <= min(args.peers, 190):
         parser.error(f"--nat must be in [0, {min(args.peers, 190)}]")
+    if args.followers < 0 or (args.followers and publisher_index(args) is None):
+        parser.error("--followers must be at least 0 and needs a trainer to publish, neither behind NAT nor churned")
     # SIGTERM (a killed run) ends through the cleanup below, not with the namespaces and processes left behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"swarm.py: stopped by signal {signum}"))
     reason = WanNet.unavailable_reason()

@@ -12,7 +12,10 @@ to ``--metrics`` and at the end a line ``{"summary": ...}`` with its wall time a
 public initial peer when there is one). ``--audit DIR`` keeps the outside ledger of ``scripts/harness/audit.py``
 in files written as it goes (a SIGKILL loses nothing written), as ``--name``. SIGTERM is a volunteer leaving: the
 peer stops training at once (the round in flight lands first), writes its summary with ``"left": true`` and
-exits without waiting for the others.
+exits without waiting for the others. ``--publish KEY`` makes it the run's PULSESync publisher: after every round
+it publishes its model as ``<run id>.policy`` (in the background, as the Trainer callback does), logs each
+published version to ``--publish-log`` (``{"version", "digest", "patch_bytes", "t"}``) and, once trained, serves
+until the file ``followers-done`` appears in ``--end-dir`` (at most ``--serve-timeout`` s).
 
 Failure behaviour: exits 1 with one line when it cannot join the DHT (hivemind's own timeout) and 2 for bad flags;
 every wait on the swarm is PulseLoCo's, each with its timeout.
@@ -79,6 +82,37 @@ def _wait_for_the_others(end_dir: Path, host: str, num_peers: int, timeout: floa
         time.sleep(0.5)
 
 
+def _publisher(dht: Any, args: argparse.Namespace) -> Any:
+    """The run's PULSESync publisher (``--publish``), logging each published version with its wall time."""
+    from pulseloco.sync.publisher import Publisher
+    from pulseloco.sync.signing import load_private_key
+
+    log = Path(args.publish_log)
+
+    def published(version: int, digest: str, patch_bytes: int) -> None:
+        with log.open("a") as out:
+            out.write(json.dumps({"version": version, "digest": digest, "patch_bytes": patch_bytes, "t": time.time()}))
+            out.write("\n")
+
+    return Publisher(dht, f"{args.run_id}.policy", load_private_key(args.publish), args.store, on_published=published)
+
+
+def _serve_followers(publisher: Any, model: Any, args: argparse.Namespace) -> None:
+    """Publish the final model (the caught-up state), wait for it to be out, then serve until the harness says the
+    followers hold it (``followers-done`` in ``--end-dir``) or ``--serve-timeout`` s pass; then close."""
+    publisher.publish(model)
+    try:
+        publisher.flush(timeout=args.serve_timeout)
+    except TimeoutError:
+        logger.warning("the last version was not published within %.0f s", args.serve_timeout)
+    done = Path(args.end_dir) / "followers-done" if args.end_dir else None
+    (Path(args.publish_log).parent / "published-last").write_text(str(publisher.version))
+    deadline = time.monotonic() + args.serve_timeout
+    while done is not None and not done.exists() and time.monotonic() < deadline and not LEAVING:
+        time.sleep(0.2)
+    publisher.close()
+
+
 def train(args: argparse.Namespace) -> int:
     """The trainer (module docstring); imports torch and pulseloco here, so that a bootstrap starts quickly."""
     import torch
@@ -126,6 +160,7 @@ def train(args: argparse.Namespace) -> int:
     if args.ledger is not None:
         ledger.record(opt, report)
     audit = Audit(opt, Path(args.audit), args.name) if args.audit is not None else None
+    publisher = _publisher(dht, args) if args.publish is not None else None
     gen = torch.Generator().manual_seed(args.seed)
     target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
     if args.end_dir is not None:  # the harness times its faults from when every trainer has started training
@@ -144,6 +179,8 @@ def train(args: argparse.Namespace) -> int:
         opt.zero_grad()
         if audit is not None and opt.round != round_before and opt.last_metrics is not None:
             audit.end_round()
+        if publisher is not None and opt.round != round_before and opt.local_step == 0:
+            publisher.publish(model)  # queued: encoded and uploaded in the background
     opt.finish()
     wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
     if LEAVING and args.end_dir is not None:  # a volunteer leaving: counted as done, waits for no one
@@ -153,6 +190,8 @@ def train(args: argparse.Namespace) -> int:
         opt.catch_up()
     if audit is not None:
         audit.finish()
+    if publisher is not None:
+        _serve_followers(publisher, model, args)
     if args.ledger is not None:
         report.update(theta=opt.theta_N.numpy().tobytes(), residual=opt.residual_N.numpy().tobytes())
         torch.save(report, args.ledger)
@@ -206,10 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--audit", help="keep the outside ledger (scripts/harness/audit.py) in this folder")
     peer.add_argument("--name", default="peer", help="this process's name in the audit, peer<i>.<incarnation>")
     peer.add_argument("--client-mode", action="store_true", help="SwarmConfig.client_mode: behind NAT")
+    peer.add_argument("--publish", metavar="KEY", help="publish PULSESync versions signed with this private key")
+    peer.add_argument("--store", help="the publisher's version store (a folder)")
+    peer.add_argument("--publish-log", help="JSON lines: every version published, with its digest and time")
+    peer.add_argument("--serve-timeout", type=float, default=180.0, help="the publisher's wait for the followers")
     peer.add_argument("--end-dir", help="a folder shared by the peers: wait there for --num-peers, then catch up")
     peer.add_argument("--num-peers", type=int, default=1)
     peer.add_argument("--end-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
+    if args.command == "train" and args.publish is not None and not (args.store and args.publish_log):
+        parser.error("--publish needs --store and --publish-log")
     if args.command == "bootstrap":
         return bootstrap(args.host, args.port, args.identity)
     return train(args)
