@@ -632,6 +632,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flags += ["--close-when-expected" if args.close_when_expected else "--no-close-when-expected"]
         flags += ["--overlap"] if args.overlap else []
         flags += ["--averaging-timeout", str(args.averaging_timeout), "--request-timeout", str(args.request_timeout)]
+        flags += ["--rejoin-interval", str(args.rejoin_interval)]
 
         def trainer_argv(i: int, name: str) -> list[str]:
             argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
@@ -897,6 +898,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the first N trainers are volunteers behind NAT (private address, SNAT, nothing new in) in client "
         "mode; the WAN's addresses are then ones libp2p counts as public, so the bootstrap can relay for them",
+    )
+    parser.add_argument(
+        "--rejoin-interval",
+        type=float,
+        default=30.0,
+        help="SwarmConfig.rejoin_interval: seconds between the trainers' pings of the bootstrap node (0: never)",
     )
     parser.add_argument(
         "--followers",

@@ -131,7 +131,11 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda signum, frame: LEAVING.append(signum))
     config = SwarmConfig(
-        initial_peers=args.initial_peers, host_maddrs=[f"/ip4/{args.host}/tcp/0"], client_mode=args.client_mode
+        initial_peers=args.initial_peers,
+        host_maddrs=[f"/ip4/{args.host}/tcp/0"],
+        client_mode=args.client_mode,
+        startup_timeout=args.startup_timeout,
+        rejoin_interval=args.rejoin_interval,
     )
     try:
         dht = make_dht(config)
@@ -245,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--audit", help="keep the outside ledger (scripts/harness/audit.py) in this folder")
     peer.add_argument("--name", default="peer", help="this process's name in the audit, peer<i>.<incarnation>")
     peer.add_argument("--client-mode", action="store_true", help="SwarmConfig.client_mode: behind NAT")
+    peer.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="SwarmConfig.startup_timeout (16 trainers starting at once on 2 cores miss the bootstrap's pings a while)",
+    )
+    peer.add_argument("--rejoin-interval", type=float, default=30.0, help="SwarmConfig.rejoin_interval")
     peer.add_argument("--publish", metavar="KEY", help="publish PULSESync versions signed with this private key")
     peer.add_argument("--store", help="the publisher's version store (a folder)")
     peer.add_argument("--publish-log", help="JSON lines: every version published, with its digest and time")
