@@ -134,6 +134,9 @@ class _FakeAverager:
     peer_id = "me"
     averaging_timeout = 1.0
 
+    def expect_round(self, round_index: int) -> None:
+        """The owner's window of rounds (``ShardOwner.expect_round``): nothing to move without a network."""
+
     def all_reduce(
         self, group: Group, indices_K: torch.Tensor, values_K: torch.Tensor, _: str, __: torch.Tensor | None = None
     ) -> AllReduceResult:
