@@ -155,6 +155,7 @@ class Audit:
             "digest": theta_digest(self.opt.theta_N),
             "finite": bool(torch.isfinite(self.opt.theta_N).all()),
             "downloads": self.downloads,
+            "error_decay": self.opt.error_decay,
             "final": True,
             "t": time.time(),
         }
