@@ -6,6 +6,7 @@ Needs root and /dev/net/tun (the skip says so otherwise)."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -161,8 +162,13 @@ def test_churn_a_volunteer_behind_nat_and_followers_lose_nothing_and_leave_no_pr
     reason = nat_lab.unavailable_reason()
     if reason is not None:
         pytest.skip(f"NAT needs iptables: {reason}")
-    argv = ["--peers", "5", "--rtt-ms", "40", "--rate", "0", "--rounds", "8", "--inner-steps", "3", "--nat", "1"]
-    argv += ["--step-seconds", "0.2", "--width", "128", "--matchmaking-time", "3", "--timeout", "280"]
+    # rounds of about 2.5 s for 40 s: on loaded cores a joiner's process takes some 23 s to join, and with 8 rounds
+    # of 0.2 s steps the run had ended by then (CI, once)
+    argv = ["--peers", "5", "--rtt-ms", "40", "--rate", "0", "--rounds", "16", "--inner-steps", "3", "--nat", "1"]
+    argv += ["--step-seconds", "0.4", "--width", "128", "--matchmaking-time", "3", "--timeout", "280"]
+    # short waits: a member killed mid-round costs its group the averaging wait (60 s by default; in one CI run the
+    # kill came in round 0's exchange and that round took 64 s)
+    argv += ["--averaging-timeout", "8", "--request-timeout", "3"]
     argv += ["--fault", "kill@4:2", "--fault", "join@5:3", "--fault", "restart@8:2", "--fault", "leave@12:1"]
     argv += ["--followers", "2"]
     result = swarm.run(swarm.build_parser().parse_args(argv))
@@ -170,7 +176,8 @@ def test_churn_a_volunteer_behind_nat_and_followers_lose_nothing_and_leave_no_pr
     assert [f["kind"] for f in result["faults"]] == ["kill", "join", "restart", "leave"], context
     assert all("error" not in f for f in result["faults"]), context
     assert result["final"]["processes"] == ["peer0.0", "peer1.0", "peer2.0", "peer2.1", "peer3.0", "peer4.0"], context
-    assert "checked over 6 processes (0 over 1e-5)" in result["final"]["conservation"], context
+    # the killed process is checked when it had pushed a contribution before the kill (timing: in CI once not)
+    assert re.search(r"checked over [56] processes \(0 over 1e-5\)", result["final"]["conservation"]), context
     assert result["final"]["thetas"] == 1 and result["final"]["conservation_error"] < 1e-5, context
     assert sorted(j["name"] for j in result["joins"]) == ["peer2.1", "peer3.0"], context
     assert all(j["rounds_to_contribute"] is not None and j["rounds_to_contribute"] <= 2 for j in result["joins"]), (
