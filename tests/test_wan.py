@@ -147,15 +147,16 @@ def test_a_route_change_and_a_bootstrap_restart_keep_one_group_and_lose_nothing(
 
 
 def test_churn_a_volunteer_behind_nat_and_followers_lose_nothing_and_leave_no_process(net: Any) -> None:
-    """experiments/wan/swarm.py with churn: five trainers on 40 ms links, trainer 0 a volunteer behind NAT (a private
-    address, SNAT in the hub, nothing new let in) in client mode, reachable through a relay slot on the bootstrap
-    node; 4 s into training trainer 2 is SIGKILLed with its DHT and daemon (mid-round), trainer 3 joins at 5 s,
-    trainer 2 comes back as a new process at 8 s, and trainer 1 leaves (SIGTERM) at 12 s; two PULSESync followers
-    (`pulseloco sync follow`) in namespaces of their own follow trainer 4's versions. Every joiner's contribution
-    is counted within 2 rounds of joining, the trainers that trained to the end hold one theta, the outside ledger
-    (scripts/harness/audit.py, in files a kill does not lose) balances for every process, the killed one included,
-    both followers hold every version they printed with the publisher's digest and reach the last, and no process
-    is left in the trainers' or the followers' namespaces."""
+    """experiments/wan/swarm.py with churn and overlapped rounds (``--overlap``, each exchange during the next inner
+    steps; blocking rounds under churn are the soak's, tests/test_soak.py): five trainers on 40 ms links, trainer 0
+    a volunteer behind NAT (a private address, SNAT in the hub, nothing new let in) in client mode, reachable
+    through a relay slot on the bootstrap node; 4 s into training trainer 2 is SIGKILLed with its DHT and daemon
+    (mid-round), trainer 3 joins at 5 s, trainer 2 comes back as a new process at 8 s, and trainer 1 leaves
+    (SIGTERM) at 12 s; two PULSESync followers (`pulseloco sync follow`) in namespaces of their own follow trainer
+    4's versions. Every joiner's contribution is counted within 2 rounds of joining, the trainers that trained to
+    the end hold one theta, the outside ledger (scripts/harness/audit.py, in files a kill does not lose) balances
+    for every process, the killed one included, both followers hold every version they printed with the publisher's
+    digest and reach the last, and no process is left in the trainers' or the followers' namespaces."""
     import nat_lab  # installs iptables where it is missing, as the NAT tests do
     import swarm
 
@@ -170,7 +171,7 @@ def test_churn_a_volunteer_behind_nat_and_followers_lose_nothing_and_leave_no_pr
     # kill came in round 0's exchange and that round took 64 s)
     argv += ["--averaging-timeout", "8", "--request-timeout", "3"]
     argv += ["--fault", "kill@4:2", "--fault", "join@5:3", "--fault", "restart@8:2", "--fault", "leave@12:1"]
-    argv += ["--followers", "2"]
+    argv += ["--followers", "2", "--overlap"]
     result = swarm.run(swarm.build_parser().parse_args(argv))
     context = json.dumps({k: result[k] for k in ("per_round", "final", "faults", "joins", "log_lines")}, indent=1)
     assert [f["kind"] for f in result["faults"]] == ["kill", "join", "restart", "leave"], context

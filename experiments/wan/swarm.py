@@ -796,7 +796,12 @@ def join_rounds(
             out.append({"name": start["name"], "startup_s": None, "rounds_to_contribute": None})
             continue
         peer_id, joined_at = ids.read_text(), ids.stat().st_mtime
-        finished = [r["round"] for r in records if "round" in r and r["name"] != start["name"] and r["t"] <= joined_at]
+        # when each round applied its step (with overlap its record is written a round later, as it lands)
+        finished = [
+            r["round"]
+            for r in records
+            if "round" in r and r["name"] != start["name"] and r.get("t_applied", r["t"]) <= joined_at
+        ]
         joined = max(finished) + 1 if finished else 0
         counted = [
             r["round"]
@@ -924,8 +929,6 @@ def main(argv: list[str] | None = None) -> int:
     churn_problem = check_churn(args.fault, args.peers)
     if churn_problem is not None:
         parser.error(f"--fault {churn_problem}")
-    if args.overlap and any(f.kind in CHURN for f in args.fault):
-        parser.error("churn faults need blocking rounds (drop --overlap): their ledger records each round as it ends")
     if not 0 <= args.nat <= min(args.peers, 190):
         parser.error(f"--nat must be in [0, {min(args.peers, 190)}]")
     if args.followers < 0 or (args.followers and publisher_index(args) is None):

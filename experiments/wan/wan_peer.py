@@ -119,7 +119,7 @@ def train(args: argparse.Namespace) -> int:
 
     from pulseloco import PulseLoCo
     from pulseloco.errors import SwarmUnreachableError
-    from pulseloco.loco import AveragingConfig, RoundConfig
+    from pulseloco.loco import AveragingConfig, RoundConfig, RoundMetrics
     from pulseloco.swarm import SwarmConfig, make_dht
 
     logging.basicConfig(
@@ -165,26 +165,34 @@ def train(args: argparse.Namespace) -> int:
         ledger.record(opt, report)
     audit = Audit(opt, Path(args.audit), args.name) if args.audit is not None else None
     publisher = _publisher(dht, args) if args.publish is not None else None
+    landed = [-1]  # the last round landed
+
+    def on_round(_: PulseLoCo, metrics: RoundMetrics | None) -> None:
+        """After each round (with overlap: as it lands, a round late, the model holding the next phase's start)."""
+        if metrics is not None:
+            landed[0] = metrics.round
+        if audit is not None and metrics is not None:
+            audit.end_round(metrics=metrics)
+        if publisher is not None:
+            publisher.publish(model)  # queued: encoded and uploaded in the background
+
+    opt.add_round_listener(on_round)
     gen = torch.Generator().manual_seed(args.seed)
     target = torch.randn(args.width, 1, generator=torch.Generator().manual_seed(1))
     if args.end_dir is not None:  # the harness times its faults from when every trainer has started training
         (Path(args.end_dir) / f"started-{args.host}").touch()
     started, cpu_started, cpu_inner = time.monotonic(), time.process_time(), 0.0
-    # overlapped rounds move the round counter in the background: count the boundaries, then land the last round
-    while ((opt.num_boundaries < args.rounds) if args.overlap else (opt.round < args.rounds)) and not LEAVING:
+    # overlapped rounds move the round counter in the background: stop once the round in flight is the last one (it
+    # is at least one past the last one landed: a joiner's first rounds jump to the swarm's), then land it
+    while ((landed[0] + 2 < args.rounds) if args.overlap else (opt.round < args.rounds)) and not LEAVING:
         step_start, step_cpu = time.monotonic(), time.process_time()
         x = torch.randn(args.batch, args.width, generator=gen)
         loss = torch.nn.functional.mse_loss(model(x), x @ target)
         loss.backward()
         cpu_inner += time.process_time() - step_cpu  # this process's CPU (every thread) in the forward and backward
         time.sleep(max(0.0, args.step_seconds - (time.monotonic() - step_start)))
-        round_before = opt.round
         opt.step(loss=loss)
         opt.zero_grad()
-        if audit is not None and opt.round != round_before and opt.last_metrics is not None:
-            audit.end_round()
-        if publisher is not None and opt.round != round_before and opt.local_step == 0:
-            publisher.publish(model)  # queued: encoded and uploaded in the background
     opt.finish()
     wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
     if LEAVING and args.end_dir is not None:  # a volunteer leaving: counted as done, waits for no one

@@ -57,18 +57,25 @@ def repair_target(states: list[PeerState], own: PeerState, *, step_back: bool = 
     drag the majority along); else this peer's own round, when the majority there holds another digest.
 
     ``step_back`` (for a swarm that has stopped, :meth:`PulseLoCo.catch_up`): a peer alone at its round, ahead of
-    every other peer, also goes back to the older round most other peers hold (the newest among equals), since
-    nobody will follow it there; during training it waits instead, because the others may still be on their way."""
+    every round that more than one peer holds, also goes back to the older round most other peers hold (the newest
+    among equals), since nobody will follow it there; and no peer follows one that is alone further ahead, which
+    steps back itself (two peers that each ran on alone, to different rounds, would otherwise swap places and end on
+    two states). During training a peer ahead waits instead, because the others may still be on their way."""
     votes = [s for s in states if s.peer_id != own.peer_id] + [own]
     servable = {s.round for s in votes if not s.client_mode and s.peer_id != own.peer_id}
     accept = {r: d for r in servable if (d := majority_digest(votes, r)) is not None}
     voters = collections.Counter(s.round for s in votes)
-    newest = max((r for r in accept if r > own.round and voters[r] >= voters[own.round]), default=None)
+    lone = step_back  # a stopped swarm: a round only one peer holds is not followed
+    newest = max(
+        (r for r in accept if r > own.round and voters[r] >= voters[own.round] and not (lone and voters[r] == 1)),
+        default=None,
+    )
     if newest is not None:
         return {newest: accept[newest]}
     if own.round in accept and accept[own.round] != own.digest:
         return {own.round: accept[own.round]}
-    if step_back and voters[own.round] == 1 and max(voters) == own.round:
+    shared = max((r for r, n in voters.items() if n > 1), default=-1)
+    if step_back and voters[own.round] == 1 and own.round > shared:
         older = max((r for r in accept if r < own.round and voters[r] > 1), key=lambda r: (voters[r], r), default=None)
         if older is not None:
             return {older: accept[older]}

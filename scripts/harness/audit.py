@@ -34,10 +34,16 @@ class Audit:
       keyed by the round the peer was at, which is below the round it is sent in when the peer catches up first);
     - ``sent/<peer>.<round>.npy``: the dense contribution pushed in the round (written before it is pushed);
     - ``<name>.jsonl``: one record per finished round: group, accepted lists and shard bounds, the theta digests
-      before and after the outer step (a transition) and at the end, metrics, downloads;
+      before and after the outer step (a transition) and at the end, metrics, downloads, when the round applied
+      its step (``t_applied``);
     - ``resid/<name>.npy``: the residual after the last round (rewritten every round);
     - ``resid/<name>.push.<round>.npy``: the residual left when the last contribution was pushed (the selection
       taken out), so that a process killed mid-round is checked against all it held.
+
+    What a round's hooks record is kept under its round index until :meth:`end_round` writes it, so rounds that
+    run in the background (``RoundConfig.overlap``: the hooks run on the optimizer's thread while the next inner
+    steps run, and the round lands a round later) are recorded as they land; call :meth:`end_round` from a round
+    listener (``PulseLoCo.add_round_listener``) or after each blocking round.
     """
 
     def __init__(self, opt: Any, out: Path, name: str) -> None:
@@ -49,7 +55,7 @@ class Audit:
         self.opt, self.out, self.name = opt, out, name
         self.peer_id = str(opt.peer_id)
         self.downloads = 0
-        self.current: dict[str, Any] = {}
+        self.rounds: dict[int, dict[str, Any]] = collections.defaultdict(dict)  # by round index, until written
         for sub in ("prod", "sent", "resid", "ids"):
             (out / sub).mkdir(exist_ok=True)
         (out / "ids" / name).write_text(self.peer_id)
@@ -73,9 +79,9 @@ class Audit:
             np.save(self.out / "prod" / f"{self.peer_id}.{round_started[0]}.npy", produced.numpy())
             add_pseudo_gradient(None if chunks is None else iter(chunks))
 
-        def form_group_and_record(*args: Any) -> Any:
-            self.current["start"] = theta_digest(opt.theta_N)  # after the repair at the round's start
-            return form_group(*args)
+        def form_group_and_record(round_index: int, *args: Any) -> Any:
+            self.rounds[round_index]["start"] = theta_digest(opt.theta_N)  # after the repair at the round's start
+            return form_group(round_index, *args)
 
         def all_reduce_and_record(group: Any, indices_K: torch.Tensor, values_K: torch.Tensor, *args: Any) -> Any:
             sent = torch.zeros(opt.numel)
@@ -89,7 +95,7 @@ class Audit:
                     older.unlink()
             np.save(self.out / "sent" / f"{self.peer_id}.{group.round}.npy", sent.numpy())
             result = all_reduce(group, indices_K, values_K, *args)
-            self.current.update(
+            self.rounds[group.round].update(
                 group=group.group_id,
                 members=list(group.members),
                 accepted=[sorted(names) if names is not None else None for names in result.accepted],
@@ -106,7 +112,8 @@ class Audit:
         def step_and_record(outer: Any, theta_N: torch.Tensor, *args: Any, **kwargs: Any) -> None:
             before = theta_digest(theta_N)
             outer_step(outer, theta_N, *args, **kwargs)
-            self.current["transition"] = [before, theta_digest(theta_N)]
+            # opt.round is the round's index until the step is applied
+            self.rounds[opt.round].update(transition=[before, theta_digest(theta_N)], t_applied=time.time())
 
         opt._pseudo_gradient_is_finite = is_finite_and_record
         opt._add_pseudo_gradient = add_and_record
@@ -115,16 +122,22 @@ class Audit:
         opt.averager.download_state = download_and_count
         NesterovOuterOptimizer.step_sparse = step_and_record  # this process has one optimizer
 
-    def end_round(self, final: bool = False) -> None:
-        """Write the round the optimizer just finished (its ``last_metrics``) and the residual; ``final`` marks the
-        process's last round."""
-        m = self.opt.last_metrics
-        np.save(self.out / "resid" / f"{self.name}.npy", self.opt.residual_N.numpy())
+    def end_round(self, final: bool = False, metrics: Any = None) -> None:
+        """Write the round the optimizer just finished or landed (``metrics``, by default its ``last_metrics``)
+        and, between blocking rounds, the residual (with overlap the next round is already changing it:
+        :meth:`finish` writes it); ``final`` marks the process's last round."""
+        m = metrics if metrics is not None else self.opt.last_metrics
+        if not self.opt.overlap:
+            np.save(self.out / "resid" / f"{self.name}.npy", self.opt.residual_N.numpy())
+        current = self.rounds.pop(m.round, {})
+        for older in [r for r in list(self.rounds) if r < m.round]:  # rounds that never ended (a repair skipped them)
+            del self.rounds[older]
         record = {
             "name": self.name,
             "peer_id": self.peer_id,
             "round": m.round,
-            "end_round": self.opt.round,
+            # with overlap the next round may already have moved the counter (a repair as it starts)
+            "end_round": m.round + 1 if self.opt.overlap else self.opt.round,
             "digest": m.theta_digest,
             "finite": bool(torch.isfinite(self.opt.theta_N).all()),
             "repaired": m.repaired,
@@ -136,11 +149,10 @@ class Audit:
             "downloads": self.downloads,
             "final": final,
             "t": time.time(),
-            **self.current,
+            **current,
         }
         with (self.out / f"{self.name}.jsonl").open("a") as fh:
             fh.write(json.dumps(record) + "\n")
-        self.current = {}
 
     def finish(self) -> None:
         """Write the process's end: a ``final`` record of the theta it holds now (after a catch-up at the end, which
