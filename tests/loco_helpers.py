@@ -98,6 +98,12 @@ class PeerConfig:
     record_parts: bool = False
     """Report every round's parts as sent (dense), their shard norms, and the shards' accepted lists and scales."""
     extra: dict[str, Any] = field(default_factory=dict)
+    step_seconds: float = 0.0
+    """Pad every inner step to this many seconds (a steady pace, as a GPU's)."""
+    pause: tuple[int, float] | None = None
+    """(inner step, seconds): stop training that long before that step (counted from this peer's first)."""
+    exchange_delay: float = 0.0
+    """Seconds each round's exchange waits before it starts (a slow link), on the round's thread only."""
     log_file: str | None = None
     """Log at INFO level to this file (else warnings to stderr, which a forked peer's test capture loses)."""
 
@@ -334,6 +340,14 @@ def run_peer(
 
             byzantine.install(opt, config.attack, seed=config.index)
         ledger.record(opt, report)
+        if config.exchange_delay:
+            all_reduce = opt.averager.all_reduce
+
+            def slow_all_reduce(*args: Any) -> Any:
+                time.sleep(config.exchange_delay)
+                return all_reduce(*args)
+
+            opt.averager.all_reduce = slow_all_reduce
     if config.die_in_round is not None:
         original = opt.matchmaker.form_group
 
@@ -372,12 +386,17 @@ def run_peer(
     # Blocking rounds: until the round counter (which a repair may move) reaches the target. Overlapped rounds
     # change it in the background: count the boundaries instead, then land the last round.
     target = opt.round + config.num_rounds
+    steps = 0
     while (opt.num_boundaries < config.num_rounds) if opt.overlap else (opt.round < target):
         if late_event is not None and config.announce_round is not None and opt.round > config.announce_round:
             late_event.set()
+        if config.pause is not None and steps == config.pause[0]:
+            time.sleep(config.pause[1])
+        started, steps = time.monotonic(), steps + 1
         phase = target - config.num_rounds + opt.num_boundaries if opt.overlap else opt.round
         tokens = batch(config.index, phase * config.inner_steps + opt.local_step)
         loss = inner_step(model, inner_optimizer, tokens)
+        time.sleep(max(0.0, config.step_seconds - (time.monotonic() - started)))
         opt.step(loss=loss)
         opt.zero_grad()
     if config.state_out is not None:  # at the boundary (an overlapped round in flight is waited for, not landed)

@@ -61,6 +61,38 @@ def test_old_rounds_are_forgotten_after_the_window() -> None:
     assert sorted(ledger.entries) == [3, 4]
 
 
+def _split(keep: int, swarm: str) -> tuple[Ledger, torch.Tensor]:
+    """Peer "me" averaged rounds 0-9 in groups "a<r>" that counted its entry r (1.0 each); then it reconciles with
+    a state of round 10 whose lineage ran groups "<swarm><r>" (served with the same window of ``keep`` rounds)."""
+    ledger = Ledger("me", keep_rounds=keep)
+    residual_N = torch.zeros(10)
+    for r in range(10):
+        ledger.record(
+            r, LedgerEntry(f"a{r}", (("me",),)), Pending(f"a{r}", torch.tensor([r]), torch.ones(1), [0, 1], [True])
+        )
+    accepted = (("me",),) if swarm == "a" else (("x",),)
+    adopted = {r: LedgerEntry(f"{swarm}{r}", accepted) for r in range(max(0, 10 - keep), 10)}
+    ledger.reconcile(adopted, 10, residual_N)
+    return ledger, residual_N
+
+
+def test_a_split_longer_than_the_window_is_logged_and_a_longer_window_reconciles_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # apart for 10 rounds with a window of 8: the rounds inside it come back to the residual, rounds 0 and 1 are
+    # lost with the abandoned theta, and the peer says so
+    _, residual_N = _split(8, "b")
+    assert residual_N.tolist() == [0, 0] + [1.0] * 8
+    assert "left this peer's at or before round=2" in caplog.text
+    caplog.clear()
+    # AveragingConfig.ledger_rounds = 16: the whole split is reconciled
+    _, residual_N = _split(16, "b")
+    assert residual_N.tolist() == [1.0] * 10 and "left this peer's" not in caplog.text
+    # the same lineage (a peer that only fell behind): nothing to say
+    _, residual_N = _split(8, "a")
+    assert residual_N.tolist() == [0.0] * 10 and "left this peer's" not in caplog.text
+
+
 def test_ledger_round_trips_through_json_and_rejects_malformed_input() -> None:
     ledger = Ledger("me")
     ledger.record(3, LedgerEntry("g", (("a", "me"), None)), None)

@@ -167,6 +167,8 @@ def test_load_state_dict_rejects_mismatched_state() -> None:
         ({"averaging_config": lambda: AveragingConfig(averaging_timeout=0)}, "averaging_timeout"),
         ({"averaging_config": lambda: AveragingConfig(digest_timeout=float("nan"))}, "digest_timeout"),
         ({"averaging_config": lambda: AveragingConfig(max_norm_ratio=1.0)}, "max_norm_ratio"),
+        ({"averaging_config": lambda: AveragingConfig(ledger_rounds=0)}, "ledger_rounds must be an integer from 1"),
+        ({"averaging_config": lambda: AveragingConfig(ledger_rounds=65)}, "ledger_rounds must be an integer from 1"),
         ({"run_id": lambda: "has space"}, "run_id"),
     ],
 )
@@ -266,6 +268,25 @@ def test_overlapped_rounds_land_one_round_late_on_the_blocking_trajectory_of_pla
     assert _bits_equal(opt.theta_N, blocking.theta_N)
     assert _bits_equal(flat_params(model), opt.theta_N)
     assert landed == digests
+
+
+def test_overlapped_finish_mid_phase_keeps_the_phase_progress_on_the_landed_theta() -> None:
+    """Training that ends mid-phase with overlap (a phase shortened to realign, ``PulseLoCo._realign``): ``finish``
+    lands the round in flight and the model holds that theta plus what the phase trained since its start, as the
+    next boundary would have started it (not the phase's local weights, which lack the landed round)."""
+    model = make_model(0)
+    inner = make_inner_optimizer(model, 1e-3)
+    opt = PulseLoCo(model, inner, round_config=RoundConfig(inner_steps=H, selector="dense", overlap=True))
+    _train_overlapped(opt, model, inner, 0, 2)
+    for i in range(H - 1):
+        opt.step(loss=inner_step(model, inner, batch(0, 2 * H + i)))
+        opt.zero_grad()
+    assert opt._start_N is not None
+    progress_N = flat_params(model) - opt._start_N
+    final = opt.finish()
+    assert final is not None and final.round == 1 and opt.local_step == H - 1
+    torch.testing.assert_close(flat_params(model), opt.theta_N + progress_N)
+    assert not torch.equal(flat_params(model), opt.theta_N)
 
 
 @pytest.mark.parametrize("selector", ["pulse", "sparseloco"])

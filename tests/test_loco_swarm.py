@@ -576,6 +576,30 @@ def test_overlapped_rounds_count_every_contribution_once_under_faults(initial_pe
     assert sum(r["num_reconciled"] for report in reports for r in report["rounds"]) > 0
 
 
+def test_an_overlapped_peer_that_falls_out_of_step_ends_a_phase_early_and_is_counted_again(
+    initial_peers: list[str], tmp_path: Any
+) -> None:
+    """With overlap no boundary waits for the swarm, so a peer whose phases fall behind the others' (here peer 2
+    pauses 1.4 s in its third phase: a slow step, a joiner's start) registers after the others' registration
+    closed (0.8 s after the first) while they are still exchanging (1 s: a WAN link), and would do so every later
+    round and sit out to the end, its entries piling up in its residual (a restarted peer in a 16-peer WAN run).
+    It sits out one round, ends its current phase early (``PulseLoCo._realign``) and is in the group again from
+    the round after: 3 peers, phases of 6 steps padded to 0.5 s."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=6, run_id="realign", target_group_size=None)
+    base = replace(base, inner_steps=6, matchmaking_time=0.8, step_seconds=0.5, exchange_delay=1.0, linger=4.0)
+    base = replace(base, extra={"overlap": True}, end_together=True)
+    logs = [tmp_path / f"peer{i}.log" for i in range(3)]
+    configs = [replace(base, index=i, log_file=str(logs[i])) for i in range(2)]
+    configs.append(replace(base, index=2, pause=(12, 1.4), log_file=str(logs[2])))
+    reports = run_swarm(configs)
+    context = _rounds_summary(reports) + "\n" + _peer_logs(logs)
+    late = [r["round"] for r in reports[2]["rounds"] if r["num_peers"] == 0]
+    assert late == [2], context  # the round it fell out of step in, only
+    assert "after the registration closed; this phase ends after" in logs[2].read_text(), context
+    assert [r["num_peers"] for r in reports[2]["rounds"] if r["round"] > 2] == [3, 3, 3], context
+    assert _one_theta(reports) and ledger.conservation_error(reports) < 1e-5, context
+
+
 def test_client_mode_peer_averages_without_serving(initial_peers: list[str]) -> None:
     base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id="client")
     configs = [replace(base, index=0), replace(base, index=1), replace(base, index=2, client_mode=True)]

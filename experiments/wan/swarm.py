@@ -626,7 +626,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         flags += ["--close-when-expected" if args.close_when_expected else "--no-close-when-expected"]
         flags += ["--overlap"] if args.overlap else []
         flags += ["--averaging-timeout", str(args.averaging_timeout), "--request-timeout", str(args.request_timeout)]
-        flags += ["--rejoin-interval", str(args.rejoin_interval)]
+        flags += ["--rejoin-interval", str(args.rejoin_interval), "--ledger-rounds", str(args.ledger_rounds)]
 
         def trainer_argv(i: int, name: str) -> list[str]:
             argv = [sys.executable, str(PEER), "train", "--host", net.host(1 + i), "--initial-peers", *maddrs]
@@ -875,6 +875,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--averaging-timeout", type=float, default=60.0, help="AveragingConfig.averaging_timeout")
     parser.add_argument("--request-timeout", type=float, default=10.0, help="AveragingConfig.request_timeout")
     parser.add_argument(
+        "--ledger-rounds", type=int, default=8, help="AveragingConfig.ledger_rounds: the splits reconciled exactly"
+    )
+    parser.add_argument(
         "--fault",
         type=parse_fault,
         action="append",
@@ -929,6 +932,8 @@ def main(argv: list[str] | None = None) -> int:
     churn_problem = check_churn(args.fault, args.peers)
     if churn_problem is not None:
         parser.error(f"--fault {churn_problem}")
+    if not 1 <= args.ledger_rounds <= 64:
+        parser.error("--ledger-rounds must be from 1 to 64 (AveragingConfig.ledger_rounds)")
     if not 0 <= args.nat <= min(args.peers, 190):
         parser.error(f"--nat must be in [0, {min(args.peers, 190)}]")
     if args.followers < 0 or (args.followers and publisher_index(args) is None):

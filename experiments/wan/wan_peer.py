@@ -155,6 +155,7 @@ def train(args: argparse.Namespace) -> int:
             target_group_size=args.target_group_size or None,
             close_when_expected=args.close_when_expected,
             averaging_timeout=args.averaging_timeout,
+            ledger_rounds=args.ledger_rounds,
             request_timeout=args.request_timeout,
             exchange=args.exchange,
         ),
@@ -252,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     peer.add_argument("--overlap", action="store_true", help="RoundConfig.overlap")
     peer.add_argument("--averaging-timeout", type=float, default=60.0)
     peer.add_argument("--request-timeout", type=float, default=10.0)
+    peer.add_argument("--ledger-rounds", type=int, default=8, help="AveragingConfig.ledger_rounds")
     peer.add_argument("--linger", type=float, default=10.0)
     peer.add_argument("--ledger", help="write the outside ledger (scripts/harness/ledger.py) here, torch.save")
     peer.add_argument("--audit", help="keep the outside ledger (scripts/harness/audit.py) in this folder")

@@ -289,7 +289,7 @@ class PulseSyncCallback(LogsContributor):
             # two callbacks runs first: the round has run already (its number changed) or is about to (this was
             # the round's last inner step). A step the gradient scaler skipped counts as no step for PulseLoCo.
             round_begin, inner_begin = self._round_at_step_begin
-            if self._loco.round != round_begin or inner_begin + 1 >= self._loco.inner_steps:
+            if self._loco.round != round_begin or inner_begin + 1 >= self._loco.phase_steps:
                 return
             if getattr(kwargs.get("optimizer"), "step_was_skipped", False):
                 return

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pulseloco.errors import ConfigError
+from pulseloco.loco.ledger import DEFAULT_KEEP_ROUNDS, MAX_LEDGER_ROUNDS
 from pulseloco.loco.outer import NesterovOuterOptimizer
 from pulseloco.loco.placement import OUTER_STATE_DEVICES, OuterStateDevice
 from pulseloco.loco.quantize import ParamLayout
@@ -230,6 +231,14 @@ class AveragingConfig:
             "below; else sums)."
         ),
     )
+    ledger_rounds: int = field(
+        default=DEFAULT_KEEP_ROUNDS,
+        metadata=_help(
+            "Rounds of history each peer keeps and serves with its state (at most 64): a partition, stall or split "
+            "of up to this many rounds is reconciled exactly when the halves meet again; a peer apart for longer "
+            "loses what it sent before the window (logged). Costs 12 bytes of CPU memory per sent entry per round."
+        ),
+    )
     exchange_budget: float = field(
         default=DEFAULT_EXCHANGE_BUDGET,
         metadata=_help(
@@ -262,6 +271,12 @@ class AveragingConfig:
             raise ConfigError(
                 f"exchange_budget must be a number above 0 and at most {MAX_EXCHANGE_BUDGET:g} (a multiple of one "
                 f"part's entries per tile), got {budget!r}"
+            )
+        window = self.ledger_rounds
+        if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MAX_LEDGER_ROUNDS:
+            raise ConfigError(
+                f"ledger_rounds must be an integer from 1 to {MAX_LEDGER_ROUNDS} (the most rounds a served ledger may "
+                f"hold), got {window!r}"
             )
         rounds = self.dispute_rounds
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:

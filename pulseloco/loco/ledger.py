@@ -36,12 +36,15 @@ from pulseloco.loco.robust import clip_scale, clip_split, parse_bar, part_norm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_KEEP_ROUNDS", "Ledger", "LedgerEntry", "Pending"]
+__all__ = ["DEFAULT_KEEP_ROUNDS", "MAX_LEDGER_ROUNDS", "Ledger", "LedgerEntry", "Pending"]
 
 DEFAULT_KEEP_ROUNDS = 8
-"""Rounds of history kept (and served with the state): how long two lineages may diverge (or a peer fall
-behind) and still be reconciled exactly. The own contributions kept for it cost 12 bytes per sent entry per
-round of CPU memory."""
+"""Rounds of history kept (and served with the state) by default (``AveragingConfig.ledger_rounds``): how long two
+lineages may diverge (or a peer fall behind) and still be reconciled exactly. The own contributions kept for it
+cost 12 bytes per sent entry per round of CPU memory."""
+
+MAX_LEDGER_ROUNDS = 64
+"""The most rounds a served ledger may hold (:meth:`Ledger.parse` refuses more)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,10 @@ class LedgerEntry:
         if not self.counted(group, shard, peer):
             return None
         return clip_scale(norm, self.bars[shard] if shard < len(self.bars) else None)
+
+    def same_round(self, other: LedgerEntry) -> bool:
+        """Whether ``other`` records the same round of the same lineage (the same group, accepting the same)."""
+        return self.group == other.group and self.accepted == other.accepted
 
     def to_json(self, numel: int = 0) -> dict[str, Any]:
         """The JSON form; with ``numel`` (the flat space's size) the ``topk`` kept sets too, Rice-coded."""
@@ -215,8 +222,8 @@ class Ledger:
     @staticmethod
     def parse(data: Any) -> dict[int, LedgerEntry]:
         """Entries received with a state; raises :class:`PayloadError` for anything malformed."""
-        if not isinstance(data, dict) or len(data) > 64:
-            raise PayloadError("ledger must be an object of at most 64 rounds")
+        if not isinstance(data, dict) or len(data) > MAX_LEDGER_ROUNDS:
+            raise PayloadError(f"ledger must be an object of at most {MAX_LEDGER_ROUNDS} rounds")
         entries = {}
         for key, value in data.items():
             try:
@@ -279,7 +286,26 @@ class Ledger:
     def reconcile(self, adopted: dict[int, LedgerEntry], state_round: int, residual_N: torch.Tensor) -> int:
         """Adopt the ledger of a downloaded state of round ``state_round`` (it holds rounds ``< state_round``)
         and correct ``residual_N`` in place for every pending round it covers. Returns the number of entries
-        moved into or out of the residual; rounds it does not cover are logged and dropped."""
+        moved into or out of the residual; rounds it does not cover are logged and dropped. When the adopted lineage
+        already differs from this peer's at the oldest round a full window holds, it left this peer's lineage at or
+        before that round: what the peer sent earlier and its own lineage counted is in neither the adopted theta
+        nor the residual (logged as a warning; ``AveragingConfig.ledger_rounds`` sets the window)."""
+        oldest = min(self.entries, default=None)
+        if (
+            oldest is not None
+            and len(self.entries) >= self.keep_rounds
+            and oldest < state_round
+            and oldest in adopted
+            and not adopted[oldest].same_round(self.entries[oldest])
+        ):
+            logger.warning(
+                "the adopted state's lineage left this peer's at or before round=%d, the oldest of the %d rounds the "
+                "ledger keeps: what this peer sent before that round and its own lineage counted is lost with its "
+                "theta (a split of more than %d rounds; AveragingConfig.ledger_rounds sets the window)",
+                oldest,
+                self.keep_rounds,
+                self.keep_rounds,
+            )
         moved = 0
         for round_index, pending in sorted(self.pending.items()):
             if round_index >= state_round:

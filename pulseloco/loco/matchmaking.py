@@ -167,11 +167,13 @@ class Matchmaker:
         self.rounds: collections.deque[RoundRecord] = collections.deque(maxlen=MAX_ROUND_RECORDS)
         """This peer's latest rounds, published with its state (:meth:`record_round`)."""
         self.no_shows: tuple[int, frozenset[str]] = (-1, frozenset())
+        """The last round whose registration closed while some expected peers had not registered, and those peers
+        (:meth:`expected_peers` does not wait for them again unless their state record moved on)."""
         self.outvoted_by: frozenset[str] = frozenset()
         """The members that went on without this peer in the last :meth:`form_group` because they start from
         another theta (empty otherwise): the peer waits for their state records after the round and repairs."""
-        """The last round whose registration closed while some expected peers had not registered, and those peers
-        (:meth:`expected_peers` does not wait for them again unless their state record moved on)."""
+        self.late_by = 0.0
+        """Seconds this peer registered after the last :meth:`form_group`'s registration closed (0: in time)."""
 
     # -- DHT helpers -------------------------------------------------------------------------------------
     def _store(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
@@ -237,6 +239,7 @@ class Matchmaker:
         """
         me, registered = self.peer_id, get_dht_time()
         self.outvoted_by = frozenset()
+        self.late_by = 0.0
         value = {"client": self.client_mode, "t": registered, "digest": digest}
         self._store(self._key(round_index, "peers"), me, value, expiration)
         expected = self.expected_peers(round_index)
@@ -246,6 +249,7 @@ class Matchmaker:
             seen.update(self._registrations(round_index))
             closes = min(t for _, t, _ in seen.values()) + self.matchmaking_time
             if registered > closes:
+                self.late_by = registered - closes
                 logger.warning(
                     "round=%d registration closed %.1fs before this peer registered: sitting this round out; its "
                     "entries stay in the residual and the state is downloaded if the others move ahead",

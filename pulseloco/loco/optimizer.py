@@ -221,6 +221,10 @@ class PulseLoCo:
         self._executor: ThreadPoolExecutor | None = None
         self._start_N: torch.Tensor | None = None
         self._delta_N: torch.Tensor | None = None
+        # Overlap, one process: how late this peer registered for the round in flight (set by the background round
+        # when the registration had closed), and the inner steps of the current phase (shortened to realign).
+        self._late_by: float | None = None
+        self._phase_steps = self.inner_steps
         if dht is not None and self.is_main_process:
             if client_mode is None:  # a client-mode DHT holding a relay address can own shards through the relay
                 client_mode = not is_reachable(dht)
@@ -249,7 +253,7 @@ class PulseLoCo:
                 close_when_expected=averaging.close_when_expected,
                 request_timeout=averaging.request_timeout,
             )
-            self.ledger = Ledger(self.averager.peer_id)
+            self.ledger = Ledger(self.averager.peer_id, keep_rounds=averaging.ledger_rounds)
             self._catch_up()
             self._publish()
         self.placement.broadcast(self.theta_N)
@@ -294,10 +298,39 @@ class PulseLoCo:
         if isinstance(loss, float | int):
             self._losses.append(float(loss))
         self.local_step += 1
-        if self.local_step >= self.inner_steps:
+        if self._late_by is not None:
+            self._realign()
+        if self.local_step >= self._phase_steps:
             self.outer_step()
             return self.last_metrics if self.is_main_process else None
         return None
+
+    @property
+    def phase_steps(self) -> int:
+        """Inner steps of the current phase: ``inner_steps``, or fewer for one phase after this peer registered too
+        late for a round with ``RoundConfig.overlap`` (:meth:`_realign`)."""
+        return self._phase_steps
+
+    def _realign(self) -> None:
+        """Main thread, overlap, one process: the round in flight was sat out because this peer registered
+        ``_late_by`` seconds after its registration closed. Its boundaries keep that offset from the others' (no
+        boundary waits for the swarm with overlap), so it would miss every round; end the current phase early
+        instead, by that lateness plus half of ``matchmaking_time`` at this phase's pace, so that the next
+        registration comes inside the others' window (at least the steps already taken; at least one)."""
+        late_by, self._late_by = self._late_by, None
+        if late_by is None or self.matchmaker is None:
+            return
+        step_seconds = (time.monotonic() - self._round_start) / max(1, self.local_step)
+        cut = math.ceil((late_by + self.matchmaker.matchmaking_time / 2) / max(step_seconds, 1e-3))
+        self._phase_steps = max(self.local_step, self.inner_steps - cut, 1)
+        logger.info(
+            "round=%d: registered %.1fs after the registration closed; this phase ends after %d of %d inner steps "
+            "so that the next registration comes in time",
+            self.round,
+            late_by,
+            self._phase_steps,
+            self.inner_steps,
+        )
 
     def add_round_listener(self, listener: Callable[[PulseLoCo, RoundMetrics | None], None]) -> None:
         """Call ``listener(self, metrics)`` on every process after each outer round, once the local model holds
@@ -338,6 +371,7 @@ class PulseLoCo:
             if metrics is not None:
                 metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
         self.local_step = 0
+        self._phase_steps = self.inner_steps
         self.num_boundaries += 1
         self._losses = []
         self._round_start = time.monotonic()
@@ -356,10 +390,19 @@ class PulseLoCo:
             return None
         start = time.monotonic()
         metrics = self._land_round()
+        start_N, delta_N = self._start_N, self._delta_N
+        assert start_N is not None and delta_N is not None  # noqa: S101 (set with overlap)
         if self.local_step == 0:
-            assert self._start_N is not None  # noqa: S101 (set with overlap)
-            self._start_N.copy_(self.theta_N)
+            start_N.copy_(self.theta_N)
             self.placement.load_into_model(self.theta_N)
+        else:  # mid-phase (a phase shortened to realign): the landed theta plus this phase's own progress since
+            with torch.no_grad():
+                for lo, hi, local_chunk in self.placement.local_chunks():
+                    torch.sub(local_chunk, start_N[lo:hi], out=delta_N[lo:hi])
+                for lo, hi in self.placement.chunk_ranges():
+                    delta_N[lo:hi].add_(self.theta_N[lo:hi])
+                    start_N[lo:hi].copy_(self.theta_N[lo:hi])
+                self.placement.load_into_model(delta_N)
         if metrics is not None:
             metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
         for listener in self._round_listeners:
@@ -675,6 +718,8 @@ class PulseLoCo:
         group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
         self._seconds_matchmaking = time.monotonic() - started
         if group is None:
+            if self.overlap and self.matchmaker.late_by > 0 and process_group()[0] == 1:
+                self._late_by = self.matchmaker.late_by  # the main thread ends its phase early (_realign)
             self.residual_N.index_add_(0, indices_K, values_K)  # back to the signal, exactly (below)
             self.ledger.record(self.round, LedgerEntry(None), None)
             return None, 0, indices_K[:0], values_K[:0], None  # sat the round out: in no group
