@@ -315,8 +315,10 @@ class Ledger:
             if entry is None:
                 logger.warning(
                     "cannot reconcile round=%d: the adopted state's ledger does not reach back to it (the residual "
-                    "keeps this peer's own view of that round)",
+                    "keeps this peer's own view of that round: what its own lineage counted of it is lost if the "
+                    "adopted one did not count it; AveragingConfig.ledger_rounds=%d sets the window)",
                     round_index,
+                    self.keep_rounds,
                 )
                 continue
             moved += self._reconcile_absorbed(pending, entry, residual_N)
