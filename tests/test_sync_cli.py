@@ -25,6 +25,7 @@ from sync_helpers import (
 )
 
 from pulseloco.cli import main
+from pulseloco.keys import policy_run_id
 from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import generate_key, load_private_key, save_keypair
 
@@ -125,7 +126,7 @@ def test_sync_serve_reports_a_truncated_anchor_as_a_damaged_store(
 ) -> None:
     private, _ = keypair
     store = tmp_path / "store"
-    writer = Publisher(None, RUN, load_private_key(private), store)
+    writer = Publisher(None, policy_run_id(RUN), load_private_key(private), store)  # as a trainer writes it
     trainer = Trainer()
     writer.publish(trainer.model)
     assert writer.flush(timeout=30) == 1
@@ -181,7 +182,7 @@ def test_serve_and_follow_across_a_publisher_restart(bootstrap, tmp_path: Path, 
     key = load_private_key(private)
     store = tmp_path / "store"
     peers = maddrs(bootstrap)
-    writer = Publisher(None, RUN, key, store, anchor_every=3)
+    writer = Publisher(None, policy_run_id(RUN), key, store, anchor_every=3)
     trainer, expected = Trainer(), {}
 
     def publish() -> int:
@@ -201,7 +202,7 @@ def test_serve_and_follow_across_a_publisher_restart(bootstrap, tmp_path: Path, 
         publish()
         with popen(serve_cmd, stderr=logs[0]) as serve, popen(follow_cmd, stderr=logs[2]) as follower:
             serving, reader = LineReader(serve), LineReader(follower)
-            serving.wait_for(r"^serving run=cli-test at /ip4/127\.0\.0\.1/")
+            serving.wait_for(r"^serving run=cli-test\.policy at /ip4/127\.0\.0\.1/")
             serving.wait_for(rf"^version=1 digest={expected[1]}$")
             for v in range(1, 5):
                 if v > 1:
@@ -246,7 +247,8 @@ def test_a_follower_killed_mid_update_restarts_from_a_consistent_state(
     key = load_private_key(private)
     peers = maddrs(bootstrap)
     pub_dht = start_dht(peers)
-    pub = Publisher(pub_dht, RUN + "-kill", key, tmp_path / "store", anchor_every=4, keep_anchors=10)
+    # the run a trainer publishes (RUN-kill.policy); `sync follow --run-id RUN-kill` follows it
+    pub = Publisher(pub_dht, policy_run_id(RUN + "-kill"), key, tmp_path / "store", anchor_every=4, keep_anchors=10)
     trainer, expected = Trainer(), {}
     stop, follower_ready, killed = threading.Event(), threading.Event(), threading.Event()
     errors: list[BaseException] = []

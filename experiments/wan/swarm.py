@@ -495,7 +495,7 @@ class Followers:
         self.procs: list[subprocess.Popen[str]] = []
         self.lines: dict[int, list[tuple[float, str]]] = {j: [] for j in range(count)}
         for j in range(count):
-            argv = [sys.executable, "-m", "pulseloco", "sync", "follow", "--run-id", "wan.policy"]
+            argv = [sys.executable, "-m", "pulseloco", "sync", "follow", "--run-id", "wan"]  # wan.policy, as README
             argv += ["--public-key", f"{key}.pub", "--out", str(workdir / f"follower{j}"), "--interval", "0.5"]
             argv += ["--initial-peers", *maddrs, "--host-maddrs", f"/ip4/{net.host(first + j)}/tcp/0"]
             with (workdir / f"follower{j}.log").open("a") as err:

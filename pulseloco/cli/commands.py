@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 from pulseloco import __version__
 from pulseloco.errors import ConfigError, PulseLocoError, SwarmUnreachableError
-from pulseloco.keys import check_run_id
+from pulseloco.keys import POLICY_SUFFIX, check_run_id, policy_run_id
 from pulseloco.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,18 @@ def _check_store(path: str, create: bool) -> None:
         )
 
 
+def _sync_run_id(run_id: str) -> str:
+    """The PULSESync run of ``--run-id`` (a training run id, as ``pulseloco status`` and the recipes take it): its
+    ``.policy`` run, which the recipes publish; an id that already ends in ``.policy`` names that run itself."""
+    return run_id if run_id.endswith(POLICY_SUFFIX) else policy_run_id(run_id)
+
+
+_SYNC_RUN_ID_HELP = (
+    "the training run id (the recipes' --run_id); its weights are published as RUN_ID.policy, which is the "
+    "PULSESync run used (an id already ending in .policy is used as it is)"
+)
+
+
 def _cmd_sync_serve(args: argparse.Namespace) -> int:
     """Serve a version store on the swarm: announce its newest version and serve its objects."""
     from pulseloco.sync.publisher import Publisher
@@ -144,12 +156,14 @@ def _cmd_sync_serve(args: argparse.Namespace) -> int:
     _check_store(args.store, args.create_store)
     dht = _make_dht(args)
     try:
-        publisher = Publisher(dht, args.run_id, key, args.store, max_uploads_per_version=args.max_uploads_per_version)
+        publisher = Publisher(
+            dht, _sync_run_id(args.run_id), key, args.store, max_uploads_per_version=args.max_uploads_per_version
+        )
     except BaseException:  # a store that does not resume: leave no DHT process behind
         dht.shutdown()
         raise
     for maddr in dht.get_visible_maddrs():
-        print(f"serving run={args.run_id} at {maddr}", flush=True)
+        print(f"serving run={_sync_run_id(args.run_id)} at {maddr}", flush=True)
     print(f"version={publisher.version} digest={publisher.digest}", flush=True)
     stop = stop_on_signals()
     try:
@@ -169,7 +183,7 @@ def _add_sync_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="create --store if it does not exist (to start serving before the trainer writes its first version)",
     )
-    parser.add_argument("--run-id", required=True, help="run id announced in the DHT")
+    parser.add_argument("--run-id", required=True, help=_SYNC_RUN_ID_HELP)
     parser.add_argument("--key", required=True, help="the publisher's private key (from `pulseloco keygen`)")
     parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks for new versions")
     from pulseloco.sync.publisher import DEFAULT_MAX_UPLOADS_PER_VERSION
@@ -191,7 +205,8 @@ def _cmd_sync_follow(args: argparse.Namespace) -> int:
     if not args.initial_peers:
         raise ConfigError("--initial-peers is required: the multiaddr printed by the publisher or a swarm peer")
     dht = _make_dht(args)
-    subscriber = Subscriber(dht, args.run_id, key, mirror_dir=args.out, timeout=args.timeout)
+    subscriber = Subscriber(dht, _sync_run_id(args.run_id), key, mirror_dir=args.out, timeout=args.timeout)
+    print(f"following run={_sync_run_id(args.run_id)}", file=sys.stderr, flush=True)
     state: dict = {}
     if args.out:
         restored = subscriber.restore(state)
@@ -216,7 +231,7 @@ def _cmd_sync_follow(args: argparse.Namespace) -> int:
 
 
 def _add_sync_follow_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run-id", required=True, help="the run to follow")
+    parser.add_argument("--run-id", required=True, help=_SYNC_RUN_ID_HELP)
     parser.add_argument("--public-key", required=True, help="the publisher's public key file (.pub)")
     parser.add_argument("--out", default=None, help="directory keeping received versions (restored on restart)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between checks for a new version")
