@@ -235,8 +235,11 @@ def test_dense_swarm_equals_reference_diloco_with_median_clipping(initial_peers:
 
 
 def test_peer_killed_mid_round_does_not_stop_the_others(initial_peers: list[str]) -> None:
+    """Peer 2 dies (SIGKILL, with its DHT process and daemon) once round 1's group formed, before it pushes: the
+    owners waiting for its parts ping it, find it gone and sum without it, and the members' fetches of its shard
+    give up, so round 1 takes a few seconds, not the 30 s averaging wait."""
     base = PeerConfig(
-        index=0, initial_peers=initial_peers, num_rounds=3, run_id="kill", averaging_timeout=4.0, matchmaking_time=2.0
+        index=0, initial_peers=initial_peers, num_rounds=3, run_id="kill", averaging_timeout=30.0, matchmaking_time=2.0
     )
     configs = [replace(base, index=0), replace(base, index=1), replace(base, index=2, die_in_round=1)]
     start = time.monotonic()
@@ -248,9 +251,9 @@ def test_peer_killed_mid_round_does_not_stop_the_others(initial_peers: list[str]
         assert [r["round"] for r in rounds] == [0, 1, 2]
         assert rounds[0]["num_peers"] == 3
         # Round 1: the dead peer was in the group; its shard never arrived, so this peer's entries there went
-        # back into the residual, and the round took at most about the averaging timeout.
+        # back into the residual.
         assert rounds[1]["num_peers"] == 3 and rounds[1]["num_returned"] > 0
-        assert rounds[1]["seconds_sync"] < 4.0 + 3 * 3.0
+        assert rounds[1]["seconds_sync"] < 10.0, rounds[1]
         assert rounds[2]["num_peers"] == 2
     assert _digests(reports[0]) == _digests(reports[1])
     assert torch.isfinite(ledger.vector(reports[0], "theta")).all()

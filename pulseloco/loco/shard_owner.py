@@ -113,6 +113,10 @@ def peak(values_K: torch.Tensor) -> float:
     return float(values_K.abs().max()) if values_K.numel() else 0.0
 
 
+PROBE_SECONDS = 2.0
+"""How often an owner waiting for parts pings the members still missing (:meth:`ShardOwner._aggregate`)."""
+
+
 @dataclass
 class OwnedShard:
     """Owner-side state of one shard in one round (created on the first push, fetch or local begin)."""
@@ -128,6 +132,9 @@ class OwnedShard:
     all_fetched: asyncio.Event = field(default_factory=asyncio.Event)
     fetched: set[str] = field(default_factory=set)
     awaiting: frozenset[str] | None = None
+    dialable: frozenset[str] = frozenset()
+    """The members (server mode, this owner excepted) whose liveness the owner checks while it waits for their
+    parts (:meth:`ShardOwner._aggregate`)."""
     header: dict[str, Any] | None = None
     payload: bytes = b""
     parts: tuple[bytes, ...] = ()
@@ -193,6 +200,10 @@ class ShardOwner(TrafficCounter):
     _owned: dict[tuple[int, str], OwnedShard]
     _aggregations: dict[tuple[int, str], asyncio.Task[None]]
     _current_round: int
+
+    async def _alive(self, peer: str) -> bool:
+        """Whether ``peer`` still answers (the averager pings it); this base class assumes so."""
+        return True
 
     def exchange_for(self, group_size: int) -> str:
         """The exchange this owner serves a group of ``group_size`` members with: the configured one, or for
@@ -340,6 +351,7 @@ class ShardOwner(TrafficCounter):
         if owned is None:  # cannot happen: the current round is always in range
             raise SwarmError(f"cannot own a shard of round {group.round}")
         owned.expected = frozenset(group.members)
+        owned.dialable = frozenset(group.servers) - {self.peer_id}
         owned.numel = numel
         owned.start = start
         for sender in list(owned.contributions):
@@ -416,17 +428,39 @@ class ShardOwner(TrafficCounter):
             )
 
     async def _aggregate(self, shard: OwnedShard, deadline: float) -> None:
-        """Wait for the members' parts (until ``deadline``, loop time), validate and sum them."""
-        try:
-            await asyncio.wait_for(shard.all_arrived.wait(), timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            missing = sorted((shard.expected or frozenset()) - shard.contributions.keys())
-            logger.warning(
-                "averaging timeout: aggregating without parts round=%d missing=%s (raise averaging_timeout if "
-                "peers are slow rather than gone)",
-                shard.round,
-                missing,
-            )
+        """Wait for the members' parts (until ``deadline``, loop time), validate and sum them. Every
+        :data:`PROBE_SECONDS` without them, the server-mode members still missing are pinged (:meth:`_alive`):
+        once every member still missing is one that did not answer (a process that died mid-round), the shard is
+        summed without them instead of waiting out ``averaging_timeout``. A part that comes later is refused, so
+        its sender keeps it in its residual (exactly once holds either way)."""
+        expected = shard.expected or frozenset()
+        gone: set[str] = set()
+        while not shard.all_arrived.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning(
+                    "averaging timeout: aggregating without parts round=%d missing=%s (raise averaging_timeout if "
+                    "peers are slow rather than gone)",
+                    shard.round,
+                    sorted(expected - shard.contributions.keys()),
+                )
+                break
+            try:
+                await asyncio.wait_for(shard.all_arrived.wait(), timeout=min(remaining, PROBE_SECONDS))
+                break
+            except TimeoutError:
+                pass
+            probed = sorted((expected - shard.contributions.keys() - gone) & shard.dialable)
+            answers = await asyncio.gather(*(self._alive(peer) for peer in probed))
+            gone.update(peer for peer, alive in zip(probed, answers, strict=True) if not alive)
+            if gone and expected - gone <= shard.contributions.keys() and not shard.all_arrived.is_set():
+                logger.warning(
+                    "aggregating without parts round=%d gone=%s: they do not answer (a process that died "
+                    "mid-round); not waiting out averaging_timeout for them",
+                    shard.round,
+                    sorted(gone),
+                )
+                break
         shard.closed = True
         contributions = dict(shard.contributions)
         loop = asyncio.get_running_loop()
