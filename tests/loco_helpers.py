@@ -157,6 +157,8 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
     """Faults by round, each a real failure of this process or of its network behaviour:
 
     - ``stall:S``: the process stops for S seconds when it starts fetching the shard sums (its parts pushed);
+    - ``die_fetching``: the process dies (SIGKILL, with its DHT process and daemon) when it starts fetching the
+      shard sums: its parts were pushed, it fetches nothing;
     - ``cut_fetch``: as a shard owner, end the sum's stream without a message for one member (the largest
       peer id other than its own) on every attempt, while serving the others;
     - ``alone``: its DHT view fails at the start of the round: it forms a group of itself alone;
@@ -173,6 +175,8 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
 
     async def fetch(owner: str, header: dict[str, Any], deadline: float) -> Any:
         fault = faults.get(header["round"], "")
+        if fault == "die_fetching":
+            _die_now()
         if fault.startswith("stall:") and header["round"] not in stalled:
             stalled.add(header["round"])
             _stall(float(fault.split(":")[1]))

@@ -71,7 +71,11 @@ def run_swarm(configs: list[PeerConfig], num_reports: int | None = None) -> list
     for proc in procs:
         proc.start()
     expected = len(configs) if num_reports is None else num_reports
-    may_die = {i for i, config in enumerate(configs) if config.die_in_round is not None}
+    may_die = {
+        i
+        for i, config in enumerate(configs)
+        if config.die_in_round is not None or "die_fetching" in config.faults.values()
+    }
     reports: list[dict[str, Any]] = []
     deadline = time.monotonic() + REPORT_TIMEOUT_S
     try:
@@ -234,14 +238,16 @@ def test_dense_swarm_equals_reference_diloco_with_median_clipping(initial_peers:
         assert torch.equal(ledger.vector(report, "residual").view(torch.int32), residuals[index].view(torch.int32))
 
 
-def test_peer_killed_mid_round_does_not_stop_the_others(initial_peers: list[str]) -> None:
-    """Peer 2 dies (SIGKILL, with its DHT process and daemon) once round 1's group formed, before it pushes: the
-    owners waiting for its parts ping it, find it gone and sum without it, and the members' fetches of its shard
-    give up, so round 1 takes a few seconds, not the 30 s averaging wait."""
-    base = PeerConfig(
-        index=0, initial_peers=initial_peers, num_rounds=3, run_id="kill", averaging_timeout=30.0, matchmaking_time=2.0
-    )
-    configs = [replace(base, index=0), replace(base, index=1), replace(base, index=2, die_in_round=1)]
+@pytest.mark.parametrize("when", ["before_pushing", "after_pushing"])
+def test_peer_killed_mid_round_does_not_stop_the_others(initial_peers: list[str], when: str) -> None:
+    """Peer 2 dies (SIGKILL, with its DHT process and daemon) in round 1, once its group formed (before it pushes
+    its parts) or once it pushed them (before it fetches): the owners waiting for its parts, or for its fetch of
+    their sums, ping it, find it gone and stop waiting, and the members' fetches of its shard give up, so round 1
+    takes a few seconds, not the 30 s averaging wait."""
+    base = PeerConfig(index=0, initial_peers=initial_peers, num_rounds=3, run_id=f"kill-{when}", averaging_timeout=30.0)
+    base = replace(base, matchmaking_time=2.0)
+    dies = {"die_in_round": 1} if when == "before_pushing" else {"faults": {1: "die_fetching"}}
+    configs = [replace(base, index=0), replace(base, index=1), replace(base, index=2, **dies)]
     start = time.monotonic()
     reports = run_swarm(configs, num_reports=2)
     elapsed = time.monotonic() - start

@@ -414,18 +414,33 @@ class ShardOwner(TrafficCounter):
     async def _serve_until_fetched(self, owned: OwnedShard, deadline: float) -> None:
         """Keep serving until every member that contributed (and this peer) has fetched the sum, at most until
         ``deadline`` (a timeout is logged, never raised), so that a peer finishing first does not leave the others
-        without its shard; later fetches are still served."""
+        without its shard; later fetches are still served. Every :data:`PROBE_SECONDS` the server-mode members
+        still to fetch are pinged (:meth:`_alive`), and those that do not answer (they died after pushing their
+        part) are no longer waited for."""
         owned.awaiting = frozenset(owned.contributions) | {self.peer_id}
         if owned.awaiting <= owned.fetched:
             owned.all_fetched.set()
-        try:
-            await asyncio.wait_for(owned.all_fetched.wait(), timeout=max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            logger.info(
-                "not every member fetched round=%d missing=%s",
-                owned.round,
-                sorted(owned.awaiting - owned.fetched),
-            )
+        gone: set[str] = set()
+        while not owned.all_fetched.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.info(
+                    "not every member fetched round=%d missing=%s",
+                    owned.round,
+                    sorted(owned.awaiting - owned.fetched),
+                )
+                return
+            try:
+                await asyncio.wait_for(owned.all_fetched.wait(), timeout=min(remaining, PROBE_SECONDS))
+                return
+            except TimeoutError:
+                pass
+            probed = sorted((owned.awaiting - owned.fetched - gone) & owned.dialable)
+            answers = await asyncio.gather(*(self._alive(peer) for peer in probed))
+            gone.update(peer for peer, alive in zip(probed, answers, strict=True) if not alive)
+            if gone and owned.awaiting - gone <= owned.fetched:
+                logger.info("every live member fetched round=%d gone=%s", owned.round, sorted(gone))
+                return
 
     async def _aggregate(self, shard: OwnedShard, deadline: float) -> None:
         """Wait for the members' parts (until ``deadline``, loop time), validate and sum them. Every
