@@ -189,7 +189,11 @@ class AveragingConfig:
     )
     averaging_timeout: float = field(
         default=60.0,
-        metadata=_help("Seconds a round's exchange may take; a peer gone mid-round delays the others by at most this."),
+        metadata=_help(
+            "Seconds a round's exchange may take: a slow peer's part counts if it arrives by then. A server-mode peer "
+            "gone mid-round is noticed within seconds (it does not answer a ping); a client-mode one delays the "
+            "others by at most this."
+        ),
     )
     request_timeout: float = field(default=10.0, metadata=_help("Seconds for one DHT operation or message."))
     digest_timeout: float | None = field(
