@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from pulseloco.codec import FrameHeader, peek_header
@@ -352,16 +352,14 @@ class SparseAverager(ShardOwner, StateTransfer):
         for r in [r for r in self._traffic if r < round_index - _KEEP_ROUNDS]:
             del self._traffic[r]
 
-    async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """Answer a liveness check (an owner waiting for this member's part, a member whose fetch failed)."""
-        return runtime_pb2.ExpertResponse()
-
     async def _alive(self, peer: str) -> bool:
-        """Whether ``peer`` answers :meth:`rpc_ping` within ``request_timeout`` (never raises: a refused
-        connection, a dead daemon or a timeout is ``False``)."""
+        """Whether ``peer`` answers :meth:`~pulseloco.loco.shard_owner.ShardOwner.rpc_ping` within
+        ``request_timeout`` (never raises: a refused connection, a dead daemon or a timeout is ``False``)."""
         try:
             stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
-            await asyncio.wait_for(stub.rpc_ping(runtime_pb2.ExpertRequest()), timeout=self.request_timeout)
+            started = time.monotonic()
+            stream = await asyncio.wait_for(stub.rpc_ping(runtime_pb2.ExpertRequest()), timeout=self.request_timeout)
+            await read_reply(stream, timeout=max(0.1, self.request_timeout - (time.monotonic() - started)))
         except Exception as exc:
             logger.info("ping failed peer=%s error=%r", peer, exc)
             return False

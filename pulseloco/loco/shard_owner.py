@@ -178,8 +178,8 @@ def _refusal(reason: str) -> dict[str, Any]:
 
 class ShardOwner(TrafficCounter):
     """The owner side of :class:`~pulseloco.loco.averaging.SparseAverager`, which sets the attributes below and
-    registers ``rpc_push`` and ``rpc_fetch`` with its other handlers. Owner state is touched on the averager's
-    event-loop thread only (the handlers, the aggregation tasks and the exchange run there)."""
+    registers ``rpc_push``, ``rpc_fetch`` and ``rpc_ping`` with its other handlers. Owner state is touched on the
+    averager's event-loop thread only (the handlers, the aggregation tasks and the exchange run there)."""
 
     numel: int
     peer_id: str
@@ -204,6 +204,14 @@ class ShardOwner(TrafficCounter):
     async def _alive(self, peer: str) -> bool:
         """Whether ``peer`` still answers (the averager pings it); this base class assumes so."""
         return True
+
+    @asker_closes
+    async def rpc_ping(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Answer a liveness check (an owner waiting for this member's part or fetch, a member whose fetch failed)
+        with one empty message on a stream the asker closes."""
+        yield runtime_pb2.ExpertResponse()
 
     def exchange_for(self, group_size: int) -> str:
         """The exchange this owner serves a group of ``group_size`` members with: the configured one, or for
