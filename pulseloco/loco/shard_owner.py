@@ -205,6 +205,26 @@ class ShardOwner(TrafficCounter):
         """Whether ``peer`` still answers (the averager pings it); this base class assumes so."""
         return True
 
+    @staticmethod
+    async def _wait_probing(event: asyncio.Event, deadline: float) -> bool | None:
+        """Wait for ``event`` at most :data:`PROBE_SECONDS` and not past ``deadline`` (loop time): True once it is
+        set, False when it is time to ping the peers still waited for, None when the deadline has passed."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            await asyncio.wait_for(event.wait(), timeout=min(remaining, PROBE_SECONDS))
+        except TimeoutError:
+            return False
+        return True
+
+    async def _find_gone(self, waiting: frozenset[str], dialable: frozenset[str], gone: set[str]) -> None:
+        """Ping the ``dialable`` peers of ``waiting`` not yet in ``gone`` (at once) and add to ``gone`` those that
+        do not answer (:meth:`_alive`, which never raises)."""
+        probed = sorted((waiting - gone) & dialable)
+        answers = await asyncio.gather(*(self._alive(peer) for peer in probed))
+        gone.update(peer for peer, alive in zip(probed, answers, strict=True) if not alive)
+
     @asker_closes
     async def rpc_ping(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
@@ -430,22 +450,17 @@ class ShardOwner(TrafficCounter):
             owned.all_fetched.set()
         gone: set[str] = set()
         while not owned.all_fetched.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            done = await self._wait_probing(owned.all_fetched, deadline)
+            if done is None:
                 logger.info(
                     "not every member fetched round=%d missing=%s",
                     owned.round,
                     sorted(owned.awaiting - owned.fetched),
                 )
                 return
-            try:
-                await asyncio.wait_for(owned.all_fetched.wait(), timeout=min(remaining, PROBE_SECONDS))
+            if done:
                 return
-            except TimeoutError:
-                pass
-            probed = sorted((owned.awaiting - owned.fetched - gone) & owned.dialable)
-            answers = await asyncio.gather(*(self._alive(peer) for peer in probed))
-            gone.update(peer for peer, alive in zip(probed, answers, strict=True) if not alive)
+            await self._find_gone(owned.awaiting - owned.fetched, owned.dialable, gone)
             if gone and owned.awaiting - gone <= owned.fetched:
                 logger.info("every live member fetched round=%d gone=%s", owned.round, sorted(gone))
                 return
@@ -459,8 +474,8 @@ class ShardOwner(TrafficCounter):
         expected = shard.expected or frozenset()
         gone: set[str] = set()
         while not shard.all_arrived.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            done = await self._wait_probing(shard.all_arrived, deadline)
+            if done is None:
                 logger.warning(
                     "averaging timeout: aggregating without parts round=%d missing=%s (raise averaging_timeout if "
                     "peers are slow rather than gone)",
@@ -468,14 +483,9 @@ class ShardOwner(TrafficCounter):
                     sorted(expected - shard.contributions.keys()),
                 )
                 break
-            try:
-                await asyncio.wait_for(shard.all_arrived.wait(), timeout=min(remaining, PROBE_SECONDS))
+            if done:
                 break
-            except TimeoutError:
-                pass
-            probed = sorted((expected - shard.contributions.keys() - gone) & shard.dialable)
-            answers = await asyncio.gather(*(self._alive(peer) for peer in probed))
-            gone.update(peer for peer, alive in zip(probed, answers, strict=True) if not alive)
+            await self._find_gone(expected - shard.contributions.keys(), shard.dialable, gone)
             if gone and expected - gone <= shard.contributions.keys() and not shard.all_arrived.is_set():
                 logger.warning(
                     "aggregating without parts round=%d gone=%s: they do not answer (a process that died "
