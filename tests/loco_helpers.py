@@ -159,6 +159,8 @@ def _inject_faults(opt: Any, faults: dict[int, str]) -> None:
     - ``stall:S``: the process stops for S seconds when it starts fetching the shard sums (its parts pushed);
     - ``die_fetching``: the process dies (SIGKILL, with its DHT process and daemon) when it starts fetching the
       shard sums: its parts were pushed, it fetches nothing;
+    - ``cut_push`` / ``cut_pushes``: as a shard owner, end the push stream of the round's first sender without
+      an answer, once (the member retries) or on every attempt (the member gives up and says so when pinged);
     - ``cut_fetch``: as a shard owner, end the sum's stream without a message for one member (the largest
       peer id other than its own) on every attempt, while serving the others;
     - ``alone``: its DHT view fails at the start of the round: it forms a group of itself alone;
@@ -210,6 +212,28 @@ def _patch_owner_faults(faults: dict[int, str]) -> None:
     from pulseloco.loco.averaging import SparseAverager
 
     original = SparseAverager.rpc_fetch
+    original_push = SparseAverager.rpc_push
+    cut: dict[int, str] = {}  # round -> the sender whose pushes are cut
+    times_cut: dict[int, int] = {}
+
+    @functools.wraps(original_push)
+    async def rpc_push(self: Any, requests: Any, context: Any) -> Any:
+        iterator = requests.__aiter__()
+        first = await iterator.__anext__()
+        round_index = json.loads(first.metadata or b"{}").get("round")
+        fault, sender = faults.get(round_index, ""), context.remote_id.to_base58()
+        first_cut = fault == "cut_push" and times_cut.get(round_index, 0) == 0
+        if (first_cut or fault == "cut_pushes") and cut.setdefault(round_index, sender) == sender:
+            times_cut[round_index] = times_cut.get(round_index, 0) + 1
+            return  # the stream ends without an answer, the part unread
+
+        async def chained() -> Any:
+            yield first
+            async for message in iterator:
+                yield message
+
+        async for message in original_push(self, chained(), context):
+            yield message
 
     @functools.wraps(original)
     async def rpc_fetch(self: Any, request: Any, context: Any) -> Any:
@@ -224,6 +248,7 @@ def _patch_owner_faults(faults: dict[int, str]) -> None:
             yield message
 
     SparseAverager.rpc_fetch = rpc_fetch  # type: ignore[method-assign]
+    SparseAverager.rpc_push = rpc_push  # type: ignore[method-assign]
 
 
 def _record_parts(opt: Any, report: dict[str, Any], dense: bool) -> None:
@@ -301,7 +326,7 @@ def run_peer(
     inner_optimizer = make_inner_optimizer(model, config.inner_lr)
     if config.malicious:
         _make_malicious()
-    if "cut_fetch" in config.faults.values():
+    if {"cut_fetch", "cut_push", "cut_pushes"} & set(config.faults.values()):
         _patch_owner_faults(config.faults)
     extra = dict(config.extra)
     opt = PulseLoCo(

@@ -83,6 +83,7 @@ from pulseloco.loco.robust import (
 from pulseloco.loco.shard_owner import (
     AGGREGATE_NAME,
     CONTRIBUTION_NAME,
+    DUPLICATE,
     OwnedShard,
     ShardOwner,
     accepted_names,
@@ -110,6 +111,9 @@ __all__ = ["AllReduceResult", "SparseAverager", "delivery", "payload_frame", "sh
 _KEEP_ROUNDS = 2
 #: Fetches of a shard's sum after the first one failed (each bounded by ``request_timeout``).
 _FETCH_RETRIES = 2
+#: Pushes of a part after the first one failed on the network (the owner still answering pings), before the
+#: member gives up on that owner for the round and tells it so when pinged.
+_PUSH_RETRIES = 2
 
 
 def shard_bounds(numel: int, num_shards: int) -> list[tuple[int, int]]:
@@ -312,6 +316,8 @@ class SparseAverager(ShardOwner, StateTransfer):
         # Encodes the whole selection (payload_bytes) while the exchange waits on the network.
         self._payload_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pulseloco-payload")
         self._aggregations: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._gave_up: set[tuple[int, str, str]] = set()
+        self._finished: set[tuple[int, str]] = set()
         self._current_round = 0
         self._snapshot: StateSnapshot | None = None
         self._snapshot_lock = threading.Lock()
@@ -351,22 +357,54 @@ class SparseAverager(ShardOwner, StateTransfer):
             del self._aggregations[key]
         for r in [r for r in self._traffic if r < round_index - _KEEP_ROUNDS]:
             del self._traffic[r]
+        self._gave_up = {key for key in self._gave_up if key[0] >= round_index - _KEEP_ROUNDS}
+        self._finished = {key for key in self._finished if key[0] >= round_index - _KEEP_ROUNDS}
 
-    async def _alive(self, peer: str) -> bool:
-        """Whether ``peer`` answers :meth:`~pulseloco.loco.shard_owner.ShardOwner.rpc_ping` within
-        ``request_timeout`` (never raises: a refused connection, a dead daemon or a timeout is ``False``)."""
+    async def _probe(self, peer: str, about: dict[str, Any]) -> dict[str, Any] | None:
+        """Ping ``peer`` (:meth:`~pulseloco.loco.shard_owner.ShardOwner.rpc_ping`) about ``about`` (a round and
+        group, or nothing) and return its answer, ``None`` when it does not answer within ``request_timeout``
+        (never raises: a refused connection, a dead daemon, a timeout or an unreadable answer is ``None``)."""
         try:
             stub = self.get_stub(self.p2p, PeerID.from_base58(peer), namespace=self.namespace)
             started = time.monotonic()
-            stream = await asyncio.wait_for(stub.rpc_ping(runtime_pb2.ExpertRequest()), timeout=self.request_timeout)
-            await read_reply(stream, timeout=max(0.1, self.request_timeout - (time.monotonic() - started)))
+            request = header_message(runtime_pb2.ExpertRequest, about)
+            stream = await asyncio.wait_for(stub.rpc_ping(request), timeout=self.request_timeout)
+            reply = await read_reply(stream, timeout=max(0.1, self.request_timeout - (time.monotonic() - started)))
+            return parse_header(reply.metadata)
         except Exception as exc:
             logger.info("ping failed peer=%s error=%r", peer, exc)
-            return False
-        return True
+            return None
 
     # -- member side ----------------------------------------------------------------------------------------
     async def _push(self, owner: str, header: dict[str, Any], payload: bytes, deadline: float) -> bool:
+        """Push one part to ``owner`` (:meth:`_push_once`); after a failure on the network (not a refusal), retry
+        up to :data:`_PUSH_RETRIES` times while the deadline leaves time and the owner answers pings (a ping opens
+        a connection the retry can use: a push can fail with libp2p's "routing: not found" while the owner's pings
+        to this peer get through). A member that gives up records it, so that the owner, pinging this member while
+        it waits for the part, stops waiting (:meth:`~pulseloco.loco.shard_owner.ShardOwner.rpc_ping`). Returns
+        whether the owner took the part; never raises."""
+        round_index, group_id = header["round"], header["group"]
+        try:
+            for attempt in range(_PUSH_RETRIES + 1):
+                outcome = await self._push_once(owner, header, payload, deadline)
+                if outcome is not None:
+                    return outcome
+                if attempt == _PUSH_RETRIES or deadline - time.monotonic() < self.request_timeout / 4:
+                    break
+                await asyncio.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                if not await self._alive(owner):
+                    break
+                logger.info("retrying push round=%d owner=%s attempt=%d", round_index, owner, attempt + 2)
+            logger.warning("gave up pushing round=%d owner=%s: the part stays in the residual", round_index, owner)
+            self._gave_up.add((round_index, group_id, owner))
+            return False
+        except asyncio.CancelledError:
+            self._gave_up.add((round_index, group_id, owner))
+            raise
+
+    async def _push_once(self, owner: str, header: dict[str, Any], payload: bytes, deadline: float) -> bool | None:
+        """One push of a part: ``True`` when the owner took it (or already had it), ``False`` when it refused it,
+        ``None`` when it failed on the way (a vanished owner, a cut stream, a timeout); never raises."""
         round_index = header["round"]
         layout = FrameLayout.of(payload)
 
@@ -384,7 +422,9 @@ class SparseAverager(ShardOwner, StateTransfer):
             reply = parse_header(response.metadata)
         except Exception as exc:  # a vanished peer surfaces as daemon, handler or timeout errors
             logger.warning("push failed round=%d owner=%s error=%r", round_index, owner, exc)
-            return False
+            return None
+        if reply.get("reason") == DUPLICATE:  # a retry after a push whose answer was lost: the owner has the part
+            return True
         if not reply.get("ok"):
             logger.warning("push refused round=%d owner=%s reason=%s", round_index, owner, reply.get("reason"))
         return bool(reply.get("ok"))
@@ -431,8 +471,11 @@ class SparseAverager(ShardOwner, StateTransfer):
             for j, owner in enumerate(group.servers)
             if j != own_index
         ]
-        await asyncio.gather(*pushes)  # delivery is read from the sums' accepted lists, not from these replies
-        results = await self._collect(group, [None] * len(group.servers), deadline)
+        try:
+            await asyncio.gather(*pushes)  # delivery is read from the sums' accepted lists, not from these replies
+            results = await self._collect(group, [None] * len(group.servers), deadline)
+        finally:  # from here on this member fetches nothing more this round: an owner that pings it stops waiting
+            self._finished.add((group.round, group.group_id))
         if owned is not None:
             await self._serve_until_fetched(owned, deadline)
         return results, owned, await self._traffic_copy(group.round)

@@ -116,6 +116,9 @@ def peak(values_K: torch.Tensor) -> float:
 PROBE_SECONDS = 2.0
 """How often an owner waiting for parts pings the members still missing (:meth:`ShardOwner._aggregate`)."""
 
+DUPLICATE = "duplicate contribution"
+"""The refusal of a second part from one member: a member's retried push whose first answer was lost."""
+
 
 @dataclass
 class OwnedShard:
@@ -200,10 +203,19 @@ class ShardOwner(TrafficCounter):
     _owned: dict[tuple[int, str], OwnedShard]
     _aggregations: dict[tuple[int, str], asyncio.Task[None]]
     _current_round: int
+    _gave_up: set[tuple[int, str, str]]
+    """``(round, group, owner)``: the owners this member gave up pushing its part to (the averager's ``_push``)."""
+    _finished: set[tuple[int, str]]
+    """``(round, group)``: the rounds whose exchange this member has ended: it pushes and fetches nothing more."""
+
+    async def _probe(self, peer: str, about: dict[str, Any]) -> dict[str, Any] | None:
+        """``peer``'s answer to a ping about ``about`` (a round and group), ``None`` when it does not answer (the
+        averager pings it); this base class assumes an answer that knows nothing of the round."""
+        return {}
 
     async def _alive(self, peer: str) -> bool:
-        """Whether ``peer`` still answers (the averager pings it); this base class assumes so."""
-        return True
+        """Whether ``peer`` answers a ping (:meth:`_probe`); never raises."""
+        return await self._probe(peer, {}) is not None
 
     @staticmethod
     async def _wait_probing(event: asyncio.Event, deadline: float) -> bool | None:
@@ -218,20 +230,43 @@ class ShardOwner(TrafficCounter):
             return False
         return True
 
-    async def _find_gone(self, waiting: frozenset[str], dialable: frozenset[str], gone: set[str]) -> None:
-        """Ping the ``dialable`` peers of ``waiting`` not yet in ``gone`` (at once) and add to ``gone`` those that
-        do not answer (:meth:`_alive`, which never raises)."""
-        probed = sorted((waiting - gone) & dialable)
-        answers = await asyncio.gather(*(self._alive(peer) for peer in probed))
-        gone.update(peer for peer, alive in zip(probed, answers, strict=True) if not alive)
+    async def _find_gone(self, shard: OwnedShard, waiting: frozenset[str], gone: set[str], *, for_part: bool) -> None:
+        """Ping the peers of ``waiting`` that ``shard``'s owner can dial and that are not yet in ``gone`` (at once,
+        :meth:`_probe`, which never raises), and add to ``gone`` those that will not come: that do not answer, that
+        answer that their exchange of the round has ended, or (``for_part``: the owner waits for their parts) that
+        they gave up pushing to this owner."""
+        probed = sorted((waiting - gone) & shard.dialable)
+        about = {"round": shard.round, "group": shard.group_id}
+        answers = await asyncio.gather(*(self._probe(peer, about) for peer in probed))
+        for peer, answer in zip(probed, answers, strict=True):
+            if answer is None or answer.get("finished") is True or (for_part and answer.get("gave_up") is True):
+                if answer is not None:
+                    logger.info("member done with the round round=%d peer=%s answer=%s", shard.round, peer, answer)
+                gone.add(peer)
 
     @asker_closes
     async def rpc_ping(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         """Answer a liveness check (an owner waiting for this member's part or fetch, a member whose fetch failed)
-        with one empty message on a stream the asker closes."""
-        yield runtime_pb2.ExpertResponse()
+        with one message on a stream the asker closes. When the request names a round and group, the answer says
+        whether this member gave up pushing its part to the asker (``gave_up``) and whether its exchange of that
+        round has ended (``finished``): an owner waiting for a part or fetch that will not come stops waiting
+        (:meth:`_find_gone`). An unreadable request gets an answer about nothing (the asker only learns that
+        this peer is alive)."""
+        try:
+            about = parse_header(request.metadata)
+        except PayloadError:
+            about = {}
+        round_index, group_id = about.get("round"), about.get("group")
+        answer: dict[str, Any] = {}
+        if isinstance(round_index, int) and isinstance(group_id, str):
+            asker = context.remote_id.to_base58()
+            answer = {
+                "gave_up": (round_index, group_id, asker) in self._gave_up,
+                "finished": (round_index, group_id) in self._finished,
+            }
+        yield header_message(runtime_pb2.ExpertResponse, answer)
 
     def exchange_for(self, group_size: int) -> str:
         """The exchange this owner serves a group of ``group_size`` members with: the configured one, or for
@@ -283,7 +318,7 @@ class ShardOwner(TrafficCounter):
         if shard.closed:
             return "late: the shard was already aggregated"
         if sender in shard.contributions:
-            return "duplicate contribution"
+            return DUPLICATE
         if shard.expected is not None and sender not in shard.expected:
             return "sender is not a member of this group"
         shard.contributions[sender] = payload
@@ -460,7 +495,7 @@ class ShardOwner(TrafficCounter):
                 return
             if done:
                 return
-            await self._find_gone(owned.awaiting - owned.fetched, owned.dialable, gone)
+            await self._find_gone(owned, owned.awaiting - owned.fetched, gone, for_part=False)
             if gone and owned.awaiting - gone <= owned.fetched:
                 logger.info("every live member fetched round=%d gone=%s", owned.round, sorted(gone))
                 return
@@ -485,11 +520,11 @@ class ShardOwner(TrafficCounter):
                 break
             if done:
                 break
-            await self._find_gone(expected - shard.contributions.keys(), shard.dialable, gone)
+            await self._find_gone(shard, expected - shard.contributions.keys(), gone, for_part=True)
             if gone and expected - gone <= shard.contributions.keys() and not shard.all_arrived.is_set():
                 logger.warning(
                     "aggregating without parts round=%d gone=%s: they do not answer (a process that died "
-                    "mid-round); not waiting out averaging_timeout for them",
+                    "mid-round) or gave up pushing to this owner; not waiting out averaging_timeout for them",
                     shard.round,
                     sorted(gone),
                 )
