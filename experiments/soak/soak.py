@@ -44,6 +44,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -135,6 +136,7 @@ def peer_main(args: argparse.Namespace) -> None:
         ),
     )
     audit = Audit(opt, out, args.name)
+    _stall_when_asked(opt, out / "stall" / args.name.split(".")[0])
     seed = zlib.crc32(args.name.encode())
     generator = torch.Generator().manual_seed(seed)
     while opt.round < args.rounds:
@@ -151,6 +153,25 @@ def peer_main(args: argparse.Namespace) -> None:
         time.sleep(0.2)
     opt.shutdown()
     dht.shutdown()
+
+
+def _stall_when_asked(opt: Any, request: Path) -> None:
+    """Stall this peer's whole Python process (SIGSTOP; a shell child sends SIGCONT) at its next fetch of a shard sum
+    once the supervisor has written ``request`` (the stall's seconds): its parts pushed, its fetches not yet made.
+    The request is renamed to ``<request>.taken`` first, which tells the supervisor the stall happened. The peer
+    does it itself because a supervisor watching files catches a fast round's fetch only by luck (a soak's stall
+    was missed so once its rounds on loopback took under a second)."""
+    fetch = opt.averager._fetch
+
+    async def fetch_or_stall(owner: str, header: dict[str, Any], deadline: float) -> Any:
+        if request.exists():
+            seconds = float(request.read_text())
+            request.rename(request.with_name(request.name + ".taken"))
+            subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)  # the Python process only: its DHT and daemon run on
+        return await fetch(owner, header, deadline)
+
+    opt.averager._fetch = fetch_or_stall
 
 
 # ---- the PULSESync publisher process -------------------------------------------------------------------------------
@@ -268,20 +289,23 @@ class Soak:
             time.sleep(0.3)
             self.kill(member)
         elif event.action.startswith("stall:"):
-            if not self.mid_round(member, event.round) or member.proc is None:
-                return False
-            time.sleep(0.3)
-            seconds = float(event.action.split(":")[1])
-            member.proc.send_signal(signal.SIGSTOP)  # the Python process only: its DHT and daemon run on
-            member.stalled_until = time.monotonic() + seconds
-            self.notes.append(f"{time.time() - self.started:7.1f}s stall {member.name} {seconds:.1f}s")
+            # the peer stalls itself at its next fetch (_stall_when_asked) and marks the request taken
+            request = self.out / "stall" / member.name
+            taken = request.with_name(request.name + ".taken")
+            if taken.exists():
+                taken.unlink()
+                self.notes.append(f"{time.time() - self.started:7.1f}s stall {member.name} {event.action[6:]}s")
+                return True
+            if member.proc is not None and not request.exists():
+                request.write_text(event.action.split(":")[1])
+            return False
         return True
 
     def run(self) -> dict[str, Any]:
         import hivemind
 
         args = self.args
-        for sub in ("logs", "sent", "prod", "resid"):
+        for sub in ("logs", "sent", "prod", "resid", "stall"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
         bootstrap = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
         try:
@@ -366,10 +390,6 @@ class Soak:
             for event in events:
                 if not event.done and event.round <= now_round:
                     event.done = self.apply(event)
-            for peer in peers:
-                if peer.stalled_until is not None and time.monotonic() >= peer.stalled_until and peer.proc:
-                    peer.proc.send_signal(signal.SIGCONT)
-                    peer.stalled_until = None
             finished = {r["name"] for r in self.peer_records() if r["final"]}
             running = [p for p in peers if p.proc is not None]
             if all(f"{p.name}.{p.incarnation}" in finished for p in running):
@@ -404,8 +424,7 @@ class Soak:
         for member in self.members.values():
             if member.proc is None:
                 continue
-            if member.stalled_until is not None:
-                member.proc.send_signal(signal.SIGCONT)
+            member.proc.send_signal(signal.SIGCONT)  # a peer stalled by itself may still be stopped
             try:
                 member.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -61,10 +61,9 @@ def schedule(peers: int, rounds: int, averaging_timeout: float) -> list[Event]:
 @dataclass
 class Member:
     """A process of the soak (``peer<i>``, ``pub``, ``sub<i>``) across its incarnations: ``proc`` is the current
-    one (None while it is not running), ``stalled_until`` when a SIGSTOP of it ends."""
+    one (None while it is not running)."""
 
     name: str
     cmd: list[str]
     proc: procs.Proc | None = None
     incarnation: int = 0
-    stalled_until: float | None = None
