@@ -208,6 +208,7 @@ def _build_tiny_warm_model(cache: Path, name: str) -> None:
 
 SLOWEST_FIRST = (
     "test_loco_swarm.py",  # first: much of it waits on timers, which leaves CPU to the warm model's build
+    "test_wan.py",  # about 5 minutes, needs no warm model: unranked, it started last and ran alone for its length
     "test_soak.py",  # one test: its worker takes the next file at once, to start after it
     "test_sync_swarm.py",  # needs no warm model: the soak's worker runs it while the build finishes
     "test_recipes.py",  # the longest; by the time it starts the warm model is built
