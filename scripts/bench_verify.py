@@ -36,11 +36,12 @@ import torch
 from harness.models import warm_model_dir
 from harness.report import default_out, md_table, write_report
 
-from pulseloco.integrations.version_states import VersionStates
 from pulseloco.recipes import tasks
 from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.tolerances import precision_of
-from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig, stop_ids
+from pulseloco.rollouts.verify import RolloutVerifier, stop_ids
+from pulseloco.rollouts.verify_config import VerifyConfig
+from pulseloco.rollouts.version_states import VersionStates
 
 ENGINES = ("transformers", "transformers-fp32", "vllm-bf16", "vllm-fp32")
 
@@ -157,7 +158,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def load_trainer(model_dir: str, device: str) -> Any:
     """The trainer's model: FP32 holding the BF16-rounded values a worker serves."""
-    from pulseloco.integrations.models import load_causal_lm
+    from pulseloco.models import load_causal_lm
 
     trainer = load_causal_lm(model_dir, dtype=torch.float32, device=device)
     with torch.no_grad():
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
     model_dir = args.model_name_or_path or str(warm_model_dir("demo"))
-    from pulseloco.integrations.models import load_tokenizer
+    from pulseloco.models import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     trainer = load_trainer(model_dir, args.trainer_device)

@@ -23,7 +23,7 @@ BATCH = 4
 
 def make_model(seed: int = 0) -> torch.nn.Module:
     """A two-layer Llama with hidden size 32 (about 40k parameters), built from a config, FP32."""
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     return random_causal_lm(
         "llama", seed=seed, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

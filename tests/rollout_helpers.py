@@ -88,7 +88,7 @@ def byte_tokenizer() -> Any:
 def save_tiny_model(path: Path, seed: int = 0) -> Path:
     """A random-init tiny Llama with the byte-level tokenizer, saved as a Hugging Face model directory (what
     ``--model_name_or_path`` takes)."""
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     tokenizer = byte_tokenizer()
     model = random_causal_lm(

@@ -57,7 +57,7 @@ WORKER_PRELOAD = (
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A randomly initialized tiny Qwen2 causal LM (deterministic for a seed)."""
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     return random_causal_lm("qwen2", seed=seed, dtype=dtype, **TINY_CONFIG)
 

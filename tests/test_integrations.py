@@ -21,10 +21,10 @@ from transformers import Trainer, TrainingArguments
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations import PulseLoCoCallback, PulseSyncCallback
-from pulseloco.integrations.models import random_causal_lm
 from pulseloco.integrations.trainer import STATE_FILE
 from pulseloco.jsonl import read_json_lines
 from pulseloco.loco import AveragingConfig, RoundConfig
+from pulseloco.models import random_causal_lm
 from pulseloco.swarm import SwarmConfig
 
 LONE_PEER = {"averaging_config": AveragingConfig(target_group_size=1, matchmaking_time=2.0, request_timeout=5.0)}

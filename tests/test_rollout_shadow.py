@@ -13,7 +13,7 @@ import pytest
 import torch
 from codec_helpers import assert_state_bits_equal, changed_copy, random_mask
 
-from pulseloco.integrations.models import random_causal_lm
+from pulseloco.models import random_causal_lm
 from pulseloco.rollouts.engines.hf import TransformersEngine
 from pulseloco.sync import apply_patch, make_patch, state_digest
 

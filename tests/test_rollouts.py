@@ -37,7 +37,6 @@ from rollout_helpers import reference_logprobs, rollout_worker, save_tiny_model
 from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dht, wait_for
 
 from pulseloco.errors import PayloadError, PayloadSizeError
-from pulseloco.integrations.version_states import VersionStates
 from pulseloco.jsonl import read_json_lines
 from pulseloco.keys import workers_key
 from pulseloco.rollouts.client import LeaseConfig, NoWorkersError, RolloutClient
@@ -52,6 +51,7 @@ from pulseloco.rollouts.protocol import (
     encode_reply,
     parse_worker_record,
 )
+from pulseloco.rollouts.version_states import VersionStates
 from pulseloco.sync.signing import MAX_ENVELOPE_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -451,7 +451,8 @@ class Swarm:
 
     def verifier(self, **options: Any) -> Any:
         """The trainer's check of the workers' leases, holding the published versions."""
-        from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig
+        from pulseloco.rollouts.verify import RolloutVerifier
+        from pulseloco.rollouts.verify_config import VerifyConfig
 
         return RolloutVerifier(VerifyConfig(**options), states=self.states, states_wait=5.0, seed=0)
 
@@ -823,7 +824,8 @@ def test_a_lease_is_checked_with_the_weights_of_the_version_it_claims(swarm: Swa
     its own DHT peer, BF16 copies of the newest few): a batch generated at version v and checked after two more
     versions is checked with v's weights (gaps within BF16 rounding), and passes in both modes. A version older
     than every one held is not waited for."""
-    from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig
+    from pulseloco.rollouts.verify import RolloutVerifier
+    from pulseloco.rollouts.verify_config import VerifyConfig
 
     template = {n: t for n, t in swarm.model.state_dict().items() if t.is_floating_point()}
     trainer_dht = start_dht(maddrs(swarm.dht))  # another peer: this process publishes, and cannot fetch from itself

@@ -16,13 +16,14 @@ from rollout_helpers import byte_tokenizer, lowest_id, save_tiny_model
 from steering import steer
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.version_states import VersionStates
 from pulseloco.rollouts import sampling
 from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.engines.hf import TransformersEngine
 from pulseloco.rollouts.sampling import check_completions, choose, gumbel_noise
 from pulseloco.rollouts.tolerances import TOLERANCES, NearMissGuard, poisson_tail, precision_of, tolerance_for
-from pulseloco.rollouts.verify import LeaseCheck, RolloutVerifier, VerifyConfig
+from pulseloco.rollouts.verify import LeaseCheck, RolloutVerifier
+from pulseloco.rollouts.verify_config import VerifyConfig
+from pulseloco.rollouts.version_states import VersionStates
 
 MASK = 0xFFFFFFFF
 
@@ -281,7 +282,7 @@ def test_shared_prompts_give_the_logits_of_a_whole_forward_pass(engine: Transfor
     """The check runs each distinct prompt once and its completions on the prompt's KV cache: the logits that predict
     every completion token are those of one forward pass over prompt and completion (FP32, to rounding), for
     prompts of several lengths, repeated prompts, and completions of 0, 1 and more tokens."""
-    from pulseloco.rollouts.verify import Row
+    from pulseloco.rollouts.replay import Row, completion_logits
 
     model = copy.deepcopy(engine.model).float()
     rows = [
@@ -293,7 +294,7 @@ def test_shared_prompts_give_the_logits_of_a_whole_forward_pass(engine: Transfor
     ]
     chunk = [Row("lease", list(p), c, [0.0] * len(c), 5, i, 0) for i, (p, c) in enumerate(rows)]
     with torch.no_grad():
-        got = RolloutVerifier._completion_logits(model, chunk, 4)
+        got = completion_logits(model, chunk, 4)
     assert got.shape == (5, 4, model.config.vocab_size)
     with torch.no_grad():
         for i, (prompt, completion) in enumerate(rows):

@@ -201,7 +201,7 @@ def _tiny_trainer(output_dir: Path, callbacks: list[Any]) -> Any:
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     model = random_causal_lm(
         "llama", seed=0, vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -61,7 +61,7 @@ def vllm_model_dir(tiny_warm_model: Path, tmp_path_factory: pytest.TempPathFacto
     """A small Llama (head_dim 32) in Hugging Face format, with the tiny warm model's tokenizer."""
     from transformers import AutoTokenizer
 
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     out = tmp_path_factory.mktemp("vllm-model")
     model = random_causal_lm(

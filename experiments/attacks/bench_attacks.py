@@ -49,12 +49,13 @@ from harness.models import warm_model_dir
 from harness.report import default_out, md_table, write_report
 from steering import steer
 
-from pulseloco.integrations.version_states import VersionStates
 from pulseloco.recipes import tasks
 from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.engines.hf import Completion, TransformersEngine
 from pulseloco.rollouts.tolerances import TOLERANCES
-from pulseloco.rollouts.verify import RolloutVerifier, VerifyConfig, stop_ids
+from pulseloco.rollouts.verify import RolloutVerifier, stop_ids
+from pulseloco.rollouts.verify_config import VerifyConfig
+from pulseloco.rollouts.version_states import VersionStates
 
 ATTACKS = (
     "honest",

@@ -191,7 +191,7 @@ def model_facts(model_dir: str) -> dict[str, Any]:
     """Parameters and median |w| of the model as loaded (float32), over all parameters and over matrices, and the
     warm model's size, hash, task and reward from its marker (none for a model without a readable one). Loading
     errors pass through."""
-    from pulseloco.integrations.models import load_causal_lm
+    from pulseloco.models import load_causal_lm
 
     model = load_causal_lm(model_dir, dtype=torch.float32, device="cpu")
     params = list(model.parameters())

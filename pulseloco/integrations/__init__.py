@@ -3,7 +3,6 @@
 - :class:`PulseLoCoCallback` / :class:`PulseSyncCallback` (``transformers.TrainerCallback``): make any Trainer
   (TRL's ``GRPOTrainer``, ``SFTTrainer``, a plain ``Trainer``) a PULSELoCo peer that publishes its versions;
 - :class:`PulseLoCoArguments`: the same options as one dataclass for ``TrlParser`` / ``HfArgumentParser``;
-- :mod:`~pulseloco.integrations.models`: loading pretrained checkpoints with one-line errors;
 - :class:`SwarmRollouts`: a TRL ``rollout_func`` whose completions come from the swarm's rollout workers;
 - :func:`skip_vllm_import`: keep TRL from importing vLLM in a process that will not use it.
 

@@ -23,7 +23,7 @@ from pulseloco.integrations.swarm_rollouts import RolloutConfig
 from pulseloco.keys import check_run_id, policy_run_id
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.selection import SelectorName
-from pulseloco.rollouts.verify import VerifyConfig
+from pulseloco.rollouts.verify_config import VerifyConfig
 from pulseloco.swarm import SwarmConfig
 from pulseloco.sync.publisher import DEFAULT_ANCHOR_EVERY
 

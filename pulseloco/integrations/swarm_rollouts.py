@@ -75,11 +75,11 @@ from pulseloco.integrations.callback_base import RunRollouts
 from pulseloco.integrations.pulsesync import PulseSyncCallback
 from pulseloco.integrations.settle import settle
 from pulseloco.integrations.trainer import PulseLoCoCallback
-from pulseloco.integrations.version_states import VersionStates
 from pulseloco.jsonl import JsonLinesWriter
 from pulseloco.keys import check_training_run_id, policy_run_id
 from pulseloco.rollouts.client import GroupResult, LeaseConfig, NoWorkersError, RolloutClient, worker_command
 from pulseloco.rollouts.verify import RolloutVerifier, stop_ids
+from pulseloco.rollouts.version_states import VersionStates
 from pulseloco.swarm import SwarmConfig
 
 logger = logging.getLogger(__name__)

@@ -128,7 +128,7 @@ def build_trainer(
     Also used by ``experiments/sparsity/sparsity_study.py``."""
     from trl import GRPOTrainer
 
-    from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+    from pulseloco.models import load_causal_lm, load_tokenizer
 
     model = load_causal_lm(
         model_name_or_path, dtype=dtype, num_local_processes=num_local_processes, device="cpu"

@@ -165,7 +165,7 @@ def byte_level_tokenizer(model_max_length: int | None = None) -> Any:
 
 def load_tokenizer(model_args: ModelArguments) -> Any:
     """The tokenizer named by ``tokenizer_name_or_path``, else the model's, else the byte-level one."""
-    from pulseloco.integrations import models
+    from pulseloco import models
 
     name = model_args.tokenizer_name_or_path or model_args.model_name_or_path or BYTE_TOKENIZER
     if name == BYTE_TOKENIZER:
@@ -212,7 +212,7 @@ def model_config_from_sizes(model_args: ModelArguments, tokenizer: Any) -> Any:
 
 def _check_fits(config: Any, bytes_per_parameter: float, device: Any) -> None:
     """Refuse (one line) a model that would not fit in the free memory of ``device``, before building it."""
-    from pulseloco.integrations import models
+    from pulseloco import models
 
     try:
         num_params = models.count_parameters(config)
@@ -246,7 +246,7 @@ def build_model(
 
     dtype = _torch_dtype(model_args.dtype)
     if model_args.model_name_or_path:
-        from pulseloco.integrations import models
+        from pulseloco import models
 
         model = models.load_causal_lm(
             model_args.model_name_or_path,
@@ -430,7 +430,7 @@ def make_trainer(
     """
     from transformers import Trainer
 
-    from pulseloco.integrations.models import TRAINING_BYTES_PER_PARAMETER
+    from pulseloco.models import TRAINING_BYTES_PER_PARAMETER
 
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model_args)
     model = build_model(

@@ -50,23 +50,23 @@ raises :class:`ConfigError`; errors of the trainer's own model propagate.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
-import math
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import torch
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.version_states import VersionStates
 from pulseloco.rollouts.client import GroupResult
-from pulseloco.rollouts.sampling import CheckResult, check_completions, lead_lost
+from pulseloco.rollouts.replay import Checked, PinnedWeights, Row, replay
+from pulseloco.rollouts.sampling import CheckResult
 from pulseloco.rollouts.tolerances import NearMissGuard, Tolerance, tolerance_for
+from pulseloco.rollouts.verify_config import VerifyConfig
+from pulseloco.rollouts.version_states import VersionStates
 
 logger = logging.getLogger(__name__)
 
@@ -74,107 +74,15 @@ __all__ = [
     "DRIFT_SAFETY",
     "LeaseCheck",
     "RolloutVerifier",
-    "VerifyConfig",
     "VerifyStats",
-    "VersionStates",
     "stop_ids",
 ]
 
-#: The weights a completion is checked with (:class:`VerifyConfig`'s ``verify_weights``).
-WEIGHTS = ("shared", "version")
 #: The drift bound of the shared check is this many times the largest drift its audit measured.
 DRIFT_SAFETY = 2.0
 #: Unverifiable leases a worker may have before each further one counts as a failed lease (plus one per ten
 #: verified leases: an honest worker's lease is unverifiable when the trainer has not fetched its version yet).
 UNVERIFIABLE_ALLOWANCE = 3
-#: Logits held at once per chunk of the forward pass (elements; 2**27 float32 values are 512 MiB).
-MAX_CHUNK_LOGITS = 1 << 27
-
-
-@dataclass(kw_only=True)
-class VerifyConfig:
-    """The settings of :class:`RolloutVerifier` (also the recipes' ``--verify_*`` flags, read by
-    ``HfArgumentParser``, with the help texts in ``metadata``). The tolerances are the measured numerical
-    differences of each precision (:mod:`pulseloco.rollouts.tolerances`); the overrides exist to measure them.
-    Raises :class:`ConfigError` naming a bad value."""
-
-    verify_weights: Literal["shared", "version"] = field(
-        default="shared",
-        metadata={
-            "help": "'shared': every completion is first checked in the forward pass of this trainer's current "
-            "weights that TRL's importance-sampling ratio needs anyway, and passes there only where each token leads "
-            "by more than the measured drift from its version's weights; the others, and an audited share, are "
-            "checked with their version's weights. 'version': every completion with its version's weights, a "
-            "forward pass of its own."
-        },
-    )
-    verify_audit: float = field(
-        default=0.125,
-        metadata={
-            "help": "With --verify_weights shared: the share of prompts (at least one per version and round) whose "
-            "completions are checked with their version's weights whatever the shared check finds, to measure how "
-            "much lead the current weights' choices lose under the version's (the drift bound)."
-        },
-    )
-    verify_ratio_error: float = field(
-        default=0.05,
-        metadata={
-            "help": "With --verify_weights shared: the largest difference (nats per token) between the current and "
-            "the version's log-probabilities of the audited completions' tokens at which the shared check proves "
-            "completions (their importance-sampling ratio is then 1, exact to this); above it every completion of "
-            "the version takes the version's check, whose log-probabilities make the ratio exact."
-        },
-    )
-    verify_false_refusal: float = field(
-        default=1e-6,
-        metadata={
-            "help": "Probability, over a whole run, that the near-miss guard refuses an honest worker (one whose "
-            "engine keeps to its precision's measured rates)."
-        },
-    )
-    verify_margin: float | None = field(
-        default=None,
-        metadata={
-            "help": "Override of the margin (nats by which a token may trail the sampler's choice; default: the "
-            "measured one of the worker's and trainer's precision). For measurements: a wider margin is room for "
-            "a worker to pick its tokens."
-        },
-    )
-    verify_max_logprob_error: float | None = field(
-        default=None,
-        metadata={"help": "Override of the largest log-probability error per token (default: the precision's)."},
-    )
-
-    def __post_init__(self) -> None:
-        if self.verify_weights not in WEIGHTS:
-            raise ConfigError(f"verify_weights must be one of {', '.join(WEIGHTS)}, got {self.verify_weights!r}")
-        if not 0 < self.verify_audit <= 1:
-            raise ConfigError(f"verify_audit must be in (0, 1], got {self.verify_audit}")
-        if not (self.verify_ratio_error >= 0 and math.isfinite(self.verify_ratio_error)):
-            raise ConfigError(f"verify_ratio_error must be a finite number >= 0, got {self.verify_ratio_error}")
-        if not 0 < self.verify_false_refusal < 1:
-            raise ConfigError(f"verify_false_refusal must be in (0, 1), got {self.verify_false_refusal}")
-        if self.verify_margin is not None and not (self.verify_margin >= 0 and math.isfinite(self.verify_margin)):
-            raise ConfigError(f"verify_margin must be a finite number >= 0, got {self.verify_margin}")
-        error = self.verify_max_logprob_error
-        if error is not None and not (error > 0 and math.isfinite(error)):
-            raise ConfigError(f"verify_max_logprob_error must be a positive number, got {error}")
-
-
-class Row(NamedTuple):
-    """A completion as the checks see it."""
-
-    lease_id: str
-    prompt: list[int]
-    ids: list[int]
-    logprobs: list[float]
-    seed: int
-    sequence: int
-    version: int
-
-    @property
-    def key(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return tuple(self.prompt), tuple(self.ids)
 
 
 @dataclass
@@ -242,15 +150,6 @@ class VerifyStats:
     last_failure: str | None = None
 
 
-class _Checked(NamedTuple):
-    """One row's check with one set of weights: its result, the trainer's log-probabilities of its tokens, and
-    (when asked) the perturbed argmax at each position with its lead over the runner-up."""
-
-    result: CheckResult
-    logprobs: list[float]
-    winners: tuple[list[int], list[float]] | None
-
-
 @dataclass
 class _Outcome:
     """How one row was decided: its check's result (``shared``: by the shared check), the trainer's log-probabilities
@@ -301,8 +200,7 @@ class RolloutVerifier:
         self._decided: dict[tuple[tuple[int, ...], tuple[int, ...]], str] = {}
         self._unverifiable: dict[str, int] = {}
         self._verified: dict[str, int] = {}
-        self._pinned_model: torch.nn.Module | None = None
-        self._pinned_version: int | None = None
+        self._pinned = PinnedWeights()
         self._last_lost = 0.0
 
     # ---- the check ----------------------------------------------------------------------------------------------
@@ -412,17 +310,17 @@ class RolloutVerifier:
         tolerances = [leases[row.lease_id].tolerance for row in rows]
         outcomes: list[_Outcome | None] = [None] * len(rows)
         shared = self.weights == "shared"
-        current: dict[int, _Checked] = {}
+        current: dict[int, Checked] = {}
         audited: set[int] = set()
         if shared and rows:
             audited = set(self._audited(rows))
             current = self._pass(
                 model, rows, list(range(len(rows))), tolerances, temperature, first=True, winners=audited
             )
-        versions = sorted({row.version for row in rows}, key=lambda v: (v != self._pinned_version, v))
+        versions = sorted({row.version for row in rows}, key=lambda v: (v != self._pinned.version, v))
         for version in versions:
             members = [i for i, row in enumerate(rows) if row.version == version]
-            pinned = self._pinned(model, version, states[version])
+            pinned = self._pinned.load(model, version, states[version])
             todo = members
             if shared:
                 sample = [i for i in members if i in audited]
@@ -487,109 +385,25 @@ class RolloutVerifier:
         first: bool = False,
         gaps: bool = False,
         winners: set[int] | None = None,
-        reference: dict[int, _Checked] | None = None,
-    ) -> dict[int, _Checked]:
-        """Check ``rows[i]`` for ``i`` in ``indices`` with ``model`` in eval mode, in chunks: per row its result,
-        the trainer's log-probabilities of its tokens and, for the rows in ``winners``, the perturbed argmax at each
-        position with its lead. With ``reference`` (checks of the same rows with other weights, holding their
-        winners), the most lead those winners lose under ``model`` goes to :attr:`_last_lost`. The forward passes'
-        seconds go to the stats (``first``: also to ``first_forward_seconds``)."""
-        out: dict[int, _Checked] = {}
-        self._last_lost = 0.0
-        if not indices:
-            return out
-        was_training = model.training
-        model.eval()
-        try:
-            for chunk in self._chunks(rows, indices, model):
-                members = [rows[i] for i in chunk]
-                length = max(len(r.ids) for r in members)
-                mask = torch.tensor([[True] * len(r.ids) + [False] * (length - len(r.ids)) for r in members])
-                started = time.perf_counter()
-                logits = self._completion_logits(model, members, length)
-                seconds = time.perf_counter() - started  # the host's; on a GPU, until the kernels are queued
-                self.stats.forward_seconds += seconds
-                self.stats.first_forward_seconds += seconds if first else 0.0
-                seeds = torch.tensor([r.seed for r in members], dtype=torch.int64)
-                sequences = torch.tensor([r.sequence for r in members], dtype=torch.int64)
-                if reference is not None:
-                    won = [reference[i].winners for i in chunk]
-                    assert all(w is not None for w in won)  # noqa: S101 (the caller kept them)
-                    lost = lead_lost(
-                        logits,
-                        torch.tensor([w[0] + [0] * (length - len(w[0])) for w in won if w], dtype=torch.int64),
-                        torch.tensor([w[1] + [0.0] * (length - len(w[1])) for w in won if w]),
-                        mask,
-                        temperature=temperature,
-                        seeds=seeds,
-                        sequences=sequences,
-                    )
-                    self._last_lost = max(self._last_lost, lost)
-                logprobs: list[list[float]] = []
-                found: list[tuple[list[int], list[float]]] = []
-                results = check_completions(
-                    logits,
-                    torch.tensor([r.ids + [0] * (length - len(r.ids)) for r in members], dtype=torch.long),
-                    mask,
-                    torch.tensor([r.logprobs + [0.0] * (length - len(r.logprobs)) for r in members]),
-                    temperature=temperature,
-                    seeds=seeds,
-                    sequences=sequences,
-                    margin=torch.tensor([_margin(tolerances[i]) for i in chunk]),
-                    bands=_band_edges([tolerances[i] for i in chunk]),
-                    gaps_out=self.gaps if gaps else None,
-                    logprobs_out=logprobs,
-                    winners_out=found if winners else None,
-                )
-                for j, (i, result, values) in enumerate(zip(chunk, results, logprobs)):
-                    kept = found[j] if winners and i in winners else None
-                    out[i] = _Checked(result, values, kept)
-        finally:
-            model.train(was_training)
-        return out
-
-    def _pinned(self, model: torch.nn.Module, version: int, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """A second model of ``model``'s class and config, in its dtype and on its device, holding ``state`` (the
-        published BF16 weights of ``version``); made once and reloaded when the version changes.
-
-        Built from the config, not copied: a trainer's model may carry a ``forward`` wrapped by ``accelerate``
-        (autocast, output conversion) in a closure over the original module, which a deep copy would keep
-        calling, so the copy would compute with the trainer's weights. Each parameter and buffer takes the dtype of
-        the trainer's (a blanket cast would round buffers the model keeps in FP32, such as rotary frequencies, and
-        the replay would differ from every engine's). Its initialisation leaves the trainer's random generators as
-        they were."""
-        if self._pinned_model is None:
-            parameter = next(model.parameters())
-            # its random initialisation (overwritten below) must not draw from the trainer's generators: whether a
-            # run builds this model would otherwise change its training
-            cuda = [parameter.device] if parameter.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=cuda), torch.device(parameter.device):
-                pinned = type(model)(copy.deepcopy(model.config))
-            self._pinned_model = _same_dtypes(pinned, model).eval()
-            self._pinned_version = None
-        if self._pinned_version != version:
-            with torch.no_grad():
-                for name, tensor in self._pinned_model.state_dict().items():
-                    if name in state:
-                        tensor.copy_(state[name])
-            self._pinned_version = version
-        return self._pinned_model
-
-    def _chunks(self, rows: list[Row], indices: list[int], model: torch.nn.Module) -> list[list[int]]:
-        """``indices`` in chunks whose logits stay within :data:`MAX_CHUNK_LOGITS`, rows of similar lengths together
-        (they pad less)."""
-        vocab = int(getattr(model.config, "vocab_size", 0) or 1)
-        chunks: list[list[int]] = []
-        current: list[int] = []
-        for i in sorted(indices, key=lambda i: len(rows[i].prompt) + len(rows[i].ids)):
-            width = len(rows[i].prompt) + len(rows[i].ids)
-            if current and (len(current) + 1) * width * vocab > MAX_CHUNK_LOGITS:
-                chunks.append(current)
-                current = []
-            current.append(i)
-        if current:
-            chunks.append(current)
-        return chunks
+        reference: dict[int, Checked] | None = None,
+    ) -> dict[int, Checked]:
+        """:func:`~pulseloco.rollouts.replay.replay` of ``rows[i]`` for ``i`` in ``indices`` with ``model``; the most
+        lead ``reference``'s winners lose goes to :attr:`_last_lost`, the gaps to :attr:`gaps` (with ``gaps``), the
+        forward passes' seconds to the stats (``first``: also to ``first_forward_seconds``)."""
+        done = replay(
+            model,
+            rows,
+            indices,
+            tolerances,
+            temperature,
+            gaps_out=self.gaps if gaps else None,
+            winners=winners,
+            reference=reference,
+        )
+        self._last_lost = done.lost
+        self.stats.forward_seconds += done.forward_seconds
+        self.stats.first_forward_seconds += done.forward_seconds if first else 0.0
+        return done.checked
 
     # ---- the log-probabilities handed on ---------------------------------------------------------------------
 
@@ -672,47 +486,6 @@ class RolloutVerifier:
         ]
 
     @staticmethod
-    def _completion_logits(model: torch.nn.Module, chunk: list[Row], length: int) -> torch.Tensor:
-        """The logits that predict each completion token, ``(len(chunk), length, vocab)`` (past a completion's end:
-        what its padding gives, for the caller to mask). A group's completions share their prompt: each distinct
-        prompt runs once (rows with prompts of one length together, unpadded), its last position predicting the
-        first completion token, and its KV cache, selected once per completion, serves the completions' forward
-        pass (right-padded: causal attention leaves the real tokens alone). With ``G`` completions per prompt the
-        prompt's share of the work is divided by ``G``."""
-        device = next(model.parameters()).device
-        out: torch.Tensor | None = None
-        by_length: dict[int, list[int]] = {}
-        for i, row in enumerate(chunk):
-            by_length.setdefault(len(row.prompt), []).append(i)
-        for width, members in by_length.items():
-            distinct: dict[tuple[int, ...], int] = {}
-            which = [distinct.setdefault(tuple(chunk[i].prompt), len(distinct)) for i in members]
-            # the prompt's last position alone predicts a checked token (the first of each completion)
-            first = model(input_ids=torch.tensor(list(distinct), device=device), use_cache=True, logits_to_keep=1)
-            index = torch.tensor(which, device=device)
-            parts = [first.logits[index]]
-            wide = max(len(chunk[i].ids) for i in members) - 1  # a completion's last token predicts nothing checked
-            if wide > 0:  # completion token j predicts token j + 1
-                cache = first.past_key_values
-                cache.batch_select_indices(index)
-                heads = [chunk[i].ids[:wide] for i in members]
-                ids = [c + [0] * (wide - len(c)) for c in heads]
-                attention = [[1] * (width + len(c)) + [0] * (wide - len(c)) for c in heads]
-                second = model(
-                    input_ids=torch.tensor(ids, device=device),
-                    attention_mask=torch.tensor(attention, device=device),
-                    past_key_values=cache,
-                    use_cache=False,
-                )
-                parts.append(second.logits)
-            logits = torch.cat(parts, dim=1)[:, :length]
-            if out is None:
-                out = logits.new_zeros((len(chunk), length, logits.shape[-1]))
-            out[torch.tensor(members, device=device), : logits.shape[1]] = logits
-        assert out is not None  # noqa: S101 (a chunk has rows)
-        return out
-
-    @staticmethod
     def _add(lease: LeaseCheck, outcome: _Outcome, num_tokens: int) -> None:
         """Fold one completion's check into its lease."""
         result = outcome.result
@@ -788,32 +561,6 @@ class RolloutVerifier:
         else:
             stats.worst_passing_gap = max(stats.worst_passing_gap, lease.worst_gap)
             stats.worst_passing_logprob_error = max(stats.worst_passing_logprob_error, lease.max_logprob_error)
-
-
-def _same_dtypes(pinned: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
-    """``pinned`` with each parameter and buffer in the dtype of ``model``'s of the same name."""
-    dtypes = {name: t.dtype for name, t in [*model.named_parameters(), *model.named_buffers()]}
-    for module_name, module in pinned.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for name, param in module.named_parameters(recurse=False):
-            param.data = param.data.to(dtypes.get(prefix + name, param.dtype))
-        for name, buffer in module.named_buffers(recurse=False):
-            module._buffers[name] = buffer.to(dtypes.get(prefix + name, buffer.dtype))
-    return pinned
-
-
-def _margin(tolerance: Tolerance | None) -> float:
-    return tolerance.margin if tolerance is not None else 0.0
-
-
-def _band_edges(tolerances: list[Tolerance | None]) -> torch.Tensor:
-    """The rows' spread bands as one ``(rows, most bands)`` tensor, padded with infinity (a row reads its own)."""
-    widest = max((len(t.bands) for t in tolerances if t is not None), default=1)
-    edges = torch.full((len(tolerances), widest), torch.inf)
-    for row, tolerance in enumerate(tolerances):
-        if tolerance is not None:
-            edges[row, : len(tolerance.bands)] = torch.tensor(tolerance.bands)
-    return edges
 
 
 def stop_ids(tokenizer: Any, model: Any) -> set[int]:

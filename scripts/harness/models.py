@@ -8,7 +8,7 @@
 - :func:`warm_model_dir`: the cached warm model of ``scripts/warm_model.py --size SIZE`` (built once).
 - :func:`grow_llama`: a warm Llama grown in depth and MLP width, cached (bench_rollouts' rate-limited cases).
 
-All build on :func:`pulseloco.integrations.models.random_causal_lm`. torch and transformers are imported inside the
+All build on :func:`pulseloco.models.random_causal_lm`. torch and transformers are imported inside the
 functions: a benchmark's coordinator imports this module without loading them.
 """
 
@@ -53,7 +53,7 @@ def build_model(config_name: str, seed: int) -> Any:
     Raises KeyError for an unknown config, RuntimeError if the default model has fewer than MIN_DEFAULT_PARAMS
     parameters.
     """
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     model = random_causal_lm("qwen2", seed=seed, **MODEL_CONFIGS[config_name])
     num_params = sum(p.numel() for p in model.parameters())
@@ -66,7 +66,7 @@ def state_shapes(config_name: str) -> dict[str, list[int]]:
     """Names and shapes of the model's floating state dict (what a publisher publishes), without weights."""
     import torch
 
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     with torch.device("meta"):
         model = random_causal_lm("qwen2", seed=None, **MODEL_CONFIGS[config_name])
@@ -86,7 +86,7 @@ def llama(
 ) -> Any:
     """A Llama with random weights (the same in every process for the same ``seed``), untied embeddings; key/value
     heads default to the attention heads, the MLP width to about 8/3 of the hidden size (a multiple of 8)."""
-    from pulseloco.integrations.models import random_causal_lm
+    from pulseloco.models import random_causal_lm
 
     return random_causal_lm(
         "llama",

@@ -19,7 +19,7 @@ from typing import Any, Protocol, cast
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+from pulseloco.models import load_causal_lm, load_tokenizer
 from pulseloco.rollouts.sampling import choose
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class TransformersEngine:
         tensor names and shapes must match the trainer's.
 
         Raises :class:`pulseloco.errors.ConfigError` when the checkpoint cannot be loaded (see
-        :func:`pulseloco.integrations.models.load_causal_lm`).
+        :func:`pulseloco.models.load_causal_lm`).
         """
         model = load_causal_lm(model_name_or_path, dtype=dtype, bytes_per_parameter=dtype.itemsize, device=device)
         tokenizer = load_tokenizer(model_name_or_path)

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.models import load_causal_lm, load_tokenizer
+from pulseloco.models import load_causal_lm, load_tokenizer
 from pulseloco.rollouts.engines.hf import Completion, check_generate_ids
 from pulseloco.rollouts.engines.vllm_backend import BACKEND, needs_layerwise, register
 from pulseloco.rollouts.engines.vllm_sampler import LOGPROBS_MODE, SAMPLER_ARGS, GumbelSampler
@@ -171,7 +171,7 @@ class VLLMEngine:
         "__main__":`` guard.
 
         Raises :class:`ConfigError` when vLLM is not installed, the checkpoint cannot be loaded (see
-        :func:`pulseloco.integrations.models.load_causal_lm`), vLLM refuses the model (for example a head size its
+        :func:`pulseloco.models.load_causal_lm`), vLLM refuses the model (for example a head size its
         attention backend lacks: the CPU build needs at least 32), ``dtype`` is not one of the two, or
         ``logprobs_mode`` is given and is not :data:`LOGPROBS_MODE`.
         """
