@@ -217,11 +217,12 @@ def _tiny_trainer(output_dir: Path, callbacks: list[Any]) -> Any:
 
 
 def test_pulsesync_without_pulseloco_needs_a_run_id_and_writes_its_versions_to_output_dir(
-    tmp_path: Path, keypair: Path
+    tmp_path: Path, keypair: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """No run id anywhere: refused when training begins, before anything is published. With one (and a bootstrap
     peer to join, as the README shows): the versions file lands in output_dir without metrics_path, and alone in
-    its swarm the publisher leaves at once (nobody follows the run to wait for)."""
+    its swarm the publisher leaves at once (nobody follows the run to wait for). A rerun into the same output_dir
+    says that it goes on from the versions there, and does."""
     from pulseloco.integrations import PulseSyncCallback
     from pulseloco.swarm import SwarmConfig
 
@@ -237,6 +238,14 @@ def test_pulsesync_without_pulseloco_needs_a_run_id_and_writes_its_versions_to_o
         node.shutdown()
     assert sync.training_run_id == "solo"
     assert [r["version"] for r in read_json_lines(tmp_path / "solo" / "pulsesync_versions.jsonl")][-1] == 3
+    assert "already holds" not in capsys.readouterr().out
+    # a rerun into the same output_dir says that it goes on from the versions there, and does
+    again = PulseSyncCallback(signing_key=str(keypair), run_id="solo", every=1, wait_for_copy=0)
+    _tiny_trainer(tmp_path / "solo", [again]).train()
+    assert "already holds versions up to 3 of an earlier run; this run publishes from version 4" in (
+        capsys.readouterr().out
+    )
+    assert [r["version"] for r in read_json_lines(tmp_path / "solo" / "pulsesync_versions.jsonl")][-1] == 7
     off = PulseSyncCallback(signing_key=str(keypair), run_id="off", every=1, metrics_path=False, wait_for_copy=0)
     _tiny_trainer(tmp_path / "off", [off]).train()
     assert not (tmp_path / "off" / "pulsesync_versions.jsonl").exists()

@@ -418,6 +418,18 @@ class PulseSyncCallback(LogsContributor):
         self.publisher = Publisher(dht, run_id, self.signing_key, store, anchor_every=self.anchor_every)
         self._owns_publisher = True
         print(f"pulsesync: publishing run_id={run_id} store={store}", flush=True)
+        held = self.publisher.version
+        if held is not None and self._step == 0:
+            # a rerun into the same output_dir: the version numbers go on (a follower takes no lower version), the
+            # weights start over; nothing of the earlier run is deleted
+            print(
+                f"pulsesync: {store} already holds versions up to {held} of an earlier run; this run publishes from "
+                f"version {held + 1} on under the same run id, and its workers follow it there. To start over, "
+                "give another output_dir (or store_dir), or remove that folder",
+                flush=True,
+            )
+        elif held is not None:
+            print(f"pulsesync: resuming at version {held + 1} (training resumed at step {self._step})", flush=True)
 
     @property
     def dht_in_use(self) -> Any | None:
