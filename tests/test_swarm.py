@@ -200,9 +200,9 @@ def test_dht_command_prints_join_line_and_stops_on_sigterm(tmp_path: Path) -> No
         text=True,
     )
     try:
-        maddr = join_line = None
+        maddr = join_line = worker_line = script_line = None
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (maddr is None or join_line is None):
+        while time.monotonic() < deadline and None in (maddr, join_line, worker_line, script_line):
             line = proc.stdout.readline()  # type: ignore[union-attr]
             if not line:
                 break
@@ -210,8 +210,15 @@ def test_dht_command_prints_join_line_and_stops_on_sigterm(tmp_path: Path) -> No
                 maddr = line.split(": ", 1)[1].strip()
             if "accelerate launch" in line:
                 join_line = line
-        assert maddr is not None and join_line is not None
-        assert f"--initial_peers {maddr}" in join_line
+            if "rollout worker:" in line:
+                worker_line = line
+            if "your own script:" in line:
+                script_line = line
+        assert maddr is not None and join_line is not None and worker_line and script_line
+        assert f"--initial_peers {maddr}" in join_line and "--run_id my-run" in join_line
+        # the worker's line is a whole command for the same run, the script's names the same address
+        assert f"--serve_rollouts --run_id my-run --initial_peers {maddr}" in worker_line
+        assert f'initial_peers=["{maddr}"]' in script_line
         assert identity.exists()  # the peer id survives restarts
         peer = hivemind.DHT(initial_peers=[maddr], start=True)
         try:

@@ -80,10 +80,19 @@ def _cmd_dht(args: argparse.Namespace) -> int:
     print(f"bootstrap peer id: {dht.peer_id}", flush=True)
     for maddr in maddrs:
         print(f"multiaddr: {maddr}", flush=True)
-    print("join with:", flush=True)
+    from pulseloco.rollouts.client import worker_command
+
+    maddr = maddrs[0] if maddrs else "MADDR"
+    print("join with (one run id, here my-run, in every command):", flush=True)
     print(
-        f"  accelerate launch recipes/grpo.py --config recipes/configs/grpo-tiny.yaml --model_name_or_path MODEL_DIR "
-        f"--initial_peers {maddrs[0] if maddrs else 'MADDR'}{key_flag}",
+        "  a recipe peer:    accelerate launch recipes/grpo.py --config recipes/configs/grpo-tiny.yaml "
+        f"--model_name_or_path MODEL_DIR --run_id my-run --initial_peers {maddr}{key_flag}",
+        flush=True,
+    )
+    print(f"  a rollout worker: {worker_command('my-run', initial_peers=maddr)}{key_flag}", flush=True)
+    print(
+        f'  your own script:  PulseLoCoCallback(run_id="my-run", initial_peers=["{maddr}"]), or without PULSELoCo '
+        f'PulseSyncCallback(..., swarm=SwarmConfig(initial_peers=["{maddr}"]))',
         flush=True,
     )
     stop = stop_on_signals()
@@ -384,7 +393,13 @@ def _add_commands(
     swarm = [_swarm_options()] if any(commands[name].joins_swarm for name in built) else []
     for name, command in commands.items():
         parents = swarm if name in built and command.joins_swarm else []
-        subparser = subparsers.add_parser(name, help=command.help, description=command.help, parents=parents)
+        subparser = subparsers.add_parser(
+            name,
+            help=command.help,
+            description=command.help,
+            parents=parents,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # each option's default, after its help
+        )
         subparser.set_defaults(handler=command.handler)
         if name in built:
             command.add_arguments(subparser)
