@@ -267,6 +267,27 @@ def _grpo_module() -> Any:
     return grpo
 
 
+def test_help_lists_config_then_pulseloco_then_each_library_dataclass(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` of a recipe: a one-line usage, ``--config`` first, pulseloco's groups next, then each library
+    dataclass under its class name (argparse alone printed a 244-line usage and every option in one list)."""
+    from pulseloco.recipes import grpo
+
+    with pytest.raises(SystemExit) as caught:
+        grpo.main(["--help"])
+    assert caught.value.code == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == "usage: grpo.py [--config FILE] [--OPTION VALUE ...]"
+    titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles[:3] == [
+        "config file",
+        "pulseloco: the swarm, PULSELoCo's rounds and PULSESync",
+        "pulseloco: rollouts from the swarm's workers and their checks",
+    ], titles
+    assert titles[3:] == ["task", "GRPOConfig (trl)", "ModelConfig (trl)", "options"], titles
+    # the groups hold the options: the swarm's under pulseloco's, TRL's own under GRPOConfig's
+    assert text.index("--initial_peers") < text.index("pulseloco: rollouts") < text.index("--num_generations")
+
+
 def test_bad_configurations_are_refused_with_one_line(tmp_path: Path, tiny_warm_model: Path) -> None:
     """Each bad input raises the recipe's ConfigError (printed as one line by ``common.run_recipe``) before any
     training or swarm traffic; test_bad_configurations_end_with_one_line below checks the printing."""
@@ -409,7 +430,9 @@ def test_rollout_worker_says_what_it_waits_for(
     assert signal.getsignal(signal.SIGTERM) is sigterm  # the worker's handler did not outlive its run
     assert result.returncode == 1, text[-3000:]  # a run-time failure (VersionTimeoutError)
     assert time.monotonic() - started < 120
-    assert re.search(r"no version of run_id=nobody\.policy after 2 s; a trainer must run with --publish", text)
+    assert re.search(r"no version of run_id=nobody\.policy after 2 s; check that a trainer in the swarm", text)
+    assert "a recipe with --publish --run_id nobody, or a script with PulseSyncCallback" in text
+    assert "no version of run 'nobody.policy'" not in text  # one message for one wait, not the subscriber's too
     assert "rollout_worker.py: error: version 1 did not arrive" in text
 
 

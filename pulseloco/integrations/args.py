@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.swarm_rollouts import RolloutConfig
@@ -53,6 +53,8 @@ class SwarmArguments(SwarmConfig):
     """How a process joins the swarm (trainers and rollout workers alike): the run, and the swarm options of
     :class:`pulseloco.swarm.SwarmConfig` (defined there once, with their help texts and checks)."""
 
+    _argument_group_name: ClassVar[str] = "pulseloco: the run and the swarm"
+
     run_id: str = field(
         default="pulseloco",
         metadata=_help("Peers with the same run_id average together; rollout workers follow `<run_id>.policy`."),
@@ -79,6 +81,8 @@ class PulseLoCoArguments(PlacementConfig, AveragingConfig, RoundConfig, SwarmArg
     The options of the swarm (:class:`pulseloco.swarm.SwarmConfig`), of PulseLoCo's round, averaging and
     placement (:mod:`pulseloco.loco.config`) are those classes' fields, defined and checked there once; the
     selector is chosen by ``--strategy``. Each group is checked when the arguments are parsed."""
+
+    _argument_group_name: ClassVar[str] = "pulseloco: the swarm, PULSELoCo's rounds and PULSESync"
 
     strategy: str = field(
         default="pulseloco",
@@ -210,6 +214,8 @@ class RolloutArguments(PublicKeyArguments, VerifyConfig, RolloutConfig):
     workers are used and how their completions are checked are the fields of
     :class:`~pulseloco.integrations.swarm_rollouts.RolloutConfig` and
     :class:`~pulseloco.rollouts.verify.VerifyConfig`, defined and checked there once."""
+
+    _argument_group_name: ClassVar[str] = "pulseloco: rollouts from the swarm's workers and their checks"
 
     rollouts: str = field(
         default="local",

@@ -9,6 +9,7 @@ shows the file's values as defaults.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -38,6 +39,44 @@ def parse_args(dataclass_types: Iterable[Any], argv: Sequence[str] | None, prog:
     from trl import TrlParser
 
     class Parser(TrlParser):
+        """TRL's parser whose ``--help`` lists ``--config`` first, then pulseloco's options (the dataclasses
+        that name their group), then each library dataclass's (``GRPOConfig``, ``ModelConfig``, ...) under its
+        class name, where argparse would mix them all in one list of some 300 options."""
+
+        def __init__(self, types: list[Any], **kwargs: Any) -> None:
+            self._library_groups: list[Any] = []
+            super().__init__(types, **kwargs)
+            self._config_group = self.add_argument_group("config file")
+            self._config_group.add_argument(
+                "--config",
+                metavar="FILE",
+                default=argparse.SUPPRESS,  # TrlParser reads and removes it before parsing
+                help="A flat YAML file of these options (recipes/configs/*.yaml); flags given here override it.",
+            )
+
+        def _add_dataclass_arguments(self, dtype: Any) -> None:
+            if hasattr(dtype, "_argument_group_name"):
+                super()._add_dataclass_arguments(dtype)
+                return
+            before = set(map(id, self._optionals._group_actions))
+            super()._add_dataclass_arguments(dtype)  # into the common "options" list: moved to a group of its own
+            group = self.add_argument_group(f"{dtype.__name__} ({dtype.__module__.split('.')[0]})")
+            for action in [a for a in self._optionals._group_actions if id(a) not in before]:
+                self._optionals._group_actions.remove(action)
+                group._group_actions.append(action)
+            self._library_groups.append(group)
+
+        def format_help(self) -> str:
+            groups = self._action_groups
+            library = [g for g in groups if any(g is lib for lib in self._library_groups)]
+            ours = [g for g in groups[2:] if g is not self._config_group and g not in library]
+            ours.sort(key=lambda g: not str(g.title).startswith("pulseloco"))  # stable: pulseloco's first
+            self._action_groups = [self._config_group, *ours, *library, *groups[:2]]
+            try:
+                return super().format_help()
+            finally:
+                self._action_groups = groups
+
         def error(self, message: str) -> NoReturn:  # argparse would print the whole usage (hundreds of lines)
             raise ConfigError(f"{message} (see --help)")
 
@@ -47,7 +86,8 @@ def parse_args(dataclass_types: Iterable[Any], argv: Sequence[str] | None, prog:
         if index + 1 >= len(args) or not Path(args[index + 1]).is_file():
             where = args[index + 1] if index + 1 < len(args) else "(missing)"
             raise ConfigError(f"--config: no such file {where}; give a YAML file such as recipes/configs/*.yaml")
-    parser = Parser(list(dataclass_types), prog=prog)
+    # argparse's usage line would list every option (some 250 lines before the first group)
+    parser = Parser(list(dataclass_types), prog=prog, usage=f"{prog} [--config FILE] [--OPTION VALUE ...]")
     try:
         *parsed, from_config, from_command_line = parser.parse_args_and_config(
             args=args, return_remaining_strings=True, separate_remaining_strings=True

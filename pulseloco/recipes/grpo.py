@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pulseloco.recipes import common, tasks
 
@@ -43,6 +43,8 @@ PROG = "grpo.py"
 @dataclass(kw_only=True)
 class TaskArguments(tasks.TaskArguments):
     """The verifiable task (:mod:`pulseloco.recipes.tasks`) and how many of its prompts GRPO uses."""
+
+    _argument_group_name: ClassVar[str] = "task"
 
     num_train_prompts: int = field(default=4096, metadata={"help": "Training prompts (drawn with --seed)."})
     num_eval_prompts: int = field(

@@ -37,7 +37,7 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pulseloco.errors import ConfigError
 from pulseloco.recipes import common
@@ -57,6 +57,8 @@ ARCHS = ("llama", "qwen2")
 @dataclass(kw_only=True)
 class ModelArguments:
     """Which model to train: a pretrained checkpoint, a config to build, or a size to build."""
+
+    _argument_group_name: ClassVar[str] = "model"
 
     model_name_or_path: str | None = field(
         default=None,
@@ -109,6 +111,8 @@ class ModelArguments:
 @dataclass(kw_only=True)
 class DataArguments:
     """Where the text comes from and how it is cut into training blocks."""
+
+    _argument_group_name: ClassVar[str] = "data"
 
     data_paths: list[str] = field(
         default_factory=list, metadata={"help": "text or .jsonl files, or directories of them (default: stdlib)"}

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pulseloco.integrations.args import PublicKeyArguments
 from pulseloco.recipes import common, tasks
@@ -44,6 +44,8 @@ ENGINES = ("transformers", "vllm")
 @dataclass(kw_only=True)
 class WorkerArguments(PublicKeyArguments, tasks.TaskArguments):
     """What the worker loads, whom it trusts, and how long it runs; the task it scores versions on."""
+
+    _argument_group_name: ClassVar[str] = "rollout worker"
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "The policy's starting checkpoint (the trainers' --model_name_or_path)."}
@@ -221,9 +223,13 @@ class _Follower:
         waited = time.monotonic() - self.started
         if self.subscriber.version is None and not self.warned and waited > self.args.wait_warning:
             self.warned = True
+            run = self.swarm.run_id
             print(
-                f"rollout: no version of run_id={self.swarm.policy_run_id} after {self.args.wait_warning:.0f} s; a "
-                f"trainer must run with --publish and --run_id {self.swarm.run_id} in the swarm of --initial_peers",
+                f"rollout: no version of run_id={self.swarm.policy_run_id} after {self.args.wait_warning:.0f} s; "
+                f"check that a trainer in the swarm of --initial_peers publishes run {run} signed by the key of "
+                f"--public_key: a recipe with --publish --run_id {run}, or a script with "
+                f'PulseSyncCallback(signing_key=..., run_id="{run}") (or the run id of its PulseLoCoCallback or '
+                "SwarmRollouts)",
                 flush=True,
             )
 
@@ -260,7 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     engine, vllm_engine = _load_engine(args)
     dht = make_dht(swarm.swarm_config())
     subscriber = Subscriber(
-        dht, swarm.policy_run_id, public_key, timeout=args.update_timeout, full_checkpoints=args.full_checkpoints
+        dht,
+        swarm.policy_run_id,
+        public_key,
+        timeout=args.update_timeout,
+        full_checkpoints=args.full_checkpoints,
+        no_head_warning_after=float("inf"),  # the worker says it once, in its own terms (_Follower.on_idle)
     )
     server = None
     try:
@@ -280,8 +291,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.until_version is not None and not reached and not stop.is_set():
             raise VersionTimeoutError(
                 f"version {args.until_version} did not arrive within --max_seconds {args.max_seconds:g} "
-                f"(holding version {subscriber.version}); check --initial_peers and that a trainer runs "
-                f"with --publish --run_id {swarm.run_id}"
+                f"(holding version {subscriber.version}); check --initial_peers and that a trainer publishes run "
+                f"{swarm.run_id} (a recipe with --publish --run_id {swarm.run_id}, a script with PulseSyncCallback)"
             )
     finally:
         if server is not None:
