@@ -2,7 +2,7 @@
 # Sets up .venv (scripts/_setup.sh), makes or reuses a small warm model, then runs a PULSELoCo + PULSESync GRPO
 # swarm on 127.0.0.1 with TRL's GRPOTrainer, whose completions all come from a rollout worker, and prints a table.
 #
-#   scripts/demo.sh                   the swarm demo (first run: about 3 minutes more to make the warm model)
+#   scripts/demo.sh                   the swarm demo (first run: about 1.5 minutes more to make the warm model)
 #   scripts/demo.sh --out DIR         put the logs and metrics in DIR (default runs/demo-<date>, wiped first)
 #   scripts/demo.sh --steps N         GRPO optimizer steps per peer (default 96; a multiple of 8, the inner steps)
 #   scripts/demo.sh --timeout S       stop everything after S seconds (default 900)

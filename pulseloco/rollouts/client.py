@@ -124,7 +124,10 @@ class LeaseConfig:
     )
     rollout_timeout: float = field(
         default=60.0,
-        metadata={"help": "Seconds without any usable rollout worker before a batch fails (or warns, with wait)."},
+        metadata={
+            "help": "Seconds without any usable rollout worker before the trainer stops waiting for a batch: it "
+            "generates the batch itself with --rollout_fallback local (the default), or warns and waits on with wait."
+        },
     )
     leases_per_worker: int = field(
         default=2, metadata={"help": "Leases of this trainer running on one worker at once."}
