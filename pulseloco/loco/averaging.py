@@ -375,6 +375,16 @@ class SparseAverager(ShardOwner, StateTransfer):
             logger.info("ping failed peer=%s error=%r", peer, exc)
             return None
 
+    async def _connected(self) -> set[str] | None:
+        """The peers the daemon holds a connection to (``P2P.list_peers``), ``None`` when the daemon does not
+        answer within ``request_timeout`` (never raises)."""
+        try:
+            peers = await asyncio.wait_for(self.p2p.list_peers(), timeout=self.request_timeout)
+        except Exception as exc:
+            logger.info("listing connected peers failed error=%r", exc)
+            return None
+        return {info.peer_id.to_base58() for info in peers}
+
     # -- member side ----------------------------------------------------------------------------------------
     async def _push(self, owner: str, header: dict[str, Any], payload: bytes, deadline: float) -> bool:
         """Push one part to ``owner`` (:meth:`_push_once`); after a failure on the network (not a refusal), retry

@@ -116,6 +116,9 @@ def peak(values_K: torch.Tensor) -> float:
 PROBE_SECONDS = 2.0
 """How often an owner waiting for parts pings the members still missing (:meth:`ShardOwner._aggregate`)."""
 
+CLIENT_PROBES = 2
+"""Probes in a row that must find a client-mode member disconnected before the owner stops waiting for it."""
+
 DUPLICATE = "duplicate contribution"
 """The refusal of a second part from one member: a member's retried push whose first answer was lost."""
 
@@ -138,6 +141,11 @@ class OwnedShard:
     dialable: frozenset[str] = frozenset()
     """The members (server mode, this owner excepted) whose liveness the owner checks while it waits for their
     parts (:meth:`ShardOwner._aggregate`)."""
+    seen_connected: set[str] = field(default_factory=set)
+    """Client-mode members (not dialable) this owner has seen connected to it in this round: they pushed a part, or
+    a probe found them among the daemon's connections (:meth:`ShardOwner._find_gone`)."""
+    disconnected: dict[str, int] = field(default_factory=dict)
+    """Per client-mode member seen connected, the probes in a row that found it no longer connected."""
     header: dict[str, Any] | None = None
     payload: bytes = b""
     parts: tuple[bytes, ...] = ()
@@ -217,6 +225,11 @@ class ShardOwner(TrafficCounter):
         """Whether ``peer`` answers a ping (:meth:`_probe`); never raises."""
         return await self._probe(peer, {}) is not None
 
+    async def _connected(self) -> set[str] | None:
+        """The peers this peer's daemon holds a connection to, ``None`` when it cannot tell (the averager asks the
+        daemon); this base class cannot."""
+        return None
+
     @staticmethod
     async def _wait_probing(event: asyncio.Event, deadline: float) -> bool | None:
         """Wait for ``event`` at most :data:`PROBE_SECONDS` and not past ``deadline`` (loop time): True once it is
@@ -243,6 +256,34 @@ class ShardOwner(TrafficCounter):
                 if answer is not None:
                     logger.info("member done with the round round=%d peer=%s answer=%s", shard.round, peer, answer)
                 gone.add(peer)
+        await self._find_disconnected(shard, waiting - gone - shard.dialable - {self.peer_id}, gone)
+
+    async def _find_disconnected(self, shard: OwnedShard, clients: frozenset[str], gone: set[str]) -> None:
+        """Client-mode members cannot be pinged (nothing dials them). One this owner has seen connected (it pushed,
+        or an earlier probe found it) and that is no longer connected in :data:`CLIENT_PROBES` probes in a row
+        (a process that died, its daemon with it) goes to ``gone``; one never seen connected is waited for as
+        before. A live client taken for gone costs only this round: its part is refused later (it stays in its
+        residual) or it fetches a sum that is still served."""
+        if not clients:
+            return
+        connected = await self._connected()
+        if connected is None:
+            return
+        shard.seen_connected.update(clients & set(shard.contributions))
+        for peer in sorted(clients):
+            if peer in connected:
+                shard.seen_connected.add(peer)
+                shard.disconnected.pop(peer, None)
+            elif peer in shard.seen_connected:
+                shard.disconnected[peer] = shard.disconnected.get(peer, 0) + 1
+                if shard.disconnected[peer] >= CLIENT_PROBES:
+                    logger.info(
+                        "client-mode member no longer connected round=%d peer=%s probes=%d",
+                        shard.round,
+                        peer,
+                        shard.disconnected[peer],
+                    )
+                    gone.add(peer)
 
     @asker_closes
     async def rpc_ping(
@@ -477,9 +518,9 @@ class ShardOwner(TrafficCounter):
     async def _serve_until_fetched(self, owned: OwnedShard, deadline: float) -> None:
         """Keep serving until every member that contributed (and this peer) has fetched the sum, at most until
         ``deadline`` (a timeout is logged, never raised), so that a peer finishing first does not leave the others
-        without its shard; later fetches are still served. Every :data:`PROBE_SECONDS` the server-mode members
-        still to fetch are pinged (:meth:`_alive`), and those that do not answer (they died after pushing their
-        part) are no longer waited for."""
+        without its shard; later fetches are still served. Every :data:`PROBE_SECONDS` the members still to fetch
+        are probed (:meth:`_find_gone`), and those that will not fetch (they died after pushing their part, or
+        ended their exchange) are no longer waited for."""
         owned.awaiting = frozenset(owned.contributions) | {self.peer_id}
         if owned.awaiting <= owned.fetched:
             owned.all_fetched.set()
@@ -502,9 +543,10 @@ class ShardOwner(TrafficCounter):
 
     async def _aggregate(self, shard: OwnedShard, deadline: float) -> None:
         """Wait for the members' parts (until ``deadline``, loop time), validate and sum them. Every
-        :data:`PROBE_SECONDS` without them, the server-mode members still missing are pinged (:meth:`_alive`):
-        once every member still missing is one that did not answer (a process that died mid-round), the shard is
-        summed without them instead of waiting out ``averaging_timeout``. A part that comes later is refused, so
+        :data:`PROBE_SECONDS` without them, the members still missing are probed (:meth:`_find_gone`: server-mode
+        ones pinged, client-mode ones looked for among the connections): once every member still missing is one
+        that will not push (a process that died mid-round, a member that gave up), the shard is summed without
+        them instead of waiting out ``averaging_timeout``. A part that comes later is refused, so
         its sender keeps it in its residual (exactly once holds either way)."""
         expected = shard.expected or frozenset()
         gone: set[str] = set()
