@@ -496,6 +496,65 @@ def test_a_steering_worker_is_refused_by_the_guard_within_three_leases(engine: T
         assert check_lease(honest_verifier, trainer, honest, 8, seed=seed).reason is None
 
 
+def test_a_new_workers_groups_with_near_misses_are_held_back_until_the_guard_can_refuse_a_steerer(
+    engine: TransformersEngine,
+) -> None:
+    """Probation: from a worker the guard has too little evidence on (a new identity), every group with a near miss
+    is held back (generated again, its completions kept nowhere) while its other groups pass; a worker that steers
+    one completion a group (its steered tokens all near misses) gets none of them kept while it lasts. An honest BF16
+    worker leaves probation once its widest band of spread has :func:`probation_positions` positions, and after that
+    its near misses pass as before; FP32 claims need far fewer."""
+    from pulseloco.rollouts.tolerances import probation_positions
+
+    tolerance = TOLERANCES["bfloat16"]
+    assert probation_positions(tolerance, 1e-6) == 451 and probation_positions(TOLERANCES["float32"], 1e-6) == 19
+    repeated = [p for p in PROMPTS for _ in range(8)]
+    trainer = copy.deepcopy(engine.model).float()
+    verifier = verifier_of(engine.model)
+    aim = 0.95 * tolerance.margin
+    steered_groups = held = probation_leases = 0
+    for seed in range(100, 130):
+        # the first token of one completion of each group steered (a steerer that stays under the guard's bar for
+        # a few leases), the rest the sampler's choice
+        honest = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=seed)
+        steered = steer(
+            engine.model, repeated, aim=aim, eos=256, max_new_tokens=16, temperature=1.0, seed=seed, sequences=None,
+            choose=lambda row, ids, close: min(close) if row % 8 == 0 and not ids else close[0],
+        )  # fmt: skip
+        mixed = [steered[i] if i % 8 == 0 else honest[i] for i in range(len(repeated))]
+        lease = check_lease(verifier, trainer, mixed, 8, seed=seed)
+        if lease.refuse is not None or not lease.probation:
+            break
+        assert lease.reason is None, lease
+        probation_leases += 1
+        held += len(lease.held_back)
+        for g, prompt in enumerate(PROMPTS):
+            kept = [verifier.sampling_logps(prompt, c.token_ids) is not None for c in mixed[g * 8 : (g + 1) * 8]]
+            assert kept == [g not in lease.held_back] * 8, (g, lease.held_back)
+            if mixed[g * 8].token_ids != honest[g * 8].token_ids:  # steered somewhere: a near miss there
+                steered_groups += 1
+                assert g in lease.held_back, (g, lease.held_back)
+    assert probation_leases > 0 and steered_groups > 0 and held >= steered_groups
+    assert verifier.stats.probation_held_back == 8 * held
+    # after probation the guard decides as before: these flips land where rounding flips choices too (spreads of
+    # hundredths of a nat), so they pass, the room docs/design.md names; a steerer aiming wider is refused
+    assert lease.reason is None and not lease.probation and not lease.held_back, lease
+    honest_verifier = verifier_of(engine.model)
+    leases_on_probation = 0
+    for seed in range(200, 260):
+        honest = engine.generate_ids(repeated, max_new_tokens=16, temperature=1.0, seed=seed)
+        lease = check_lease(honest_verifier, trainer, honest, 8, seed=seed)
+        assert lease.reason is None
+        if not lease.probation:
+            break
+        leases_on_probation += 1
+    record = honest_verifier.guard.records[("w", tolerance)]
+    assert not lease.probation and not lease.held_back and record.positions[-1] >= 451, record
+    assert 0 < leases_on_probation < 60
+    no_probation = verifier_of(engine.model, VerifyConfig(verify_probation=False))
+    assert not check_lease(no_probation, trainer, mixed, 8, seed=100).held_back
+
+
 def test_the_guard_refuses_honest_rates_rarely_and_steering_soon() -> None:
     """The guard's statistics with simulated counts (a fixed generator): 1,000 honest workers of 50 leases each,
     their near misses drawn at exactly each band's rate, are never refused (the bound says at most

@@ -26,7 +26,8 @@ declares, are the reference. Attacks:
   left for the engine's own error).
 
 Reported per attack: the declared precision, leases answered, the lease at which the worker is refused (and why), the
-share of its completions that passed before (what reaches the trained batch), among those the share that are not the
+leases it was on probation and the completions held back then (groups with a near miss, generated again by others),
+the share of its completions that passed before (what reaches the trained batch), among those the share that are not the
 honest sample and the share whose reward differs from the honest sample's (with the mean reward change), and the largest
 change to the importance-sampling ratio's denominators (the log-probabilities handed on, against the honest lease's).
 Output: a table on stdout and ``bench_attacks.json`` / ``.md`` in ``--out`` (default: a new folder under
@@ -174,7 +175,7 @@ def run_attack(attack: str, engines: dict[str, Any], trainer: Any, task: Task, a
     reference = RolloutVerifier(VerifyConfig(), states=states, states_wait=0.0, seed=0)
     stops = stop_ids(task.tokenizer, trainer)
     failed, refused_at, reason = 0, None, None
-    answered = passed = differ = changed = 0
+    answered = passed = differ = changed = held_back = probation_leases = 0
     reward_change = 0.0
     worst_ratio_change = 0.0
     started = time.perf_counter()
@@ -197,12 +198,16 @@ def run_attack(attack: str, engines: dict[str, Any], trainer: Any, task: Task, a
                 refused_at = lease
                 break
             continue
-        passed += len(mine)
+        # on probation, the groups with a near miss are generated again (by others), not trained on
+        probation_leases += check.probation
+        kept = [i for i in range(len(mine)) if i // args.samples not in check.held_back]
+        held_back += len(mine) - len(kept)
+        passed += len(kept)
         every = [a for a in answers for _ in range(args.samples)]
         mine_rewards, honest_rewards = task.rewards(mine, every), task.rewards(honest, every)
-        differ += sum(a.token_ids != b.token_ids for a, b in zip(mine, honest))
-        changed += sum(a != b for a, b in zip(mine_rewards, honest_rewards))
-        reward_change += sum(mine_rewards) - sum(honest_rewards)
+        differ += sum(mine[i].token_ids != honest[i].token_ids for i in kept)
+        changed += sum(mine_rewards[i] != honest_rewards[i] for i in kept)
+        reward_change += sum(mine_rewards[i] - honest_rewards[i] for i in kept)
         reference.check(trainer, prompts, results(honest, prompts, args.samples, seed, precision), temperature=1.0,
                         max_new_tokens=args.max_new_tokens, stop_ids=stops)  # fmt: skip
         for i, (a, b) in enumerate(zip(mine, honest)):
@@ -221,6 +226,9 @@ def run_attack(attack: str, engines: dict[str, Any], trainer: Any, task: Task, a
         "completions": answered,
         "passed": passed,
         "passed_share": passed / max(answered, 1),
+        "held_back": held_back,
+        "held_back_share": held_back / max(answered, 1),
+        "probation_leases": probation_leases,
         "differ_share": differ / max(passed, 1),
         "reward_changed_share": changed / max(passed, 1),
         "reward_change_mean": reward_change / max(passed, 1),
@@ -251,10 +259,12 @@ def results(completions: list[Completion], prompts: list[list[int]], samples: in
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    header = ["attack", "declares", "refused at lease", "completions passed before", "of them not the honest sample",
-              "rewards changed (mean change)", "largest change to the ratio's log-probabilities", "why"]  # fmt: skip
+    header = ["attack", "declares", "refused at lease", "leases on probation", "held back on probation",
+              "completions passed before", "of them not the honest sample", "rewards changed (mean change)",
+              "largest change to the ratio's log-probabilities", "why"]  # fmt: skip
     cells = [
-        [r["attack"], r["precision"], str(r["refused_at"] or f"not in {r['leases']}"),
+        [r["attack"], r["precision"], str(r["refused_at"] or f"not in {r['leases']}"), str(r["probation_leases"]),
+         f"{r['held_back']} ({r['held_back_share']:.1%})",
          f"{r['passed']} of {r['completions']} ({r['passed_share']:.0%})", f"{r['differ_share']:.2%}",
          f"{r['reward_changed_share']:.2%} ({r['reward_change_mean']:+.3f})", f"{r['worst_logprob_change']:.2g}",
          (r["reason"] or "")[:90]]

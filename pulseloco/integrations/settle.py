@@ -87,6 +87,8 @@ def settle(
                     client.refuse(check.worker, check.refuse)
             failed = {lease_id for lease_id, c in leases.items() if c.reason is not None or c.unverifiable}
             redo |= {i for i in todo if results[i].lease_id in failed or results[i].worker in refused}
+            # a worker on probation: its groups with a near miss are generated again, not trained on
+            redo |= {todo[k] for c in leases.values() for k in c.held_back}
         verified.update(i for i in todo if i not in redo)
         if not redo:
             break

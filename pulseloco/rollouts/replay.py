@@ -40,6 +40,8 @@ class Row(NamedTuple):
     seed: int
     sequence: int
     version: int
+    group: int = -1
+    """The index of its group (prompt) in the call that checks it."""
 
     @property
     def key(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

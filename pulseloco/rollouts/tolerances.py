@@ -42,7 +42,9 @@ log-probability tolerance are the table's divided by ``T`` (:meth:`Tolerance.at`
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -50,7 +52,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TOLERANCES", "NearMissGuard", "Tolerance", "poisson_tail", "precision_of", "tolerance_for"]
+__all__ = [
+    "PROBATION_EXCESS",
+    "TOLERANCES",
+    "NearMissGuard",
+    "Tolerance",
+    "poisson_tail",
+    "precision_of",
+    "probation_positions",
+    "tolerance_for",
+]
+
+#: A worker leaves probation once the guard would refuse, at its next lease, one that makes this many times the
+#: honest rate of near misses in the widest band of spread (where a token may trail the sampler's choice by most).
+PROBATION_EXCESS = 10.0
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,23 @@ def poisson_tail(count: int, mean: float) -> float:
     return float(torch.special.gammainc(count_t, mean_t))
 
 
+@functools.lru_cache(maxsize=64)
+def probation_positions(tolerance: Tolerance, false_refusal: float) -> int:
+    """The positions of the widest band of spread (``tolerance.bands[-1]``'s, where a steering worker has the most
+    room) a worker's completions must have had checked before it leaves probation: the fewest ``n`` at which a
+    worker with near misses at :data:`PROBATION_EXCESS` times that band's honest rate ``r`` (``ceil(x r n)`` of
+    them) is refused by the guard's test at a first lease (tail below ``false_refusal / (2 B)``, the bar of
+    :meth:`NearMissGuard.add` for ``L = 1``). At the default ``false_refusal`` 1e-6: BF16 (r = 2e-3) 451 positions,
+    FP32 (r = 0.05) 19. Never raises."""
+    rate = tolerance.rates[-1]
+    share = min(1.0, PROBATION_EXCESS * rate)
+    bar = false_refusal / (2 * len(tolerance.bands))
+    n = 1
+    while poisson_tail(math.ceil(share * n), rate * n) >= bar:
+        n += 1
+    return n
+
+
 @dataclass
 class _Record:
     positions: list[int]
@@ -151,6 +183,14 @@ class NearMissGuard:
     false_refusal: float = 1e-6
     records: dict[tuple[str, Tolerance], _Record] = field(default_factory=dict)
     leases: dict[str, int] = field(default_factory=dict)
+
+    def on_probation(self, worker: str, tolerance: Tolerance) -> bool:
+        """Whether ``worker`` has had fewer positions of ``tolerance``'s widest band checked than
+        :func:`probation_positions` asks (a new identity has had none; a worker that changes the precision it
+        claims starts a record of its own, on probation again)."""
+        record = self.records.get((worker, tolerance))
+        seen = record.positions[-1] if record is not None else 0
+        return seen < probation_positions(tolerance, self.false_refusal)
 
     def add(self, worker: str, positions: Sequence[int], near: Sequence[int], tolerance: Tolerance) -> str | None:
         """Count one lease of ``worker``: per band of ``tolerance``, its ``positions`` and the ``near`` misses among

@@ -111,6 +111,10 @@ class LeaseCheck:
     invalid: str | None = None
     reason: str | None = None
     refuse: str | None = None
+    probation: bool = False
+    """Its worker was on probation when the lease came (:meth:`NearMissGuard.on_probation`)."""
+    held_back: set[int] = field(default_factory=set)
+    """On probation: the groups (indices in the call) with a near miss, to be generated again, not trained on."""
 
     @property
     def logprob_error(self) -> float:
@@ -147,6 +151,9 @@ class VerifyStats:
     forward_seconds: float = 0.0
     first_forward_seconds: float = 0.0
     guard_refusals: int = 0
+    probation_leases: int = 0
+    probation_held_back: int = 0
+    """Completions of groups held back on probation (a near miss in the group) and generated again."""
     last_failure: str | None = None
 
 
@@ -226,11 +233,22 @@ class RolloutVerifier:
         outcomes = self._evaluate(model, rows, leases, states, temperature)
         for row, outcome in zip(rows, outcomes):
             self._add(leases[row.lease_id], outcome, len(row.ids))
+        for lease in leases.values():  # before this lease's counts reach the guard
+            tolerance = lease.tolerance
+            lease.probation = bool(
+                self.config.verify_probation and tolerance and self.guard.on_probation(lease.worker, tolerance)
+            )
         for lease in leases.values():
             lease.reason = self._verdict(lease)
-            self._count(lease)
         for row, outcome in zip(rows, outcomes):
-            if leases[row.lease_id].reason is None:
+            lease = leases[row.lease_id]
+            if lease.reason is None and lease.probation and outcome.result.near:
+                lease.held_back.add(row.group)
+        for lease in leases.values():
+            self._count(lease, sum(len(results[g].completion_ids) for g in lease.held_back))
+        for row, outcome in zip(rows, outcomes):
+            lease = leases[row.lease_id]
+            if lease.reason is None and row.group not in lease.held_back:
                 self._keep(row, outcome)
         self.stats.seconds += time.perf_counter() - started
         return leases
@@ -256,7 +274,7 @@ class RolloutVerifier:
         context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
         leases: dict[str, LeaseCheck] = {}
         rows: list[Row] = []
-        for prompt, result in zip(prompts, results):
+        for group, (prompt, result) in enumerate(zip(prompts, results)):
             lease = leases.get(result.lease_id)
             if lease is None:
                 lease = leases[result.lease_id] = LeaseCheck(
@@ -266,7 +284,7 @@ class RolloutVerifier:
                     lease.tolerance = self._tolerance(result.compute_dtype, replay_dtype, temperature)
                 except ValueError as exc:
                     lease.invalid = str(exc)
-            for row in self._rows(prompt, result):
+            for row in self._rows(prompt, result, group):
                 lease.completions += 1
                 if len(row.ids) < max_new_tokens and (not row.ids or row.ids[-1] not in stop_ids):
                     lease.early_stops += 1
@@ -478,10 +496,19 @@ class RolloutVerifier:
     # ---- rows, folding and verdicts -------------------------------------------------------------------------
 
     @staticmethod
-    def _rows(prompt: Sequence[int], result: GroupResult) -> list[Row]:
-        """The rows checked for ``result``'s completions of ``prompt``."""
+    def _rows(prompt: Sequence[int], result: GroupResult, group: int = -1) -> list[Row]:
+        """The rows checked for ``result``'s completions of ``prompt`` (the ``group``-th of its call)."""
         return [
-            Row(result.lease_id, list(prompt), ids, logprobs, result.seed, result.sequence + offset, result.version)
+            Row(
+                result.lease_id,
+                list(prompt),
+                ids,
+                logprobs,
+                result.seed,
+                result.sequence + offset,
+                result.version,
+                group,
+            )
             for offset, (ids, logprobs) in enumerate(zip(result.completion_ids, result.logprobs))
         ]
 
@@ -542,8 +569,11 @@ class RolloutVerifier:
             return refuse
         return None
 
-    def _count(self, lease: LeaseCheck) -> None:
+    def _count(self, lease: LeaseCheck, held_back: int = 0) -> None:
+        """Add ``lease`` to the run's counters (``held_back``: the completions of its groups held back)."""
         stats = self.stats
+        stats.probation_leases += lease.probation and lease.reason is None and not lease.unverifiable
+        stats.probation_held_back += held_back
         if lease.unverifiable and lease.reason is None:
             stats.unverifiable_leases += 1
             return

@@ -59,6 +59,15 @@ class VerifyConfig:
             "engine keeps to its precision's measured rates)."
         },
     )
+    verify_probation: bool = field(
+        default=True,
+        metadata={
+            "help": "Hold back, and generate again, every group with a near miss (a token within the margin that is "
+            "not the sampler's choice) from a worker the near-miss guard has too little evidence on to refuse a "
+            "steerer (a new identity, or one claiming another precision), until it has enough (the positions of "
+            "pulseloco.rollouts.tolerances.probation_positions)."
+        },
+    )
     verify_margin: float | None = field(
         default=None,
         metadata={
