@@ -21,8 +21,9 @@ from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.engines.hf import TransformersEngine
 from pulseloco.rollouts.sampling import check_completions, choose, gumbel_noise
 from pulseloco.rollouts.tolerances import TOLERANCES, NearMissGuard, poisson_tail, precision_of, tolerance_for
-from pulseloco.rollouts.verify import LeaseCheck, RolloutVerifier
+from pulseloco.rollouts.verify import RolloutVerifier
 from pulseloco.rollouts.verify_config import VerifyConfig
+from pulseloco.rollouts.verify_records import LeaseCheck
 from pulseloco.rollouts.version_states import VersionStates
 
 MASK = 0xFFFFFFFF
