@@ -255,6 +255,36 @@ def test_pulsesync_without_pulseloco_needs_a_run_id_and_writes_its_versions_to_o
         PulseSyncCallback(every=1, wait_for_copy=-1)
 
 
+def test_sampling_settings_the_checks_cannot_replay_stop_training_at_its_start(tmp_path: Path, keypair: Path) -> None:
+    """TRL's ``top_p`` below 1 with swarm rollouts: the README's PulseSyncCallback refuses it at train begin, with
+    the setting to change, before any step or rollout round (SwarmRollouts alone would at its first round)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from pulseloco.integrations import PulseSyncCallback, SwarmRollouts
+
+    model_dir = save_tiny_model(tmp_path / "m")
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=4, top_p=0.9, use_cpu=True, report_to="none", save_strategy="no",
+    )  # fmt: skip
+    rollouts = SwarmRollouts(run_id="my-run")
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "1+1="}] * 8),
+        callbacks=[PulseSyncCallback(signing_key=str(keypair), wait_for_copy=0)],
+        rollout_func=rollouts,
+    )
+    with pytest.raises(ConfigError, match=r"plain temperature.*top_p=0\.9") as caught:
+        trainer.train()
+    assert any(entry.name == "on_train_begin" for entry in caught.traceback)  # at train begin, not a round
+    assert trainer.state.global_step == 0 and rollouts.client is None
+
+
 # -- 4. the fallback's worker command -----------------------------------------------------------------------------
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "RunRollouts",
     "calling_trainer",
     "check_linger",
+    "check_rollouts_at_start",
     "join_swarm",
     "loco_callback_of",
     "register_loco_callback",
@@ -54,6 +55,11 @@ class RunRollouts:
     until known) at train begin without importing it."""
 
     run_id: str | None = None
+
+    def check_trainer(self, trainer: Any) -> None:
+        """Raise :class:`ConfigError` when ``trainer``'s settings are ones this ``rollout_func`` cannot serve; the
+        callbacks call it at train begin, so that a bad setting stops training before any step (this base class
+        accepts every trainer)."""
 
 
 _CALLBACK_OF_MODEL: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -121,6 +127,17 @@ def _calling_handler(callback: TrainerCallback) -> CallbackHandler | None:
         return None
     finally:
         del frame  # a frame kept in a local makes a reference cycle through this function's own frame
+
+
+def check_rollouts_at_start(callback: TrainerCallback) -> RunRollouts | None:
+    """The calling Trainer's pulseloco ``rollout_func`` (None without one), checked against the Trainer
+    (:meth:`RunRollouts.check_trainer`: raises :class:`ConfigError` for settings it cannot serve)."""
+    trainer = calling_trainer(callback)
+    rollouts = getattr(trainer, "rollout_func", None)
+    if not isinstance(rollouts, RunRollouts):
+        return None
+    rollouts.check_trainer(trainer)  # a setting it cannot serve stops training now, not at its first round
+    return rollouts
 
 
 def calling_trainer(callback: TrainerCallback) -> Any | None:

@@ -37,9 +37,8 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from pulseloco.errors import ConfigError
 from pulseloco.integrations.callback_base import (
     LogsContributor,
-    RunRollouts,
-    calling_trainer,
     check_linger,
+    check_rollouts_at_start,
     join_swarm,
     loco_callback_of,
 )
@@ -216,8 +215,8 @@ class PulseSyncCallback(LogsContributor):
         if self._model is None:
             raise ConfigError("PulseSyncCallback needs the Trainer's model (transformers passes it to callbacks)")
         self._step = state.global_step
-        rollouts = getattr(calling_trainer(self), "rollout_func", None)
-        if isinstance(rollouts, RunRollouts):
+        rollouts = check_rollouts_at_start(self)
+        if rollouts is not None:
             self._rollouts_run_id = rollouts.run_id
 
     def on_step_begin(

@@ -319,11 +319,11 @@ class SwarmRollouts(RunRollouts):
         end = start + len(prompts)
         return {key: values[start:end] for key, values in box[0].items()}
 
-    def _start(self, trainer: Any) -> None:
-        """Check that this path can serve ``trainer``; find or start the DHT and the key; turn TRL's
-        importance-sampling correction on (see the module docstring)."""
-        self._started = True
-        args = trainer.args
+    def check_trainer(self, trainer: Any) -> None:
+        """Raise :class:`ConfigError` unless ``trainer`` samples with plain temperature (TRL's ``top_p`` 1.0,
+        ``top_k`` 0 or None, no ``min_p``, ``repetition_penalty`` 1.0): the checks replay the sampler's choice
+        from the whole distribution. Called at the first rollout round, and at train begin by the pulseloco
+        callbacks on the same Trainer."""
         if trainer.top_p != 1.0 or trainer.top_k not in (None, 0) or trainer.min_p is not None:
             raise ConfigError(
                 "swarm rollouts sample with plain temperature, so that the workers' log-probabilities are those of "
@@ -332,6 +332,13 @@ class SwarmRollouts(RunRollouts):
             )
         if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
             raise ConfigError("swarm rollouts sample with plain temperature: set repetition_penalty 1.0")
+
+    def _start(self, trainer: Any) -> None:
+        """Check that this path can serve ``trainer``; find or start the DHT and the key; turn TRL's
+        importance-sampling correction on (see the module docstring)."""
+        self._started = True
+        args = trainer.args
+        self.check_trainer(trainer)
         callbacks = list(getattr(trainer.callback_handler, "callbacks", []))
         self.run_id = check_run_ids(self.run_id, callbacks)
         from pulseloco.integrations.trl_warnings import explain_trl_warnings

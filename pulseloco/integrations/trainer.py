@@ -46,7 +46,13 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pulseloco.errors import ConfigError
-from pulseloco.integrations.callback_base import LogsContributor, check_linger, join_swarm, register_loco_callback
+from pulseloco.integrations.callback_base import (
+    LogsContributor,
+    check_linger,
+    check_rollouts_at_start,
+    join_swarm,
+    register_loco_callback,
+)
 from pulseloco.keys import check_run_id
 from pulseloco.loco.config import AveragingConfig, PlacementConfig, RoundConfig
 from pulseloco.loco.metrics import RoundMetrics
@@ -198,6 +204,7 @@ class PulseLoCoCallback(LogsContributor):
         if self.loco is not None:
             raise ConfigError("PulseLoCoCallback drives one training run; give each Trainer.train() a new callback")
         check_round_boundary(state.max_steps, self.round_config.inner_steps)
+        check_rollouts_at_start(self)
         if self._owns_dht:
             self.dht = join_swarm(self.swarm)
         elif not PartialState().is_main_process:
