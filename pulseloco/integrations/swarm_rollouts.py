@@ -271,6 +271,9 @@ class SwarmRollouts(RunRollouts):
         verifier: RolloutVerifier | None = None,
         metrics_path: str | os.PathLike[str] | Literal[False] | None = None,
     ) -> None:
+        from pulseloco.integrations.trl_warnings import replace_rollout_func_warning
+
+        replace_rollout_func_warning()  # before the GRPOTrainer this is given to warns; said in one line at start
         config = self.config = config or RolloutConfig()
         if run_id is not None:
             check_training_run_id(run_id)

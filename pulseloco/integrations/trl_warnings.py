@@ -14,7 +14,13 @@ import os
 import re
 import warnings
 
-__all__ = ["TRL_ROLLOUT_FUNC_WARNING", "TRL_VLLM_VERSION_WARNING", "dedupe_trl_warnings", "explain_trl_warnings"]
+__all__ = [
+    "TRL_ROLLOUT_FUNC_WARNING",
+    "TRL_VLLM_VERSION_WARNING",
+    "dedupe_trl_warnings",
+    "explain_trl_warnings",
+    "replace_rollout_func_warning",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +43,13 @@ def dedupe_trl_warnings() -> None:
     equal filter); never raises."""
     warnings.filterwarnings("ignore", message=re.escape(TRL_VLLM_VERSION_WARNING), category=UserWarning)
     warnings.filterwarnings("once", message=re.escape(TRL_ROLLOUT_FUNC_WARNING), category=UserWarning)
+
+
+def replace_rollout_func_warning() -> None:
+    """Filter out TRL's two-line warning that ``rollout_func`` is experimental: :class:`SwarmRollouts` calls this when
+    it is built (before the ``GRPOTrainer`` it is given to warns), and :func:`explain_trl_warnings` says it in one
+    line, with what it means here, when the rollouts start. Idempotent; never raises."""
+    warnings.filterwarnings("ignore", message=re.escape(TRL_ROLLOUT_FUNC_WARNING), category=UserWarning)
 
 
 def explain_trl_warnings(*, rollout_func: bool = False) -> None:
@@ -71,6 +84,6 @@ def explain_trl_warnings(*, rollout_func: bool = False) -> None:
     if rollout_func and "rollout_func" not in _explained and os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") != "1":
         _explained.add("rollout_func")
         logger.warning(
-            "pulseloco: TRL's 'rollout_func is experimental' warning (shown once) is expected: SwarmRollouts is that "
-            "rollout_func, tested with the TRL that pulseloco installs; TRL_EXPERIMENTAL_SILENCE=1 silences TRL's line"
+            "pulseloco: SwarmRollouts is TRL's rollout_func, which TRL marks experimental (its warning is this line); "
+            "tested with the TRL that pulseloco installs; TRL_EXPERIMENTAL_SILENCE=1 silences it"
         )
