@@ -15,7 +15,10 @@ def test_a_small_run_refuses_the_steering_worker_and_not_the_honest_one(tiny_war
     assert ba.main(argv) == 0
     rows = {r["attack"]: r for r in json.loads((tmp_path / "bench_attacks.json").read_text())["rows"]}
     honest, steer, forged = rows["honest"], rows["steer-wrong"], rows["forged-within"]
-    assert honest["refused_at"] is None and honest["passed_share"] == 1.0 and honest["differ_share"] == 0.0
+    # the honest worker is never refused: what did not pass was held back on probation (generated again)
+    assert honest["refused_at"] is None and honest["differ_share"] == 0.0
+    assert honest["passed"] + honest["held_back"] == honest["completions"] and honest["probation_leases"] >= 1
+    assert honest["held_back_share"] <= 0.25, honest
     assert steer["refused_at"] == 1 and steer["passed"] == 0
     assert forged["refused_at"] is None and forged["worst_logprob_change"] == 0.0
     assert "| steer-wrong |" in (tmp_path / "bench_attacks.md").read_text()
