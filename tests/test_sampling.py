@@ -20,7 +20,14 @@ from pulseloco.rollouts import sampling
 from pulseloco.rollouts.client import GroupResult
 from pulseloco.rollouts.engines.hf import TransformersEngine
 from pulseloco.rollouts.sampling import check_completions, choose, gumbel_noise
-from pulseloco.rollouts.tolerances import TOLERANCES, NearMissGuard, poisson_tail, precision_of, tolerance_for
+from pulseloco.rollouts.tolerances import (
+    TOLERANCES,
+    NearMissGuard,
+    Tolerance,
+    poisson_tail,
+    precision_of,
+    tolerance_for,
+)
 from pulseloco.rollouts.verify import RolloutVerifier
 from pulseloco.rollouts.verify_config import VerifyConfig
 from pulseloco.rollouts.verify_records import LeaseCheck
@@ -509,6 +516,7 @@ def test_a_new_workers_groups_with_near_misses_are_held_back_until_the_guard_can
 
     tolerance = TOLERANCES["bfloat16"]
     assert probation_positions(tolerance, 1e-6) == 451 and probation_positions(TOLERANCES["float32"], 1e-6) == 19
+    assert probation_positions(Tolerance(1.0, (1.0,), (0.0,), 1.0), 1e-6) == 0  # a zero rate ends, at once
     repeated = [p for p in PROMPTS for _ in range(8)]
     trainer = copy.deepcopy(engine.model).float()
     verifier = verifier_of(engine.model)

@@ -148,6 +148,8 @@ def probation_positions(tolerance: Tolerance, false_refusal: float) -> int:
     :meth:`NearMissGuard.add` for ``L = 1``). At the default ``false_refusal`` 1e-6: BF16 (r = 2e-3) 451 positions,
     FP32 (r = 0.05) 19. Never raises."""
     rate = tolerance.rates[-1]
+    if rate <= 0.0:  # no honest near miss there: the guard refuses the first one, so no probation is needed
+        return 0
     share = min(1.0, PROBATION_EXCESS * rate)
     bar = false_refusal / (2 * len(tolerance.bands))
     n = 1
