@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import hivemind
 import pytest
@@ -135,6 +136,47 @@ def test_a_bootstrap_that_answers_late_is_joined_by_starting_again(
         for node in [dht, *came_back]:
             if node is not None:
                 node.shutdown()
+
+
+async def _ban_state(_dht: hivemind.DHT, node: Any) -> tuple[float, float, int]:
+    """In the DHT process: the blacklist's ban time, its growth per failure, and how many peers it counts."""
+    return node.blacklist.base_time, node.blacklist.backoff, len(node.blacklist.ban_counter)
+
+
+async def _ban(_dht: hivemind.DHT, node: Any, peer: str) -> None:
+    """In the DHT process: count a failed request to ``peer`` in the blacklist."""
+    from hivemind.p2p import PeerID
+
+    node.blacklist.register_failure(PeerID.from_base58(peer))
+
+
+def test_a_peer_back_from_a_cut_looks_up_the_nodes_it_left_out_again(tmp_path: Path) -> None:
+    """A DHT node leaves a node that failed out of its lookups for 5 s each time, without hivemind's doubling per
+    failure, and forgets every such failure when an initial peer answers after none did: after a partition that
+    heals, the doubled bans outlasted the heal and 4 WAN trainers averaged as two pairs to the end. Here the
+    bootstrap stops, the peer's pings fail, and the bootstrap comes back at its address: the peer's blacklist is
+    cleared."""
+    import functools
+
+    identity = str(tmp_path / "bootstrap.id")
+    boot = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=identity, start=True)
+    maddr = str(boot.get_visible_maddrs()[0])
+    dht = make_dht(SwarmConfig(initial_peers=[maddr], rejoin_interval=1.0))
+    try:
+        assert dht.run_coroutine(_ban_state) == (5.0, 1.0, 0)
+        dht.run_coroutine(functools.partial(_ban, peer=UNREACHABLE.split("/p2p/")[1]))
+        assert dht.run_coroutine(_ban_state)[2] == 1
+        boot.shutdown()
+        time.sleep(2.5)  # at least one ping of the bootstrap failed
+        assert dht.run_coroutine(_ban_state)[2] == 1
+        boot = hivemind.DHT(host_maddrs=[maddr.split("/p2p/")[0]], identity_path=identity, start=True)
+        deadline = time.monotonic() + 60  # libp2p's dial backoff after the failed pings: some seconds
+        while dht.run_coroutine(_ban_state)[2] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert dht.run_coroutine(_ban_state)[2] == 0
+    finally:
+        dht.shutdown()
+        boot.shutdown()
 
 
 def test_swarm_key_files(tmp_path: Path) -> None:
