@@ -176,3 +176,18 @@ def test_differing_views_are_compared_in_whole_and_merged(
     # what every peer reads first is one digest per member, not every member's whole list
     digests = matchmakers[0]._get(matchmakers[0]._key(5, "view0"))
     assert sorted(digests) == sorted(PEERS) and all(set(value) == {"hash"} for value, _ in digests.values())
+
+
+def test_a_peer_the_others_went_without_knows_it_was_seen_too_late(dhts: list[hivemind.DHT]) -> None:
+    """matchmaking_time is 300 s: two peers expect only each other (the third has published no state yet, as a
+    joiner still downloading it) and their group goes at once. The third then publishes and registers well before
+    the close; their views leave it out, so it sits the round out with ``seen_too_late`` set and ``late_by`` 0
+    (``PulseLoCo`` then ends its phase early, as for a late registration: ``_realign``)."""
+    first, second, joiner = _matchmakers(dhts, "mm-seen-late", matchmaking_time=300.0)
+    _publish_and_wait([first, second], 1)
+    groups = _form_groups([first, second], 1, timeout=60.0)
+    assert all(g is not None and g.members == PEERS[:2] for g in groups), groups
+    assert not first.seen_too_late and not second.seen_too_late
+    joiner.publish_state(1, "d0")
+    assert joiner.form_group(1, get_dht_time() + 600.0, "d0") is None
+    assert joiner.seen_too_late and joiner.late_by == 0.0

@@ -174,6 +174,10 @@ class Matchmaker:
         another theta (empty otherwise): the peer waits for their state records after the round and repairs."""
         self.late_by = 0.0
         """Seconds this peer registered after the last :meth:`form_group`'s registration closed (0: in time)."""
+        self.seen_too_late = False
+        """Whether in the last :meth:`form_group` the other members agreed on a group without this peer: its
+        registration reached them after they went (it registered near the close, or after they all had), so its
+        phase lags theirs as when :attr:`late_by` is positive."""
 
     # -- DHT helpers -------------------------------------------------------------------------------------
     def _store(self, key: str, subkey: str, value: Any, expiration: float) -> bool:
@@ -239,7 +243,7 @@ class Matchmaker:
         """
         me, registered = self.peer_id, get_dht_time()
         self.outvoted_by = frozenset()
-        self.late_by = 0.0
+        self.late_by, self.seen_too_late = 0.0, False
         value = {"client": self.client_mode, "t": registered, "digest": digest}
         self._store(self._key(round_index, "peers"), me, value, expiration)
         expected = self.expected_peers(round_index)
@@ -328,6 +332,7 @@ class Matchmaker:
                     "sitting this round out; its entries stay in the residual",
                     round_index,
                 )
+                self.seen_too_late = True
                 return None
             if all(view == members for view in views.values()):
                 if attempt and len(views) < len(members):

@@ -313,7 +313,9 @@ class PulseLoCo:
 
     def _realign(self) -> None:
         """Main thread, overlap, one process: the round in flight was sat out because this peer registered
-        ``_late_by`` seconds after its registration closed. Its boundaries keep that offset from the others' (no
+        ``_late_by`` seconds after its registration closed (0 when the others agreed on a group without it: its
+        registration reached them after they went; a joiner that downloaded the state at its boundary, in a
+        16-peer WAN run). Its boundaries keep that offset from the others' (no
         boundary waits for the swarm with overlap), so it would miss every round; end the current phase early
         instead, by that lateness plus half of ``matchmaking_time`` at this phase's pace, so that the next
         registration comes inside the others' window (at least the steps already taken; at least one)."""
@@ -324,10 +326,9 @@ class PulseLoCo:
         cut = math.ceil((late_by + self.matchmaker.matchmaking_time / 2) / max(step_seconds, 1e-3))
         self._phase_steps = max(self.local_step, self.inner_steps - cut, 1)
         logger.info(
-            "round=%d: registered %.1fs after the registration closed; this phase ends after %d of %d inner steps "
-            "so that the next registration comes in time",
+            "round=%d: %s; this phase ends after %d of %d inner steps so that the next registration comes in time",
             self.round,
-            late_by,
+            f"registered {late_by:.1f}s after the registration closed" if late_by > 0 else "seen too late",
             self._phase_steps,
             self.inner_steps,
         )
@@ -718,7 +719,8 @@ class PulseLoCo:
         group = self.matchmaker.form_group(self.round, expiration, theta_digest(self.theta_N))
         self._seconds_matchmaking = time.monotonic() - started
         if group is None:
-            if self.overlap and self.matchmaker.late_by > 0 and process_group()[0] == 1:
+            late = self.matchmaker.late_by > 0 or self.matchmaker.seen_too_late
+            if self.overlap and late and process_group()[0] == 1:
                 self._late_by = self.matchmaker.late_by  # the main thread ends its phase early (_realign)
             self.residual_N.index_add_(0, indices_K, values_K)  # back to the signal, exactly (below)
             self.ledger.record(self.round, LedgerEntry(None), None)
