@@ -191,3 +191,31 @@ def test_a_peer_the_others_went_without_knows_it_was_seen_too_late(dhts: list[hi
     joiner.publish_state(1, "d0")
     assert joiner.form_group(1, get_dht_time() + 600.0, "d0") is None
     assert joiner.seen_too_late and joiner.late_by == 0.0
+
+
+def test_a_member_that_died_after_registering_is_not_waited_for_in_the_view_check(
+    dhts: list[hivemind.DHT], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fourth peer (its own DHT process and daemon, a real peer id) registers for the round and then dies with
+    its DHT before publishing its view, as a trainer killed in a 16-peer WAN run did. The two others see its
+    registration, ping it once its view is missing for ``VIEW_PROBE_AFTER`` seconds, are refused, and form their
+    group without it in seconds, not after ``request_timeout`` (30 s here)."""
+    first, second, _ = _matchmakers(dhts, "mm-died", matchmaking_time=2.0)
+    for matchmaker in (first, second):
+        matchmaker.request_timeout = 30.0
+    maddrs = [str(a) for a in dhts[0].get_visible_maddrs()]
+    doomed_dht = hivemind.DHT(initial_peers=maddrs, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    doomed = _matchmakers([doomed_dht, *dhts[1:]], "mm-died", matchmaking_time=2.0)[0]
+    doomed.peer_id = str(doomed_dht.peer_id)
+    try:
+        registration = {"client": False, "t": get_dht_time(), "digest": "d0"}
+        assert doomed._store(doomed._key(0, "peers"), doomed.peer_id, registration, get_dht_time() + 600.0)
+    finally:
+        doomed_dht.shutdown()
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="pulseloco.loco.matchmaking"):
+        groups = _form_groups([first, second], 0, timeout=60.0)
+    elapsed = time.monotonic() - started
+    assert all(g is not None and g.members == PEERS[:2] for g in groups), groups
+    assert elapsed < 15.0, elapsed
+    assert caplog.text.count("whose ping was refused") == 2, caplog.text

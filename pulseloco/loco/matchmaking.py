@@ -24,7 +24,8 @@ deadline, then a check that every member computed the same group before any payl
    ``request_timeout``: a read returns one short record per member, not every member's whole list (``P``
    records, not ``P^2`` entries: at 256 peers each read of whole lists was 5.9 MB, experiments/wan's round
    simulation). Equal digests make the group (members that published nothing in time are left out: they died or
-   stalled before the round began); only when some differ does the peer read the whole lists under ``view0full``
+   stalled before the round began; a server-mode member whose ping is refused is not waited for after
+   :data:`VIEW_PROBE_AFTER` seconds); only when some differ does the peer read the whole lists under ``view0full``
    to compare and merge them. If the others agree on a group without this peer, it sits the round out.
    Differing lists (a registration some saw and others did not) are merged and compared again under ``view1``,
    ``view2`` (:data:`VIEW_ATTEMPTS` in all); if they still differ, or the merged group is not confirmed by every
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import logging
 import math
 import time
@@ -83,6 +85,25 @@ VIEW_ATTEMPTS = 3
 STATE_REREAD = 1.0
 """Seconds between two reads of the state records while a round's registration is open and some expected peer
 has not registered (``close_when_expected``): a peer that publishes meanwhile is waited for too."""
+VIEW_PROBE_AFTER = 2.0
+"""Seconds the view check waits for a server-mode member's view before pinging it, and between two pings: a member
+whose ping is refused (not timed out) is not waited for any longer. A trainer killed after it registered cost every
+other member ``request_timeout`` (10 s) in a 16-peer WAN run."""
+
+
+async def _ping_refused(_dht: Any, node: Any, peer: str) -> bool:
+    """In the DHT process: whether a ping of ``peer`` failed before half the DHT's request timeout (its process is
+    gone: the connection was refused or reset, or libp2p backs off dialing it after such failures). A ping that
+    answers or times out (a loaded peer, a slow link), and a peer id that does not parse, give ``False``."""
+    from hivemind.p2p import PeerID
+
+    try:
+        peer_id = PeerID.from_base58(peer)
+    except Exception:  # not a libp2p peer id (never raises)
+        return False
+    started = time.monotonic()
+    answered = await node.protocol.call_ping(peer_id)
+    return answered is None and time.monotonic() - started < node.protocol.wait_timeout / 2
 
 
 @dataclass(frozen=True)
@@ -209,6 +230,16 @@ class Matchmaker:
             if isinstance(subkey, str) and hasattr(item, "value"):
                 out[subkey] = (item.value, item.expiration_time)
         return out
+
+    def _refused(self, peer: str) -> bool:
+        """Whether ``peer``'s ping was refused (:func:`_ping_refused`); ``False`` when the DHT call fails or takes
+        longer than ``request_timeout`` (never raises)."""
+        try:
+            future = self.dht.run_coroutine(functools.partial(_ping_refused, peer=peer), return_future=True)
+            return bool(future.result(timeout=self.request_timeout))
+        except Exception as exc:  # a DHT that is shutting down, a timeout: not evidence that the peer is gone
+            logger.debug("ping of %s for the view check failed: %r", peer, exc)
+            return False
 
     # -- group formation ----------------------------------------------------------------------------------
     def _key(self, round_index: int, what: str) -> str:
@@ -388,24 +419,40 @@ class Matchmaker:
         self, round_index: int, attempt: int, members: dict[str, tuple[bool, str]], expiration: float
     ) -> dict[str, dict[str, tuple[bool, str]]]:
         """One attempt's views: publish this peer's member list and then its :func:`view_hash`, read the members'
-        digests until all are there or ``request_timeout`` passed, and return member -> its list for the members
-        whose digest was read (a digest equal to this peer's stands for ``members``; another digest's list is read
-        from the whole lists, and one that cannot be read or does not match its digest counts as a list of this
-        peer alone: a disagreement that merges nothing, never a silent exclusion). DHT failures read as nothing
-        (logged by the DHT helpers); never raises."""
+        digests until all are there, ``request_timeout`` passed, or the missing ones are server-mode members whose
+        ping was refused (:data:`VIEW_PROBE_AFTER`: they died after registering), and return member -> its list
+        for the members whose digest was read (a digest equal to this peer's stands for ``members``; another
+        digest's list is read from the whole lists, and one that cannot be read or does not match its digest
+        counts as a list of this peer alone: a disagreement that merges nothing, never a silent exclusion). DHT
+        failures read as nothing (logged by the DHT helpers); never raises."""
         me, mine = self.peer_id, view_hash(members)
         key, full_key = self._key(round_index, f"view{attempt}"), self._key(round_index, f"view{attempt}full")
         self._store(full_key, me, {"members": {p: list(v) for p, v in members.items()}}, expiration)
         self._store(key, me, {"hash": mine}, expiration)
         deadline = time.monotonic() + self.request_timeout
+        probe_at, gone = time.monotonic() + VIEW_PROBE_AFTER, set[str]()
         while True:
             hashes = {me: mine}
             for peer, (value, _) in self._get(key).items():
                 found = value.get("hash") if isinstance(value, dict) else None
                 if peer in members and isinstance(found, str):
                     hashes[peer] = found
-            if set(hashes) >= set(members) or time.monotonic() >= deadline:
+            missing = set(members) - set(hashes) - gone
+            if not missing or time.monotonic() >= deadline:
                 break
+            if time.monotonic() >= probe_at:  # client-mode members cannot be pinged: they are waited for
+                refused = {peer for peer in missing if not members[peer][0] and self._refused(peer)}
+                probe_at = time.monotonic() + VIEW_PROBE_AFTER
+                if refused:
+                    logger.info(
+                        "round=%d: not waiting for the view of %d member(s) whose ping was refused (gone since "
+                        "they registered): %s",
+                        round_index,
+                        len(refused),
+                        ", ".join(sorted(refused)),
+                    )
+                    gone |= refused
+                    continue
             time.sleep(self.poll_interval)
         views: dict[str, dict[str, tuple[bool, str]]] = {p: members for p, h in hashes.items() if h == mine}
         differing = {p: h for p, h in hashes.items() if h != mine}
