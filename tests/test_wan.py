@@ -214,6 +214,8 @@ def test_a_partition_that_heals_merges_the_halves_and_loses_nothing(net: Any) ->
     result = swarm.run(swarm.build_parser().parse_args(argv))
     context = json.dumps({k: result[k] for k in ("per_round", "final", "faults", "log_lines")}, indent=1)
     assert [f["kind"] for f in result["faults"]] == ["partition"] and "error" not in result["faults"][0], context
-    assert any(r["group_sizes"][-1] == 2 and r["digests"] >= 2 for r in result["per_round"]), context  # apart
+    # apart: two thetas in some round (groups of 2; or, when the cut lands in a round's exchange and that round
+    # outlasts most of it, as in one CI run at 99c41e7, a split round with some peers sitting out)
+    assert any(r["digests"] >= 2 for r in result["per_round"]), context
     assert all(r["group_sizes"] == [4] and r["digests"] == 1 for r in result["per_round"][-3:]), context  # merged
     assert result["final"]["thetas"] == 1 and result["final"]["conservation_error"] < 1e-5, context
