@@ -29,6 +29,13 @@ def test_default_arguments_are_valid():
         ("--case-timeout", "0"),
         ("--net-intermediate", "64"),
         ("--max-lag", "-1"),
+        ("--rtt-ms", "-1"),
+        ("--rtt-ms", "40", "--jitter-ms", "11"),
+        ("--mtu", "100"),
+        ("--slow-link", "10mbit/200"),
+        ("--slow-link", "fast/200/0.01"),
+        ("--slow-link", "10mbit/20/0.01"),  # under rtt/2: the trainer's own link has rtt/4 of it
+        ("--slow-link", "10mbit/200/0.9"),
     ],
 )
 def test_bad_arguments_are_refused(argv):
@@ -36,10 +43,24 @@ def test_bad_arguments_are_refused(argv):
         br.validate(_args(*argv))
 
 
+def test_links_give_the_round_trip_asked_for():
+    args = _args("--rtt-ms", "100", "--jitter-ms", "5", "--slow-link", "10mbit/300/0.02")
+    links = br.case_links(br.make_case("netns-slow", 3), args)
+    assert len(links) == 4 and links[0] == links[1] == links[2]
+    assert (links[0].up, links[0].delay_ms, links[0].jitter_ms, links[0].loss) == ("100mbit", 25.0, 5.0, 0.0)
+    slow = links[3]
+    assert 2 * (links[0].delay_ms + slow.delay_ms) == 300.0  # the slow worker's RTT to the trainer
+    assert (slow.up, slow.down, slow.loss) == ("10mbit", "10mbit", 0.02)
+    assert br.case_links(br.make_case("netns-patch", 3), args)[3] == links[0]
+    assert "100 ms RTT +-5 ms jitter" in br.link_label(args)
+
+
 def test_cases():
     assert br.make_case("swarm4", 2).workers == 4
     full = br.make_case("netns-full", 3)
     assert (full.workers, full.netns, full.full, full.model) == (3, True, True, "net")
+    slow = br.make_case("netns-slow", 8)
+    assert (slow.workers, slow.netns, slow.full, slow.slow) == (8, True, False, True)
     assert br.make_case("local", 2).label == "local"
     with pytest.raises(ValueError):
         br.make_case("nope", 2)
@@ -49,7 +70,8 @@ ROLLOUTS = [
     {"time": 1.0, "event": "rollouts", "mode": "train", "lags": [0, 0], "by_worker": {"a": 16},
      "seconds_waiting": 0.5, "local": False, "stale_dropped": 0, "refused": 0, "failed": 0},
     {"time": 2.0, "event": "rollouts", "mode": "train", "lags": [1, 2], "by_worker": {"a": 8, "b": 8},
-     "seconds_waiting": 1.5, "local": False, "stale_dropped": 8, "refused": 1, "failed": 0},
+     "seconds_waiting": 1.5, "local": False, "stale_dropped": 8, "refused": 1, "failed": 0,
+     "verify": {"seconds": 0.3}},
     {"time": 2.5, "event": "rollouts", "mode": "eval", "lags": [0], "by_worker": {"a": 8}, "seconds_waiting": 9.0},
 ]  # fmt: skip
 PUBLISHED = [
@@ -62,6 +84,21 @@ WORKERS = [
      {"version": 3, "seconds_to_serve": 0.4, "bytes_received": 40_000, "path": "squash"}],
     [{"version": 2, "seconds_to_serve": None, "bytes_received": 10_000, "path": "patch"}],
 ]  # fmt: skip
+
+
+def test_where_a_version_spent_its_way():
+    records = [
+        {"version": 1, "path": "anchor", "seconds_to_serve": 9.0, "seconds_update": 8.0, "seconds_load": 0.5},
+        {"version": 2, "path": "patch", "seconds_to_serve": 1.0, "seconds_update": 0.5, "seconds_load": 0.1},
+        {"version": 3, "path": "patch", "seconds_to_serve": 2.0, "seconds_update": 0.7, "seconds_load": 0.1},
+        {"version": 4, "path": "patch", "seconds_to_serve": None, "seconds_update": 0.7, "seconds_load": 0.1},
+        {"version": 5, "path": "patch", "seconds_to_serve": 3.0, "seconds_update": 0.9, "seconds_load": 0.3},
+    ]
+    way = rr.summarize_run(steps=1, train_seconds=1.0, rollouts=[], published=[], workers=[records])
+    # the first anchor is the start-up, the record without a publish time cannot be split
+    assert way["version_fetch_median"] == pytest.approx(0.7)
+    assert way["version_load_median"] == pytest.approx(0.1)
+    assert way["version_found_median"] == pytest.approx(1.2)  # 0.4, 1.2, 1.8
 
 
 def test_summarize_run():
@@ -111,6 +148,9 @@ def test_build_tables():
     assert "without a link limit: 0.500" in text
     assert "| swarm2 | 0 | 2 | 8 |" in text
     assert "0:2 1:1 2:1" in text
+    # where the time went: 2.0 s waiting of which 0.3 s checking; the rest of the train seconds is the trainer's
+    assert "(d) Where the time went" in text
+    assert "| netns-patch | 64.00 | 1.70 | 0.30 | 62.00 |" in text
     assert "swarm4" in text.split("Failed cases")[1]
 
 

@@ -30,6 +30,7 @@ STRATEGIES: dict[str, tuple[str, list[str]]] = {
     "sparseloco-gather": ("sparseloco", ["--exchange", "gather"]),
     "sparseloco-topk": ("sparseloco", ["--exchange", "topk"]),
     "sparseloco-topk-x1": ("sparseloco", ["--exchange", "topk", "--exchange_budget", "1"]),
+    "sparseloco-topk-x4": ("sparseloco", ["--exchange", "topk", "--exchange_budget", "4"]),
     "pulseloco-2bit-topk": ("pulseloco", ["--pulse_values", "quantized", "--exchange", "topk"]),
     "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
     "diloco-published": ("diloco", ["--clip_to_median", "false"]),
@@ -43,7 +44,7 @@ BF16 and 2-bit quantized values (``-k64``: the gate intersected with a top-64 bu
 library's exchange (``--exchange``; the others run its ``auto``) named: SparseLoCo as published, its parts relayed
 to every member (``gather``, an all-gather), SparseLoCo and PULSE (FP32 and 2-bit values) with ``topk``
 (``-x1``: the owners keep one part's budget of the aggregate per tile, Ok-Topk's rule, instead of the default
-two); the baselines as published,
+two; ``-x4``: four, nearer the union that gather applies in groups of eight); the baselines as published,
 without the median clip that every other strategy here runs (``--clip_to_median false``); and DiLoCo and SparseLoCo
 with overlapped rounds (``--overlap true``: each round's exchange runs during the next round's inner steps)."""
 CORE_STRATEGIES = [

@@ -4,7 +4,9 @@
     source .venv/bin/activate
     python experiments/rollouts/bench_rollouts.py                     # every case below (~25 min on 2 cores)
     python experiments/rollouts/bench_rollouts.py --cases local,swarm1,swarm2,swarm4 --steps 32
-    python experiments/rollouts/bench_rollouts.py --cases nolimit-patch,netns-patch,netns-full --rate 100mbit
+    python experiments/rollouts/bench_rollouts.py --cases nolimit-patch,netns-patch,netns-full --rate 100mbit \
+        --rtt-ms 100 --net-steps 48                                    # as root: emulated WAN links
+    python experiments/rollouts/bench_rollouts.py --cases nolimit-patch,netns-patch,netns-slow --net-workers 8
     python experiments/rollouts/bench_rollouts.py --cases local,swarm1 --seeds 0,1,2  # quality: local vs swarm, seeds
     python experiments/rollouts/bench_rollouts.py --report-only --out DIR  # rebuild DIR's tables from its JSON
 
@@ -13,9 +15,15 @@ Cases (``--cases``, comma-separated):
   * ``swarm1``, ``swarm2``, ``swarm4``: ``--rollouts swarm`` with 1, 2, 4 rollout workers (``--serve_rollouts``)
     on loopback; same model (the cached tiny warm model, ``scripts/warm_model.py --size tiny``), seed, steps.
   * ``netns-patch``, ``netns-full``: the trainer (and the swarm's bootstrap node) and every worker each in its own
-    network namespace behind ``tc tbf`` at ``--rate`` both ways (scripts/harness/netns.py), on a larger model (below):
-    PULSESync patches (anchor every 10 versions) against a full BF16 copy per version (the trainer publishes with
-    ``--anchor_every 1`` and the workers run with ``--full_checkpoints``).
+    network namespace behind an emulated access link (experiments/wan/wan_net.py: the userspace emulator
+    experiments/wan/linkem.py, since this kernel has no ``netem``): ``--rate`` both ways, a round-trip time of
+    ``--rtt-ms`` between the trainer and each worker (one-way delay ``rtt/4`` on every link), ``--jitter-ms``, MTU
+    ``--mtu``; on a larger model (below): PULSESync patches (anchor every 10 versions) against a full BF16 copy per
+    version (the trainer publishes with ``--anchor_every 1`` and the workers run with ``--full_checkpoints``).
+    Workers relay what they hold to each other (every PULSESync subscriber does), so the trainer uploads a version
+    to few of them.
+  * ``netns-slow``: netns-patch with the last worker on its own link, ``--slow-link`` (``RATE/RTT_MS/LOSS``, by
+    default 10 Mbit/s, 200 ms and 1% of packets lost each way): one volunteer on a poor home link.
   * ``nolimit-patch``: the netns-patch run on loopback without any link limit (the "ideal datacenter" reference).
 
 Every swarm case: a bootstrap DHT node (``python -m pulseloco dht``) first, then the workers (waited for until
@@ -30,8 +38,11 @@ Measured from the run's own files: train seconds (``grpo_eval.json``: the time i
 ``trainer.train``), trained samples = steps x per_device_train_batch_size, samples/s, steps/min, the sum of
 ``seconds_waiting`` in the trainer's ``rollouts.jsonl`` over the train seconds, the lag histogram, stale-dropped and
 refused counts, rounds generated locally, the published patch sizes (``pulsesync_versions.jsonl``), and per worker
-and version ``seconds_to_serve`` / ``bytes_received`` / ``path`` (the workers' ``rollouts.jsonl``). Reward: the
-held-out greedy reward before and after (``grpo_eval.json``) and the last logged training reward.
+and version ``seconds_to_serve`` / ``bytes_received`` / ``path`` (the workers' ``rollouts.jsonl``). Where time went:
+the trainer's train seconds split into waiting for workers, checking their completions and the rest (its own
+steps and publishing), and each version's way to a worker: from publishing to the fetch's start (finding the new
+head), the fetch and apply, the engine's load. Reward: the held-out greedy reward before and after
+(``grpo_eval.json``) and the last logged training reward.
 
 The larger model of the netns cases (``--net-layers``, ``--net-intermediate``): the tiny warm model grown in
 depth and MLP width (a Llama built from a config: hidden 64, extra decoder layers and a wider MLP initialised
@@ -48,6 +59,7 @@ Ctrl-C included; every wait is bounded (``--case-timeout``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -63,14 +75,17 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[2] / "scripts"))  # the 
 
 from harness import REPO, models, procs
 from harness.logs import progress
-from harness.netns import NetNS, open_netns, rate_label
+from harness.netns import NetNS, parse_rate, rate_label
 from harness.recipe_runs import LAUNCH, SINGLE_PROCESS, recipe_path, start_bootstrap
 from harness.report import default_out, read_records
 from rollouts_report import summarize_run, write_outputs
 
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "wan"))  # the WAN harness's emulated links
+from wan_net import Link, WanNet
+
 CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 TINY_CASES = ("local", "swarm1", "swarm2", "swarm4")
-NET_CASES = ("nolimit-patch", "netns-patch", "netns-full")
+NET_CASES = ("nolimit-patch", "netns-patch", "netns-full", "netns-slow")
 ALL_CASES = TINY_CASES + NET_CASES
 READY_MARK = "rollout: serving leases"
 
@@ -91,6 +106,7 @@ class Case:
     netns: bool = False
     full: bool = False
     seed: int = 0
+    slow: bool = False  # the last worker on --slow-link
 
     @property
     def run_name(self) -> str:
@@ -100,7 +116,7 @@ class Case:
     def label(self) -> str:
         if self.workers == 0:
             return "local"
-        link = "netns" if self.netns else "loopback"
+        link = ("netns, the last on a slow link" if self.slow else "netns") if self.netns else "loopback"
         return f"{self.workers} worker(s), {'full' if self.full else 'patch'}, {link}"
 
 
@@ -115,6 +131,8 @@ def make_case(name: str, net_workers: int) -> Case:
         return Case(name, net_workers, "net", netns=True)
     if name == "netns-full":
         return Case(name, net_workers, "net", netns=True, full=True)
+    if name == "netns-slow":
+        return Case(name, net_workers, "net", netns=True, slow=True)
     raise ValueError(f"unknown case {name!r}")
 
 
@@ -136,7 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=64, help="trainer steps of the tiny-model cases")
     ap.add_argument("--net-steps", type=int, default=16, help="trainer steps of the netns / nolimit cases")
     ap.add_argument("--net-workers", type=int, default=2, help="rollout workers of the netns / nolimit cases")
-    ap.add_argument("--rate", default="100mbit", help="tc tbf rate of every namespace's link, both ways")
+    ap.add_argument("--rate", default="100mbit", help="rate of every namespace's emulated link, both ways (0: none)")
+    ap.add_argument("--rtt-ms", type=float, default=100.0, help="round-trip time between the trainer and a worker")
+    ap.add_argument("--jitter-ms", type=float, default=0.0, help="jitter of every link's one-way delay (+-, uniform)")
+    ap.add_argument("--mtu", type=int, default=9000, help="MTU of the emulated links (fewer packets for the emulator)")
+    ap.add_argument(
+        "--slow-link", default="10mbit/200/0.01", help="netns-slow's last worker: RATE/RTT_MS/LOSS (loss per packet)"
+    )
     ap.add_argument("--lr", type=float, default=None, help="learning rate of the tiny cases (default: the config's)")
     ap.add_argument("--net-lr", type=float, default=3e-6, help="learning rate of the netns / nolimit cases")
     ap.add_argument("--net-layers", type=int, default=16, help="decoder layers of the netns model (tiny: 2)")
@@ -178,9 +202,72 @@ def validate(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if args.eval_prompts < 1:
         raise ValueError(f"--eval-prompts must be at least 1, got {args.eval_prompts}")
-    if not re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", args.rate):
-        raise ValueError(f"--rate must look like 100mbit, got {args.rate!r}")
+    if args.rate != "0" and not re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", args.rate):
+        raise ValueError(f"--rate must look like 100mbit (or 0: no limit), got {args.rate!r}")
+    if not args.rtt_ms >= 0 or not 0 <= args.jitter_ms <= args.rtt_ms / 4:
+        raise ValueError(f"--rtt-ms must be >= 0 and --jitter-ms in [0, rtt/4], got {args.rtt_ms}, {args.jitter_ms}")
+    if not 576 <= args.mtu <= 65535:
+        raise ValueError(f"--mtu must be in [576, 65535], got {args.mtu}")
+    parse_slow_link(args.slow_link, args.rtt_ms)
     return names
+
+
+def parse_slow_link(text: str, rtt_ms: float) -> tuple[str, float, float]:
+    """``RATE/RTT_MS/LOSS`` of ``--slow-link`` as (rate, round-trip ms, loss). Raises ValueError naming what is
+    wrong: a rate not like ``10mbit``, an RTT under ``--rtt-ms`` / 2 (the trainer's own link has ``rtt/4`` of it),
+    a loss outside [0, 0.5]."""
+    parts = text.split("/")
+    if len(parts) != 3:
+        raise ValueError(f"--slow-link must be RATE/RTT_MS/LOSS such as 10mbit/200/0.01, got {text!r}")
+    rate, rtt, loss = parts
+    if parse_rate(rate) is None:
+        raise ValueError(f"--slow-link: the rate must look like 10mbit, got {rate!r}")
+    try:
+        rtt_value, loss_value = float(rtt), float(loss)
+    except ValueError:
+        raise ValueError(f"--slow-link: RTT_MS and LOSS must be numbers, got {rtt!r} and {loss!r}") from None
+    if not rtt_value >= rtt_ms / 2:
+        raise ValueError(f"--slow-link: the RTT must be at least --rtt-ms / 2 = {rtt_ms / 2:g} ms, got {rtt_value:g}")
+    if not 0 <= loss_value <= 0.5:
+        raise ValueError(f"--slow-link: the loss must be in [0, 0.5], got {loss_value:g}")
+    return rate, rtt_value, loss_value
+
+
+def case_links(case: Case, args: argparse.Namespace) -> list[Link]:
+    """The emulated links of a netns case: the trainer's (and the bootstrap's, namespace 0), then each worker's.
+    Every link has ``--rate`` both ways and a one-way delay of ``rtt/4``, so the trainer and a worker are ``--rtt-ms``
+    apart; netns-slow's last worker has ``--slow-link``'s rate and loss and the delay that makes its RTT."""
+    delay = args.rtt_ms / 4
+    jitter = min(args.jitter_ms, delay)
+    base = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=jitter)
+    links = [base] * (case.workers + 1)
+    if case.slow:
+        rate, rtt, loss = parse_slow_link(args.slow_link, args.rtt_ms)
+        links[-1] = Link(up=rate, down=rate, delay_ms=rtt / 2 - delay, jitter_ms=jitter, loss=loss)
+    return links
+
+
+def link_label(args: argparse.Namespace) -> str:
+    """The netns cases' links in words."""
+    jitter = f" +-{args.jitter_ms:g} ms jitter" if args.jitter_ms else ""
+    rate = "no rate limit" if args.rate == "0" else rate_label(args.rate)
+    return f"{rate} both ways, {args.rtt_ms:g} ms RTT{jitter}, MTU {args.mtu} (linkem)"
+
+
+def open_wan(case: Case, args: argparse.Namespace) -> WanNet:
+    """The case's namespaces and emulated links, set up (torn down at exit too). Raises RuntimeError naming why
+    they cannot be built (not root, no TUN devices, a failed command)."""
+    reason = WanNet.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"netns cases need emulated links: {reason}")
+    net = WanNet(case_links(case, args), mtu=args.mtu, prefix="plbr", seed=case.seed)
+    atexit.register(net.teardown)
+    try:
+        net.setup()
+    except Exception:
+        net.teardown()
+        raise
+    return net
 
 
 # --------------------------------------------------------------------------------------------------
@@ -241,16 +328,28 @@ def trainer_argv(
     return cmd + (swarm or ["--rollouts", "local"])
 
 
-def run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, keys: tuple[Path, Path],
-             net: NetNS | None) -> dict[str, Any]:  # fmt: skip
-    """One case: its workers (if any), the trainer to the end, then the metrics of its files; a case that fails
-    or runs past ``--case-timeout`` gives the metrics so far and ``error``."""
+def run_case(
+    case: Case, args: argparse.Namespace, model: str, workdir: Path, keys: tuple[Path, Path]
+) -> dict[str, Any]:
+    """One case: its network (netns cases: :func:`open_wan`), its workers (if any), the trainer to the end, then the
+    metrics of its files; a case that fails or runs past ``--case-timeout`` gives the metrics so far and ``error``.
+    Raises RuntimeError when a netns case's network cannot be built."""
+    net = open_wan(case, args) if case.netns else None
+    try:
+        return _run_case(case, args, model, workdir, keys, net)
+    finally:
+        if net is not None:
+            net.teardown()
+
+
+def _run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, keys: tuple[Path, Path],
+              net: NetNS | None) -> dict[str, Any]:  # fmt: skip
     run_dir = workdir / case.run_name
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])  # `pulseloco dht`
-    runner = procs.Runner(run_dir, netns=net if case.netns else None, env={"PATH": path})
+    runner = procs.Runner(run_dir, netns=net, env={"PATH": path})
     started = time.monotonic()
     deadline = started + args.case_timeout
     steps = args.net_steps if case.model == "net" else args.steps
@@ -343,9 +442,7 @@ def prepare_models(args: argparse.Namespace, cases: list[Case], payload: dict[st
     return tiny, net_model
 
 
-def run_cases(
-    args: argparse.Namespace, cases: list[Case], workdir: Path, payload: dict[str, Any], net: NetNS | None
-) -> None:
+def run_cases(args: argparse.Namespace, cases: list[Case], workdir: Path, payload: dict[str, Any]) -> None:
     """Every case in turn, each result appended to ``payload["results"]`` and the outputs written again after it."""
     from pulseloco.sync.signing import generate_key, save_keypair
 
@@ -354,7 +451,7 @@ def run_cases(
     for case in cases:
         log(f"case {case.run_name}: {case.label}")
         try:
-            result = run_case(case, args, net_model if case.model == "net" and net_model else tiny, workdir, keys, net)
+            result = run_case(case, args, net_model if case.model == "net" and net_model else tiny, workdir, keys)
         except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as exc:
             log(f"case {case.name} failed: {exc}")
             result = {**asdict(case), "label": case.label, "error": str(exc)}
@@ -385,28 +482,24 @@ def main(argv: list[str] | None = None) -> int:
     cases = [replace(make_case(n, args.net_workers), seed=seed) for seed in seeds for n in names]
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="brollouts"))
     workdir.mkdir(parents=True, exist_ok=True)
-    net: NetNS | None = None
     payload: dict[str, Any] = {
         "command": "python experiments/rollouts/bench_rollouts.py " + " ".join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "cpus": os.cpu_count(),
-        "rate_label": rate_label(args.rate),
+        "rate_label": link_label(args),
         "args": vars(args),
         "results": [],
     }
     results: list[dict[str, Any]] = payload["results"]
     try:
-        if any(c.netns for c in cases):
-            net, reason = open_netns(args.net_workers + 1, args.rate, prefix="plbr")
-            if reason is not None:
-                log(f"netns cases skipped: {reason}")
-                for c in [c for c in cases if c.netns]:
-                    results.append({**asdict(c), "label": c.label, "error": f"skipped: {reason}"})
-                cases = [c for c in cases if not c.netns]
-        run_cases(args, cases, workdir, payload, net)
+        reason = WanNet.unavailable_reason()
+        if reason is not None and any(c.netns for c in cases):
+            log(f"netns cases skipped: {reason}")
+            for c in [c for c in cases if c.netns]:
+                results.append({**asdict(c), "label": c.label, "error": f"skipped: {reason}"})
+            cases = [c for c in cases if not c.netns]
+        run_cases(args, cases, workdir, payload)
     finally:
-        if net is not None:
-            net.teardown()
         if not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
         elif results:

@@ -31,6 +31,7 @@ def summarize_run(
     """The metrics of one run from its records (pure: the tests feed it sample JSON lines)."""
     train_rounds = [r for r in rollouts if r.get("mode", "train") == "train"]
     waiting = sum(float(r.get("seconds_waiting", 0.0)) for r in train_rounds)
+    checking = sum(float((r.get("verify") or {}).get("seconds", 0.0)) for r in train_rounds)
     lags: Counter[int] = Counter()
     for r in train_rounds:
         lags.update(int(x) for x in r.get("lags", []))
@@ -44,6 +45,8 @@ def summarize_run(
     received = [int(v["bytes_received"]) for w in workers for v in w if v.get("bytes_received") is not None]
     paths = Counter(str(v.get("path")) for w in workers for v in w)
     samples = steps * batch
+    way = _version_way([v for w in workers for v in w])
+    publish = [float(p["seconds_publish"]) for p in versions if p.get("seconds_publish") is not None]
     return {
         "steps": steps,
         "samples": samples,
@@ -53,6 +56,10 @@ def summarize_run(
         "rounds": len(train_rounds),
         "seconds_waiting": round(waiting, 2),
         "wait_fraction": round(waiting / train_seconds, 3) if train_seconds > 0 else None,
+        "seconds_checking": round(checking, 2),
+        "check_fraction": round(checking / train_seconds, 3) if train_seconds > 0 else None,
+        "seconds_publish_median": round(percentile(publish, 0.5), 3) if publish else None,
+        **way,
         "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
         "stale_dropped": int(last.get("stale_dropped", 0)),
         "refused": int(last.get("refused", 0)),
@@ -69,6 +76,25 @@ def summarize_run(
         "seconds_to_serve_median": round(percentile(serve, 0.5), 3) if serve else None,
         "seconds_to_serve_p90": round(percentile(serve, 0.9), 3) if serve else None,
         "seconds_to_serve_max": round(max(serve), 3) if serve else None,
+    }
+
+
+def _version_way(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians of a version's way to a worker, over every worker and version after the first (the first anchor's
+    fetch is the start-up): from publishing to the fetch's start (``seconds_to_serve - seconds_update -
+    seconds_load``: the head's discovery), the fetch and apply (``seconds_update``), the engine's load."""
+    later = [v for v in records if v.get("path") != "anchor" or v.get("version", 0) > 1]
+    keys = ("seconds_to_serve", "seconds_update", "seconds_load")
+    full = [v for v in later if all(v.get(k) is not None for k in keys)]
+    found = [float(v["seconds_to_serve"]) - float(v["seconds_update"]) - float(v["seconds_load"]) for v in full]
+
+    def median(values: list[float]) -> float | None:
+        return round(percentile(values, 0.5), 3) if values else None
+
+    return {
+        "version_found_median": median(found),
+        "version_fetch_median": median([float(v["seconds_update"]) for v in full]),
+        "version_load_median": median([float(v["seconds_load"]) for v in full]),
     }
 
 
@@ -118,6 +144,7 @@ def _rate_limited_table(results: list[dict[str, Any]], by: dict[str, dict[str, A
              "published/version (median)", "received/version (median)", "to serve median s", "reward after"],
             rows))  # fmt: skip
         p, f, n = by.get("netns-patch"), by.get("netns-full"), by.get("nolimit-patch")
+        slow = by.get("netns-slow")
         out.append("")
         out.append(
             "- throughput patches / full copies (same link): "
@@ -127,7 +154,38 @@ def _rate_limited_table(results: list[dict[str, Any]], by: dict[str, dict[str, A
             "- throughput patches over the link / same workers without a link limit: "
             f"{cell(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
         )
+        if slow:
+            out.append(
+                "- throughput with one worker on the slow link / without a link limit: "
+                f"{cell(ratio(slow['samples_per_s'], n and n['samples_per_s']), 3)}"
+            )
     return out
+
+
+def _time_table(results: list[dict[str, Any]]) -> list[str]:
+    """(d): where the time went, on the trainer and on a version's way to the workers."""
+    done = [r for r in results if r.get("steps") and r["workers"] and r.get("train_seconds")]
+    if not done:
+        return []
+    rows = []
+    for r in done:
+        train, wait, check = r["train_seconds"], r["seconds_waiting"], r.get("seconds_checking") or 0.0
+        rows.append([
+            r["name"], train, round(wait - check, 2), check, round(train - wait, 2), r.get("seconds_publish_median"),
+            r.get("version_found_median"), r.get("version_fetch_median"), r.get("version_load_median"),
+            r["seconds_to_serve_median"],
+        ])  # fmt: skip
+    columns = [
+        "case", "train s", "waiting for workers s", "checking s", "steps and publishing s", "publish median s",
+        "found median s", "fetch median s", "load median s", "to serve median s",
+    ]  # fmt: skip
+    return [
+        "\n### (d) Where the time went\n",
+        "(trainer: its train seconds split into waiting for the workers' completions, checking them, and the rest: its "
+        "own steps and publishing; a version's way to a worker, medians over the versions after the first: publishing "
+        "to the fetch's start, the fetch and apply, the engine's load, and publishing to serving)\n",
+        md_table(columns, rows),
+    ]
 
 
 def _lag_table(results: list[dict[str, Any]]) -> list[str]:
@@ -177,10 +235,11 @@ def _quality_table(results: list[dict[str, Any]]) -> list[str]:
 
 
 def build_tables(results: list[dict[str, Any]]) -> str:
-    """Markdown tables of the results (pure): (a), (b), (c), quality over seeds and the failed cases, each only
+    """Markdown tables of the results (pure): (a), (b), (c), (d), quality over seeds and the failed cases, each only
     when some result belongs in it."""
     by = {r["name"]: r for r in results if r.get("samples_per_s")}
     out = _throughput_table(results, by) + _rate_limited_table(results, by) + _lag_table(results)
+    out += _time_table(results)
     out += _quality_table(results)
     failed = [r for r in results if "error" in r]
     if failed:
