@@ -32,6 +32,7 @@ def test_default_arguments_are_valid():
         ("--rtt-ms", "-1"),
         ("--rtt-ms", "40", "--jitter-ms", "11"),
         ("--mtu", "100"),
+        ("--net-batch", "12"),
         ("--slow-link", "10mbit/200"),
         ("--slow-link", "fast/200/0.01"),
         ("--slow-link", "10mbit/20/0.01"),  # under rtt/2: the trainer's own link has rtt/4 of it

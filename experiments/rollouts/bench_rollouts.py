@@ -78,7 +78,7 @@ from harness.logs import progress
 from harness.netns import NetNS, parse_rate, rate_label
 from harness.recipe_runs import LAUNCH, SINGLE_PROCESS, recipe_path, start_bootstrap
 from harness.report import default_out, read_records
-from rollouts_report import summarize_run, write_outputs
+from rollouts_report import BATCH, summarize_run, write_outputs
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "wan"))  # the WAN harness's emulated links
 from wan_net import Link, WanNet
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=64, help="trainer steps of the tiny-model cases")
     ap.add_argument("--net-steps", type=int, default=16, help="trainer steps of the netns / nolimit cases")
     ap.add_argument("--net-workers", type=int, default=2, help="rollout workers of the netns / nolimit cases")
+    ap.add_argument(
+        "--net-batch", type=int, default=16,
+        help="completions per step of the netns / nolimit cases (groups of 8: one per worker needs 8 x workers)",
+    )  # fmt: skip
     ap.add_argument("--rate", default="100mbit", help="rate of every namespace's emulated link, both ways (0: none)")
     ap.add_argument("--rtt-ms", type=float, default=100.0, help="round-trip time between the trainer and a worker")
     ap.add_argument("--jitter-ms", type=float, default=0.0, help="jitter of every link's one-way delay (+-, uniform)")
@@ -186,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace) -> list[str]:
     """Checks the arguments; returns the case names. Raises ValueError naming the bad one."""
     names = parse_cases(args.cases)
+    if args.net_batch < 8 or args.net_batch % 8:
+        raise ValueError(f"--net-batch must be a multiple of 8 (num_generations), got {args.net_batch}")
     for name in ("steps", "net_steps", "net_workers", "net_layers", "net_intermediate", "worker_threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -354,6 +360,7 @@ def _run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, k
     deadline = started + args.case_timeout
     steps = args.net_steps if case.model == "net" else args.steps
     lr = args.net_lr if case.model == "net" else args.lr
+    batch = args.net_batch if case.model == "net" else BATCH
     run_id = f"bench{os.getpid()}{case.name.replace('-', '')}s{case.seed}"
     try:
         swarm: list[str] = []
@@ -366,19 +373,20 @@ def _run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, k
                 "--host_maddrs", f"/ip4/{host}/tcp/0", "--rollout_fallback", "wait", "--max_lag", str(args.max_lag),
             ]  # fmt: skip
         cmd = trainer_argv(case, args, model, run_dir / "trainer", swarm, steps, lr)
+        cmd += ["--per_device_train_batch_size", str(batch)]
         trainer = runner.start("trainer", cmd, ns_index=0)
         log(f"{case.name}: trainer started ({steps} steps)")
         procs.wait_all([trainer], max(1.0, deadline - time.monotonic()), hint="--case-timeout")
         time.sleep(1.0)  # workers write their last version's line
     except (RuntimeError, TimeoutError, OSError) as exc:  # keep what the run wrote so far
         runner.stop_all(grace=15.0)
-        result = collect(case, run_dir, steps, lr, partial=True)
+        result = collect(case, run_dir, steps, lr, batch, partial=True)
         result["error"] = f"{case.name}: {exc}"
         result["wall_seconds"] = round(time.monotonic() - started, 1)
         return result
     finally:
         runner.stop_all(grace=15.0)
-    result = collect(case, run_dir, steps, lr)
+    result = collect(case, run_dir, steps, lr, batch)
     result["wall_seconds"] = round(time.monotonic() - started, 1)
     return result
 
@@ -388,7 +396,9 @@ def _run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, k
 # --------------------------------------------------------------------------------------------------
 
 
-def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial: bool = False) -> dict[str, Any]:
+def collect(
+    case: Case, run_dir: Path, steps: int, lr: float | None, batch: int = BATCH, *, partial: bool = False
+) -> dict[str, Any]:
     """The metrics of a run directory; ``partial``: of a run that did not finish (steps and seconds from the
     trainer's rollouts.jsonl: its rounds and the time from the first to the last)."""
     out_dir = run_dir / "trainer"
@@ -417,6 +427,7 @@ def collect(case: Case, run_dir: Path, steps: int, lr: float | None, *, partial:
             rollouts=read_records(out_dir / "rollouts.jsonl"),
             published=read_records(out_dir / "pulsesync_versions.jsonl"),
             workers=workers,
+            batch=batch,
         ),
     }
     return result
