@@ -136,10 +136,17 @@ def test_pulsesync_every_round_publishes_each_consensus_version(tmp_path: Path) 
     assert pulseloco_main(["keygen", "--out", str(tmp_path / "key")]) == 0
     loco = PulseLoCoCallback(run_id="sync", round_config=RoundConfig(inner_steps=2), **LONE_PEER)
     sync = PulseSyncCallback(signing_key=str(tmp_path / "key"), metrics_path=tmp_path / "versions.jsonl")
+    announced: list[tuple[int, str, bool]] = []
+    sync.add_announce_listener(lambda v: announced.append((v.version, v.digest, v.announced)))
     # PulseSyncCallback first: it must find the PulseLoCoCallback whatever the order.
     trainer = train(tmp_path / "out", [sync, loco], max_steps=6)
     published = read_json_lines(tmp_path / "versions.jsonl")
     assert [p["version"] for p in published] == [1, 2, 3, 4]  # the start, then one per round
+    # the announce listeners see each version as its JSON line says; one added later gets the last at once
+    assert announced == [(p["version"], p["digest"], p["announced"]) for p in published]
+    late: list[int] = []
+    sync.add_announce_listener(lambda v: late.append(v.version))
+    assert late == [4]
     # The last version is the consensus model, bit for bit in BF16.
     follower = Subscriber.from_directory(tmp_path / "out" / "versions", load_public_key(tmp_path / "key.pub"))
     state: dict[str, torch.Tensor] = {}

@@ -600,6 +600,20 @@ def test_a_stale_workers_completions_are_dropped_and_generated_again(swarm: Swar
 
 
 @pytest.mark.timeout(60)
+def test_a_trainer_that_publishes_knows_the_newest_version_without_reading_the_dht(swarm: Swarm) -> None:
+    """A client told of its own publisher's versions (SwarmRollouts beside a PulseSyncCallback with the key) takes
+    the newest from there: no DHT read of the head on a round's path, which costs round trips over a WAN."""
+    old = swarm.version
+    with swarm.client() as client:
+        assert client.newest_version() == old and not client.own_publisher  # read from the DHT
+        client.note_published(old + 3, "d" * 64)  # announced by this process (the DHT head still says old)
+        assert client.own_publisher
+        assert client.newest_version() == old + 3 and client.lag(old) == 3
+        assert client.check_version(old + 3, "d" * 64) is None
+        assert client.check_version(old, swarm.digests[old]) is None  # seen in the head record before
+
+
+@pytest.mark.timeout(60)
 def test_a_worker_one_version_behind_is_not_refused(swarm: Swarm) -> None:
     """B serves v, A serves v + 1, max_lag 2: B's completions are honest and within the lag. This trainer's client
     starts after v + 1 was published (a trainer joining a running swarm), so it never saw v as the head: B's reply

@@ -428,6 +428,43 @@ def test_follow_keeps_a_model_current_in_the_background(start_publisher, bootstr
 
 
 @pytest.mark.timeout(90)
+def test_a_subscriber_that_starts_from_the_published_checkpoint_downloads_no_anchor(
+    start_publisher, bootstrap, key
+) -> None:
+    """A run's first version is the checkpoint its workers load too: a subscriber whose model already is the head
+    (its digest the signed one) takes it as held without fetching the anchor, answers with the head's signed bytes,
+    and follows the next version by patch. A subscriber with other weights (or in FP32 through its shadow, the
+    same values) is checked the same way; other weights fetch the anchor."""
+    from pulseloco.sync.signing import verify_envelope
+
+    peers = maddrs(bootstrap)
+    run = RUN + "-local-start"
+    pub = start_publisher(run)
+    trainer, expected = Trainer(), {}
+    same, fp32, other = (InProcessPeer(peers, run, key, timeout=20) for _ in range(3))
+    try:
+        same.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in trainer.model.state_dict().items()})
+        fp32.model = tiny_model(seed=0)  # the trainer's own FP32 initialization: the same BF16 values
+        publish_versions(pub, trainer, 1, expected)
+        for peer in (same, fp32):
+            report = peer.sub.update_report(peer.model)
+            assert report is not None and (report.version, report.path, report.bytes_received) == (1, "local", 0)
+            assert peer.sub.digest == expected[1] and bf16_digest(peer.model) == expected[1]
+            env = verify_envelope(key.public_key(), peer.sub.envelope, run_id=run)
+            assert (env.version, env.digest) == (1, expected[1])  # what a worker shows a trainer for its version
+        report = other.sub.update_report(other.model)
+        assert report is not None and report.path == "anchor" and report.bytes_received > 0
+        assert bf16_digest(other.model) == expected[1]
+        publish_versions(pub, trainer, 1, expected)
+        report = same.sub.update_report(same.model)
+        assert report is not None and (report.version, report.path) == (2, "patch")
+        assert bf16_digest(same.model) == expected[2]
+    finally:
+        for peer in (same, fp32, other):
+            peer.close()
+
+
+@pytest.mark.timeout(90)
 def test_a_relay_serves_only_the_squash_that_was_asked_for(
     start_publisher, bootstrap, key, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -203,6 +203,10 @@ class PulseSyncCallback(LogsContributor):
         #: called with (version, BF16 state) after each version this process publishes (the trainer's own check
         #: of rollouts keeps them: :class:`pulseloco.rollouts.verify.VersionStates`)
         self.version_listeners: list[Callable[[int, dict[str, torch.Tensor]], None]] = []
+        #: called with each :class:`~pulseloco.sync.publisher.PublishedVersion` once its announce is done or has
+        #: failed (the trainer's rollout client learns the newest version here, without reading the DHT)
+        self.announce_listeners: list[Callable[[PublishedVersion], None]] = []
+        self._last_announced: PublishedVersion | None = None
         self._last_published: tuple[int, int] | None = None  # (version, step) of the last version published
         self._versions_lock = threading.Lock()
         self._versions = _VersionTotals()  # stored since the last log
@@ -439,9 +443,17 @@ class PulseSyncCallback(LogsContributor):
         return self.publisher.endpoint.dht
 
     def _record(self, published: PublishedVersion) -> None:
-        """The publisher's announce listener (its thread): the JSON line and the totals of the next log."""
+        """The publisher's announce listener (its thread): the JSON line and the totals of the next log, then
+        :attr:`announce_listeners` (one that raises is logged and changes nothing)."""
         with self._versions_lock:
             self._versions.add(published)
+            self._last_announced = published
+            listeners = list(self.announce_listeners)
+        for listener in listeners:
+            try:
+                listener(published)
+            except Exception:  # a listener must not stop the publisher's thread
+                logger.exception("announce listener failed version=%d", published.version)
         if self.metrics is not None:
             self.metrics.write(
                 event="publish",
@@ -459,6 +471,16 @@ class PulseSyncCallback(LogsContributor):
 
     def _before_last_log(self) -> None:
         self.flush()  # the last version (queued by the last step or round) is then in the last log
+
+    def add_announce_listener(self, listener: Callable[[PublishedVersion], None]) -> None:
+        """Call ``listener(PublishedVersion)`` from the publisher's thread after each version this process announces
+        from now on (``announced`` says whether the DHT took its head record), and at once for the last one
+        announced before."""
+        with self._versions_lock:
+            self.announce_listeners.append(listener)
+            last = self._last_announced
+        if last is not None:
+            listener(last)
 
     def add_version_listener(self, listener: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
         """Call ``listener(version, BF16 state)`` after each version this process publishes from now on, and at once

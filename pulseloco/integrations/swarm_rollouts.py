@@ -403,12 +403,21 @@ class SwarmRollouts(RunRollouts):
             for callback in publishers:
                 callback.add_version_listener(states.add)
             self.verifier.states = self._states = states
+        for callback in callbacks:
+            if isinstance(callback, PulseSyncCallback) and callback.signing_key is not None:
+                callback.add_announce_listener(self._announced)
         trainer.add_callback(_CloseAtEnd(self))
         print(
             f"rollouts: from the swarm's workers of run_id={policy_run_id(self.run_id)} max_lag={self.config.max_lag} "
             f"fallback={self.config.rollout_fallback}",
             flush=True,
         )
+
+    def _announced(self, published: Any) -> None:
+        """This trainer's publisher announced a version (its thread): the client's newest, with no DHT read. A
+        version whose head record the DHT did not take is not one the workers can find, so it is left out."""
+        if published.announced and self.client is not None:
+            self.client.note_published(published.version, published.digest)
 
     def _worker_hint(self, trainer: Any, callbacks: list[Any]) -> str:
         """The complete command that starts a worker for this run (:func:`worker_command`): the trainer's model

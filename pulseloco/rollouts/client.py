@@ -240,6 +240,8 @@ class RolloutClient:
         self.published: dict[int, str] = {}
         #: the newest version in ``published`` (None before any)
         self.newest: int | None = None
+        #: set by :meth:`note_published`: this process publishes the run, so its newest version is known here
+        self.own_publisher = False
         self._published_lock = threading.Lock()
         self._rng = random.Random(seed)
         self._inflight: collections.Counter[str] = collections.Counter()
@@ -247,34 +249,68 @@ class RolloutClient:
         self._cooldown: dict[str, float] = {}
         self._workers: dict[str, WorkerInfo] = {}
         self._workers_read = 0.0
+        self._workers_lookup: concurrent.futures.Future[Any] | None = None
         self.host = P2PHost(dht, name="rollout-client")
 
     # ---- what the swarm says ------------------------------------------------------------------------------
 
     def newest_version(self) -> int | None:
-        """Read the publisher's head record now; returns the newest published version (None before any)."""
-        env = read_head(self.dht, self.run_id, self.public_key, timeout=10.0)
-        if env is not None:
-            self._published_version(env.version, env.digest)
+        """The newest published version (None before any): the publisher's head record read from the DHT now, or,
+        when this process publishes the run (:meth:`note_published`), the newest it announced, with no DHT read
+        (a round trip on every round's path over a WAN)."""
+        if not self.own_publisher:
+            env = read_head(self.dht, self.run_id, self.public_key, timeout=10.0)
+            if env is not None:
+                self._published_version(env.version, env.digest)
         return self.newest
 
+    def note_published(self, version: int, digest: str) -> None:
+        """This process's own publisher announced ``version`` (state digest ``digest``; its head record is in the
+        DHT): it is the newest the workers can find, and from now on :meth:`newest_version` does not read the DHT.
+        Call from any thread."""
+        self.own_publisher = True
+        self._published_version(version, digest)
+
     def workers(self, *, max_age: float = 2.0) -> dict[str, WorkerInfo]:
-        """The workers' DHT records (re-read when older than ``max_age`` s), refused workers left out."""
-        if time.monotonic() - self._workers_read >= max_age:
-            self._workers_read = time.monotonic()
-            found: dict[str, WorkerInfo] = {}
-            try:
-                record = self.dht.get(workers_key(self.run_id), latest=True, return_future=True).result(10.0)
-            except concurrent.futures.TimeoutError:
-                logger.warning("DHT lookup of the rollout workers timed out")
-                record = None
-            if record is not None and isinstance(record.value, dict):
-                for subkey, item in record.value.items():
-                    info = parse_worker_record(getattr(item, "value", None))
-                    if isinstance(subkey, str) and info is not None:
-                        found[subkey] = info
-            self._workers = found
+        """The workers' DHT records, refused workers left out. Records older than ``max_age`` s are read again in
+        the background and these are returned meanwhile (a DHT lookup is a round trip or more over a WAN, and
+        leases should not wait for it); only the first call, with nothing read yet, waits for the lookup
+        (at most 10 s; a lookup that times out is logged and leaves the records as they were)."""
+        now = time.monotonic()
+        lookup = self._workers_lookup
+        if lookup is not None and lookup.done():
+            self._workers_lookup = None
+            self._take_workers(lookup)
+        if self._workers_lookup is None and now - self._workers_read >= max_age:
+            first = self._workers_read == 0.0
+            self._workers_read = now
+            lookup = self.dht.get(workers_key(self.run_id), latest=True, return_future=True)
+            if first:
+                try:
+                    lookup.result(10.0)
+                except concurrent.futures.TimeoutError:
+                    logger.warning("DHT lookup of the rollout workers timed out")
+                    lookup.cancel()
+                else:
+                    self._take_workers(lookup)
+            else:
+                self._workers_lookup = lookup
         return {peer: info for peer, info in self._workers.items() if peer not in self.stats.refusals}
+
+    def _take_workers(self, lookup: concurrent.futures.Future[Any]) -> None:
+        """The workers' records from a finished DHT lookup (one that failed is logged and changes nothing)."""
+        try:
+            record = lookup.result(0)
+        except Exception as exc:  # cancelled, or the DHT process failed the lookup
+            logger.warning("DHT lookup of the rollout workers failed error=%r", exc)
+            return
+        found: dict[str, WorkerInfo] = {}
+        if record is not None and isinstance(record.value, dict):
+            for subkey, item in record.value.items():
+                info = parse_worker_record(getattr(item, "value", None))
+                if isinstance(subkey, str) and info is not None:
+                    found[subkey] = info
+        self._workers = found
 
     def check_version(self, version: int, digest: str, envelope: bytes = b"") -> str | None:
         """Why a reply's version claim is refused (None when it is a published version with its digest).

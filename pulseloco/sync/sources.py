@@ -38,12 +38,14 @@ PUBLISHER_ATTEMPTS = 3
 @dataclass(frozen=True)
 class Head:
     """The newest published version as its publisher signed it (``time``: the publisher's clock when it signed
-    the head, seconds since the epoch; 0.0 when unknown)."""
+    the head, seconds since the epoch; 0.0 when unknown; ``envelope_blob``: signed bytes that vouch for ``version``
+    and ``digest``, empty when unknown)."""
 
     version: int
     digest: str
     anchor_version: int | None
     time: float = 0.0
+    envelope_blob: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,10 @@ class DirectorySource:
         if latest is None:
             return None
         kind = "patch" if self.store.has("patch", latest) else "anchor"
-        env = verify_envelope(self.key, self.store.read_envelope(kind, latest), run_id=self.run_id)
+        blob = self.store.read_envelope(kind, latest)
+        env = verify_envelope(self.key, blob, run_id=self.run_id)
         anchors = self.store.list("anchor")
-        return Head(latest, env.digest, anchors[-1] if anchors else None, env.time)
+        return Head(latest, env.digest, anchors[-1] if anchors else None, env.time, blob)
 
     def fetch(self, request: FetchRequest) -> Fetched | None:
         if request.kind not in ("patch", "anchor") or not self.store.has(request.kind, request.version):
@@ -132,8 +135,11 @@ class SwarmSource:
         self.served_by: deque[tuple[str, int, str]] = deque(maxlen=64)
 
     def head(self) -> Head | None:
-        env = self.endpoint.get_head(self.key)
-        return None if env is None else Head(env.version, env.digest, env.anchor_version, env.time)
+        signed = self.endpoint.get_head(self.key)
+        if signed is None:
+            return None
+        env, blob = signed
+        return Head(env.version, env.digest, env.anchor_version, env.time, blob)
 
     def fetch(self, request: FetchRequest) -> Fetched | None:
         """The authenticated object, or None when no provider lists it or none served it by ``timeout``."""

@@ -30,6 +30,7 @@ import hivemind
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pulseloco.digest import state_digest
 from pulseloco.errors import (
     DigestMismatchError,
     PatchError,
@@ -62,9 +63,10 @@ class UpdateReport:
     ``seconds`` (fetching and applying, not the wait for :attr:`Subscriber.lock`). ``digest``: the state digest
     now held. ``lag``: how many versions the newest head, read again once the update finished, is ahead of
     ``version`` (versions published while the update ran; 0 when it is current or no head is readable then).
-    ``path``: how it got there (patch, squash, chain or anchor). ``published``: when the publisher signed this
-    version's head (its clock; 0.0 when unknown). ``changed``: the flat indices (int64, sorted, unique) that
-    changed per tensor since ``previous``; None when every element may have changed (an anchor was applied).
+    ``path``: how it got there (patch, squash, chain or anchor; local: the model already was the head, nothing
+    fetched). ``published``: when the publisher signed this version's head (its clock; 0.0 when unknown).
+    ``changed``: the flat indices (int64, sorted, unique) that changed per tensor since ``previous``; None when every
+    element may have changed (an anchor was applied, or the first version was the model's own).
     """
 
     version: int
@@ -150,6 +152,7 @@ class Subscriber:
             on_change=self._request_announce,
         )
         self._shadow: dict[str, torch.Tensor] | None = None
+        self._initial_digest: str | None = None  # the state digest of the model before any version
         self._changed: dict[str, list[torch.Tensor]] | None = {}  # indices written by the update in progress
         self.endpoint: SwarmEndpoint | None = None
         if source is None:
@@ -200,6 +203,16 @@ class Subscriber:
         if self._shadow is None or set(self._shadow) != set(state):
             self._shadow = {k: v.detach().to("cpu", torch.bfloat16, copy=True) for k, v in state.items()}
         return self._shadow
+
+    def _holds_already(self, target: MutableMapping[str, torch.Tensor], head: Head) -> bool:
+        """Whether ``target`` (the state of a model that holds no version yet) is the head's state bit for bit:
+        its digest is the signed one. Not for a mirroring subscriber (its mirror needs the anchor) or without the
+        head's signed bytes. The digest of a state that is not the head's is computed once."""
+        if self.mirror is not None or not head.envelope_blob or not target:
+            return False
+        if self._initial_digest is None:
+            self._initial_digest = state_digest(target)
+        return self._initial_digest == head.digest
 
     def _keep(self, obj: Fetched) -> None:
         """Remember an applied object: served to other subscribers, and kept in the mirror directory."""
@@ -297,6 +310,11 @@ class Subscriber:
             self._changed = {}
             if self.full_checkpoints:  # baseline: a full BF16 copy per version (publisher anchors every version)
                 head = Head(head.version, head.digest, head.version, head.time)
+            elif self.version is None and self._holds_already(target, head):
+                # the model already is the head (a run's first version is the checkpoint everyone starts from):
+                # nothing to download; the head's signed bytes vouch for it to whoever this worker answers
+                self.version, self.digest, self.envelope, path = head.version, head.digest, head.envelope_blob, "local"
+                self._changed = None
             elif self.version is not None:
                 # apply_patch checks the state's digest against each patch's base (a state changed behind our
                 # back is refused there and recovered from an anchor), so no extra full-state digest here

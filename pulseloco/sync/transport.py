@@ -65,6 +65,7 @@ __all__ = [
     "SyncServicer",
     "read_head",
     "read_head_record",
+    "read_signed_head",
 ]
 
 #: The request kind of :meth:`SwarmEndpoint.probe`: no provider holds it, so every live one answers "missing".
@@ -269,9 +270,10 @@ class SwarmEndpoint:
         """The newest head record's bytes, NOT verified (see :func:`read_head_record`)."""
         return read_head_record(self.dht, self.run_id, timeout=timeout)
 
-    def get_head(self, key: Ed25519PublicKey, *, timeout: float = 10.0) -> Envelope | None:
-        """The newest head record that verifies under ``key``, or None (see :func:`read_head`)."""
-        return read_head(self.dht, self.run_id, key, timeout=timeout)
+    def get_head(self, key: Ed25519PublicKey, *, timeout: float = 10.0) -> tuple[Envelope, bytes] | None:
+        """The newest head record that verifies under ``key`` and its signed bytes, or None (see
+        :func:`read_signed_head`)."""
+        return read_signed_head(self.dht, self.run_id, key, timeout=timeout)
 
     def announce_provider(
         self,
@@ -544,6 +546,15 @@ def read_head_record(dht: hivemind.DHT, run_id: str, *, timeout: float = 10.0) -
 def read_head(dht: hivemind.DHT, run_id: str, key: Ed25519PublicKey, *, timeout: float = 10.0) -> Envelope | None:
     """The newest head record of ``run_id`` that verifies under ``key``, or None (nothing published, a lookup
     past ``timeout``, or a forged or malformed record, which is logged and skipped)."""
+    signed = read_signed_head(dht, run_id, key, timeout=timeout)
+    return None if signed is None else signed[0]
+
+
+def read_signed_head(
+    dht: hivemind.DHT, run_id: str, key: Ed25519PublicKey, *, timeout: float = 10.0
+) -> tuple[Envelope, bytes] | None:
+    """:func:`read_head` with the record's signed bytes (which vouch for the head's version and digest to anyone
+    holding the public key); None as there."""
     value = read_head_record(dht, run_id, timeout=timeout)
     if value is None:
         return None
@@ -552,7 +563,7 @@ def read_head(dht: hivemind.DHT, run_id: str, key: Ed25519PublicKey, *, timeout:
     except (UnauthorizedError, PayloadError) as exc:
         _note_refused_head(run_id, key, exc)
         return None
-    return env if env.kind == "head" else None
+    return (env, value) if env.kind == "head" else None
 
 
 REFUSED_HEAD_SUMMARY_EVERY = 300.0
