@@ -600,6 +600,20 @@ def test_a_stale_workers_completions_are_dropped_and_generated_again(swarm: Swar
 
 
 @pytest.mark.timeout(60)
+def test_a_batch_of_fewer_leases_than_slots_goes_to_as_many_workers(swarm: Swarm) -> None:
+    """Two groups, two workers with two lease slots each: one lease to each worker, not both to the fastest (with
+    eight workers and eight groups, half the workers sat idle while the other half generated two leases each)."""
+    with swarm.client(lease_timeout=30, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        results = client.submit(random_prompts(2, seed=11), num_samples=2, max_new_tokens=4, temperature=1.0).result(
+            timeout=60
+        )
+        stats = client.stats
+    assert stats.leases == 2 and len(results) == 2
+    assert dict(stats.by_worker) == {swarm.peer_ids["A"]: 2, swarm.peer_ids["B"]: 2}
+
+
+@pytest.mark.timeout(60)
 def test_a_trainer_that_publishes_knows_the_newest_version_without_reading_the_dht(swarm: Swarm) -> None:
     """A client told of its own publisher's versions (SwarmRollouts beside a PulseSyncCallback with the key) takes
     the newest from there: no DHT read of the head on a round's path, which costs round trips over a WAN."""

@@ -446,8 +446,13 @@ class RolloutClient:
                 if pending:
                     workers = await loop.run_in_executor(None, self.workers)
                     free, unusable = self._usable(workers, batch)
-                    for peer in free:
-                        while pending and self._inflight[peer] < self.config.leases_per_worker:
+                    # breadth first: one lease to each free worker (fastest first) before a second to any, so
+                    # that a batch of fewer leases than slots is spread over as many workers as it can use
+                    while pending and free:
+                        free = [p for p in free if self._inflight[p] < self.config.leases_per_worker]
+                        for peer in free:
+                            if not pending:
+                                break
                             indices = pending.popleft()
                             lease = self._lease(batch, indices)
                             self._inflight[peer] += 1
