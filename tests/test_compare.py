@@ -515,6 +515,7 @@ def test_strategies_are_the_recipe_flags_of_the_frontier() -> None:
         "sparseloco-gather": ("sparseloco", ["--exchange", "gather"]),
         "sparseloco-topk": ("sparseloco", ["--exchange", "topk"]),
         "sparseloco-topk-x1": ("sparseloco", ["--exchange", "topk", "--exchange_budget", "1"]),
+        "sparseloco-topk-x4": ("sparseloco", ["--exchange", "topk", "--exchange_budget", "4"]),
         "pulseloco-2bit-topk": ("pulseloco", ["--pulse_values", "quantized", "--exchange", "topk"]),
         "pulseloco-topk": ("pulseloco", ["--exchange", "topk"]),
         "diloco-published": ("diloco", ["--clip_to_median", "false"]),
@@ -549,7 +550,8 @@ def test_every_strategy_parses_as_the_recipes_parse_its_flags() -> None:
         assert averaging.clip_to_median is not name.endswith("-published"), name
         exchange = "gather" if name.endswith("-gather") else "topk" if "-topk" in name else "auto"
         assert averaging.exchange == exchange, name
-        assert averaging.exchange_budget == (1.0 if name.endswith("-x1") else 2.0), name
+        budget = {"-x1": 1.0, "-x4": 4.0}.get(name[-3:], 2.0)
+        assert averaging.exchange_budget == budget, name
         assert options.round_config().overlap is name.endswith("-overlap"), name
 
 
@@ -557,7 +559,7 @@ def test_every_strategy_has_a_color_and_line_style_of_its_own() -> None:
     styles = compare_report.plot_styles([*compare_runs.STRATEGIES, "fedavg", "topk-old"])
     known = [styles[s] for s in compare_runs.STRATEGIES]
     assert all(s in compare_report.STYLES for s in compare_runs.STRATEGIES)
-    assert len({color for color, _, _ in known}) == len(known) == len(compare_runs.STRATEGIES) == 17
+    assert len({color for color, _, _ in known}) == len(known) == len(compare_runs.STRATEGIES) == 18
     assert len({(color, str(line), marker) for color, line, marker in styles.values()}) == len(styles)
 
 

@@ -129,7 +129,8 @@ def test_grpo_peers_publish_to_rollout_worker(
     published = {p["version"]: p["digest"] for p in read_json_lines(tmp_path / "peer0" / "pulsesync_versions.jsonl")}
     assert sorted(published) == [1, 2, 3, 4]  # the starting weights, then one version per round
     rollouts = read_json_lines(tmp_path / "worker" / "rollouts.jsonl")
-    assert rollouts[0]["path"] == "anchor" and rollouts[-1]["version"] == 4
+    # version 1 is the checkpoint the worker loaded: taken without a download (its digest is the signed one)
+    assert rollouts[0]["path"] == "local" and rollouts[0]["bytes_received"] == 0 and rollouts[-1]["version"] == 4
     for record in rollouts:
         assert record["digest"] == published[record["version"]]
         assert 0.0 <= record["reward"] <= 1.0

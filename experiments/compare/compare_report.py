@@ -49,6 +49,7 @@ STYLES: dict[str, tuple[str, Any, str]] = {
     "sparseloco-gather": ("indigo", "--", "^"),
     "sparseloco-topk": ("orchid", "-", "v"),
     "sparseloco-topk-x1": ("darkviolet", "--", "v"),
+    "sparseloco-topk-x4": ("hotpink", ":", "v"),
     "pulseloco-2bit-topk": ("crimson", ":", ">"),
     "pulseloco-topk": ("teal", "--", "o"),
     "diloco-published": ("saddlebrown", ":", "D"),
