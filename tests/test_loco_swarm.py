@@ -30,6 +30,7 @@ from loco_helpers import (
 )
 
 from pulseloco.loco.robust import part_norm
+from pulseloco.loco.validation import theta_digest
 
 REPORT_TIMEOUT_S = 150.0
 
@@ -207,6 +208,7 @@ def test_dense_swarm_equals_reference_diloco_with_median_clipping(initial_peers:
         bounds = [(starts[j], starts[j + 1]) for j in range(3)]
         residuals = {i: torch.zeros_like(theta) for i in range(3)}
         v = torch.zeros_like(theta)
+        digests = []  # the reference's theta after each round: where a failed run first left it
         for r in range(num_rounds):
             signals = {}
             for i in order:
@@ -228,11 +230,20 @@ def test_dense_swarm_equals_reference_diloco_with_median_clipping(initial_peers:
             g = total / 3
             v = 0.9 * v + g
             theta = theta - 0.7 * (g + 0.9 * v)
+            digests.append(theta_digest(theta))
     finally:
         torch.set_num_threads(before)
     assert num_clipped > 0  # the rule did something
+    context = f"reference digests {[d[:8] for d in digests]}\n{_rounds_summary(reports)}"
     for report in reports:
         assert all(r["num_peers"] == 3 and r["num_sent"] == theta.numel() for r in report["rounds"])
+        # what bit-exactness with the reference assumes: every part counted, nothing returned or repaired
+        full = all(
+            r["num_contributors"] == 3 and r["complete"] and not r["repaired"] and r["num_returned"] == 0
+            for r in report["rounds"]
+        )
+        assert full, context
+        assert [r["digest"] for r in report["rounds"]] == digests, context
         assert torch.equal(ledger.vector(report, "theta").view(torch.int32), theta.view(torch.int32))
         index = report["index"]
         assert torch.equal(ledger.vector(report, "residual").view(torch.int32), residuals[index].view(torch.int32))
