@@ -578,7 +578,8 @@ def test_a_stale_workers_completions_are_dropped_and_generated_again(swarm: Swar
     max_lag = 1
     old = swarm.version
     swarm.workers["B"].call("mode", "slow", 1.5)
-    with swarm.client(max_lag=max_lag, lease_timeout=30, rollout_timeout=30) as client:
+    # no backup leases: A would answer B's leases before B's stale replies came
+    with swarm.client(max_lag=max_lag, lease_timeout=30, rollout_timeout=30, backup_after=0) as client:
         assert client.newest_version() == old  # this trainer saw B's version published
         for _ in range(max_lag + 1):
             swarm.publish()
@@ -611,6 +612,26 @@ def test_a_batch_of_fewer_leases_than_slots_goes_to_as_many_workers(swarm: Swarm
         stats = client.stats
     assert stats.leases == 2 and len(results) == 2
     assert dict(stats.by_worker) == {swarm.peer_ids["A"]: 2, swarm.peer_ids["B"]: 2}
+
+
+@pytest.mark.timeout(90)
+def test_a_stragglers_lease_is_backed_up_by_an_idle_worker(swarm: Swarm) -> None:
+    """Two groups, one lease each; B answers only after 15 s. Once A has answered its lease and B's has been out
+    twice as long, B's lease goes to the idle A as well: A's reply completes the batch, B's lease is released, and
+    every group is taken once. Without backups (``backup_after=0``) the batch would wait out B's 15 s."""
+    delay = 15.0
+    swarm.workers["B"].call("mode", "slow", delay)
+    with swarm.client(lease_timeout=60, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        start = time.monotonic()
+        future = client.submit(random_prompts(2, seed=12), num_samples=2, max_new_tokens=4, temperature=1.0)
+        results = future.result(timeout=60)
+        elapsed = time.monotonic() - start
+        stats = client.stats
+    assert elapsed < delay, elapsed
+    assert [r.worker for r in results] == [swarm.peer_ids["A"]] * 2
+    assert (stats.leases, stats.backups, stats.backups_won, stats.released, stats.failed) == (3, 1, 1, 1, 0), stats
+    assert dict(stats.by_worker) == {swarm.peer_ids["A"]: 4} and not stats.refusals
 
 
 @pytest.mark.timeout(60)
@@ -894,7 +915,8 @@ def test_a_worker_killed_mid_lease_costs_at_most_its_lease_timeout(swarm: Swarm)
     lease_timeout = 8.0
     swarm.workers["B"].call("mode", "slow", 5.0)
     prompts = random_prompts(12, seed=4)
-    with swarm.client(lease_timeout=lease_timeout, rollout_timeout=30) as client:
+    # no backup leases: this is the lease timeout's case (a backup lease would take B's lease sooner)
+    with swarm.client(lease_timeout=lease_timeout, rollout_timeout=30, backup_after=0) as client:
         swarm.wait_for_records(client)
         future = client.submit(prompts, num_samples=4, max_new_tokens=16, temperature=1.0)
         wait_for(lambda: swarm.workers["B"].call("stats")["started"] >= 1, 30, "B to start its first lease")
@@ -1058,6 +1080,7 @@ BAD_FLAGS = [
     (["--rollouts", "swarm", "--rollout_fallback", "x"], "invalid choice: 'x' (choose from 'local', 'wait')"),
     (["--rollouts", "swarm", "--max_lag", "-1"], "max_lag must be >= 0, got -1"),
     (["--rollouts", "swarm", "--lease_timeout", "0"], "lease_timeout must be a positive number of seconds, got 0"),
+    (["--rollouts", "swarm", "--backup_after", "0.5"], "backup_after must be 0 (off) or a factor of at least 1"),
     (["--rollouts", "swarm"], "--rollouts swarm needs --public_key PATH (the publisher's .pub file), or --publish"),
 ]
 

@@ -643,6 +643,8 @@ class SwarmRollouts(RunRollouts):
                 refused=stats.refused,
                 failed=stats.failed,
                 released=stats.released,
+                backups=stats.backups,
+                backups_won=stats.backups_won,
                 refused_workers=dict(stats.refusals),
                 check_failed=stats.check_failed,
                 verify=self._verify_record(verify_seconds),

@@ -32,6 +32,7 @@ import logging
 import math
 import random
 import shlex
+import statistics
 import threading
 import time
 import uuid
@@ -102,6 +103,10 @@ class RolloutStats:
     check_failed: int = 0
     check_failures: collections.Counter[str] = field(default_factory=collections.Counter)
     stale_dropped: int = 0
+    backups: int = 0
+    """Backup leases: a straggler's lease leased again to an idle worker (:attr:`LeaseConfig.backup_after`)."""
+    backups_won: int = 0
+    """Backup leases whose reply came first (the straggler's lease was then released)."""
     by_worker: collections.Counter[str] = field(default_factory=collections.Counter)
     refusals: dict[str, str] = field(default_factory=dict)
     lag: collections.Counter[int] = field(default_factory=collections.Counter)
@@ -136,6 +141,14 @@ class LeaseConfig:
         default=3,
         metadata={"help": "Failed leases (bad replies or failed checks) before a worker is refused for the run."},
     )
+    backup_after: float = field(
+        default=2.0,
+        metadata={
+            "help": "A lease still out after this many times the batch's median lease time, when nothing else is "
+            "left to lease and a worker is idle, is leased to that worker too; the first valid reply is taken and "
+            "the other lease released (a straggler holds a batch back by at most this). 0 turns backups off."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_lag < 0:
@@ -144,6 +157,8 @@ class LeaseConfig:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value}")
+        if not (self.backup_after == 0 or (self.backup_after >= 1 and math.isfinite(self.backup_after))):
+            raise ConfigError(f"backup_after must be 0 (off) or a factor of at least 1, got {self.backup_after}")
         for name in ("leases_per_worker", "max_refusals"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -247,6 +262,7 @@ class RolloutClient:
         self._inflight: collections.Counter[str] = collections.Counter()
         self._strikes: collections.Counter[str] = collections.Counter()
         self._cooldown: dict[str, float] = {}
+        self._backup_ids: set[str] = set()  # lease ids of backup leases (:meth:`_back_up`)
         self._workers: dict[str, WorkerInfo] = {}
         self._workers_read = 0.0
         self._workers_lookup: concurrent.futures.Future[Any] | None = None
@@ -435,6 +451,9 @@ class RolloutClient:
             list(range(start, min(start + size, len(batch.groups)))) for start in range(0, len(batch.groups), size)
         )
         running: dict[asyncio.Task[tuple[str, Any]], tuple[list[int], str, Lease]] = {}
+        started: dict[asyncio.Task[tuple[str, Any]], float] = {}
+        backed_up: set[tuple[int, ...]] = set()  # leases (their groups) leased a second time
+        durations: list[float] = []  # this batch's leases answered in full, in seconds
         idle_since = last_ok = head_read = time.monotonic()
         last_failure = ""
         try:
@@ -457,7 +476,8 @@ class RolloutClient:
                             lease = self._lease(batch, indices)
                             self._inflight[peer] += 1
                             self.stats.leases += 1
-                            running[asyncio.create_task(self._call(peer, lease))] = (indices, peer, lease)
+                            task = asyncio.create_task(self._call(peer, lease))
+                            running[task], started[task] = (indices, peer, lease), now
                     if running:
                         idle_since = now
                     failing = now - last_ok > self.config.rollout_timeout + self.config.lease_timeout
@@ -484,30 +504,98 @@ class RolloutClient:
                     if peer in self.stats.refusals:  # refused meanwhile: its open leases go to other workers
                         task.cancel()
                         running.pop(task)
+                        started.pop(task)
                         self._inflight[peer] -= 1
                         self.stats.released += 1
-                        pending.appendleft(indices)
+                        if not any(other[0] == indices for other in running.values()):  # no backup still out
+                            pending.appendleft(indices)
+                if not pending and running and durations:
+                    await self._back_up(batch, running, started, backed_up, durations, now)
                 if not running:
                     await asyncio.sleep(0.25)
                     continue
                 done, _ = await asyncio.wait(running, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     indices, peer, lease = running.pop(task)
+                    took = time.monotonic() - started.pop(task)
                     self._inflight[peer] -= 1
                     kind, value = task.result()
                     if kind == "ok":
+                        fresh = not all(i in batch.results for i in indices)
                         kind, value = await loop.run_in_executor(None, self._accept, batch, indices, peer, value)
+                        if kind == "ok" and fresh and lease.lease_id in self._backup_ids:
+                            self.stats.backups_won += 1
                     if kind == "ok":
                         last_ok = time.monotonic()
+                        durations.append(took)
                     else:
                         last_failure = f"worker {peer[-8:]}: {kind}: {value}"
                         self._note_failure(peer, lease, kind, str(value))
-                        pending.appendleft(indices)
+                        if not any(other[0] == indices for other in running.values()):  # no backup still out
+                            pending.appendleft(indices)
+                # a lease whose groups all have replies (its backup's or its original's) is not needed any more
+                for task, (indices, peer, _lease) in list(running.items()):
+                    if all(i in batch.results for i in indices):
+                        task.cancel()
+                        running.pop(task)
+                        started.pop(task)
+                        self._inflight[peer] -= 1
+                        self.stats.released += 1
         finally:
             for task in running:
                 task.cancel()
                 self._inflight[running[task][1]] -= 1
         return [batch.results[i] for i in range(len(batch.groups))]
+
+    async def _back_up(
+        self,
+        batch: _Batch,
+        running: dict[asyncio.Task[tuple[str, Any]], tuple[list[int], str, Lease]],
+        started: dict[asyncio.Task[tuple[str, Any]], float],
+        backed_up: set[tuple[int, ...]],
+        durations: list[float],
+        now: float,
+    ) -> None:
+        """Lease a straggler's lease to an idle worker too (MapReduce's backup tasks): when nothing is left to
+        lease, a worker holds no lease of this client, and a lease has been out more than ``backup_after`` times
+        the median time of this batch's answered leases. Each lease is backed up once; the same groups, seed and
+        sampling sequences, so an honest backup gives the same completions. Never raises."""
+        if not self.config.backup_after:
+            return
+        bar = self.config.backup_after * statistics.median(durations)
+        late = [
+            task
+            for task, (indices, _peer, _lease) in running.items()
+            if now - started[task] > bar and tuple(indices) not in backed_up
+        ]
+        if not late:
+            return
+        workers = await asyncio.get_running_loop().run_in_executor(None, self.workers)
+        free, _ = self._usable(workers, batch)
+        idle = [p for p in free if self._inflight[p] == 0]
+        for task in sorted(late, key=lambda t: started[t]):
+            indices, straggler, _lease = running[task]
+            others = [p for p in idle if p != straggler]
+            if not others:
+                return
+            peer = others[0]
+            idle.remove(peer)
+            lease = self._lease(batch, indices)
+            backed_up.add(tuple(indices))
+            self._backup_ids.add(lease.lease_id)
+            self._inflight[peer] += 1
+            self.stats.leases += 1
+            self.stats.backups += 1
+            logger.info(
+                "lease of %d groups out %.1f s on worker %s (batch median %.1f s): leased to %s too",
+                len(indices),
+                now - started[task],
+                straggler[-8:],
+                statistics.median(durations),
+                peer[-8:],
+            )
+            backup = asyncio.create_task(self._call(peer, lease))
+            running[backup], started[backup] = (indices, peer, lease), now
 
     async def _call(self, peer: str, lease: Lease) -> tuple[str, Any]:
         """One lease on one worker: ``("ok", Samples)`` or ``(failure kind, reason)``; never raises."""
@@ -553,9 +641,9 @@ class RolloutClient:
             self.stats.stale_dropped += len(indices) * batch.num_samples
             return "stale", f"version {samples.version} is {lag} versions behind (max_lag {self.config.max_lag})"
         self._strikes[peer] = 0
-        self.stats.by_worker[peer] += len(indices) * batch.num_samples
         for position, index in enumerate(indices):
             if index not in batch.results:  # taken once: a late duplicate of a re-leased group is ignored
+                self.stats.by_worker[peer] += batch.num_samples
                 batch.results[index] = GroupResult(
                     samples.version,
                     samples.digest,
