@@ -342,6 +342,7 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
             "expired": server.num_expired,
             "started": behaviour.started,
             "version": server.version,
+            "pushed": state["sub"].num_pushed,
         }
 
     def close() -> None:

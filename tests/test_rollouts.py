@@ -649,6 +649,28 @@ def test_a_trainer_that_publishes_knows_the_newest_version_without_reading_the_d
 
 
 @pytest.mark.timeout(60)
+def test_a_trainer_pushes_each_new_head_to_its_workers(swarm: Swarm) -> None:
+    """The trainer that publishes sends each new head record (the signed bytes in the DHT) to the workers it knows:
+    each worker's subscriber checks it and goes to that version at its next update, without its poll and DHT
+    lookup of the head. The same record again is not taken; the workers then serve the version."""
+    from pulseloco.sync.transport import read_signed_head
+
+    with swarm.client() as client:
+        swarm.wait_for_records(client)  # the client knows both workers
+        before = {name: worker.call("stats")["pushed"] for name, worker in swarm.workers.items()}
+        version = swarm.publish()
+        signed = read_signed_head(swarm.dht, POLICY, swarm.key.public_key())
+        assert signed is not None and signed[0].version == version
+        client.note_published(version, swarm.digests[version], head=signed[1])
+        wait_for(lambda: client.stats.heads_pushed == 2, 15, "both workers to take the pushed head", interval=0.1)
+        assert all(worker.call("stats")["pushed"] == before[name] + 1 for name, worker in swarm.workers.items())
+        client.note_published(version, swarm.digests[version], head=signed[1])
+        time.sleep(1.0)
+        assert client.stats.heads_pushed == 2  # held already: not taken again
+    swarm.sync()  # each worker's next update goes to the pushed version
+
+
+@pytest.mark.timeout(60)
 def test_a_worker_one_version_behind_is_not_refused(swarm: Swarm) -> None:
     """B serves v, A serves v + 1, max_lag 2: B's completions are honest and within the lag. This trainer's client
     starts after v + 1 was published (a trainer joining a running swarm), so it never saw v as the head: B's reply

@@ -219,3 +219,47 @@ def test_a_prefetched_squash_that_does_not_apply_falls_back_to_the_chain(
     assert report is not None and (report.version, report.path) == (4, "chain")
     assert report.digest == bf16_digest(model) == expected[4]
     assert "catch-up by squash failed" in caplog.text
+
+
+def test_a_pushed_head_is_checked_and_wakes_the_follow_loop(key, tmp_path: Path) -> None:
+    """A head record pushed by the publishing trainer (the signed bytes it stores in the DHT) moves a follower at
+    once, not at its next poll (60 s apart here); a forged, foreign, malformed, oversized or old record, or a signed
+    envelope of another kind, is refused, changes nothing and does not wake it."""
+    import dataclasses
+
+    pub, trainer, expected, _source, sub, model = at_version_one(tmp_path, key)
+    heads: list[bytes] = []
+    pub.add_announce_listener(lambda published: heads.append(published.head_envelope))
+    stop = threading.Event()
+    outcome: dict[str, bool] = {}
+    thread = threading.Thread(
+        target=lambda: outcome.update(ok=sub.run(model, interval=60.0, stop=stop, until_version=2)), daemon=True
+    )
+    try:
+        thread.start()
+        time.sleep(0.5)  # its first check found version 1 held: it now waits for its next poll
+        publish(pub, trainer, 1, expected)
+        (blob,) = heads
+        env = verify_envelope(key.public_key(), blob, run_id=RUN)
+        assert (env.kind, env.version, env.digest) == ("head", 2, expected[2])
+        bad = {
+            "forged": sign_envelope(generate_key(), env),
+            "another run's": sign_envelope(key, dataclasses.replace(env, run_id="another-run")),
+            "a patch envelope": sign_envelope(key, dataclasses.replace(env, kind="patch", base_version=1)),
+            "an old head": sign_envelope(key, dataclasses.replace(env, version=1)),
+            "malformed": b"\x00{not an envelope",
+            "oversized": b"{" + b" " * (64 << 10),
+        }
+        for what, record in bad.items():
+            assert sub.offer_head(record) is False, what
+        time.sleep(0.3)
+        assert thread.is_alive() and sub.version == 1 and sub.num_pushed == 0
+        assert sub.offer_head(blob) is True
+        thread.join(WAIT)
+        assert not thread.is_alive() and outcome == {"ok": True}
+        assert sub.version == 2 and bf16_digest(model) == expected[2] and sub.num_pushed == 1
+        assert sub.offer_head(blob) is False  # held already
+    finally:
+        stop.set()
+        thread.join(WAIT)
+        pub.close()

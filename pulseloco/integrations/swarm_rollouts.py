@@ -417,7 +417,7 @@ class SwarmRollouts(RunRollouts):
         """This trainer's publisher announced a version (its thread): the client's newest, with no DHT read. A
         version whose head record the DHT did not take is not one the workers can find, so it is left out."""
         if published.announced and self.client is not None:
-            self.client.note_published(published.version, published.digest)
+            self.client.note_published(published.version, published.digest, head=published.head_envelope)
 
     def _worker_hint(self, trainer: Any, callbacks: list[Any]) -> str:
         """The complete command that starts a worker for this run (:func:`worker_command`): the trainer's model

@@ -47,7 +47,7 @@ from hivemind.utils import get_dht_time
 
 from pulseloco.errors import ConfigError, PayloadError, SwarmError, TruncatedPayloadError
 from pulseloco.keys import refused_key, training_run_id, workers_key
-from pulseloco.p2p import P2PHost, read_stream
+from pulseloco.p2p import P2PHost, parse_header, read_reply, read_stream
 from pulseloco.rollouts.protocol import (
     MAX_REASON_CHARS,
     MAX_REFUSALS_LISTED,
@@ -69,6 +69,9 @@ __all__ = ["GroupResult", "LeaseConfig", "NoWorkersError", "RolloutClient", "Rol
 
 #: Seconds a trainer's list of refused workers lives in the DHT (a run's length, about).
 REFUSALS_TTL = 24 * 3600.0
+
+#: Seconds one push of a new head record to one worker may take (:meth:`RolloutClient.note_published`).
+HEAD_PUSH_TIMEOUT = 5.0
 
 
 class NoWorkersError(SwarmError):
@@ -107,6 +110,8 @@ class RolloutStats:
     """Backup leases: a straggler's lease leased again to an idle worker (:attr:`LeaseConfig.backup_after`)."""
     backups_won: int = 0
     """Backup leases whose reply came first (the straggler's lease was then released)."""
+    heads_pushed: int = 0
+    """Workers that took a head record this client pushed (:meth:`RolloutClient.note_published`)."""
     by_worker: collections.Counter[str] = field(default_factory=collections.Counter)
     refusals: dict[str, str] = field(default_factory=dict)
     lag: collections.Counter[int] = field(default_factory=collections.Counter)
@@ -280,12 +285,42 @@ class RolloutClient:
                 self._published_version(env.version, env.digest)
         return self.newest
 
-    def note_published(self, version: int, digest: str) -> None:
+    def note_published(self, version: int, digest: str, *, head: bytes = b"") -> None:
         """This process's own publisher announced ``version`` (state digest ``digest``; its head record is in the
         DHT): it is the newest the workers can find, and from now on :meth:`newest_version` does not read the DHT.
-        Call from any thread."""
+        ``head``: that record's signed bytes, pushed to every worker this client knows (in the background, each
+        push bounded by :data:`HEAD_PUSH_TIMEOUT`), so that they fetch the version now instead of finding it at
+        their next poll of the DHT (a poll and a DHT lookup: about a second at 100 ms round trips). A worker that
+        misses the push finds the version as before. Call from any thread; never raises."""
         self.own_publisher = True
         self._published_version(version, digest)
+        peers = [peer for peer in list(self._workers) if peer not in self.stats.refusals]
+        if head and peers:
+            try:
+                asyncio.run_coroutine_threadsafe(self._push_head(peers, head), self.host.loop.loop)
+            except RuntimeError as exc:  # the client is closing: the workers will poll
+                logger.debug("head not pushed version=%d error=%r", version, exc)
+
+    async def _push_head(self, peers: list[str], head: bytes) -> None:
+        """Push ``head`` to ``peers`` at once; count those that took it. Never raises."""
+
+        async def push(peer: str) -> bool:
+            try:
+                stub = RolloutServicer.get_stub(
+                    self.host.p2p, PeerID.from_base58(peer), namespace=rollout_namespace(self.run_id)
+                )
+
+                async def ask() -> dict[str, Any]:
+                    stream = await stub.rpc_head(runtime_pb2.ExpertRequest(metadata=head))
+                    return parse_header((await read_reply(stream, timeout=HEAD_PUSH_TIMEOUT)).metadata)
+
+                return bool((await asyncio.wait_for(ask(), HEAD_PUSH_TIMEOUT)).get("taken"))
+            except Exception as exc:  # unreachable, gone, or a worker without the handler: it polls the DHT
+                logger.debug("head push failed worker=%s error=%r", peer, exc)
+                return False
+
+        taken = await asyncio.gather(*(push(peer) for peer in peers))
+        self.stats.heads_pushed += sum(taken)
 
     def workers(self, *, max_age: float = 2.0) -> dict[str, WorkerInfo]:
         """The workers' DHT records, refused workers left out. Records older than ``max_age`` s are read again in

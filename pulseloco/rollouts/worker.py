@@ -72,10 +72,26 @@ class _Job:
 
 
 class RolloutServicer(ServicerBase):
-    """The ``rpc_generate`` handler of a :class:`RolloutServer` (trainers build their stub from this class)."""
+    """The ``rpc_generate`` and ``rpc_head`` handlers of a :class:`RolloutServer` (trainers build their stub from
+    this class)."""
 
     def __init__(self, server: RolloutServer) -> None:
         self.server = server
+
+    @asker_closes
+    async def rpc_head(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> typing.AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Take a head record a trainer pushes when it publishes (the signed bytes it stored in the DHT): the
+        subscriber checks it (:meth:`pulseloco.sync.subscriber.Subscriber.offer_head`) and, when it is newer,
+        fetches that version now rather than at its next poll. Answers ``{"taken": bool}``; a record that does not
+        verify is refused there and logged, and changes nothing."""
+        offer = getattr(self.server.subscriber, "offer_head", None)
+        taken = bool(offer(bytes(request.metadata))) if offer is not None else False
+        if not taken:
+            logger.debug("pushed head not taken peer=%s", context.remote_id)
+        for message in stream_messages(runtime_pb2.ExpertResponse, {"taken": taken}):
+            yield message
 
     @asker_closes
     async def rpc_generate(

@@ -74,6 +74,9 @@ class PublishedVersion:
     the trainer's step, before it can find the version."""
     announced: bool
     """Whether the DHT accepted the head record (True without a DHT: there is nothing to announce)."""
+    head_envelope: bytes = b""
+    """The signed head record of this version (the bytes stored in the DHT), for a listener to pass on: a trainer
+    pushes it to its rollout workers (:meth:`pulseloco.sync.subscriber.Subscriber.offer_head`)."""
 
 
 def bf16_snapshot(model_or_state: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -341,7 +344,9 @@ class Publisher:
 
     def _report(self, stored: tuple[int, str, int, float], announced: bool) -> None:
         version, digest, patch_bytes, queued_at = stored
-        record = PublishedVersion(version, digest, patch_bytes, time.monotonic() - queued_at, announced)
+        record = PublishedVersion(
+            version, digest, patch_bytes, time.monotonic() - queued_at, announced, self._head_envelope or b""
+        )
         for listener in list(self._announce_listeners):
             try:
                 listener(record)

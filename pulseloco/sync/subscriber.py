@@ -172,6 +172,11 @@ class Subscriber:
         self.mirror = VersionStore(mirror_dir) if mirror_dir is not None else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._pushed: Head | None = None  # a newer head a peer pushed (offer_head), for the next update
+        self._pushed_lock = threading.Lock()
+        self._wake = threading.Event()  # set by offer_head: the follow loop checks now, not at its next poll
+        #: heads pushed by peers and taken (verified, newer than any seen)
+        self.num_pushed = 0
         if self.endpoint is not None and relay:
             self.endpoint.serve(self.relay.provide)
             self._announcer = RelayAnnouncer(self.endpoint, self.relay, dht, provider_ttl=provider_ttl)
@@ -292,7 +297,7 @@ class Subscriber:
         the head propagate (e.g. :class:`pulseloco.errors.UnauthorizedError` for one the publisher did not sign).
         Either way the model still holds its previous complete version.
         """
-        head = self.source.head()
+        head = self._take_pushed() or self.source.head()
         if head is None:
             self._note_no_head()
             return None
@@ -356,6 +361,47 @@ class Subscriber:
             path,
         )
         return report
+
+    def offer_head(self, blob: bytes) -> bool:
+        """A head record a peer pushes (the publishing trainer, when it publishes: no DHT read, no poll wait). Taken
+        when it verifies under the publisher's key for this run and names a version newer than this subscriber
+        holds and than any head pushed before: the next :meth:`update_report` goes to it, and :meth:`run` checks at
+        once. Returns whether it was taken. Never raises: a forged, malformed or oversized record is logged and
+        refused, an old one ignored; nothing changes either way. A pushed head only says sooner what the DHT's
+        head record says (the same signed bytes); every object is still fetched and verified as always."""
+        try:
+            env = verify_envelope(self.key, blob, run_id=self.run_id)
+        except (UnauthorizedError, PayloadError) as exc:
+            logger.warning("refused a pushed head record run=%s error=%s", self.run_id, exc)
+            return False
+        if env.kind != "head":
+            logger.warning("refused a pushed record run=%s: a %s envelope, not a head", self.run_id, env.kind)
+            return False
+        with self._pushed_lock:
+            newest = max(self.version if self.version is not None else -1, self._pushed.version if self._pushed else -1)
+            if env.version <= newest:
+                return False
+            self._pushed = Head(env.version, env.digest, env.anchor_version, env.time, bytes(blob))
+            self.num_pushed += 1
+        self._wake.set()
+        return True
+
+    def _take_pushed(self) -> Head | None:
+        """The head last pushed (:meth:`offer_head`), once, if it is newer than the version held; else None."""
+        with self._pushed_lock:
+            head, self._pushed = self._pushed, None
+        return head if head is not None and (self.version is None or head.version > self.version) else None
+
+    def _pause(self, stopped: threading.Event, seconds: float) -> None:
+        """Wait ``seconds``, or less: until ``stopped`` or :meth:`close`, or a head pushed (:meth:`offer_head`)."""
+        deadline = time.monotonic() + seconds
+        while not (stopped.is_set() or self._stop.is_set()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self._wake.wait(min(remaining, 0.1)):
+                self._wake.clear()
+                return
 
     def _request_announce(self) -> None:
         """Ask the announcer thread to publish the relay's holdings (coalesced; returns at once; nothing when this
@@ -534,7 +580,8 @@ class Subscriber:
         """Keep ``model`` current in this thread: the follow loop of ``pulseloco sync follow``, the rollout worker
         and :meth:`follow`.
 
-        Every ``interval`` seconds it calls :meth:`update_report` and hands a report to ``on_update`` (a check that
+        Every ``interval`` seconds (at once when a peer pushes a newer head, :meth:`offer_head`) it calls
+        :meth:`update_report` and hands a report to ``on_update`` (a check that
         brought nothing calls ``on_idle``), until ``stop`` is set (a signal handler's event, say) or :meth:`close`
         is called, the model holds ``until_version`` or later (also when it already did, restored from a mirror),
         or ``max_seconds`` passed. Returns True when it ended at ``until_version``, False otherwise.
@@ -560,7 +607,7 @@ class Subscriber:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            stopped.wait(interval)
+            self._pause(stopped, interval)
         return False
 
     def follow(
@@ -593,6 +640,7 @@ class Subscriber:
     def close(self) -> None:
         """Stop following and leave the swarm (bounded)."""
         self._stop.set()
+        self._wake.set()
         if self._announcer is not None:
             self._announcer.stop()
         if self._thread is not None:
