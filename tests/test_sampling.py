@@ -369,6 +369,36 @@ def test_a_lease_is_checked_with_its_versions_weights_even_when_the_trainer_wrap
         assert lease.unverifiable and (lease.reason is None) == (attempt < UNVERIFIABLE_ALLOWANCE), lease
     assert "claims version 7, which this trainer does not hold" in str(lease.reason)
     assert verifier.stats.unverifiable_leases == UNVERIFIABLE_ALLOWANCE and verifier.stats.failed_leases == 1
+    # a version the trainer held and let go (it moved on): generated again, never counted against the worker
+    verifier = verifier_of(engine.model)
+    state = verifier.states.get(0)
+    for version in (1, 2, 3, 4, 5):
+        verifier.states.add(version, state)  # keep 4: version 0 goes
+    assert verifier.states.dropped(0) and not verifier.states.dropped(7)
+    for _ in range(2 * UNVERIFIABLE_ALLOWANCE):
+        lease = check_lease(verifier, trainer, got, 4, version=0)
+        assert lease.unverifiable and lease.evicted and lease.reason is None, lease
+    assert verifier.stats.failed_leases == 0
+
+
+def test_versions_within_max_lag_of_the_announced_one_are_held_while_announcing_lags() -> None:
+    """A publisher hands each version to the states when it queues it, before announcing it: while announcing lags
+    (a slow DHT), the ``keep`` newest versions can all be newer than what the workers serve. ``hold_from`` (the
+    newest announced version less ``max_lag``) keeps those the workers may still claim, up to ``4 keep``."""
+    states = VersionStates(None, "run.policy", None, {}, keep=2)
+    state: dict[str, torch.Tensor] = {}
+    for version in range(1, 5):
+        states.add(version, state)
+    assert states.versions() == [3, 4] and states.dropped(1) and states.dropped(2) and not states.dropped(3)
+    states.hold_from(3)
+    for version in range(5, 9):  # queued; announcing still at 5 (hold from 3)
+        states.add(version, state)
+    assert states.versions() == [3, 4, 5, 6, 7, 8]
+    states.hold_from(6)  # announced 8: max_lag 2
+    assert states.versions() == [6, 7, 8] and states.dropped(5)
+    for version in range(9, 16):  # announcing stalls: at most 4 * keep held, the oldest go
+        states.add(version, state)
+    assert states.versions() == list(range(8, 16)) and states.dropped(7)
 
 
 def trl_logps(

@@ -418,6 +418,9 @@ class SwarmRollouts(RunRollouts):
         version whose head record the DHT did not take is not one the workers can find, so it is left out."""
         if published.announced and self.client is not None:
             self.client.note_published(published.version, published.digest, head=published.head_envelope)
+        if published.announced and self._states is not None:
+            # leases of versions from here on are within max_lag of what the workers can find: keep them checkable
+            self._states.hold_from(published.version - self.config.max_lag)
 
     def _worker_hint(self, trainer: Any, callbacks: list[Any]) -> str:
         """The complete command that starts a worker for this run (:func:`worker_command`): the trainer's model

@@ -220,8 +220,10 @@ class RolloutVerifier:
         for version in sorted({lease.version for lease in leases.values()}):
             state = self.states.wait(version, self.states_wait)
             if state is None:
+                evicted = self.states.dropped(version)
                 for lease in leases.values():
-                    lease.unverifiable = lease.unverifiable or lease.version == version
+                    if lease.version == version:
+                        lease.unverifiable, lease.evicted = True, evicted
             else:
                 states[version] = state
         checkable = [r for r in rows if leases[r.lease_id].invalid is None and not leases[r.lease_id].unverifiable]
@@ -459,6 +461,8 @@ class RolloutVerifier:
     def _verdict(self, lease: LeaseCheck) -> str | None:
         """Why ``lease`` fails (None: it passes); counts its worker's unverifiable and verified leases."""
         worker = lease.worker
+        if lease.unverifiable and lease.evicted:
+            return None  # this trainer dropped its version: generated again, not the worker's doing
         if lease.unverifiable:
             self._unverifiable[worker] = self._unverifiable.get(worker, 0) + 1
             allowed = UNVERIFIABLE_ALLOWANCE + self._verified.get(worker, 0) // 10

@@ -37,6 +37,10 @@ class LeaseCheck:
     shared: int = 0
     audited: int = 0
     unverifiable: bool = False
+    evicted: bool = False
+    """Unverifiable because the trainer held its version and let it go (:meth:`VersionStates.dropped
+    <pulseloco.rollouts.version_states.VersionStates.dropped>`): generated again, not counted against the worker
+    (its claim was authenticated when the reply came)."""
     invalid: str | None = None
     reason: str | None = None
     refuse: str | None = None

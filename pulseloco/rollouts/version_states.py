@@ -23,7 +23,9 @@ class VersionStates:
     nothing is followed: the publisher's own process hands each version it publishes to :meth:`add` (it cannot
     fetch from itself). It reaches the head
     every ``poll`` seconds, so a version published and superseded between two looks is not held; a lease of such a
-    version is unverifiable (generated again). Memory: ``keep + 1`` BF16 copies of the weights.
+    version is unverifiable (generated again). Memory: ``keep + 1`` BF16 copies of the weights, more while the
+    publisher's announcements lag behind the versions handed to :meth:`add` (:meth:`hold_from`), at most
+    ``4 * keep``.
 
     Failure behaviour: a version that cannot be fetched or verified is logged and retried at the next look; never
     raises into the trainer. :meth:`close` stops the thread (bounded).
@@ -40,8 +42,12 @@ class VersionStates:
         poll: float = 0.2,
     ) -> None:
         self.keep = max(1, keep)
+        self.max_held = 4 * self.keep
         self.poll = poll
+        self.floor: int | None = None
+        """Versions at or above it are held beyond ``keep`` (up to ``max_held``): set by :meth:`hold_from`."""
         self._held: dict[int, dict[str, torch.Tensor]] = {}
+        self._dropped: set[int] = set()  # versions held once and let go (ints: a run's worth is small)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.subscriber: Any = None
@@ -59,8 +65,41 @@ class VersionStates:
         <pulseloco.integrations.pulsesync.PulseSyncCallback.version_listeners>`); the oldest beyond ``keep`` go."""
         with self._lock:
             self._held[version] = state
-            for old in sorted(self._held)[: -self.keep]:
+            self._evict()
+
+    def hold_from(self, version: int) -> None:
+        """Keep every version from ``version`` on, even beyond ``keep`` (the oldest a lease may still claim: the
+        newest version the workers can find, announced, less ``max_lag``). A publisher hands :meth:`add` each
+        version when it queues it, before it is announced, so while announcing falls behind (a slow DHT), the
+        ``keep`` newest versions added can all be newer than what honest workers serve. Held beyond ``keep`` up to
+        ``max_held`` versions; past that the oldest go, with a warning."""
+        with self._lock:
+            self.floor = version if self.floor is None else max(self.floor, version)
+            self._evict()
+
+    def dropped(self, version: int) -> bool:
+        """Whether ``version`` was held and let go (not: never held, as a version a follower skipped)."""
+        with self._lock:
+            return version in self._dropped and version not in self._held
+
+    def _evict(self) -> None:
+        """Drop the oldest versions beyond ``keep`` that are below the floor, then any beyond ``max_held``."""
+        versions = sorted(self._held)
+        for old in versions[: -self.keep]:
+            if self.floor is None or old < self.floor:
                 del self._held[old]
+                self._dropped.add(old)
+        versions = sorted(self._held)
+        if len(versions) > self.max_held:
+            logger.warning(
+                "holding %d versions to check leases with (announced versions lag behind the published ones); "
+                "dropping versions %s: leases of them are generated again",
+                len(versions),
+                versions[: -self.max_held],
+            )
+            for old in versions[: -self.max_held]:
+                del self._held[old]
+                self._dropped.add(old)
 
     def get(self, version: int) -> dict[str, torch.Tensor] | None:
         """The BF16 state of ``version`` (None when not held)."""
