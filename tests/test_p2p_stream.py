@@ -308,5 +308,6 @@ def test_every_handler_of_the_project_streams_its_reply_and_lets_the_asker_close
         "SparseAverager.rpc_ping": (False, True, True),
         "SparseAverager.rpc_push": (True, True, True),
         "RolloutServicer.rpc_generate": (False, True, True),
+        "RolloutServicer.rpc_head": (False, True, True),
         "SyncServicer.rpc_fetch": (False, True, True),
     }

@@ -480,6 +480,9 @@ class Swarm:
 
     @contextlib.contextmanager
     def client(self, **options: Any) -> Iterator[RolloutClient]:
+        """A client with ``options`` for its :class:`LeaseConfig`; backup leases off unless asked for: these tests
+        count leases and check each worker's own, which a backup lease to the other worker would take over."""
+        options.setdefault("backup_after", 0)
         client = RolloutClient(self.dht, POLICY, self.key.public_key(), vocab_size=VOCAB, config=LeaseConfig(**options))
         try:
             yield client
@@ -578,8 +581,7 @@ def test_a_stale_workers_completions_are_dropped_and_generated_again(swarm: Swar
     max_lag = 1
     old = swarm.version
     swarm.workers["B"].call("mode", "slow", 1.5)
-    # no backup leases: A would answer B's leases before B's stale replies came
-    with swarm.client(max_lag=max_lag, lease_timeout=30, rollout_timeout=30, backup_after=0) as client:
+    with swarm.client(max_lag=max_lag, lease_timeout=30, rollout_timeout=30) as client:
         assert client.newest_version() == old  # this trainer saw B's version published
         for _ in range(max_lag + 1):
             swarm.publish()
@@ -621,7 +623,7 @@ def test_a_stragglers_lease_is_backed_up_by_an_idle_worker(swarm: Swarm) -> None
     every group is taken once. Without backups (``backup_after=0``) the batch would wait out B's 15 s."""
     delay = 15.0
     swarm.workers["B"].call("mode", "slow", delay)
-    with swarm.client(lease_timeout=60, rollout_timeout=30) as client:
+    with swarm.client(lease_timeout=60, rollout_timeout=30, backup_after=2.0) as client:
         swarm.wait_for_records(client)
         start = time.monotonic()
         future = client.submit(random_prompts(2, seed=12), num_samples=2, max_new_tokens=4, temperature=1.0)
@@ -937,8 +939,7 @@ def test_a_worker_killed_mid_lease_costs_at_most_its_lease_timeout(swarm: Swarm)
     lease_timeout = 8.0
     swarm.workers["B"].call("mode", "slow", 5.0)
     prompts = random_prompts(12, seed=4)
-    # no backup leases: this is the lease timeout's case (a backup lease would take B's lease sooner)
-    with swarm.client(lease_timeout=lease_timeout, rollout_timeout=30, backup_after=0) as client:
+    with swarm.client(lease_timeout=lease_timeout, rollout_timeout=30) as client:
         swarm.wait_for_records(client)
         future = client.submit(prompts, num_samples=4, max_new_tokens=16, temperature=1.0)
         wait_for(lambda: swarm.workers["B"].call("stats")["started"] >= 1, 30, "B to start its first lease")
@@ -1189,7 +1190,9 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
         rogue.call("mode", "other_weights")
         trainer = trainer_run(tiny_warm_model, "fed", bootstrap, keypair, alone)
         runs.append(trainer)
-        beside = trainer_run(tiny_warm_model, "fed-rogue", bootstrap, keypair, rogue_run, "--max_refusals", "2")
+        # backup leases off: one to the honest worker could take over a lease of the rogue, which then is not refused
+        beside_args = ("--max_refusals", "2", "--backup_after", "0")
+        beside = trainer_run(tiny_warm_model, "fed-rogue", bootstrap, keypair, rogue_run, *beside_args)
         runs.append(beside)
         for worker in (honest, rogue):  # the trainer's first version, the only one before its last step
             assert worker.call("update", 1, 120.0, timeout=150)["version"] == 1
