@@ -267,7 +267,6 @@ class RolloutClient:
         self._inflight: collections.Counter[str] = collections.Counter()
         self._strikes: collections.Counter[str] = collections.Counter()
         self._cooldown: dict[str, float] = {}
-        self._backup_ids: set[str] = set()  # lease ids of backup leases (:meth:`_back_up`)
         self._workers: dict[str, WorkerInfo] = {}
         self._workers_read = 0.0
         self._workers_lookup: concurrent.futures.Future[Any] | None = None
@@ -488,7 +487,30 @@ class RolloutClient:
         running: dict[asyncio.Task[tuple[str, Any]], tuple[list[int], str, Lease]] = {}
         started: dict[asyncio.Task[tuple[str, Any]], float] = {}
         backed_up: set[tuple[int, ...]] = set()  # leases (their groups) leased a second time
+        backups: set[asyncio.Task[tuple[str, Any]]] = set()  # the tasks of those second leases
         durations: list[float] = []  # this batch's leases answered in full, in seconds
+
+        def start(peer: str, indices: list[int]) -> asyncio.Task[tuple[str, Any]]:
+            lease = self._lease(batch, indices)
+            self._inflight[peer] += 1
+            self.stats.leases += 1
+            task = asyncio.create_task(self._call(peer, lease))
+            running[task], started[task] = (indices, peer, lease), time.monotonic()
+            return task
+
+        def release(task: asyncio.Task[tuple[str, Any]]) -> None:
+            """Cancel a running lease (not needed, or its worker refused)."""
+            task.cancel()
+            _indices, peer, _lease = running.pop(task)
+            started.pop(task)
+            self._inflight[peer] -= 1
+            self.stats.released += 1
+
+        def requeue(indices: list[int]) -> None:
+            """Lease ``indices`` again, unless a backup of them is still out."""
+            if not any(other[0] == indices for other in running.values()):
+                pending.appendleft(indices)
+
         idle_since = last_ok = head_read = time.monotonic()
         last_failure = ""
         try:
@@ -507,12 +529,7 @@ class RolloutClient:
                         for peer in free:
                             if not pending:
                                 break
-                            indices = pending.popleft()
-                            lease = self._lease(batch, indices)
-                            self._inflight[peer] += 1
-                            self.stats.leases += 1
-                            task = asyncio.create_task(self._call(peer, lease))
-                            running[task], started[task] = (indices, peer, lease), now
+                            start(peer, pending.popleft())
                     if running:
                         idle_since = now
                     failing = now - last_ok > self.config.rollout_timeout + self.config.lease_timeout
@@ -537,15 +554,13 @@ class RolloutClient:
                         idle_since = last_ok = now
                 for task, (indices, peer, _lease) in list(running.items()):
                     if peer in self.stats.refusals:  # refused meanwhile: its open leases go to other workers
-                        task.cancel()
-                        running.pop(task)
-                        started.pop(task)
-                        self._inflight[peer] -= 1
-                        self.stats.released += 1
-                        if not any(other[0] == indices for other in running.values()):  # no backup still out
-                            pending.appendleft(indices)
-                if not pending and running and durations:
-                    await self._back_up(batch, running, started, backed_up, durations, now)
+                        release(task)
+                        requeue(indices)
+                if not pending and running and durations and self.config.backup_after:
+                    for peer, indices in await self._backups_due(batch, running, started, backed_up, durations, now):
+                        backed_up.add(tuple(indices))
+                        backups.add(start(peer, indices))
+                        self.stats.backups += 1
                 if not running:
                     await asyncio.sleep(0.25)
                     continue
@@ -558,7 +573,7 @@ class RolloutClient:
                     if kind == "ok":
                         fresh = not all(i in batch.results for i in indices)
                         kind, value = await loop.run_in_executor(None, self._accept, batch, indices, peer, value)
-                        if kind == "ok" and fresh and lease.lease_id in self._backup_ids:
+                        if kind == "ok" and fresh and task in backups:
                             self.stats.backups_won += 1
                     if kind == "ok":
                         last_ok = time.monotonic()
@@ -566,23 +581,18 @@ class RolloutClient:
                     else:
                         last_failure = f"worker {peer[-8:]}: {kind}: {value}"
                         self._note_failure(peer, lease, kind, str(value))
-                        if not any(other[0] == indices for other in running.values()):  # no backup still out
-                            pending.appendleft(indices)
+                        requeue(indices)
                 # a lease whose groups all have replies (its backup's or its original's) is not needed any more
-                for task, (indices, peer, _lease) in list(running.items()):
+                for task, (indices, _peer, _lease) in list(running.items()):
                     if all(i in batch.results for i in indices):
-                        task.cancel()
-                        running.pop(task)
-                        started.pop(task)
-                        self._inflight[peer] -= 1
-                        self.stats.released += 1
+                        release(task)
         finally:
             for task in running:
                 task.cancel()
                 self._inflight[running[task][1]] -= 1
         return [batch.results[i] for i in range(len(batch.groups))]
 
-    async def _back_up(
+    async def _backups_due(
         self,
         batch: _Batch,
         running: dict[asyncio.Task[tuple[str, Any]], tuple[list[int], str, Lease]],
@@ -590,47 +600,41 @@ class RolloutClient:
         backed_up: set[tuple[int, ...]],
         durations: list[float],
         now: float,
-    ) -> None:
-        """Lease a straggler's lease to an idle worker too (MapReduce's backup tasks): when nothing is left to
-        lease, a worker holds no lease of this client, and a lease has been out more than ``backup_after`` times
-        the median time of this batch's answered leases. Each lease is backed up once; the same groups, seed and
-        sampling sequences, so an honest backup gives the same completions. Never raises."""
-        if not self.config.backup_after:
-            return
-        bar = self.config.backup_after * statistics.median(durations)
+    ) -> list[tuple[str, list[int]]]:
+        """The straggling leases to lease to an idle worker too (MapReduce's backup tasks), as ``(idle worker,
+        groups)``: when nothing is left to lease, a worker holds no lease of this client, and a lease has been out
+        more than ``backup_after`` times the median time of this batch's answered leases. Each lease is backed up
+        once; the same groups, seed and sampling sequences, so an honest backup gives the same completions. Never
+        raises."""
+        median = statistics.median(durations)
+        bar = self.config.backup_after * median
         late = [
             task
             for task, (indices, _peer, _lease) in running.items()
             if now - started[task] > bar and tuple(indices) not in backed_up
         ]
         if not late:
-            return
+            return []
         workers = await asyncio.get_running_loop().run_in_executor(None, self.workers)
         free, _ = self._usable(workers, batch)
         idle = [p for p in free if self._inflight[p] == 0]
+        due = []
         for task in sorted(late, key=lambda t: started[t]):
             indices, straggler, _lease = running[task]
             others = [p for p in idle if p != straggler]
             if not others:
-                return
-            peer = others[0]
-            idle.remove(peer)
-            lease = self._lease(batch, indices)
-            backed_up.add(tuple(indices))
-            self._backup_ids.add(lease.lease_id)
-            self._inflight[peer] += 1
-            self.stats.leases += 1
-            self.stats.backups += 1
+                break
+            idle.remove(others[0])
+            due.append((others[0], indices))
             logger.info(
                 "lease of %d groups out %.1f s on worker %s (batch median %.1f s): leased to %s too",
                 len(indices),
                 now - started[task],
                 straggler[-8:],
-                statistics.median(durations),
-                peer[-8:],
+                median,
+                others[0][-8:],
             )
-            backup = asyncio.create_task(self._call(peer, lease))
-            running[backup], started[backup] = (indices, peer, lease), now
+        return due
 
     async def _call(self, peer: str, lease: Lease) -> tuple[str, Any]:
         """One lease on one worker: ``("ok", Samples)`` or ``(failure kind, reason)``; never raises."""
