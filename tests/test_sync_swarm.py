@@ -247,8 +247,10 @@ def test_corrupted_and_forged_objects_from_relays_are_rejected_and_recovered(
         assert fetch_failures(caplog, forged_id, "UnauthorizedError"), "the forged object was not rejected"
         assert any("signed SHA-256" in m for m in fetch_failures(caplog, corrupt_id, "UnauthorizedError"))
         assert any("not signed by the trusted" in m for m in fetch_failures(caplog, forged_id, "UnauthorizedError"))
-        # every object of versions 1-4 was first offered by each rogue: anchor 1 and patches 2, 3, 4
-        assert rogues["corrupt"].call("served") >= 4 and rogues["forged"].call("served") >= 4
+        # every object of versions 1-3 was first offered by each rogue: anchor 1 and patches 2, 3; patch 4, which no
+        # relay listed at the subscriber's last lookup, was asked of the publisher first, with no lookup
+        assert rogues["corrupt"].call("served") >= 3 and rogues["forged"].call("served") >= 3
+        assert peer.sub.source.served_by[-1] == ("patch", 4, pub.endpoint.peer_id.to_base58())  # type: ignore[attr-defined]
     finally:
         close_all([rogues["corrupt"], rogues["forged"]])
         if peer is not None:
@@ -271,6 +273,7 @@ def test_a_provider_that_stalls_times_out_and_the_next_one_serves(
         assert peer.sub.update(peer.model) == 1
         stall_id = rogues["stall"].call("start", peers, run, str(store))
         peer.sub.source.chunk_timeout = 2.0  # seconds a provider may stay silent (10 by default)
+        peer.sub.source.publishers = []  # no publisher known: a new version is looked up too, relays first
         publish_versions(pub, trainer, 1, expected)
         wait_until_provider_lists(peer.sub.endpoint, stall_id, 2)
         with caplog.at_level(logging.WARNING, logger="pulseloco"):
@@ -462,6 +465,39 @@ def test_a_subscriber_that_starts_from_the_published_checkpoint_downloads_no_anc
     finally:
         for peer in (same, fp32, other):
             peer.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_version_no_relay_holds_is_asked_of_the_publisher_without_a_lookup(start_publisher, bootstrap, key) -> None:
+    """Once a lookup showed who publishes, the patch of a new version (no relay holds it yet) is fetched from the
+    publisher at once, with no provider lookup: a worker woken by a pushed head does not wait for the provider
+    record the publisher stores after the push. When the publisher does not have what is asked for, the
+    subscriber looks the providers up as before (and, with nobody listing it, gets nothing)."""
+    from pulseloco.sync.transport import FetchRequest
+
+    peers = maddrs(bootstrap)
+    run = RUN + "-direct"
+    pub = start_publisher(run)
+    peer = InProcessPeer(peers, run, key, timeout=20, relay=False)
+    try:
+        trainer, expected = Trainer(), {}
+        publish_versions(pub, trainer, 1, expected)
+        assert peer.sub.update(peer.model) == 1  # the anchor, from the providers looked up
+        source = peer.sub.source
+        publisher = pub.endpoint.peer_id.to_base58()
+        assert source.publishers == [publisher]  # type: ignore[attr-defined]
+        lookups: list[float] = []
+        get_providers = source.endpoint.get_providers  # type: ignore[attr-defined]
+        source.endpoint.get_providers = lambda **kw: lookups.append(1) or get_providers(**kw)  # type: ignore[attr-defined]
+        publish_versions(pub, trainer, 1, expected)
+        report = peer.sub.update_report(peer.model)
+        assert report is not None and (report.version, report.path) == (2, "patch")
+        assert bf16_digest(peer.model) == expected[2]
+        assert lookups == [] and source.served_by[-1] == ("patch", 2, publisher)  # type: ignore[attr-defined]
+        assert source.fetch(FetchRequest("patch", 99)) is None  # the publisher has no version 99: looked up
+        assert lookups == [1]
+    finally:
+        peer.close()
 
 
 @pytest.mark.timeout(90)

@@ -107,6 +107,13 @@ class SwarmSource:
     answers it asks the publisher with ``force``. ``relay_wait`` must exceed the time the first relays need to
     start receiving the object, or the publisher ends up serving everyone.
 
+    A patch or anchor newer than any version a relay listed at the last lookup is asked of the publisher first,
+    without a lookup, when an earlier lookup showed who publishes (``publishers``): right after a version is
+    published no relay holds it yet, so the lookup could only name the publisher, and a subscriber woken by a
+    pushed head record (:meth:`Subscriber.offer_head`) would otherwise wait a DHT round trip, or more, for the
+    provider record the publisher stores after the push. A ``busy`` (the publisher past its upload budget),
+    ``missing`` or failed answer falls back to the lookup and the order above.
+
     ``on_start`` (set by a relaying :class:`Subscriber`) is passed to :meth:`SwarmEndpoint.fetch`, so the
     object is relayed while it arrives. ``served_by`` lists, per object fetched, ``(kind, version, peer id)``
     (the newest 64).
@@ -133,6 +140,40 @@ class SwarmSource:
         self.poll_interval = poll_interval
         self.on_start = on_start
         self.served_by: deque[tuple[str, int, str]] = deque(maxlen=64)
+        #: peers a providers record listed as the publisher (the newest lookup's, else the last that listed one)
+        self.publishers: list[str] = []
+        #: the newest version a relay listed complete at the last lookup (-1: none)
+        self._relayed = -1
+
+    def _providers(
+        self, request: FetchRequest, me: str, failed: set[str], deadline: float
+    ) -> tuple[list[str], list[str], list[str]]:
+        """Look the providers up: ``(complete relays, relays still receiving, publishers)`` listing ``request``,
+        relays shuffled, this peer and ``failed`` left out. Remembers the publishers and the newest version a
+        relay holds complete, for the next request's first try."""
+        providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
+        complete, partial, publishers = [], [], []
+        relayed, seen_publishers = -1, []
+        for peer, info in providers.items():
+            if info["publisher"]:
+                seen_publishers.append(peer)
+            elif peer != me:
+                relayed = max([relayed, *(v for v in info["versions"] if v not in info["partial"])])
+            listed = request.kind == "squash" or request.version in info["versions"]
+            if peer == me or peer in failed or not listed:
+                continue
+            if info["publisher"]:
+                publishers.append(peer)
+            elif request.version in info["partial"]:
+                partial.append(peer)
+            else:
+                complete.append(peer)
+        if seen_publishers:
+            self.publishers = seen_publishers
+        self._relayed = relayed
+        random.shuffle(complete)
+        random.shuffle(partial)
+        return complete, partial, publishers
 
     def head(self) -> Head | None:
         signed = self.endpoint.get_head(self.key)
@@ -148,21 +189,16 @@ class SwarmSource:
         first_busy: float | None = None
         failed: set[str] = set()  # relays that failed this request, publishers that failed it every attempt
         failures: dict[str, int] = {}  # failed transfers per provider
+        direct = request.kind in ("patch", "anchor") and request.version > self._relayed
         while time.monotonic() < deadline:
-            providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
-            complete, partial, publishers = [], [], []
-            for peer, info in providers.items():
-                listed = request.kind == "squash" or request.version in info["versions"]
-                if peer == me or peer in failed or not listed:
-                    continue
-                if info["publisher"]:
-                    publishers.append(peer)
-                elif request.version in info["partial"]:
-                    partial.append(peer)
-                else:
-                    complete.append(peer)
-            random.shuffle(complete)
-            random.shuffle(partial)
+            tried_direct = direct
+            if direct:  # the first try only: the publishers of the last lookup, no lookup now
+                complete: list[str] = []
+                partial: list[str] = []
+                publishers = [peer for peer in self.publishers if peer != me]
+                direct = False
+            else:
+                complete, partial, publishers = self._providers(request, me, failed, deadline)
             force = first_busy is not None and time.monotonic() - first_busy >= self.relay_wait
             busy = retry = False
             for peer in complete + partial + publishers:
@@ -192,6 +228,8 @@ class SwarmSource:
                     self.served_by.append((request.kind, request.version, peer))
                     return Fetched(result[0], result[1], result[2], request.kind)
                 busy |= result == "busy"
+            if tried_direct and not busy:
+                continue  # the publisher did not have it, or failed: look the providers up
             if not busy and not retry:
                 return None
             if busy and first_busy is None:
