@@ -59,6 +59,7 @@ from pulseloco.loco.robust import clip_split
 from pulseloco.loco.selection import select_in_place
 from pulseloco.loco.state import StateSnapshot
 from pulseloco.loco.validation import theta_digest
+from pulseloco.memory import release_freed_memory
 from pulseloco.swarm import is_reachable
 
 logger = logging.getLogger(__name__)
@@ -371,6 +372,7 @@ class PulseLoCo:
             self.placement.load_into_model(self.theta_N)
             if metrics is not None:
                 metrics = self._report(dataclasses.replace(metrics, seconds_blocked=time.monotonic() - start))
+        release_freed_memory()  # the round's model-sized buffers, which the allocator would keep otherwise
         self.local_step = 0
         self._phase_steps = self.inner_steps
         self.num_boundaries += 1

@@ -8,13 +8,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import gc
 import sys
 from pathlib import Path
 
 from harness.machine import memory_available
+from pulseloco.memory import release_freed_memory
 
 MIB = 2**20
 GB = 1e9
@@ -35,8 +35,7 @@ def trim() -> None:
     """Collect garbage and hand freed heap pages back to the kernel (glibc ``malloc_trim``), so that VmRSS counts
     live memory rather than what the allocator kept after a free. Without glibc, only the garbage collection."""
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):  # not glibc: RSS may then include freed heap pages
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    release_freed_memory()  # not glibc: RSS may then include freed heap pages
 
 
 def held() -> int:
