@@ -472,7 +472,8 @@ def test_a_version_no_relay_holds_is_asked_of_the_publisher_without_a_lookup(sta
     """Once a lookup showed who publishes, the patch of a new version (no relay holds it yet) is fetched from the
     publisher at once, with no provider lookup: a worker woken by a pushed head does not wait for the provider
     record the publisher stores after the push. When the publisher does not have what is asked for, the
-    subscriber looks the providers up as before (and, with nobody listing it, gets nothing)."""
+    subscriber looks the providers up as before (and, with nobody listing it, gets nothing). A version newer than
+    any the provider record lists is asked of the publisher the record names."""
     from pulseloco.sync.transport import FetchRequest
 
     peers = maddrs(bootstrap)
@@ -496,6 +497,14 @@ def test_a_version_no_relay_holds_is_asked_of_the_publisher_without_a_lookup(sta
         assert lookups == [] and source.served_by[-1] == ("patch", 2, publisher)  # type: ignore[attr-defined]
         assert source.fetch(FetchRequest("patch", 99)) is None  # the publisher has no version 99: looked up
         assert lookups == [1]
+        # a version the provider record does not list yet (its store comes after the push): looked up, then asked
+        # of the publisher the record names
+        pub.endpoint.announce_provider = lambda *args, **kw: None  # type: ignore[method-assign]
+        publish_versions(pub, trainer, 1, expected)
+        source.publishers = []  # type: ignore[attr-defined]
+        fetched = source.fetch(FetchRequest("patch", 3))
+        assert fetched is not None and fetched.envelope.version == 3 and lookups == [1, 1]
+        assert source.served_by[-1] == ("patch", 3, publisher)  # type: ignore[attr-defined]
     finally:
         peer.close()
 

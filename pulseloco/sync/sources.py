@@ -149,8 +149,9 @@ class SwarmSource:
         self, request: FetchRequest, me: str, failed: set[str], deadline: float
     ) -> tuple[list[str], list[str], list[str]]:
         """Look the providers up: ``(complete relays, relays still receiving, publishers)`` listing ``request``,
-        relays shuffled, this peer and ``failed`` left out. Remembers the publishers and the newest version a
-        relay holds complete, for the next request's first try."""
+        relays shuffled, this peer and ``failed`` left out; for a patch or anchor newer than any version the record
+        lists, the publishers known (their record may not list it yet). Remembers the publishers and the newest
+        version a relay holds complete, for the next request's first try."""
         providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
         complete, partial, publishers = [], [], []
         relayed, seen_publishers = -1, []
@@ -171,6 +172,11 @@ class SwarmSource:
         if seen_publishers:
             self.publishers = seen_publishers
         self._relayed = relayed
+        newest_listed = max((v for info in providers.values() for v in info["versions"]), default=-1)
+        if request.kind in ("patch", "anchor") and request.version > newest_listed:
+            # a version the record does not list yet (a pushed head comes before the publisher's provider record):
+            # the publisher holds it, or answers missing
+            publishers = [peer for peer in self.publishers if peer != me and peer not in failed]
         random.shuffle(complete)
         random.shuffle(partial)
         return complete, partial, publishers
