@@ -206,9 +206,6 @@ class PulseSyncCallback(LogsContributor):
         #: called with each :class:`~pulseloco.sync.publisher.PublishedVersion` once its announce is done or has
         #: failed (the trainer's rollout client learns the newest version here, without reading the DHT)
         self.announce_listeners: list[Callable[[PublishedVersion], None]] = []
-        #: called with (version, digest, signed head record) as soon as a version's head record is signed, before
-        #: the DHT stores it (the trainer's rollout client pushes it to its workers then)
-        self.head_listeners: list[Callable[[int, str, bytes], None]] = []
         self._last_announced: PublishedVersion | None = None
         self._last_published: tuple[int, int] | None = None  # (version, step) of the last version published
         self._versions_lock = threading.Lock()
@@ -259,7 +256,6 @@ class PulseSyncCallback(LogsContributor):
             elif self.metrics_path is not False:
                 self.metrics = JsonLinesWriter(self.metrics_path, stamp=True)
             self.publisher.add_announce_listener(self._record)
-            self.publisher.add_head_listener(self._signed)
         if loco is not None:
             assert loco.loco is not None  # noqa: S101 (checked above)
             self._loco = loco.loco
@@ -467,20 +463,6 @@ class PulseSyncCallback(LogsContributor):
                 seconds_publish=round(published.seconds, 4),
                 announced=published.announced,
             )
-
-    def _signed(self, version: int, digest: str, head: bytes) -> None:
-        """The publisher's head listener (its thread): :attr:`head_listeners` (one that raises is logged)."""
-        for listener in list(self.head_listeners):
-            try:
-                listener(version, digest, head)
-            except Exception:  # a listener must not stop the publisher's thread
-                logger.exception("head listener failed version=%d", version)
-
-    def add_head_listener(self, listener: Callable[[int, str, bytes], None]) -> None:
-        """Call ``listener(version, digest, head_envelope)`` from the publisher's thread for each version this process
-        publishes from now on, as soon as its head record is signed and before the DHT stores it
-        (:meth:`pulseloco.sync.publisher.Publisher.add_head_listener`)."""
-        self.head_listeners.append(listener)
 
     def _take_log_entries(self) -> dict[str, float]:
         with self._versions_lock:

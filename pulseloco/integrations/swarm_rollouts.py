@@ -405,7 +405,6 @@ class SwarmRollouts(RunRollouts):
             self.verifier.states = self._states = states
         for callback in callbacks:
             if isinstance(callback, PulseSyncCallback) and callback.signing_key is not None:
-                callback.add_head_listener(self._signed)
                 callback.add_announce_listener(self._announced)
         trainer.add_callback(_CloseAtEnd(self))
         print(
@@ -414,15 +413,11 @@ class SwarmRollouts(RunRollouts):
             flush=True,
         )
 
-    def _signed(self, version: int, digest: str, head: bytes) -> None:
-        """This trainer's publisher signed a version's head record (its thread), before storing it in the DHT: the
-        client's newest, with no DHT read, and pushed to the workers, which fetch it from this publisher."""
-        if self.client is not None:
-            self.client.note_published(version, digest, head=head)
-
     def _announced(self, published: Any) -> None:
-        """This trainer's publisher announced a version (its thread): once the workers that missed the push can find
-        it in the DHT, leases of versions within ``max_lag`` of it stay checkable."""
+        """This trainer's publisher announced a version (its thread): the client's newest, with no DHT read. A
+        version whose head record the DHT did not take is not one the workers can find, so it is left out."""
+        if published.announced and self.client is not None:
+            self.client.note_published(published.version, published.digest, head=published.head_envelope)
         if published.announced and self._states is not None:
             # leases of versions from here on are within max_lag of what the workers can find: keep them checkable
             self._states.hold_from(published.version - self.config.max_lag)

@@ -285,14 +285,12 @@ class RolloutClient:
         return self.newest
 
     def note_published(self, version: int, digest: str, *, head: bytes = b"") -> None:
-        """This process's own publisher stored ``version`` (state digest ``digest``) and signed its head record: it
-        is the newest, and from now on :meth:`newest_version` does not read the DHT. ``head``: that record's signed
-        bytes, pushed to every worker this client knows (in the background, each push bounded by
-        :data:`HEAD_PUSH_TIMEOUT`) before the DHT stores it, so that they fetch the version from the publisher now
-        (:class:`pulseloco.sync.sources.SwarmSource` asks the publisher first for a version no relay holds) instead
-        of finding it at their next poll of the DHT (two DHT stores, a poll and two lookups: about 1.5 s at 100 ms
-        round trips). A worker that misses the push finds the version in the DHT as before. Call from any thread;
-        never raises."""
+        """This process's own publisher announced ``version`` (state digest ``digest``; its head record is in the
+        DHT): it is the newest the workers can find, and from now on :meth:`newest_version` does not read the DHT.
+        ``head``: that record's signed bytes, pushed to every worker this client knows (in the background, each
+        push bounded by :data:`HEAD_PUSH_TIMEOUT`), so that they fetch the version now instead of finding it at
+        their next poll of the DHT (a poll and a DHT lookup: about a second at 100 ms round trips). A worker that
+        misses the push finds the version as before. Call from any thread; never raises."""
         self.own_publisher = True
         self._published_version(version, digest)
         peers = [peer for peer in list(self._workers) if peer not in self.stats.refusals]

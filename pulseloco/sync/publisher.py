@@ -178,7 +178,6 @@ class Publisher:
         self._announce_every = min(head_ttl, provider_ttl) / 3
         self._on_published = on_published
         self._announce_listeners: list[Callable[[PublishedVersion], None]] = []
-        self._head_listeners: list[Callable[[int, str, bytes], None]] = []
         if on_announced is not None:
             self._announce_listeners.append(on_announced)
         self._key = signing_key
@@ -325,9 +324,8 @@ class Publisher:
                     version, state, queued_at = job
                     digest, patch_bytes = self._publish_one(version, state)
                     stored = (version, digest, patch_bytes, queued_at)
-                    self._report_head(version, digest, self._sign_head())
                 if self._version is not None:
-                    announced = self._announce(signed=job is not None)
+                    announced = self._announce()
                     last_announce = time.monotonic()
             except Exception as exc:  # keep serving; the failed version is not the base of the next one
                 self.last_error = exc
@@ -343,21 +341,6 @@ class Publisher:
         """Call ``listener(PublishedVersion)`` from the publisher's thread after each version stored from now on,
         once its announce is done or has failed. An exception it raises is logged and changes nothing."""
         self._announce_listeners.append(listener)
-
-    def add_head_listener(self, listener: Callable[[int, str, bytes], None]) -> None:
-        """Call ``listener(version, digest, head_envelope)`` from the publisher's thread for each version stored from
-        now on, as soon as its head record is signed: before the DHT stores it (a DHT round trip or more, seconds
-        when a slow peer holds the key), so that a listener can hand the signed record on at once (a trainer pushes
-        it to its rollout workers, which fetch the version from this publisher). An exception it raises is logged
-        and changes nothing."""
-        self._head_listeners.append(listener)
-
-    def _report_head(self, version: int, digest: str, head: bytes) -> None:
-        for listener in list(self._head_listeners):
-            try:
-                listener(version, digest, head)
-            except Exception:  # a reporting hook must not stop the publisher
-                logger.exception("head listener failed version=%d", version)
 
     def _report(self, stored: tuple[int, str, int, float], announced: bool) -> None:
         version, digest, patch_bytes, queued_at = stored
@@ -430,9 +413,11 @@ class Publisher:
         )
         return digest, patch_bytes
 
-    def _sign_head(self) -> bytes:
-        """Sign the head record of the newest stored version (kept for the announces that follow)."""
-        assert self._version is not None  # noqa: S101 (called once a version is stored)
+    def _announce(self) -> bool:
+        """Sign and store the head record and re-announce the stored objects as provided; returns whether the DHT
+        accepted the head record (True without a DHT)."""
+        if self._version is None:
+            return False
         env = _envelope(
             self.run_id,
             "head",
@@ -444,16 +429,6 @@ class Publisher:
             anchor_version=self._anchor_version,
         )
         self._head_envelope = sign_envelope(self._key, env)
-        return self._head_envelope
-
-    def _announce(self, *, signed: bool = False) -> bool:
-        """Store the head record (signed now, unless ``signed``: :meth:`_sign_head` just did) and re-announce the
-        stored objects as provided; returns whether the DHT accepted the head record (True without a DHT)."""
-        if self._version is None:
-            return False
-        if not signed or self._head_envelope is None:
-            self._sign_head()
-        assert self._head_envelope is not None  # noqa: S101 (signed above)
         if self.endpoint is not None:
             # providers first: a subscriber that sees the new head must find who serves it
             held = self.store.list("patch") + self.store.list("anchor")
