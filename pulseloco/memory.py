@@ -3,9 +3,8 @@
 A round allocates and frees buffers of the model's size (pseudo-gradients, encoded frames, received parts, sums)
 from several threads. glibc's allocator keeps what such buffers freed in its heaps and per-thread arenas (its
 mmap threshold rises to 32 MiB after the first large free, so later buffers below it come from the heaps), and a
-peer's resident memory then grows round after round well past what it holds: measured on the wide demo model
-(9.18M parameters) with DiLoCo's dense exchange, from 1.8 GB after the first round to 3.0-3.4 GB after ten, which
-ran eight peers on one 24 GiB machine out of memory. :func:`release_freed_memory` returns those pages.
+peer's resident memory then grows round after round well past what it holds (docs/results.md, "Memory": a DiLoCo
+peer of the wide demo model). :func:`release_freed_memory` returns those pages (what that costs: the same section).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -20,22 +20,17 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["release_freed_memory"]
 
-_libc: ctypes.CDLL | None = None
-_resolved = False
 
-
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
-    """glibc, once, or None (another C library, another system): where ``malloc_trim`` exists."""
-    global _libc, _resolved
-    if not _resolved:
-        _resolved = True
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError, AttributeError):
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-                libc.malloc_trim.argtypes = [ctypes.c_size_t]
-                libc.malloc_trim.restype = ctypes.c_int
-                _libc = libc
-    return _libc
+    """glibc, looked up once, or None (another C library, another system): where ``malloc_trim`` exists."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.malloc_trim.argtypes = [ctypes.c_size_t]
+            libc.malloc_trim.restype = ctypes.c_int
+            return libc
+    return None
 
 
 def release_freed_memory() -> bool:

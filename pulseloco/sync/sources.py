@@ -110,9 +110,9 @@ class SwarmSource:
     A patch or anchor newer than any version a relay listed at the last lookup is asked of the publisher first,
     without a lookup, when an earlier lookup showed who publishes (``publishers``): right after a version is
     published no relay holds it yet, so the lookup could only name the publisher, and a subscriber woken by a
-    pushed head record (:meth:`Subscriber.offer_head`) would otherwise wait a DHT round trip, or more, for the
-    provider record the publisher stores after the push. A ``busy`` (the publisher past its upload budget),
-    ``missing`` or failed answer falls back to the lookup and the order above.
+    pushed head record (:meth:`Subscriber.offer_head`) would spend a DHT round trip, or more, learning that. A
+    ``busy`` (the publisher past its upload budget), ``missing`` or failed answer falls back to the lookup and the
+    order above.
 
     ``on_start`` (set by a relaying :class:`Subscriber`) is passed to :meth:`SwarmEndpoint.fetch`, so the
     object is relayed while it arrives. ``served_by`` lists, per object fetched, ``(kind, version, peer id)``
@@ -154,8 +154,9 @@ class SwarmSource:
         version a relay holds complete, for the next request's first try."""
         providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
         complete, partial, publishers = [], [], []
-        relayed, seen_publishers = -1, []
+        relayed, newest_listed, seen_publishers = -1, -1, []
         for peer, info in providers.items():
+            newest_listed = max([newest_listed, *info["versions"]])
             if info["publisher"]:
                 seen_publishers.append(peer)
             elif peer != me:
@@ -172,10 +173,9 @@ class SwarmSource:
         if seen_publishers:
             self.publishers = seen_publishers
         self._relayed = relayed
-        newest_listed = max((v for info in providers.values() for v in info["versions"]), default=-1)
         if request.kind in ("patch", "anchor") and request.version > newest_listed:
-            # a version the record does not list yet (a pushed head comes before the publisher's provider record):
-            # the publisher holds it, or answers missing
+            # a version the record read does not list yet (the head reached this peer sooner than the provider
+            # record, through another DHT node or a push): the publisher holds it, or answers missing
             publishers = [peer for peer in self.publishers if peer != me and peer not in failed]
         random.shuffle(complete)
         random.shuffle(partial)
