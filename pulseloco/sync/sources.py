@@ -108,7 +108,9 @@ class SwarmSource:
     start receiving the object, or the publisher ends up serving everyone.
 
     A patch or anchor newer than any version a relay listed at the last lookup is asked of the publisher first,
-    without a lookup, when an earlier lookup showed who publishes (``publishers``): right after a version is
+    without a lookup, when a peer the providers record lists as the publisher has served this source a verified
+    object before (``publishers``; anyone can list itself as a publisher, so a listing alone earns no first try,
+    and a peer that fails a first try loses it): right after a version is
     published no relay holds it yet, so the lookup could only name the publisher, and a subscriber woken by a
     pushed head record (:meth:`Subscriber.offer_head`) would spend a DHT round trip, or more, learning that. A
     ``busy`` (the publisher past its upload budget), ``missing`` or failed answer falls back to the lookup and the
@@ -140,7 +142,7 @@ class SwarmSource:
         self.poll_interval = poll_interval
         self.on_start = on_start
         self.served_by: deque[tuple[str, int, str]] = deque(maxlen=64)
-        #: peers a providers record listed as the publisher (the newest lookup's, else the last that listed one)
+        #: peers listed as the publisher that served this source a verified object (asked first for a new version)
         self.publishers: list[str] = []
         #: the newest version a relay listed complete at the last lookup (-1: none)
         self._relayed = -1
@@ -150,7 +152,7 @@ class SwarmSource:
     ) -> tuple[list[str], list[str], list[str]]:
         """Look the providers up: ``(complete relays, relays still receiving, publishers)`` listing ``request``,
         relays shuffled, this peer and ``failed`` left out; for a patch or anchor newer than any version the record
-        lists, the publishers known (their record may not list it yet). Remembers the publishers and the newest
+        lists, the peers the record lists as publishers (their entry may not list it yet). Remembers the newest
         version a relay holds complete, for the next request's first try."""
         providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
         complete, partial, publishers = [], [], []
@@ -170,13 +172,11 @@ class SwarmSource:
                 partial.append(peer)
             else:
                 complete.append(peer)
-        if seen_publishers:
-            self.publishers = seen_publishers
         self._relayed = relayed
         if request.kind in ("patch", "anchor") and request.version > newest_listed:
             # a version the record read does not list yet (the head reached this peer sooner than the provider
             # record, through another DHT node or a push): the publisher holds it, or answers missing
-            publishers = [peer for peer in self.publishers if peer != me and peer not in failed]
+            publishers = [peer for peer in seen_publishers if peer != me and peer not in failed]
         random.shuffle(complete)
         random.shuffle(partial)
         return complete, partial, publishers
@@ -224,6 +224,8 @@ class SwarmSource:
                     )
                 except Exception as exc:  # any failure of a stranger's provider: log it and try the next one
                     logger.warning("fetch failed peer=%s request=%s error=%r", peer, request, exc)
+                    if tried_direct and peer in self.publishers:
+                        self.publishers.remove(peer)  # no first try again until it serves a verified object
                     failures[peer] = failures.get(peer, 0) + 1
                     if peer in publishers and failures[peer] < PUBLISHER_ATTEMPTS:
                         retry = True
@@ -232,6 +234,8 @@ class SwarmSource:
                     continue
                 if isinstance(result, tuple):
                     self.served_by.append((request.kind, request.version, peer))
+                    if peer in publishers and peer not in self.publishers:
+                        self.publishers.append(peer)
                     return Fetched(result[0], result[1], result[2], request.kind)
                 busy |= result == "busy"
             if tried_direct and not busy:
