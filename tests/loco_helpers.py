@@ -21,6 +21,22 @@ SEQ_LEN = 16
 BATCH = 4
 
 
+def pending(
+    group: str,
+    indices_K: torch.Tensor,
+    values_K: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    counted: list[bool],
+    **fields: Any,
+) -> Any:
+    """A contribution as the optimizer records it in its ledger (:class:`pulseloco.loco.ledger.Pending`): the sorted
+    global ``indices_K`` and ``values_K`` encoded as the parts pushed to the shards ``bounds``."""
+    from pulseloco.loco.ledger import Pending
+    from pulseloco.loco.validation import encode_parts
+
+    return Pending(group, encode_parts(indices_K, values_K, bounds, round_index=0), bounds, counted, **fields)
+
+
 def make_model(seed: int = 0) -> torch.nn.Module:
     """A two-layer Llama with hidden size 32 (about 40k parameters), built from a config, FP32."""
     from pulseloco.models import random_causal_lm
@@ -120,15 +136,15 @@ def _die_now() -> None:
 def _make_malicious() -> None:
     """Corrupt this peer's contributions: round 0 non-finite values, round 1 indices out of range, then huge
     norms. The peer is otherwise honest (it serves correct sums of the shards it owns)."""
-    import pulseloco.loco.averaging as averaging
+    import pulseloco.loco.validation as validation  # its encode_parts builds the parts a member pushes
     from pulseloco.codec import SparseTensor, encode_payload
 
-    honest = averaging.encode_sparse
+    honest = validation.encode_sparse
 
     def evil(
         name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int, **kwargs: Any
     ) -> bytes:
-        if name != averaging.CONTRIBUTION_NAME:
+        if name != validation.CONTRIBUTION_NAME:
             return honest(name, numel, indices_K, values_K, round_index=round_index, **kwargs)
         mode = round_index % 3
         if mode == 0:
@@ -140,7 +156,7 @@ def _make_malicious() -> None:
             return encode_payload([entry], value_mode="float32", version=round_index, base_version=None)
         return honest(name, numel, indices_K, values_K * 1e4, round_index=round_index, **kwargs)
 
-    averaging.encode_sparse = evil  # type: ignore[assignment]
+    validation.encode_sparse = evil  # type: ignore[assignment]
 
 
 def _stall(seconds: float) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from loco_helpers import pending
 
 from pulseloco.errors import PayloadError
-from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
+from pulseloco.loco.ledger import Ledger, LedgerEntry
 
 
 def _ledger_with_round(counted: list[bool]) -> tuple[Ledger, torch.Tensor]:
@@ -15,7 +16,7 @@ def _ledger_with_round(counted: list[bool]) -> tuple[Ledger, torch.Tensor]:
     ledger = Ledger("me")
     indices_K, values_K = torch.tensor([1, 3, 6, 8]), torch.tensor([1.0, 2.0, 3.0, 4.0])
     accepted = tuple(("me", "b") if c else ("b",) for c in counted)
-    ledger.record(4, LedgerEntry("g", accepted), Pending("g", indices_K, values_K, [0, 2, 4], list(counted)))
+    ledger.record(4, LedgerEntry("g", accepted), pending("g", indices_K, values_K, [(0, 5), (5, 10)], list(counted)))
     residual_N = torch.zeros(10)
     residual_N[0] = 0.5
     for shard, was_counted in enumerate(counted):
@@ -68,7 +69,7 @@ def _split(keep: int, swarm: str) -> tuple[Ledger, torch.Tensor]:
     residual_N = torch.zeros(10)
     for r in range(10):
         ledger.record(
-            r, LedgerEntry(f"a{r}", (("me",),)), Pending(f"a{r}", torch.tensor([r]), torch.ones(1), [0, 1], [True])
+            r, LedgerEntry(f"a{r}", (("me",),)), pending(f"a{r}", torch.tensor([r]), torch.ones(1), [(0, 10)], [True])
         )
     accepted = (("me",),) if swarm == "a" else (("x",),)
     adopted = {r: LedgerEntry(f"{swarm}{r}", accepted) for r in range(max(0, 10 - keep), 10)}

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from loco_helpers import pending
 
 from pulseloco.errors import PayloadError
 from pulseloco.loco.averaging import SparseAverager, delivery
-from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
+from pulseloco.loco.ledger import Ledger, LedgerEntry
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.quantize import ParamLayout
 from pulseloco.loco.reduce import DEFAULT_EXCHANGE_BUDGET, ReduceSpec, TileMap, check_budget, reduce_parts
@@ -279,15 +280,16 @@ def test_the_owners_absorbed_rounding_follows_the_adopted_lineage(caplog: pytest
     residual_N = torch.zeros(6)
     absorbed = (0, torch.tensor([1, 4]), torch.tensor([0.25, -0.5]))
     residual_N.index_add_(0, absorbed[1], absorbed[2])
-    pending = Pending("g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [0, 2, 2], [True, False], absorbed=absorbed)
-    pending.kept_unknown = {1}
-    ledger.record(3, LedgerEntry("g", (("me",), None)), pending)
+    bounds = [(0, 5), (5, 6)]
+    part = pending("g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), bounds, [True, False], absorbed=absorbed)
+    part.kept_unknown = {1}
+    ledger.record(3, LedgerEntry("g", (("me",), None)), part)
     moved = ledger.reconcile({3: LedgerEntry("other", (("x",), ("x",)))}, 4, residual_N)
     # Another group's round: nothing of this peer counted (its part of shard 0 comes back) and no absorbed error.
     assert moved == 4 and residual_N.tolist() == [0.0, 1.0, 0.0, 0.0, 2.0, 0.0]
     ledger2 = Ledger("me")
     residual2 = torch.zeros(6)
-    pending2 = Pending("g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [0, 1, 2], [True, False])
+    pending2 = pending("g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [(0, 3), (3, 6)], [True, False])
     pending2.kept_unknown = {1}
     ledger2.record(3, LedgerEntry("g", (("me",), None)), pending2)
     with caplog.at_level(logging.WARNING, logger="pulseloco.loco.ledger"):
@@ -298,8 +300,8 @@ def test_the_owners_absorbed_rounding_follows_the_adopted_lineage(caplog: pytest
     # applied it: a repair to their theta puts the error into the residual, once.
     ledger3 = Ledger("me")
     residual3 = torch.zeros(6)
-    pending3 = Pending(
-        "g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [0, 2, 2], [False, False], absorbed=absorbed
+    pending3 = pending(
+        "g", torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), [(0, 5), (5, 6)], [False, False], absorbed=absorbed
     )
     pending3.absorbed_counted = False
     ledger3.record(3, LedgerEntry("g", (None, None)), pending3)
@@ -319,9 +321,9 @@ def test_a_state_that_counted_an_unfetched_topk_part_names_the_kept_entries() ->
     assert parsed.kept_in(1).tolist() == [3, 5]  # type: ignore[union-attr]
     ledger = Ledger("me")
     residual_N = torch.tensor([0.0, 0.0, 0.0, 2.0, 4.0, 8.0])  # the part of shard 1 came back whole
-    pending = Pending("g", torch.tensor([1, 3, 4, 5]), torch.tensor([1.0, 2.0, 4.0, 8.0]), [0, 1, 4], [True, False])
-    pending.kept_unknown = {1}
-    ledger.record(3, LedgerEntry("g", (("me",), None)), pending)
+    part = pending("g", torch.tensor([1, 3, 4, 5]), torch.tensor([1.0, 2.0, 4.0, 8.0]), [(0, 3), (3, 6)], [True, False])
+    part.kept_unknown = {1}
+    ledger.record(3, LedgerEntry("g", (("me",), None)), part)
     assert ledger.reconcile({3: parsed}, 4, residual_N) == 2
     # 3 and 5 were kept, at clip scale 0.5: half of each leaves; 4 was dropped by the owner and stays whole.
     assert residual_N.tolist() == [0.0, 0.0, 0.0, 1.0, 4.0, 4.0]

@@ -21,7 +21,7 @@ from pulseloco.loco.ledger import Ledger, LedgerEntry
 from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.robust import RepeatOutliers, clip_scale, clip_split, parse_bar, part_norm, to_float32
 from pulseloco.loco.shard_owner import AGGREGATE_NAME, CONTRIBUTION_NAME, ShardOwner, ShardSum
-from pulseloco.loco.validation import decode_sparse, encode_sparse
+from pulseloco.loco.validation import decode_sparse, encode_parts, encode_sparse
 
 NUMEL = 6
 
@@ -157,6 +157,7 @@ class _FakeAverager:
             own_scales=(0.75, to_float32(0.3), None),
             own_norms=(1.0, 1.0, 1.0),
             bounds=tuple(bounds),
+            parts=tuple(encode_parts(indices_K, values_K, bounds, round_index=group.round)),
         )
 
 

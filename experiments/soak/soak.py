@@ -88,18 +88,18 @@ def tiny_model() -> torch.nn.Module:
 def _poison() -> None:
     """Make this process's contributions poisoned (alternately NaN and 1e6 times too large); it stays an honest
     shard owner. The others must reject them (``num_rejected``) and never apply them."""
-    import pulseloco.loco.averaging as averaging
+    import pulseloco.loco.validation as validation  # its encode_parts builds the parts a member pushes
 
-    honest = averaging.encode_sparse
+    honest = validation.encode_sparse
 
     def poisoned(
         name: str, numel: int, indices_K: torch.Tensor, values_K: torch.Tensor, *, round_index: int, **kwargs: Any
     ) -> bytes:
-        if name == averaging.CONTRIBUTION_NAME:
+        if name == validation.CONTRIBUTION_NAME:
             values_K = values_K * (float("nan") if round_index % 2 else 1e6)
         return honest(name, numel, indices_K, values_K, round_index=round_index, **kwargs)
 
-    averaging.encode_sparse = poisoned  # type: ignore[assignment]
+    validation.encode_sparse = poisoned  # type: ignore[assignment]
 
 
 def peer_main(args: argparse.Namespace) -> None:

@@ -92,7 +92,7 @@ from pulseloco.loco.shard_owner import (
 )
 from pulseloco.loco.state import StateSnapshot, StateTransfer
 from pulseloco.loco.traffic import NO_ELEMENT_LIMIT, FrameLayout, Traffic
-from pulseloco.loco.validation import decode_sparse, encode_sparse
+from pulseloco.loco.validation import decode_sparse, encode_parts, encode_sparse
 from pulseloco.p2p import (
     CHUNK_BYTES,
     P2PHost,
@@ -256,6 +256,9 @@ class AllReduceResult:
     num_union: int = 0
     """With the ``topk`` exchange in this peer's own shard: the size of the parts' union there (the kept entries
     are ``num_sum_entries``)."""
+    parts: tuple[bytes, ...] = ()
+    """The contribution frames this peer pushed, one per shard (:func:`~pulseloco.loco.validation.encode_parts`):
+    what the ledger keeps of its contribution (:class:`~pulseloco.loco.ledger.Pending`)."""
 
     @property
     def num_contributors(self) -> int:
@@ -730,20 +733,10 @@ class SparseAverager(ShardOwner, StateTransfer):
         bounds = shard_bounds(self.numel, len(group.servers))
         exchange = self.exchange_for(len(group.members))
         stops = torch.tensor([stop for _, stop in bounds], dtype=torch.int64)
-        cut = torch.searchsorted(indices_K, stops).tolist()
-        offsets = [0, *cut]
-        parts = [
-            encode_sparse(
-                CONTRIBUTION_NAME,
-                stop - start,
-                indices_K[offsets[j] : offsets[j + 1]] - start,
-                values_K[offsets[j] : offsets[j + 1]],
-                round_index=group.round,
-                value_dtype=value_dtype,
-                group_starts=None if group_starts is None else group_starts - start,
-            )
-            for j, (start, stop) in enumerate(bounds)
-        ]
+        offsets = [0, *torch.searchsorted(indices_K, stops).tolist()]
+        parts = encode_parts(
+            indices_K, values_K, bounds, round_index=group.round, value_dtype=value_dtype, group_starts=group_starts
+        )
         # The whole selection as one frame (payload_bytes): the one part when there is one shard, else encoded on
         # another thread while the exchange waits on the network.
         whole_frame: Future[FrameHeader] | None = None
@@ -822,5 +815,6 @@ class SparseAverager(ShardOwner, StateTransfer):
             absorbed_K=absorbed_K,
             absorbed_shard=absorbed_shard,
             absorbed_counted=own_index is not None and bool(accepted_lists[own_index]),
+            parts=tuple(parts),
             num_union=int((owned.header or {}).get("union", 0)) if owned is not None else 0,
         )

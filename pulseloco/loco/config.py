@@ -240,7 +240,8 @@ class AveragingConfig:
         metadata=_help(
             "Rounds of history each peer keeps and serves with its state (at most 64): a partition, stall or split "
             "of up to this many rounds is reconciled exactly when the halves meet again; a peer apart for longer "
-            "loses what it sent before the window (logged). Costs 12 bytes of CPU memory per sent entry per round."
+            "loses what it sent before the window (logged). Costs, per round, the CPU memory of the parts sent (their "
+            "size on the wire: about 4 bytes per FP32 entry)."
         ),
     )
     exchange_budget: float = field(

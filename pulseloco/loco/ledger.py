@@ -33,6 +33,7 @@ import torch
 from pulseloco.codec.indices import IndexCode, decode_indices, encode_indices
 from pulseloco.errors import PayloadError
 from pulseloco.loco.robust import clip_scale, clip_split, parse_bar, part_norm
+from pulseloco.loco.validation import CONTRIBUTION_NAME, decode_sparse
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ __all__ = ["DEFAULT_KEEP_ROUNDS", "MAX_LEDGER_ROUNDS", "Ledger", "LedgerEntry", 
 DEFAULT_KEEP_ROUNDS = 8
 """Rounds of history kept (and served with the state) by default (``AveragingConfig.ledger_rounds``): how long two
 lineages may diverge (or a peer fall behind) and still be reconciled exactly. The own contributions kept for it
-cost 12 bytes per sent entry per round of CPU memory."""
+cost what they cost on the wire (:class:`Pending`) per round of CPU memory."""
 
 MAX_LEDGER_ROUNDS = 64
 """The most rounds a served ledger may hold (:meth:`Ledger.parse` refuses more)."""
@@ -159,16 +160,22 @@ def _decode_indices(data: Any, numel: int) -> torch.Tensor:
 
 @dataclass
 class Pending:
-    """This peer's contribution in one round: sorted global ``indices_K`` and ``values_K`` it sent, the shard
-    ``offsets`` into them (``len(offsets) == num_shards + 1``), whether it assumed each shard counted it, and at
-    which clip scale (``scales``; ``None``: 1 everywhere)."""
+    """This peer's contribution in one round, kept as it went on the wire: its encoded ``parts``, one contribution
+    frame per shard (:func:`~pulseloco.loco.validation.encode_parts`: local indices into ``bounds[j]``), whether it
+    assumed each shard counted its part, and at which clip scale (``scales``; ``None``: 1 everywhere).
+
+    The frames are the ones the exchange already built (no copy): a sent entry costs what it cost on the wire (4
+    bytes and a compressed index for an FP32 value, less for BF16 or quantized ones) for each round of the window,
+    instead of 12 bytes of index and value tensors. :meth:`part` decodes one shard when a reconcile needs it."""
 
     group: str
-    indices_K: torch.Tensor
-    values_K: torch.Tensor
-    offsets: list[int]
+    parts: list[bytes]
+    bounds: list[tuple[int, int]]
     counted: list[bool]
     scales: list[float] | None = None
+    kept: list[torch.Tensor | None] = field(default_factory=list)
+    """Per shard, the global indices a ``topk`` owner kept (None: the whole part): of the part, only the entries it
+    kept are pending; the others went back to the residual for good, as no lineage counted them."""
     kept_unknown: set[int] = field(default_factory=set)
     """Shards served with the ``topk`` exchange whose aggregate this peer did not fetch: which of its entries there
     the owner kept is unknown, so a state that counted them cannot be reconciled exactly (logged)."""
@@ -180,14 +187,29 @@ class Pending:
     error in since)."""
     norms: list[float] = field(default_factory=list)
     """Per shard, the :func:`~pulseloco.loco.robust.part_norm` of the part as it was sent (before a ``topk`` owner
-    dropped any of it), from which an adopted ledger's clip bar gives the scale; none given: taken from
-    ``values_K`` when the contribution is recorded (nothing was dropped)."""
+    dropped any of it), from which an adopted ledger's clip bar gives the scale; none given: taken from the parts
+    when the contribution is recorded."""
 
     def __post_init__(self) -> None:
-        if not self.norms:  # now, before a reconcile narrows values_K to the kept entries
-            self.norms = [
-                part_norm(self.values_K[self.offsets[j] : self.offsets[j + 1]]) for j in range(len(self.offsets) - 1)
-            ]
+        if len(self.bounds) != len(self.parts) or len(self.counted) != len(self.parts):
+            raise ValueError(f"{len(self.parts)} parts need as many shard bounds and counted flags")
+        if not self.kept:
+            self.kept = [None] * len(self.parts)
+        if not self.norms:  # now, before any kept set narrows the parts
+            self.norms = [part_norm(self.part(j)[1]) for j in range(len(self.parts))]
+
+    def part(self, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending entries of ``shard``: sorted global indices and FP32 values (decoded from the frame this
+        peer built and sent; only those its owner kept when :attr:`kept` names them). Raises
+        :class:`~pulseloco.errors.PayloadError` only for a frame this peer did not build."""
+        start, stop = self.bounds[shard]
+        local_K, values_K = decode_sparse(self.parts[shard], CONTRIBUTION_NAME, stop - start)
+        indices_K = local_K + start
+        kept = self.kept[shard]
+        if kept is not None:
+            inside = torch.isin(indices_K, kept)
+            indices_K, values_K = indices_K[inside], values_K[inside]
+        return indices_K, values_K
 
     def assumed(self, shard: int) -> float | None:
         """The scale this peer assumed ``shard`` counted its part at, ``None`` for not counted."""
@@ -265,18 +287,11 @@ class Ledger:
                 shard,
             )
             return 0
-        start, stop = pending.offsets[shard], pending.offsets[shard + 1]
-        inside = torch.isin(pending.indices_K[start:stop], kept)
-        counted_K = clip_split(pending.values_K[start:stop][inside], scale)[0]
-        residual_N.index_add_(
-            0, pending.indices_K[start:stop][inside].to(residual_N.device), -counted_K.to(residual_N.device)
-        )
-        keep = torch.ones(pending.indices_K.numel(), dtype=torch.bool)
-        keep[start:stop] = inside
-        removed = stop - start - int(inside.sum())
-        pending.indices_K, pending.values_K = pending.indices_K[keep], pending.values_K[keep]
-        pending.offsets = [o if j <= shard else o - removed for j, o in enumerate(pending.offsets)]
-        pending.offsets[shard + 1] = pending.offsets[shard] + int(inside.sum())
+        indices_K, values_K = pending.part(shard)
+        inside = torch.isin(indices_K, kept)
+        counted_K = clip_split(values_K[inside], scale)[0]
+        residual_N.index_add_(0, indices_K[inside].to(residual_N.device), -counted_K.to(residual_N.device))
+        pending.kept[shard] = kept  # the entries its owner did not keep were never counted by any lineage
         pending.counted[shard] = True
         pending.scales = pending.scales or [1.0] * len(pending.counted)
         pending.scales[shard] = scale
@@ -329,20 +344,18 @@ class Ledger:
                 if shard in pending.kept_unknown and now is not None:
                     moved += self._count_kept(round_index, pending, shard, entry, now, residual_N)
                     continue
-                start, stop = pending.offsets[shard], pending.offsets[shard + 1]
-                values_K = pending.values_K[start:stop]
+                indices_K, values_K = pending.part(shard)
                 # The residual holds values - counted(was); it must hold values - counted(now). Counted whole or
                 # not at all, the correction is -values or +values; at a clip scale, what clip_split keeps.
                 counted_was = torch.zeros_like(values_K) if was is None else clip_split(values_K, was)[0]
                 counted_now = torch.zeros_like(values_K) if now is None else clip_split(values_K, now)[0]
                 correction_K = counted_was - counted_now
-                indices_K = pending.indices_K[start:stop].to(residual_N.device)
-                residual_N.index_add_(0, indices_K, correction_K.to(residual_N.device))
+                residual_N.index_add_(0, indices_K.to(residual_N.device), correction_K.to(residual_N.device))
                 pending.counted[shard] = now is not None
                 if pending.scales is not None or (now is not None and now != 1.0):
                     pending.scales = pending.scales or [1.0] * len(pending.counted)
                     pending.scales[shard] = 1.0 if now is None else now
-                moved += stop - start
+                moved += int(indices_K.numel())
         self.entries = {r: e for r, e in adopted.items() if r < state_round}
         self.pending = {r: p for r, p in self.pending.items() if r < state_round}
         if moved:

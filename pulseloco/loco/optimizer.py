@@ -143,9 +143,9 @@ class PulseLoCo:
 
     Memory: beside the model, the outer state (12 bytes a parameter, where ``outer_state_device`` says), two
     staging chunks, and during a round temporaries of a few chunks plus the selected entries (indices and
-    values: 12 bytes each, all entries for ``dense``). With a swarm, the served snapshot holds one more copy of
-    ``theta`` and the momentum (8 bytes a parameter, host memory). An outer state that does not fit raises
-    :class:`ConfigError` at construction (out of GPU memory, or of pinned host memory).
+    values: 12 bytes each, all entries for ``dense``). With a swarm, the ledger keeps the parts this peer sent in
+    its last ``ledger_rounds`` rounds, at their size on the wire (about 4 bytes per FP32 entry sent). An outer
+    state that does not fit raises :class:`ConfigError` at construction (out of GPU memory, or of pinned host memory).
 
     With ``torch.distributed`` initialized and several processes (``accelerate launch``), only rank 0 joins
     the swarm (``dht`` is ignored elsewhere); the other ranks receive ``theta`` by broadcast at construction and
@@ -738,21 +738,24 @@ class PulseLoCo:
             self.residual_N.index_add_(0, indices_K[returned], values_K[returned])
         # Entries a topk owner did not keep were returned above for good: no lineage counts them, so the ledger's
         # pending contribution is what remains (the sent entries the owners kept, or may have kept).
-        sent = ~result.dropped_K if result.dropped_K.numel() else torch.ones(indices_cpu.numel(), dtype=torch.bool)
-        pending_indices, pending_values = indices_cpu[sent], values_cpu[sent]
-        on_device = sent.to(indices_K.device)
+        dropped = result.dropped_K if bool(result.dropped_K.any()) else None
         stops = torch.tensor([stop for _, stop in result.bounds], dtype=torch.int64)
-        offsets = [0, *torch.searchsorted(pending_indices, stops).tolist()]
-        scales = result.own_scales
+        offsets = [0, *torch.searchsorted(indices_cpu, stops).tolist()]
+        kept_filters: list[torch.Tensor | None] = []
         self._num_clipped = 0
-        kept_indices = indices_K[on_device]
-        for j, scale in enumerate(scales):
+        for j, scale in enumerate(result.own_scales):
+            lo, hi = offsets[j], offsets[j + 1]
+            sent = None if dropped is None or not bool(dropped[lo:hi].any()) else ~dropped[lo:hi]
+            kept_filters.append(None if sent is None else result.kept[j])
             if scale is not None and scale < 1.0:
                 # Counted at a clip scale: the part the owner clipped off goes back, exactly (0 + clipped in the
                 # float32 mode; in the BF16 mode the remainder r plus the clipped part rounds once).
-                _, clipped_K = clip_split(pending_values[offsets[j] : offsets[j + 1]], scale)
-                self.residual_N.index_add_(0, kept_indices[offsets[j] : offsets[j + 1]], clipped_K.to(indices_K.device))
-                self._num_clipped += offsets[j + 1] - offsets[j]
+                part_indices, part_values = indices_K[lo:hi], values_cpu[lo:hi]
+                if sent is not None:
+                    part_indices, part_values = part_indices[sent.to(indices_K.device)], part_values[sent]
+                _, clipped_K = clip_split(part_values, scale)
+                self.residual_N.index_add_(0, part_indices, clipped_K.to(indices_K.device))
+                self._num_clipped += int(part_indices.numel())
         absorbed = None
         if result.absorbed_shard is not None and result.absorbed_K.numel():
             # This owner's rounding of its topk aggregate: what the group sent there and theta did not get. Kept
@@ -769,11 +772,11 @@ class PulseLoCo:
             LedgerEntry(group.group_id, result.accepted, result.bars, result.kept),
             Pending(
                 group.group_id,
-                pending_indices.clone(),
-                pending_values.clone(),
-                offsets,
-                [scale is not None for scale in scales],
-                [1.0 if scale is None else scale for scale in scales],
+                list(result.parts),
+                list(result.bounds),
+                [scale is not None for scale in result.own_scales],
+                [1.0 if scale is None else scale for scale in result.own_scales],
+                kept=kept_filters,
                 kept_unknown=set(result.kept_unknown),
                 absorbed=absorbed,
                 absorbed_counted=result.absorbed_counted,

@@ -316,6 +316,10 @@ def select_in_place(
     if isinstance(selector, ChunkedSelector):
         indices_K, values_K = selector.select_into(theta_N, signal_N, chunk_numel=chunk_numel)
         return indices_K, values_K, selector.values
+    if isinstance(selector, DenseSelector):  # every entry: no blocks to select in and concatenate
+        values_K = signal_N.clone()
+        signal_N.zero_()
+        return torch.arange(signal_N.numel(), dtype=torch.int64, device=signal_N.device), values_K, "float32"
     block = chunk_numel
     numel = signal_N.numel()
     indices: list[torch.Tensor] = []

@@ -38,7 +38,7 @@ from pulseloco.loco.matchmaking import Group
 from pulseloco.loco.reduce import ReduceSpec, combine_parts, reduce_parts
 from pulseloco.loco.robust import RepeatOutliers, clip_bar, clip_scales, parse_bar, part_norm
 from pulseloco.loco.traffic import FrameLayout, TrafficCounter
-from pulseloco.loco.validation import decode_sparse, encode_sparse, screen_outliers
+from pulseloco.loco.validation import AGGREGATE_NAME, CONTRIBUTION_NAME, decode_sparse, encode_sparse, screen_outliers
 from pulseloco.p2p import asker_closes, header_message, parse_header, read_stream, stream_messages
 
 logger = logging.getLogger(__name__)
@@ -53,11 +53,6 @@ __all__ = [
     "peak",
     "served_bar",
 ]
-
-CONTRIBUTION_NAME = "pseudo_gradient"
-"""The tensor name of a member's part (a contribution frame)."""
-AGGREGATE_NAME = "pseudo_gradient_sum"
-"""The tensor name of a shard's sum (the frame an owner serves)."""
 
 
 def compact_header(header: dict[str, Any], members: list[str]) -> dict[str, Any]:

@@ -22,7 +22,22 @@ from pulseloco.errors import NonFiniteValuesError, TensorMismatchError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WIRE_FORMATS", "decode_sparse", "encode_sparse", "lut_groups", "screen_outliers", "theta_digest"]
+__all__ = [
+    "AGGREGATE_NAME",
+    "CONTRIBUTION_NAME",
+    "WIRE_FORMATS",
+    "decode_sparse",
+    "encode_parts",
+    "encode_sparse",
+    "lut_groups",
+    "screen_outliers",
+    "theta_digest",
+]
+
+CONTRIBUTION_NAME = "pseudo_gradient"
+"""The tensor name of a member's part (a contribution frame)."""
+AGGREGATE_NAME = "pseudo_gradient_sum"
+"""The tensor name of a shard's sum (the frame an owner serves)."""
 
 
 def theta_digest(theta_N: torch.Tensor) -> str:
@@ -84,6 +99,35 @@ def encode_sparse(
         groups=groups,
     )
     return encode_payload([entry], value_mode=mode, version=int(round_index), base_version=None)
+
+
+def encode_parts(
+    indices_K: torch.Tensor,
+    values_K: torch.Tensor,
+    bounds: list[tuple[int, int]] | tuple[tuple[int, int], ...],
+    *,
+    round_index: int,
+    value_dtype: str = "float32",
+    group_starts: torch.Tensor | None = None,
+) -> list[bytes]:
+    """A selection (sorted global ``indices_K``, FP32 ``values_K``) cut at the shards ``bounds`` (contiguous
+    ``[start, stop)`` ranges in order) into one contribution frame per shard (:data:`CONTRIBUTION_NAME`, local
+    indices; :func:`encode_sparse`, the quantization groups ``group_starts`` global): the parts a member pushes.
+    Raises as :func:`encode_sparse` does."""
+    stops = torch.tensor([stop for _, stop in bounds], dtype=torch.int64)
+    offsets = [0, *torch.searchsorted(indices_K, stops).tolist()]
+    return [
+        encode_sparse(
+            CONTRIBUTION_NAME,
+            stop - start,
+            indices_K[offsets[j] : offsets[j + 1]] - start,
+            values_K[offsets[j] : offsets[j + 1]],
+            round_index=round_index,
+            value_dtype=value_dtype,
+            group_starts=None if group_starts is None else group_starts - start,
+        )
+        for j, (start, stop) in enumerate(bounds)
+    ]
 
 
 def decode_sparse(payload: bytes, name: str, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
