@@ -15,7 +15,9 @@ the round selects a realistic fraction.
 
 Rows and targets (bytes per parameter ``N``; ``K`` = entries the round sent; ``C`` = ``--chunk-mib``):
 
-- PulseLoCo held: theta, residual, outer momentum (12 B) plus its two staging chunks (``2 C``).
+- PulseLoCo held: theta, residual, outer momentum (12 B) plus its two staging chunks (``2 C``); with a swarm also
+  the ledger's copy of the parts sent in the rounds it keeps (at most 5 B per FP32 entry sent: the value and its
+  share of the index code).
 - PulseLoCo round temporaries (the second round: the first also allocates the momentum): bounded by a shard:
   ``8 C + 96 K`` (a few chunks, plus the selected entries and their encodings), not by the model.
 - PulseLoCo with a swarm (a real hivemind DHT on 127.0.0.1, a group of one): the same targets; the snapshot it
@@ -51,12 +53,16 @@ RUN_ID = "bench-memory"
 
 
 def _perturb(model: Any, stride: int, step: int) -> None:
-    """A stand-in for inner steps, in place and without allocating: every ``stride``-th entry moves by 1e-2."""
+    """A stand-in for inner steps, in place: every ``stride``-th entry moves by a normal draw of scale 1e-2 (seeded
+    by ``step``; distinct values, so that the encoded parts do not compress better than a real pseudo-gradient's).
+    Its temporaries are freed before a measurement starts."""
     import torch
 
+    generator = torch.Generator().manual_seed(step)
     with torch.no_grad():
         for p in model.parameters():
-            p.view(-1)[step % stride :: stride].add_(1e-2)
+            moved = p.view(-1)[step % stride :: stride]
+            moved.add_(torch.randn(moved.numel(), generator=generator) * 1e-2)
 
 
 def _build(config: str, threads: int) -> tuple[Any, int]:
@@ -236,7 +242,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Round 1 allocates the outer momentum (held from then on): round 2 is the steady state.
         last = loco["rounds"][-1]
         k = last["num_sent"]
-        rows.append(_row(f"{label} held after 2 rounds", last["held"], 12 * n + 2 * chunk, n, "12 B/param + 2 chunks"))
+        ledger = 5 * sum(r["num_sent"] for r in loco["rounds"]) if swarm else 0
+        held_formula = "12 B/param + 2 chunks" + (" + 5 B per entry sent" if swarm else "")
+        rows.append(_row(f"{label} held after 2 rounds", last["held"], 12 * n + 2 * chunk + ledger, n, held_formula))
         rows.append(
             _row(
                 f"{label} round 2 temporaries (K={k})",

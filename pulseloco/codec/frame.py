@@ -194,10 +194,10 @@ def _compress(raw: bytes, level: int) -> tuple[bytes, str]:
 
 
 def _decompress(
-    stored: bytes, codec: str, raw_size: int, dict_data: zstandard.ZstdCompressionDict | None = None
-) -> bytes:
+    stored: bytes | memoryview, codec: str, raw_size: int, dict_data: zstandard.ZstdCompressionDict | None = None
+) -> bytes | memoryview:
     """Inverse of :func:`_compress` (``dict_data``: the dictionary it was compressed against), bounded: output
-    larger than the declared ``raw_size`` is refused."""
+    larger than the declared ``raw_size`` is refused. A raw section comes back as given (a view stays a view)."""
     if codec == "raw":
         if len(stored) != raw_size:
             raise PayloadSizeError(f"raw section is {len(stored)} bytes, header says {raw_size}")
@@ -273,15 +273,19 @@ def encode_payload(
 
     encoded = parallel_map(encode_entry, entries, cost=lambda entry: entry.indices.numel(), inline_below=_POOLED_COUNT)
     tensors = [info for info, _, _ in encoded]
-    index_parts = [data for _, data, _ in encoded]
-    planes: dict[int, list[bytes]] = {}
-    for _, _, entry_planes in encoded:
-        for j, plane in enumerate(entry_planes):
-            planes.setdefault(j, []).append(plane)
-    index_raw = b"".join(index_parts)
-    value_raw = b"".join(b"".join(planes[j]) for j in sorted(planes))
+    index_raw = b"".join(data for _, data, _ in encoded)
+    num_planes = max((len(entry_planes) for _, _, entry_planes in encoded), default=0)
+    # Plane j of every tensor, then plane j + 1: joined once, and each input dropped as soon as it is consumed
+    # (a frame's transient memory is a few copies of its values, not one per step).
+    value_raw = b"".join(
+        entry_planes[j] for j in range(num_planes) for _, _, entry_planes in encoded if j < len(entry_planes)
+    )
+    del encoded
+    index_size, value_size = len(index_raw), len(value_raw)
     index_stored, index_codec = _compress(index_raw, level)
+    del index_raw
     value_stored, value_codec = _compress(value_raw, level)
+    del value_raw
     optional = {
         "base_version": None if base_version is None else int(base_version),
         "base_digest": base_digest,
@@ -293,18 +297,20 @@ def encode_payload(
         **{key: value for key, value in optional.items() if value not in (None, "", {})},
         "values": value_mode,
         "tensors": tensors,
-        "index_section": {"codec": index_codec, "raw": len(index_raw), "size": len(index_stored)},
-        "value_section": {"codec": value_codec, "raw": len(value_raw), "size": len(value_stored)},
+        "index_section": {"codec": index_codec, "raw": index_size, "size": len(index_stored)},
+        "value_section": {"codec": value_codec, "raw": value_size, "size": len(value_stored)},
     }
     header_json = json.dumps(header, separators=(",", ":")).encode()
     stored_header, flags = header_json, 0
     packed = _header_compressor().compress(header_json)
     if len(packed) < len(header_json):
         stored_header, flags = packed, FLAG_HEADER_ZSTD
-    body = b"".join(
-        [_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(stored_header)), stored_header, index_stored, value_stored]
-    )
-    return body + xxhash.xxh3_64_digest(body)
+    pieces = [_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, len(stored_header)), stored_header, index_stored, value_stored]
+    checksum = xxhash.xxh3_64()  # over the body as it is joined below, without a second copy of it
+    for piece in pieces:
+        checksum.update(piece)
+    pieces.append(checksum.digest())
+    return b"".join(pieces)
 
 
 def _header_compressor() -> zstandard.ZstdCompressor:
@@ -334,7 +340,7 @@ def header_text(stored: bytes, flags: int) -> bytes:
     if declared > MAX_HEADER_BYTES:
         raise PayloadSizeError(f"compressed header declares {declared} bytes; at most {MAX_HEADER_BYTES} are read")
     try:
-        return _decompress(stored, "zstd", declared, _HEADER_DICT)
+        return bytes(_decompress(stored, "zstd", declared, _HEADER_DICT))
     except PayloadError as exc:
         raise type(exc)(f"corrupt compressed header: {exc}") from None
 
@@ -524,16 +530,12 @@ def decode_payload(
         raise PayloadSizeError(f"header describes a {header.total_bytes}-byte payload, got {len(payload)} bytes")
     view = memoryview(payload)
     start = header.header_bytes
-    index_raw = _decompress(
-        bytes(view[start : start + header.index_bytes]),
-        header.index_section["codec"],
-        header.index_section["raw"],
-    )
+    index = header.index_section
+    index_raw = bytes(_decompress(view[start : start + header.index_bytes], index["codec"], index["raw"]))
     start += header.index_bytes
+    # The value section is read where it lies (a raw one is not copied; a compressed one is decompressed from it).
     value_raw = _decompress(
-        bytes(view[start : start + header.value_bytes]),
-        header.value_section["codec"],
-        header.value_section["raw"],
+        view[start : start + header.value_bytes], header.value_section["codec"], header.value_section["raw"]
     )
     mode = header.value_mode
     if mode == "lut":
@@ -580,7 +582,7 @@ def decode_payload(
     return DecodedPayload(header=header, entries=tuple(entries))
 
 
-def _decode_lut_entries(header: FrameHeader, index_raw: bytes, value_raw: bytes) -> DecodedPayload:
+def _decode_lut_entries(header: FrameHeader, index_raw: bytes, value_raw: bytes | memoryview) -> DecodedPayload:
     """The tensors of a ``lut`` frame: each tensor's value bytes follow the previous tensor's."""
     entries = []
     index_offset = value_offset = 0

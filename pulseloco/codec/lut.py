@@ -48,7 +48,7 @@ def _pack(codes: np.ndarray, bits: int) -> bytes:
     return (lanes << shifts).sum(axis=1).astype(np.uint8).tobytes()
 
 
-def _unpack(raw: bytes, count: int, bits: int) -> np.ndarray:
+def _unpack(raw: bytes | memoryview, count: int, bits: int) -> np.ndarray:
     """Inverse of :func:`_pack`; padding bits must be zero (:class:`PayloadError` otherwise)."""
     per_byte = 8 // bits
     packed = np.frombuffer(raw, dtype=np.uint8)
@@ -88,7 +88,7 @@ def encode_lut(values_K: torch.Tensor, groups: Sequence[int]) -> tuple[bytes, in
     return rows.tobytes() + packed, bits
 
 
-def decode_lut(raw: bytes, count: int, groups: Sequence[int], bits: int) -> torch.Tensor:
+def decode_lut(raw: bytes | memoryview, count: int, groups: Sequence[int], bits: int) -> torch.Tensor:
     """FP32 values of a tensor's ``lut`` value bytes (:func:`encode_lut`). Raises :class:`PayloadSizeError` when
     ``raw`` is not :func:`lut_value_bytes` long, :class:`PayloadError` for groups that do not add up to
     ``count``, an unknown width or non-zero padding, and :class:`NonFiniteValuesError` for a table entry that
