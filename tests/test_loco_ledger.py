@@ -101,3 +101,21 @@ def test_ledger_round_trips_through_json_and_rejects_malformed_input() -> None:
     for bad in ([], {"x": {}}, {"1": []}, {"1": {"group": 5}}, {"1": {"group": "g", "accepted": [[1]]}}):
         with pytest.raises(PayloadError):
             Ledger.parse(bad)
+
+
+def test_a_contribution_is_kept_at_its_size_on_the_wire_and_decodes_exactly() -> None:
+    """A dense FP32 contribution of 100,000 entries in two shards: the ledger keeps the parts as they were pushed
+    (about 4 bytes an entry, not 12 of index and value tensors), and each shard decodes to exactly what was sent;
+    a topk owner's kept set narrows the pending entries to those it kept."""
+    generator = torch.Generator().manual_seed(0)
+    indices_K = torch.arange(100_000)
+    values_K = torch.randn(100_000, generator=generator) * 1e-3
+    bounds = [(0, 60_000), (60_000, 100_000)]
+    part = pending("g", indices_K, values_K, bounds, [True, True])
+    assert sum(len(frame) for frame in part.parts) < 4.1 * 100_000
+    for shard, (start, stop) in enumerate(bounds):
+        got_indices, got_values = part.part(shard)
+        assert torch.equal(got_indices, indices_K[start:stop]) and torch.equal(got_values, values_K[start:stop])
+    part.kept[1] = torch.tensor([60_001, 99_999])
+    got_indices, got_values = part.part(1)
+    assert got_indices.tolist() == [60_001, 99_999] and torch.equal(got_values, values_K[[60_001, 99_999]])
