@@ -53,6 +53,10 @@ def test_links_give_the_round_trip_asked_for():
     assert 2 * (links[0].delay_ms + slow.delay_ms) == 300.0  # the slow worker's RTT to the trainer
     assert (slow.up, slow.down, slow.loss) == ("10mbit", "10mbit", 0.02)
     assert br.case_links(br.make_case("netns-patch", 3), args)[3] == links[0]
+    open_links = br.case_links(br.make_case("netns-open", 3), args)  # the emulators' own cost: no limits at all
+    assert len(open_links) == 4 and {(x.up, x.down, x.delay_ms, x.jitter_ms, x.loss) for x in open_links} == {
+        ("0", "0", 0.0, 0.0, 0.0)
+    }
     assert "100 ms RTT +-5 ms jitter" in br.link_label(args)
 
 

@@ -25,6 +25,9 @@ Cases (``--cases``, comma-separated):
   * ``netns-slow``: netns-patch with the last worker on its own link, ``--slow-link`` (``RATE/RTT_MS/LOSS``, by
     default 10 Mbit/s, 200 ms and 1% of packets lost each way): one volunteer on a poor home link.
   * ``nolimit-patch``: the netns-patch run on loopback without any link limit (the "ideal datacenter" reference).
+  * ``netns-open``: the netns-patch run through the same namespaces and emulators with no rate, delay, jitter or
+    loss: what the userspace emulation itself costs (its processes share the machine's cores with the peers; every
+    netns case reports its emulators' CPU seconds).
 
 Every swarm case: a bootstrap DHT node (``python -m pulseloco dht``) first, then the workers (waited for until
 each prints that it serves leases), then the trainer, a lone PULSELoCo peer with one outer round at the end
@@ -81,11 +84,11 @@ from harness.report import default_out, read_records
 from rollouts_report import BATCH, summarize_run, write_outputs
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "wan"))  # the WAN harness's emulated links
-from wan_net import Link, WanNet
+from wan_net import Link, WanNet, process_cpu
 
 CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 TINY_CASES = ("local", "swarm1", "swarm2", "swarm4")
-NET_CASES = ("nolimit-patch", "netns-patch", "netns-full", "netns-slow")
+NET_CASES = ("nolimit-patch", "netns-open", "netns-patch", "netns-full", "netns-slow")
 ALL_CASES = TINY_CASES + NET_CASES
 READY_MARK = "rollout: serving leases"
 
@@ -107,6 +110,7 @@ class Case:
     full: bool = False
     seed: int = 0
     slow: bool = False  # the last worker on --slow-link
+    open_links: bool = False  # emulated links without rate, delay, jitter or loss
 
     @property
     def run_name(self) -> str:
@@ -116,7 +120,9 @@ class Case:
     def label(self) -> str:
         if self.workers == 0:
             return "local"
-        link = ("netns, the last on a slow link" if self.slow else "netns") if self.netns else "loopback"
+        link = "loopback"
+        if self.netns:
+            link = "netns, the last on a slow link" if self.slow else "netns, no limits" if self.open_links else "netns"
         return f"{self.workers} worker(s), {'full' if self.full else 'patch'}, {link}"
 
 
@@ -129,6 +135,8 @@ def make_case(name: str, net_workers: int) -> Case:
         return Case(name, net_workers, "net")
     if name == "netns-patch":
         return Case(name, net_workers, "net", netns=True)
+    if name == "netns-open":
+        return Case(name, net_workers, "net", netns=True, open_links=True)
     if name == "netns-full":
         return Case(name, net_workers, "net", netns=True, full=True)
     if name == "netns-slow":
@@ -243,6 +251,8 @@ def case_links(case: Case, args: argparse.Namespace) -> list[Link]:
     """The emulated links of a netns case: the trainer's (and the bootstrap's, namespace 0), then each worker's.
     Every link has ``--rate`` both ways and a one-way delay of ``rtt/4``, so the trainer and a worker are ``--rtt-ms``
     apart; netns-slow's last worker has ``--slow-link``'s rate and loss and the delay that makes its RTT."""
+    if case.open_links:
+        return [Link(up="0", down="0", delay_ms=0.0, jitter_ms=0.0)] * (case.workers + 1)
     delay = args.rtt_ms / 4
     jitter = min(args.jitter_ms, delay)
     base = Link(up=args.rate, down=args.rate, delay_ms=delay, jitter_ms=jitter)
@@ -342,7 +352,11 @@ def run_case(
     Raises RuntimeError when a netns case's network cannot be built."""
     net = open_wan(case, args) if case.netns else None
     try:
-        return _run_case(case, args, model, workdir, keys, net)
+        result = _run_case(case, args, model, workdir, keys, net)
+        if net is not None:  # what the emulation took from the cores the peers share (they are still running)
+            emulators = process_cpu([proc.pid for proc in net.emulators]).get("emulator", {})
+            result["emulator_cpu_seconds"] = round(emulators.get("seconds", 0.0), 1)
+        return result
     finally:
         if net is not None:
             net.teardown()

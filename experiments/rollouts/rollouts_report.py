@@ -144,7 +144,7 @@ def _rate_limited_table(results: list[dict[str, Any]], by: dict[str, dict[str, A
              "published/version (median)", "received/version (median)", "to serve median s", "reward after"],
             rows))  # fmt: skip
         p, f, n = by.get("netns-patch"), by.get("netns-full"), by.get("nolimit-patch")
-        slow = by.get("netns-slow")
+        slow, open_links = by.get("netns-slow"), by.get("netns-open")
         out.append("")
         out.append(
             "- throughput patches / full copies (same link): "
@@ -154,6 +154,12 @@ def _rate_limited_table(results: list[dict[str, Any]], by: dict[str, dict[str, A
             "- throughput patches over the link / same workers without a link limit: "
             f"{cell(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
         )
+        if open_links:
+            out.append(
+                "- throughput patches over the link / through the same emulators without limits (netns-open): "
+                f"{cell(ratio(p and p['samples_per_s'], open_links['samples_per_s']), 3)}; netns-open / without a "
+                f"link limit: {cell(ratio(open_links['samples_per_s'], n and n['samples_per_s']), 3)}"
+            )
         if slow:
             out.append(
                 "- throughput with one worker on the slow link / without a link limit: "
@@ -173,17 +179,18 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         rows.append([
             r["name"], train, round(wait - check, 2), check, round(train - wait, 2), r.get("seconds_publish_median"),
             r.get("version_found_median"), r.get("version_fetch_median"), r.get("version_load_median"),
-            r["seconds_to_serve_median"],
+            r["seconds_to_serve_median"], r.get("emulator_cpu_seconds"),
         ])  # fmt: skip
     columns = [
         "case", "train s", "waiting for workers s", "checking s", "steps and publishing s", "publish median s",
-        "found median s", "fetch median s", "load median s", "to serve median s",
+        "found median s", "fetch median s", "load median s", "to serve median s", "emulators' CPU s",
     ]  # fmt: skip
     return [
         "\n### (d) Where the time went\n",
         "(trainer: its train seconds split into waiting for the workers' completions, checking them, and the rest: its "
         "own steps and publishing; a version's way to a worker, medians over the versions after the first: publishing "
-        "to the fetch's start, the fetch and apply, the engine's load, and publishing to serving)\n",
+        "to the fetch's start, the fetch and apply, the engine's load, and publishing to serving; the link "
+        "emulators' CPU seconds over the whole case, all of them together: what the emulation took from the cores)\n",
         md_table(columns, rows),
     ]
 

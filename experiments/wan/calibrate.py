@@ -50,7 +50,7 @@ from harness.machine import git_revision, machine_note
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils.timed_storage import get_dht_time
-from swarm import process_cpu
+from wan_net import process_cpu
 from wan_peer import make_model
 
 from pulseloco.p2p import P2PHost, read_stream

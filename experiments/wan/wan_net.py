@@ -25,6 +25,7 @@ addresses and teardown are :class:`harness.netns.NetNS`'s (scripts/harness: a pr
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -201,3 +202,55 @@ class WanNet(NetNS):
             with contextlib.suppress(Exception):
                 proc.kill()
         super().teardown()
+
+
+def process_cpu(roots: list[int]) -> dict[str, dict[str, float]]:
+    """CPU seconds (user + system) so far of the living processes ``roots`` and their descendants, by kind:
+    ``trainer`` and ``bootstrap`` (wan_peer.py), ``p2pd`` (their hivemind daemons), ``emulator`` (linkem.py) and
+    ``other``; each kind's ``seconds`` and ``processes``. Reads /proc; a process that exits while it is read is
+    skipped."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for pid, parent in parents.items():
+        children[parent].append(pid)
+    found: dict[str, dict[str, float]] = {}
+    stack = [pid for pid in roots if pid in times]
+    while stack:
+        pid = stack.pop()
+        stack.extend(children[pid])
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "linkem.py" in cmdline:
+            kind = "emulator"
+        elif "wan_peer.py train" in cmdline:
+            kind = "trainer"
+        elif "wan_peer.py bootstrap" in cmdline:
+            kind = "bootstrap"
+        elif "p2pd" in cmdline.split(" ")[0]:
+            kind = "p2pd"
+        else:
+            kind = "other"
+        slot = found.setdefault(kind, {"seconds": 0.0, "processes": 0})
+        slot["seconds"] += times.get(pid, 0.0)
+        slot["processes"] += 1
+    return found
+
+
+def machine_busy_seconds() -> tuple[float, int]:
+    """The machine's busy CPU seconds so far (every core, /proc/stat: all but idle and iowait) and its cores."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK"), os.cpu_count() or 1
