@@ -15,9 +15,10 @@ the round selects a realistic fraction.
 
 Rows and targets (bytes per parameter ``N``; ``K`` = entries the round sent; ``C`` = ``--chunk-mib``):
 
-- PulseLoCo held: theta, residual, outer momentum (12 B) plus its two staging chunks (``2 C``); with a swarm also
-  the ledger's copy of the parts sent in the rounds it keeps (at most 5 B per FP32 entry sent: the value and its
-  share of the index code).
+- PulseLoCo held: theta, residual, outer momentum (12 B) plus its two staging chunks (``2 C``); with a swarm also,
+  per entry sent in the rounds so far (both are kept for longer than 2 rounds), the ledger's copy of the parts as
+  they were sent (at most 5 B: the FP32 value and its share of the index code) and the owner's sum of its shard,
+  kept for late fetchers (4 B; in a group of one the shard is the whole model): 9 B.
 - PulseLoCo round temporaries (the second round: the first also allocates the momentum): bounded by a shard:
   ``8 C + 96 K`` (a few chunks, plus the selected entries and their encodings), not by the model.
 - PulseLoCo with a swarm (a real hivemind DHT on 127.0.0.1, a group of one): the same targets; the snapshot it
@@ -242,9 +243,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Round 1 allocates the outer momentum (held from then on): round 2 is the steady state.
         last = loco["rounds"][-1]
         k = last["num_sent"]
-        ledger = 5 * sum(r["num_sent"] for r in loco["rounds"]) if swarm else 0
-        held_formula = "12 B/param + 2 chunks" + (" + 5 B per entry sent" if swarm else "")
-        rows.append(_row(f"{label} held after 2 rounds", last["held"], 12 * n + 2 * chunk + ledger, n, held_formula))
+        kept = 9 * sum(r["num_sent"] for r in loco["rounds"]) if swarm else 0
+        held_formula = "12 B/param + 2 chunks" + (" + 9 B per entry sent" if swarm else "")
+        rows.append(_row(f"{label} held after 2 rounds", last["held"], 12 * n + 2 * chunk + kept, n, held_formula))
         rows.append(
             _row(
                 f"{label} round 2 temporaries (K={k})",

@@ -127,6 +127,8 @@ class OwnedShard:
     expected: frozenset[str] | None = None
     numel: int | None = None
     contributions: dict[str, bytes] = field(default_factory=dict)
+    """The parts received, by sender; once a shard is summed or reduced, only the senders (their parts dropped: the
+    owner keeps the aggregate it serves, not the model's worth of parts behind it)."""
     closed: bool = False
     all_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -580,6 +582,9 @@ class ShardOwner(TrafficCounter):
         )
         shard.layout = await loop.run_in_executor(None, FrameLayout.of, summed.payload)
         shard.header, shard.payload, shard.num_rejected = summed.header, summed.payload, summed.num_rejected
+        if not summed.parts:  # summed or reduced: only who sent a part matters from now on, not its bytes
+            shard.contributions = dict.fromkeys(contributions, b"")
+        del contributions
         shard.parts = summed.parts
         shard.largest_norm_ratio = summed.largest_norm_ratio
         shard.absorbed = summed.absorbed
