@@ -480,10 +480,11 @@ def metric_labels(recipe: str, sources: list[str]) -> dict[str, str]:
 
 def make_meta(
     args: argparse.Namespace, command: str, extra: list[str], plan_lists: dict[str, Any], netns: NetNS | None,
-    network: str, results: list[dict[str, Any]], started_at: float,
+    network: str, results: list[dict[str, Any]], started_at: float, commit: str,
 ) -> dict[str, Any]:  # fmt: skip
-    """The ``meta`` of compare.json: the command, the settings, the network, the labels, the date, commit and
-    machine (``plan_lists``: the ``strategies``, ``lrs`` and ``seeds``)."""
+    """The ``meta`` of compare.json: the command, the settings, the network, the labels, the date, the commit the
+    runs started from (``commit``: commits made while they run do not change their code) and the machine
+    (``plan_lists``: the ``strategies``, ``lrs`` and ``seeds``)."""
     sources = sorted({r["final_source"] for r in results if r["final_source"] in ("eval", "train")})
     labels = metric_labels(args.recipe, sources)
     ddp_launch = (
@@ -520,7 +521,7 @@ def make_meta(
         "targets": TARGETS,
         "seconds": round(time.monotonic() - started_at, 1),
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "commit": git_revision(),
+        "commit": commit,
         "machine": machine_note(),
     }
 
@@ -616,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(runs_dir, netns=netns, env=recipe_env())
     previous = signal.getsignal(signal.SIGTERM)
     exit_on_signals(signal.SIGTERM)
-    started_at = time.monotonic()
+    started_at, commit = time.monotonic(), git_revision()
     try:
         runs = run_plans(runner, args, plans, extra)
     except (KeyboardInterrupt, SystemExit) as exc:
@@ -637,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = [summarize(run, args.recipe, args.workers) for run in runs]
     plan_lists = {"strategies": strategies, "lrs": lrs, "seeds": seeds}
-    meta = make_meta(args, command, extra, plan_lists, netns, network, results, started_at)
+    meta = make_meta(args, command, extra, plan_lists, netns, network, results, started_at, commit)
     write_outputs(args.out, json_path, results, meta)
     log(f"done in {meta['seconds'] / 60:.1f} min: {args.out / 'compare.md'}, {json_path}, plots in {args.out}")
     remove_temp_runs()
