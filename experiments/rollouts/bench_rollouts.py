@@ -26,8 +26,9 @@ Cases (``--cases``, comma-separated):
     default 10 Mbit/s, 200 ms and 1% of packets lost each way): one volunteer on a poor home link.
   * ``nolimit-patch``: the netns-patch run on loopback without any link limit (the "ideal datacenter" reference).
   * ``netns-open``: the netns-patch run through the same namespaces and emulators with no rate, delay, jitter or
-    loss: what the userspace emulation itself costs (its processes share the machine's cores with the peers; every
-    netns case reports its emulators' CPU seconds).
+    loss (netns-patch under ``--rate 0 --rtt-ms 0``, but in the same run as the limited cases): what the userspace
+    emulation itself costs (its processes share the machine's cores with the peers; every netns case reports its
+    emulators' CPU seconds).
 
 Every swarm case: a bootstrap DHT node (``python -m pulseloco dht``) first, then the workers (waited for until
 each prints that it serves leases), then the trainer, a lone PULSELoCo peer with one outer round at the end
