@@ -7,7 +7,8 @@ import torch
 from loco_helpers import pending
 
 from pulseloco.errors import PayloadError
-from pulseloco.loco.ledger import Ledger, LedgerEntry
+from pulseloco.loco.ledger import Ledger, LedgerEntry, Pending
+from pulseloco.loco.validation import encode_parts
 
 
 def _ledger_with_round(counted: list[bool]) -> tuple[Ledger, torch.Tensor]:
@@ -119,3 +120,14 @@ def test_a_contribution_is_kept_at_its_size_on_the_wire_and_decodes_exactly() ->
     part.kept[1] = torch.tensor([60_001, 99_999])
     got_indices, got_values = part.part(1)
     assert got_indices.tolist() == [60_001, 99_999] and torch.equal(got_values, values_K[[60_001, 99_999]])
+
+
+def test_an_own_part_that_does_not_decode_is_left_in_the_residual(caplog: pytest.LogCaptureFixture) -> None:
+    """A part this peer sent with a non-finite value (every owner refuses it with the same check, so no state counted
+    it): a reconcile that would move it says so and leaves the residual alone instead of failing the round."""
+    ledger = Ledger("me")
+    bad = encode_parts(torch.tensor([1, 3]), torch.tensor([float("nan"), 1.0]), [(0, 5)], round_index=4)
+    ledger.record(4, LedgerEntry("g", (("b",),)), Pending("g", bad, [(0, 5)], [False], norms=[1.0]))
+    residual_N = torch.zeros(5)
+    assert ledger.reconcile({4: LedgerEntry("g", (("b", "me"),))}, 5, residual_N) == 0
+    assert torch.equal(residual_N, torch.zeros(5)) and "does not decode" in caplog.text

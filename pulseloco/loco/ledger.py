@@ -201,7 +201,8 @@ class Pending:
     def part(self, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The pending entries of ``shard``: sorted global indices and FP32 values (decoded from the frame this
         peer built and sent; only those its owner kept when :attr:`kept` names them). Raises
-        :class:`~pulseloco.errors.PayloadError` only for a frame this peer did not build."""
+        :class:`~pulseloco.errors.PayloadError` for a frame that does not decode (non-finite values, bad indices:
+        a part every owner refused too)."""
         start, stop = self.bounds[shard]
         local_K, values_K = decode_sparse(self.parts[shard], CONTRIBUTION_NAME, stop - start)
         indices_K = local_K + start
@@ -271,6 +272,23 @@ class Ledger:
         return int(indices_K.numel())
 
     @staticmethod
+    def _decoded(round_index: int, pending: Pending, shard: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``pending.part(shard)``, or None (logged) when this peer's own frame does not decode: a part with
+        non-finite values or bad indices, which every owner refuses with the same check, so no lineage counted it and
+        the residual already holds it (nothing to correct)."""
+        try:
+            return pending.part(shard)
+        except PayloadError as exc:
+            logger.warning(
+                "round=%d shard=%d: this peer's own part does not decode (%s); every owner refused it, so no state "
+                "counted it and the residual is left as it is",
+                round_index,
+                shard,
+                exc,
+            )
+            return None
+
+    @staticmethod
     def _count_kept(
         round_index: int, pending: Pending, shard: int, entry: LedgerEntry, scale: float, residual_N: torch.Tensor
     ) -> int:
@@ -287,7 +305,10 @@ class Ledger:
                 shard,
             )
             return 0
-        indices_K, values_K = pending.part(shard)
+        decoded = Ledger._decoded(round_index, pending, shard)
+        if decoded is None:
+            return 0
+        indices_K, values_K = decoded
         inside = torch.isin(indices_K, kept)
         counted_K = clip_split(values_K[inside], scale)[0]
         residual_N.index_add_(0, indices_K[inside].to(residual_N.device), -counted_K.to(residual_N.device))
@@ -344,7 +365,10 @@ class Ledger:
                 if shard in pending.kept_unknown and now is not None:
                     moved += self._count_kept(round_index, pending, shard, entry, now, residual_N)
                     continue
-                indices_K, values_K = pending.part(shard)
+                decoded = self._decoded(round_index, pending, shard)
+                if decoded is None:
+                    continue
+                indices_K, values_K = decoded
                 # The residual holds values - counted(was); it must hold values - counted(now). Counted whole or
                 # not at all, the correction is -values or +values; at a clip scale, what clip_split keeps.
                 counted_was = torch.zeros_like(values_K) if was is None else clip_split(values_K, was)[0]
