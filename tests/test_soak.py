@@ -9,9 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _log_tails(out: Path, chars: int = 1500) -> str:
+    """The end of every process's log of the run: what a failure under load needs to be explained."""
+    tails = [
+        f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}" for path in sorted((out / "logs").glob("*.log"))
+    ]
+    return "\n".join(tails)
+
+
+# The soak's own deadline (--timeout 240 for the rounds, then at most about 4 minutes to stop every process and check)
+# comes first, so that a slow run still writes its summary and logs; the subprocess's and pytest's come after it.
+@pytest.mark.timeout(600)
 def test_short_churn_soak_counts_every_contribution_once(tmp_path: Path) -> None:
     out, summary_path = tmp_path / "soak", tmp_path / "summary.json"
     cmd = [
@@ -25,10 +38,10 @@ def test_short_churn_soak_counts_every_contribution_once(tmp_path: Path) -> None
         "2",
     ]
     cmd += ["--out", str(out), "--json", str(summary_path), "--timeout", "240"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=330, check=False)
-    assert summary_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, check=False)
+    assert summary_path.exists(), proc.stdout[-3000:] + proc.stderr[-3000:] + _log_tails(out)
     summary = json.loads(summary_path.read_text())
-    context = proc.stdout + "\n".join(summary["events"])
+    context = proc.stdout + "\n".join(summary["events"]) + ("" if proc.returncode == 0 else _log_tails(out))
     assert summary["rounds"] >= 8, context
     assert summary["ledger_note"] == "", context
     assert summary["ledger_checked"] >= 4, context  # the three honest peers and the killed incarnation
