@@ -45,8 +45,9 @@ refused counts, rounds generated locally, the published patch sizes (``pulsesync
 and version ``seconds_to_serve`` / ``bytes_received`` / ``path`` (the workers' ``rollouts.jsonl``). Where time went:
 the trainer's train seconds split into waiting for workers, checking their completions and the rest (its own
 steps and publishing), and each version's way to a worker: from publishing to the fetch's start (finding the new
-head), the fetch and apply, the engine's load. Reward: the held-out greedy reward before and after
-(``grpo_eval.json``) and the last logged training reward.
+head), the fetch and apply, the engine's load; and how busy the machine's cores were while the trainer ran (every
+process of the case: near all of them, the processes slow each other down). Reward: the held-out greedy reward
+before and after (``grpo_eval.json``) and the last logged training reward.
 
 The larger model of the netns cases (``--net-layers``, ``--net-intermediate``): the tiny warm model grown in
 depth and MLP width (a Llama built from a config: hidden 64, extra decoder layers and a wider MLP initialised
@@ -85,7 +86,7 @@ from harness.report import default_out, read_records
 from rollouts_report import BATCH, summarize_run, write_outputs
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "wan"))  # the WAN harness's emulated links
-from wan_net import Link, WanNet, process_cpu
+from wan_net import Link, WanNet, machine_busy_seconds, process_cpu
 
 CONFIG = REPO / "recipes" / "configs" / "grpo-tiny.yaml"
 TINY_CASES = ("local", "swarm1", "swarm2", "swarm4")
@@ -389,9 +390,11 @@ def _run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, k
             ]  # fmt: skip
         cmd = trainer_argv(case, args, model, run_dir / "trainer", swarm, steps, lr)
         cmd += ["--per_device_train_batch_size", str(batch)]
+        busy = machine_busy_seconds()[0], time.monotonic()
         trainer = runner.start("trainer", cmd, ns_index=0)
         log(f"{case.name}: trainer started ({steps} steps)")
         procs.wait_all([trainer], max(1.0, deadline - time.monotonic()), hint="--case-timeout")
+        busy = machine_busy_seconds()[0] - busy[0], time.monotonic() - busy[1]
         time.sleep(1.0)  # workers write their last version's line
     except (RuntimeError, TimeoutError, OSError) as exc:  # keep what the run wrote so far
         runner.stop_all(grace=15.0)
@@ -403,6 +406,9 @@ def _run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, k
         runner.stop_all(grace=15.0)
     result = collect(case, run_dir, steps, lr, batch)
     result["wall_seconds"] = round(time.monotonic() - started, 1)
+    # how busy the shared cores were while the trainer ran (every process: trainer, workers, DHT, daemons, emulators)
+    result["machine_busy_seconds"] = round(busy[0], 1)
+    result["machine_busy_share"] = round(busy[0] / max(1e-9, busy[1] * (os.cpu_count() or 1)), 3)
     return result
 
 

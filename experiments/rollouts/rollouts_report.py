@@ -179,18 +179,22 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         rows.append([
             r["name"], train, round(wait - check, 2), check, round(train - wait, 2), r.get("seconds_publish_median"),
             r.get("version_found_median"), r.get("version_fetch_median"), r.get("version_load_median"),
-            r["seconds_to_serve_median"], r.get("emulator_cpu_seconds"),
+            r["seconds_to_serve_median"], r.get("emulator_cpu_seconds"), r.get("machine_busy_seconds"),
+            r.get("machine_busy_share"),
         ])  # fmt: skip
     columns = [
         "case", "train s", "waiting for workers s", "checking s", "steps and publishing s", "publish median s",
         "found median s", "fetch median s", "load median s", "to serve median s", "emulators' CPU s",
+        "machine busy CPU s", "machine busy share",
     ]  # fmt: skip
     return [
         "\n### (d) Where the time went\n",
         "(trainer: its train seconds split into waiting for the workers' completions, checking them, and the rest: its "
         "own steps and publishing; a version's way to a worker, medians over the versions after the first: publishing "
         "to the fetch's start, the fetch and apply, the engine's load, and publishing to serving; the link "
-        "emulators' CPU seconds over the whole case, all of them together: what the emulation took from the cores)\n",
+        "emulators' CPU seconds over the whole case, all of them together: what the emulation took from the cores; the "
+        "machine's busy CPU seconds while the trainer ran, every process of the case on every core, and their share "
+        "of the cores' time: near 1, the processes slow each other down, which separate machines would not)\n",
         md_table(columns, rows),
     ]
 
