@@ -39,7 +39,7 @@ from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dh
 from pulseloco.errors import PayloadError, PayloadSizeError
 from pulseloco.jsonl import read_json_lines
 from pulseloco.keys import workers_key
-from pulseloco.rollouts.client import LeaseConfig, NoWorkersError, RolloutClient
+from pulseloco.rollouts.client import LeaseConfig, NoWorkersError, RolloutClient, lease_shares
 from pulseloco.rollouts.protocol import (
     LOGPROB_SLACK,
     MAX_LEASE_BYTES,
@@ -89,6 +89,15 @@ def lease_blob(**changes: Any) -> bytes:
         else:
             raw[key] = value
     return json.dumps(raw).encode()
+
+
+def test_lease_shares_follow_the_measured_rates() -> None:
+    assert lease_shares([], {}) == {}
+    assert lease_shares(["a", "b"], {}) == {"a": 0.5, "b": 0.5}  # nothing measured: even
+    assert lease_shares(["a", "b"], {"a": 3.0, "b": 1.0}) == {"a": 0.75, "b": 0.25}
+    # c is not measured yet: it counts as the median of the measured (2.0); a refused or gone worker's rate is unused
+    assert lease_shares(["a", "b", "c"], {"a": 3.0, "b": 1.0, "gone": 100.0}) == {"a": 0.5, "b": 1 / 6, "c": 1 / 3}
+    assert lease_shares(["a", "b"], {"a": 0.0, "b": 2.0}) == {"a": 0.5, "b": 0.5}  # no rate counts as unmeasured
 
 
 def test_a_good_lease_round_trips() -> None:
@@ -634,6 +643,27 @@ def test_a_stragglers_lease_is_backed_up_by_an_idle_worker(swarm: Swarm) -> None
     assert [r.worker for r in results] == [swarm.peer_ids["A"]] * 2
     assert (stats.leases, stats.backups, stats.backups_won, stats.released, stats.failed) == (3, 1, 1, 1, 0), stats
     assert dict(stats.by_worker) == {swarm.peer_ids["A"]: 4} and not stats.refusals
+
+
+@pytest.mark.timeout(90)
+def test_a_batch_is_cut_by_each_workers_measured_rate(swarm: Swarm) -> None:
+    """B answers each lease 2 s late (a slow machine or link). The first batch, with no rate measured, is cut
+    evenly; from then on each worker's part follows its measured rate, so the fast A takes most of the next batch
+    instead of both waiting for B's even half (backups off, so that only the cut balances)."""
+    swarm.workers["B"].call("mode", "slow", 2.0)
+    a, b = swarm.peer_ids["A"], swarm.peer_ids["B"]
+    with swarm.client(lease_timeout=30, rollout_timeout=30, backup_after=0.0) as client:
+        swarm.wait_for_records(client)
+        client.submit(random_prompts(8, seed=13), num_samples=2, max_new_tokens=4, temperature=1.0).result(timeout=60)
+        first = dict(client.stats.by_worker)
+        assert first == {a: 8, b: 8}  # even: 4 leases of 2 groups
+        assert client.stats.rates[a] > 2 * client.stats.rates[b], client.stats.rates
+        results = client.submit(random_prompts(16, seed=14), num_samples=2, max_new_tokens=4, temperature=1.0).result(
+            timeout=60
+        )
+        second = {peer: n - first.get(peer, 0) for peer, n in client.stats.by_worker.items()}
+    assert len(results) == 16
+    assert second[a] >= 3 * second.get(b, 0) and second[a] + second.get(b, 0) == 32, second
 
 
 @pytest.mark.timeout(60)

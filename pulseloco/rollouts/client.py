@@ -5,8 +5,10 @@ A :class:`RolloutClient` turns a batch of prompt groups (one prompt, ``num_sampl
 runs them on the workers it finds in the DHT (:func:`pulseloco.keys.workers_key`):
 
 - at most ``leases_per_worker`` leases of this trainer run on a worker at once, and a worker gets its next lease
-  as soon as one of its own returns, so faster workers take proportionally more leases (leases are cut to about
-  ``1 / (workers x leases_per_worker)`` of the batch, so there are enough to balance);
+  as soon as one of its own returns; a batch is cut into leases by each worker's measured rate (completions
+  answered per second of lease, from the trainer's side: generation, queue and link together, :func:`lease_shares`), so
+  that a worker on a slow machine or link gets a smaller part and every worker finishes at about the same time;
+  a worker not yet measured counts as the median of those measured, and with none measured the cut is even;
 - a lease that fails (the worker died, hung past the lease's deadline, answered busy or not ready, or sent a reply
   that does not pass :func:`pulseloco.rollouts.protocol.decode_reply`) goes back to the front of the queue and
   goes to another worker; a group's result is taken once, from the first lease that returns it verified, so no
@@ -65,13 +67,35 @@ from pulseloco.sync.transport import read_head
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GroupResult", "LeaseConfig", "NoWorkersError", "RolloutClient", "RolloutStats", "worker_command"]
+__all__ = [
+    "GroupResult",
+    "LeaseConfig",
+    "NoWorkersError",
+    "RolloutClient",
+    "RolloutStats",
+    "lease_shares",
+    "worker_command",
+]
 
 #: Seconds a trainer's list of refused workers lives in the DHT (a run's length, about).
 REFUSALS_TTL = 24 * 3600.0
 
 #: Seconds one push of a new head record to one worker may take (:meth:`RolloutClient.note_published`).
 HEAD_PUSH_TIMEOUT = 5.0
+
+#: Weight of a lease's rate in a worker's measured rate (an exponential moving average over its answered leases).
+RATE_WEIGHT = 0.5
+
+
+def lease_shares(peers: Sequence[str], rates: dict[str, float]) -> dict[str, float]:
+    """Each of ``peers``' share of a batch (summing to 1), in proportion to its measured ``rates`` (completions per
+    second; a peer without one counts as the median of the measured ones, and with none measured every peer gets
+    the same). Returns ``{}`` for no peers; never raises."""
+    measured = [rates[p] for p in peers if rates.get(p, 0.0) > 0.0]
+    default = statistics.median(measured) if measured else 1.0
+    weights = {p: rates[p] if rates.get(p, 0.0) > 0.0 else default for p in peers}
+    total = sum(weights.values())
+    return {p: w / total for p, w in weights.items()}
 
 
 class NoWorkersError(SwarmError):
@@ -115,6 +139,8 @@ class RolloutStats:
     by_worker: collections.Counter[str] = field(default_factory=collections.Counter)
     refusals: dict[str, str] = field(default_factory=dict)
     lag: collections.Counter[int] = field(default_factory=collections.Counter)
+    rates: dict[str, float] = field(default_factory=dict)
+    """Each worker's measured rate, completions per second of lease seen from the trainer (what cuts the batches)."""
 
 
 @dataclass(kw_only=True)
@@ -480,10 +506,22 @@ class RolloutClient:
         ``rollout_timeout + lease_timeout`` s (workers that answer but cannot serve this batch)."""
         loop = asyncio.get_running_loop()
         workers = await loop.run_in_executor(None, self.workers)
-        size = max(1, math.ceil(len(batch.groups) / max(1, len(workers) * self.config.leases_per_worker)))
-        pending = collections.deque(
-            list(range(start, min(start + size, len(batch.groups)))) for start in range(0, len(batch.groups), size)
-        )
+        slots = self.config.leases_per_worker
+        shares = lease_shares(sorted(workers), self.stats.rates)
+        unleased = collections.deque(range(len(batch.groups)))  # groups not leased yet
+        pending: collections.deque[list[int]] = collections.deque()  # leases to lease again, whole
+
+        def take(peer: str) -> list[int]:
+            """The next lease for ``peer``: one to lease again, else its share of the batch over its slots (the
+            shares are cut again when a worker that was not announced at the batch's start takes a lease)."""
+            nonlocal shares
+            if pending:
+                return pending.popleft()
+            if peer not in shares:
+                shares = lease_shares(sorted(set(workers) | {peer}), self.stats.rates)
+            size = max(1, math.ceil(len(batch.groups) * shares[peer] / slots))
+            return [unleased.popleft() for _ in range(min(size, len(unleased)))]
+
         running: dict[asyncio.Task[tuple[str, Any]], tuple[list[int], str, Lease]] = {}
         started: dict[asyncio.Task[tuple[str, Any]], float] = {}
         backed_up: set[tuple[int, ...]] = set()  # leases (their groups) leased a second time
@@ -514,22 +552,22 @@ class RolloutClient:
         idle_since = last_ok = head_read = time.monotonic()
         last_failure = ""
         try:
-            while pending or running:
+            while pending or unleased or running:
                 now = time.monotonic()
                 if now - head_read >= 2.0:  # the lag is measured against the newest version: keep it current
                     head_read = now
                     await loop.run_in_executor(None, self.newest_version)
-                if pending:
+                if pending or unleased:
                     workers = await loop.run_in_executor(None, self.workers)
                     free, unusable = self._usable(workers, batch)
                     # breadth first: one lease to each free worker (fastest first) before a second to any, so
                     # that a batch of fewer leases than slots is spread over as many workers as it can use
-                    while pending and free:
-                        free = [p for p in free if self._inflight[p] < self.config.leases_per_worker]
+                    while (pending or unleased) and free:
+                        free = [p for p in free if self._inflight[p] < slots]
                         for peer in free:
-                            if not pending:
+                            if not (pending or unleased):
                                 break
-                            start(peer, pending.popleft())
+                            start(peer, take(peer))
                     if running:
                         idle_since = now
                     failing = now - last_ok > self.config.rollout_timeout + self.config.lease_timeout
@@ -556,7 +594,7 @@ class RolloutClient:
                     if peer in self.stats.refusals:  # refused meanwhile: its open leases go to other workers
                         release(task)
                         requeue(indices)
-                if not pending and running and durations and self.config.backup_after:
+                if not (pending or unleased) and running and durations and self.config.backup_after:
                     for peer, indices in await self._backups_due(batch, running, started, backed_up, durations, now):
                         backed_up.add(tuple(indices))
                         backups.add(start(peer, indices))
@@ -578,6 +616,7 @@ class RolloutClient:
                     if kind == "ok":
                         last_ok = time.monotonic()
                         durations.append(took)
+                        self._note_rate(peer, len(indices) * batch.num_samples / max(took, 1e-3))
                     else:
                         last_failure = f"worker {peer[-8:]}: {kind}: {value}"
                         self._note_failure(peer, lease, kind, str(value))
@@ -695,6 +734,11 @@ class RolloutClient:
                     compute_dtype=samples.compute_dtype,
                 )
         return "ok", None
+
+    def _note_rate(self, peer: str, rate: float) -> None:
+        """Fold one answered lease's rate (completions per second) into ``peer``'s measured rate."""
+        old = self.stats.rates.get(peer)
+        self.stats.rates[peer] = rate if old is None else (1.0 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
 
     def _note_failure(self, peer: str, lease: Lease, kind: str, reason: str) -> None:
         self.stats.released += 1
