@@ -14,8 +14,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _log_tails(out: Path, chars: int = 1500) -> str:
-    """The end of every process's log of the run: what a failure under load needs to be explained."""
+def _log_tails(out: Path, chars: int = 8000) -> str:
+    """The end of every process's log of the run: what a failure under load needs to be explained (a run that timed
+    out has had each running peer write every thread's stack there)."""
     tails = [
         f"--- {path.name}\n{path.read_text(errors='replace')[-chars:]}" for path in sorted((out / "logs").glob("*.log"))
     ]

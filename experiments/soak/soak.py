@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import logging
 import os
@@ -110,6 +111,7 @@ def peer_main(args: argparse.Namespace) -> None:
     from pulseloco.loco import AveragingConfig, RoundConfig
 
     logging.basicConfig(level=logging.WARNING, format=f"{args.name} %(name)s %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a run that times out asks for every thread's stack
     torch.set_num_threads(1)
     out = Path(args.out)
     dht = hivemind.DHT(
@@ -404,6 +406,10 @@ class Soak:
                     peer.proc = None
             time.sleep(0.2)
         self.notes.append(f"timeout: the run did not finish within {args.timeout:.0f}s")
+        for peer in peers:  # where each one is stuck: its threads' stacks go to its log (faulthandler)
+            if peer.proc is not None and peer.proc.poll() is None:
+                peer.proc.send_signal(signal.SIGUSR1)
+        time.sleep(2.0)
 
     def _stop_all(self) -> int:
         """Let every process end by itself: peers and the publisher see the stop file, the subscribers get SIGTERM
