@@ -58,6 +58,7 @@ def run_peer(
     index: int, args: argparse.Namespace, selector: str, lr: float, initial_peers: list[str], out: str
 ) -> None:
     """One peer: join, train ``args.rounds`` outer rounds, write metrics lines to ``out``."""
+    procs.own_hivemind_locks()  # a fork of the benchmark's process, which imported hivemind
     logging.basicConfig(level=logging.WARNING, format=f"peer{index} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     import hivemind

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from harness import ledger
+from harness import ledger, procs
 
 VOCAB = 128
 SEQ_LEN = 16
@@ -322,6 +322,7 @@ def run_peer(
         format=f"%(relativeCreated)d peer{config.index} %(name)s %(levelname)s %(message)s",
         force=config.log_file is not None,  # a forked peer inherits the test's handlers, which would keep it silent
     )
+    procs.own_hivemind_locks()  # a fork of the test process, killed and stopped alone
     torch.set_num_threads(1)
     if config.join_late and late_event is not None:
         late_event.wait(timeout=120)

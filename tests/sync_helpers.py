@@ -147,6 +147,7 @@ def close_all(workers: Sequence[WorkerProcess], timeout: float = 30.0) -> None:
 def _with_environment(target: Callable[..., None], environ: dict[str, str], *args: Any) -> None:
     """Run ``target(*args)`` with the environment the test process had when it started the worker (the fork
     server's is that of its own start)."""
+    procs.own_hivemind_locks()  # a fork of the server, as its siblings: none may hold this one's locks
     os.environ.clear()
     os.environ.update(environ)
     target(*args)

@@ -109,3 +109,45 @@ def test_a_forgotten_workers_late_end_of_connection_is_not_reported(tmp_path: Pa
             assert got is not None and got[2] == ("eof",)
     finally:
         hub.close()
+
+
+HOLDER = """
+import time
+from hivemind.utils.asyncio import _AsyncContextWrapper
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
+for lock in (MPFuture._update_lock, MPFuture._initialization_lock, SharedBytes._lock):
+    lock.acquire()
+_AsyncContextWrapper.EXECUTOR_LOCK.acquire()
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+DHT_USER = """
+import hivemind
+from hivemind.utils import get_dht_time
+dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+print("stored", dht.store("key", "value", get_dht_time() + 60), flush=True)
+print("got", dht.get("key", latest=True).value, flush=True)
+dht.shutdown()
+"""
+
+
+def test_a_forked_process_killed_holding_hiveminds_locks_stops_no_other(tmp_path: Path) -> None:
+    """hivemind creates its MPFuture and executor locks when it is imported, shared by every process forked after:
+    the churn soak's peers, forks of one server, once hung for good after one of them was SIGKILLed (its DHT
+    process mid-update, holding the update lock). Each forked command line has locks of its own."""
+    (tmp_path / "holder.py").write_text(HOLDER)
+    (tmp_path / "dht_user.py").write_text(DHT_USER)
+    runner = procs.Runner(tmp_path, preload=("hivemind",))
+    try:
+        holder = runner.start("holder", [sys.executable, str(tmp_path / "holder.py")])
+        holder.wait_for("holding", timeout=120)
+        holder.kill()
+        user = runner.start("user", [sys.executable, str(tmp_path / "dht_user.py")])
+        try:
+            assert user.wait(timeout=60) == 0, user.tail()
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a DHT in a sibling of the killed process did not start and answer in 60 s:\n{user.tail()}")
+        assert "stored True" in user.text() and "got value" in user.text()
+    finally:
+        runner.stop_all()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import procs
 from loco_helpers import batch, flat_params, inner_step, make_inner_optimizer, make_model
 
 NUM_ROUNDS = 2
@@ -23,6 +24,7 @@ H = 2
 def _rank_main(rank: int, init_file: str, results: Any, overlap: bool) -> None:
     import torch.distributed as dist
 
+    procs.own_hivemind_locks()  # a fork of the test process, which imported hivemind
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     dht = None

@@ -109,6 +109,7 @@ def run_peer(
     index: int, args: argparse.Namespace, rule: str, attack: str | None, initial_peers: list[str], workdir: str
 ) -> None:
     """One peer: join, train ``args.rounds`` outer rounds (peer 0 also evaluates every round), write its files."""
+    procs.own_hivemind_locks()  # a fork of the benchmark's process, which imported hivemind
     logging.basicConfig(level=logging.ERROR, format=f"peer{index} %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     import hivemind

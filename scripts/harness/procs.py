@@ -65,12 +65,31 @@ def _runpy_args(argv: list[str]) -> list[str] | None:
     return None if args[0].startswith("-") else args
 
 
+def own_hivemind_locks() -> None:
+    """Give this process hivemind's process-wide locks of its own; call it first in a process forked from one that
+    imported hivemind (a fork server, a test) to run as a program of its own, before it makes any hivemind object.
+    Does nothing where hivemind is not imported; never raises.
+
+    hivemind makes multiprocessing locks when it is imported (``MPFuture``'s update, initialization and shared-byte
+    locks, its executor lock) and every process forked after shares them: meant for a process and the DHT processes
+    it forks, which write to its pipes. Siblings forked from one server shared them too, so one killed while holding
+    one (a churn soak's SIGKILL while its DHT process sent a result) stopped every other's DHT for good, and one
+    stopped (SIGSTOP) while holding one stopped them for as long."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # new update, initialization and shared-byte locks; its pipe made anew
+    hm_asyncio = sys.modules.get("hivemind.utils.asyncio")
+    if hm_asyncio is not None:
+        hm_asyncio._AsyncContextWrapper.EXECUTOR_LOCK = mp.Lock()
+
+
 def _run_forked(args: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
-    """The body of a forked :class:`Proc`: become the leader of a new session, send stdin from ``/dev/null`` and
-    stdout and stderr to ``log_path``, take ``env`` and ``cwd``, then run ``args`` (:func:`_runpy_args`: a script
-    or ``-m`` and a module, then their arguments) as ``__main__`` (its ``SystemExit`` code is the process's exit
-    code, an exception's is 1)."""
+    """The body of a forked :class:`Proc`: become the leader of a new session with hivemind's locks of its own
+    (:func:`own_hivemind_locks`), send stdin from ``/dev/null`` and stdout and stderr to ``log_path``, take ``env``
+    and ``cwd``, then run ``args`` (:func:`_runpy_args`: a script or ``-m`` and a module, then their arguments) as
+    ``__main__`` (its ``SystemExit`` code is the process's exit code, an exception's is 1)."""
     os.setsid()
+    own_hivemind_locks()
     null, log = os.open(os.devnull, os.O_RDONLY), os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(null, 0)
     os.dup2(log, 1)
