@@ -39,7 +39,7 @@ from sync_helpers import WorkerProcess, bf16_digest, close_all, maddrs, start_dh
 from pulseloco.errors import PayloadError, PayloadSizeError
 from pulseloco.jsonl import read_json_lines
 from pulseloco.keys import workers_key
-from pulseloco.rollouts.client import LeaseConfig, NoWorkersError, RolloutClient, lease_shares
+from pulseloco.rollouts.client import LeaseConfig, NoWorkersError, RolloutClient, lease_order, lease_shares
 from pulseloco.rollouts.protocol import (
     LOGPROB_SLACK,
     MAX_LEASE_BYTES,
@@ -98,6 +98,14 @@ def test_lease_shares_follow_the_measured_rates() -> None:
     # c is not measured yet: it counts as the median of the measured (2.0); a refused or gone worker's rate is unused
     assert lease_shares(["a", "b", "c"], {"a": 3.0, "b": 1.0, "gone": 100.0}) == {"a": 0.5, "b": 1 / 6, "c": 1 / 3}
     assert lease_shares(["a", "b"], {"a": 0.0, "b": 2.0}) == {"a": 0.5, "b": 0.5}  # no rate counts as unmeasured
+
+
+def test_leases_go_first_to_the_fastest_measured_worker_not_to_a_claimed_speed() -> None:
+    # b is measured fastest; c claims nothing here (its self-report is not an input); d is not measured yet
+    rates = {"a": 1.0, "b": 4.0, "c": 2.0}
+    assert lease_order(["d", "c", "a", "b"], rates, {}, {}) == ["b", "c", "a", "d"]
+    # ties: fewer leases in flight, then a shorter queue; unmeasured workers by the same rule, after the measured
+    assert lease_order(["a", "b", "x", "y"], {"a": 1.0, "b": 1.0}, {"a": 1}, {"y": 0, "x": 3}) == ["b", "a", "y", "x"]
 
 
 def test_a_good_lease_round_trips() -> None:

@@ -98,6 +98,18 @@ def lease_shares(peers: Sequence[str], rates: dict[str, float]) -> dict[str, flo
     return {p: w / total for p, w in weights.items()}
 
 
+def lease_order(
+    peers: Sequence[str], rates: dict[str, float], inflight: dict[str, int], queues: dict[str, int]
+) -> list[str]:
+    """``peers`` in the order they are offered leases and backups: measured ones first, the highest measured
+    ``rates`` first, then those not measured yet; ties go to fewer leases in flight, then shorter queues. What a
+    worker reports of its own throughput is not used: a stranger could claim any. Never raises."""
+    return sorted(
+        peers,
+        key=lambda p: (rates.get(p, 0.0) <= 0.0, -rates.get(p, 0.0), inflight.get(p, 0), queues.get(p, 0), p),
+    )
+
+
 class NoWorkersError(SwarmError):
     """No rollout worker was usable for ``rollout_timeout`` seconds while leases waited."""
 
@@ -480,8 +492,8 @@ class RolloutClient:
         )
 
     def _usable(self, workers: dict[str, WorkerInfo], batch: _Batch) -> tuple[list[str], str]:
-        """Workers that may take a lease of ``batch`` now, fastest first, and why the others may not (for the
-        message when none is usable)."""
+        """Workers that may take a lease of ``batch`` now, the fastest measured first (:func:`lease_order`), and why
+        the others may not (for the message when none is usable)."""
         now = time.monotonic()
         newest = self.newest
         free, why = [], collections.Counter[str]()
@@ -496,8 +508,7 @@ class RolloutClient:
                 why["cooling down after a failure"] += 1
             elif self._inflight[peer] < self.config.leases_per_worker:
                 free.append(peer)
-        # fastest first; a worker without a measurement yet goes last
-        free.sort(key=lambda p: (-workers[p].tokens_per_s, self._inflight[p], workers[p].queue))
+        free = lease_order(free, self.stats.rates, self._inflight, {p: workers[p].queue for p in free})
         return free, ", ".join(f"{n} {reason}" for reason, n in why.items())
 
     async def _run(self, batch: _Batch, wait: bool) -> list[GroupResult]:
