@@ -245,7 +245,7 @@ def rollout_worker(conn: Any, run_id: str, public_pem: bytes, model_dir: str, op
       ``server.weights_loaded``, as recipes/rollout_worker.py does) -> the served version and digest;
     - ``mode(name, delay)``: how to answer leases from now on (:data:`MODES`);
     - ``boast()``: announce a throughput of 10**9 tokens/s from now on (records are unsigned hints: a rogue claims
-      to be fast to draw leases, since trainers lease to the fastest workers first);
+      to be fast to draw leases; trainers rank workers by the rates they measured, :func:`lease_order`);
     - ``stats`` -> the server's counters and the leases the engine started;
     - ``close``.
 

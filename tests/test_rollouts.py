@@ -1207,7 +1207,7 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
     - alone: every round's completions come from the worker at a published version, checked, and TRL computed its
       importance-sampling ratio between its own log-probabilities and the worker's;
     - beside a dishonest worker (a real worker process that samples from other weights while claiming the published
-      digest, and announces a huge throughput so that the trainer leases to it first) and an honest one (the same
+      digest, and announces a huge throughput, which the trainer does not rank it by) and an honest one (the same
       engine, dtype and sampler as ``rollout_worker.py``, in a worker process of the tests): it is refused after
       ``max_refusals`` failed leases with the reason, none of its completions is in any round, and, since a group
       generated again is sampled with the same noise and the only version trained on is the first, the trainer
