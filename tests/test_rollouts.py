@@ -865,7 +865,9 @@ def test_a_dishonest_worker_never_reaches_the_loss_and_is_refused(
     if refusals is None:
         assert batch == 0 and stats.check_failures[rogue] >= 1 and verifier.stats.guard_refusals >= 1
     else:
-        assert stats.check_failures[rogue] == refusals == verifier.stats.failed_leases
+        # refused at the max_refusals-th failed lease; every lease of that batch is checked, so a fast rogue with
+        # more leases in it has more failed (CI: 3 with max_refusals 2), each reported once
+        assert refusals <= stats.check_failures[rogue] == verifier.stats.failed_leases, verifier.stats
     print(
         f"{mode}: refused after {stats.check_failures[rogue]} failed leases; honest worker: "
         f"{verifier.stats.positions} positions checked, worst passing gap {verifier.stats.worst_passing_gap:.3f}, "
