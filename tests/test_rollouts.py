@@ -101,7 +101,7 @@ def test_lease_shares_follow_the_measured_rates() -> None:
 
 
 def test_leases_go_first_to_the_fastest_measured_worker_not_to_a_claimed_speed() -> None:
-    # b is measured fastest; c claims nothing here (its self-report is not an input); d is not measured yet
+    # b is measured fastest; d is not measured yet, so it goes last whatever it announces (a claim is no input)
     rates = {"a": 1.0, "b": 4.0, "c": 2.0}
     assert lease_order(["d", "c", "a", "b"], rates, {}, {}) == ["b", "c", "a", "d"]
     # ties: fewer leases in flight, then a shorter queue; unmeasured workers by the same rule, after the measured
