@@ -49,6 +49,8 @@ DEFAULT_ANCHOR_EVERY = 10
 """A full BF16 anchor every this many versions (the default of every publisher: the library, callback, recipes)."""
 DEFAULT_MAX_UPLOADS_PER_VERSION = 2
 """Uploads of a version's newest patch by the publisher itself before it leaves the rest to relays."""
+SERVED_CACHE_BYTES = 256 << 20
+"""Bound on the bytes of the verified objects a publisher keeps in memory to serve the ranges of a fetch."""
 
 
 def check_anchor_every(anchor_every: int) -> int:
@@ -200,6 +202,10 @@ class Publisher:
         self._serve_lock = threading.Lock()
         self._uploads: dict[int, int] = {}
         self._squash_cache: OrderedDict[tuple[int, int], tuple[bytes, bytes]] = OrderedDict()
+        # The objects served last, verified: a fetch asks for several ranges of one object at once, each a request
+        # (pulseloco.sync.transport.plan_ranges); one reads and checks the file, the others are served from here.
+        self._object_cache: OrderedDict[tuple[str, int], tuple[bytes, bytes]] = OrderedDict()
+        self._read_lock = threading.Lock()
         self._head_envelope: bytes | None = None
         self.last_error: BaseException | None = None
         self.endpoint: SwarmEndpoint | None = None
@@ -470,11 +476,11 @@ class Publisher:
             if request.kind in ("patch", "anchor"):
                 if not self.store.has(request.kind, request.version):
                     return Provided("missing")
-                if request.version == self._version and not request.force:
+                if request.version == self._version and not request.force and request.offset == 0:
                     if not self._reserve_upload(request.version):
                         return Provided("busy")
                     reserved = True
-                _, env_blob, payload = self._read_verified(request.kind, request.version)
+                env_blob, payload = self._served_object(request.kind, request.version)
                 reserved = False
                 return Provided("ok", env_blob, payload)
             if request.kind == "squash" and request.base_version is not None:
@@ -488,6 +494,25 @@ class Publisher:
                 with self._serve_lock:
                     self._uploads[request.version] = max(0, self._uploads.get(request.version, 1) - 1)
         return Provided("missing")
+
+    def _served_object(self, kind: str, version: int) -> tuple[bytes, bytes]:
+        """``(envelope bytes, payload)`` of a stored object for serving: from the cache of the objects served last
+        (at most :data:`SERVED_CACHE_BYTES` together; a larger object is read for each request), else read and
+        checked by :meth:`_read_verified` (whose errors it raises), one object read at a time."""
+        key = (kind, version)
+        with self._read_lock:  # the ranges of one fetch come at once: one of them reads, the others find it here
+            with self._serve_lock:
+                cached = self._object_cache.get(key)
+                if cached is not None:
+                    self._object_cache.move_to_end(key)
+                    return cached
+            _, env_blob, payload = self._read_verified(kind, version)
+        if len(payload) <= SERVED_CACHE_BYTES:
+            with self._serve_lock:
+                self._object_cache[key] = (env_blob, payload)
+                while sum(len(p) for _, p in self._object_cache.values()) > SERVED_CACHE_BYTES:
+                    self._object_cache.popitem(last=False)
+        return env_blob, payload
 
     def _reserve_upload(self, version: int) -> bool:
         """Count one upload of ``version`` if it is within the budget; forget counts of older versions."""

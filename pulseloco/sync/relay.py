@@ -264,20 +264,22 @@ class Relay:
 
     def provide(self, request: FetchRequest) -> Provided:
         """Answer a fetch: ``missing`` for what is not held (or a squash from another base), ``busy`` past
-        ``max_uploads`` downloads at once, else the envelope and a reader of the payload (complete or arriving)."""
+        ``max_uploads`` downloads at once (counted by the range at offset 0 that every fetch asks for), else the
+        envelope and a reader of the payload (complete or arriving)."""
         with self.lock:
             obj = self.objects.get((request.kind, request.version))
             other_base = obj is not None and request.kind == "squash" and obj.base_version != request.base_version
             if obj is None or obj.error is not None or other_base:
                 return Provided("missing")  # a squash from another base is no use to the asker
-            if self.uploads >= self.max_uploads:
+            counted = request.offset == 0  # the further ranges of a fetch this relay already counted
+            if counted and self.uploads >= self.max_uploads:
                 return Provided("busy")
-            self.uploads += 1
+            self.uploads += counted
             obj.readers += 1
 
         def done() -> None:
             with self.lock:
-                self.uploads -= 1
+                self.uploads -= counted
                 obj.readers -= 1
 
         return Provided("ok", obj.envelope, source=_RelayReader(self, obj, self.stall_timeout), on_done=done)
