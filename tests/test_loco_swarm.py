@@ -318,7 +318,7 @@ def test_late_joiner_catches_up_and_then_matches(initial_peers: list[str]) -> No
     base = PeerConfig(
         index=0,
         initial_peers=initial_peers,
-        num_rounds=8,
+        num_rounds=9,
         run_id="late",
         target_group_size=None,
         matchmaking_time=3.0,
@@ -327,7 +327,8 @@ def test_late_joiner_catches_up_and_then_matches(initial_peers: list[str]) -> No
     configs = [
         replace(base, index=0, announce_round=1),
         replace(base, index=1),
-        replace(base, index=2, num_rounds=4, join_late=True),
+        # 5 rounds: under a loaded CI machine all of 4 rounds once ran apart from the others (the check below failed)
+        replace(base, index=2, num_rounds=5, join_late=True),
     ]
     reports = run_swarm(configs)
     early, late = reports[0], reports[2]
