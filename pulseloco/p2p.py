@@ -377,13 +377,18 @@ async def read_stream(
 
 
 async def read_payload(
-    messages: AsyncIterator[M], size: int, *, timeout: float, on_chunk: Callable[[M], None] | None = None
+    messages: AsyncIterator[M],
+    size: int,
+    *,
+    timeout: float,
+    on_chunk: Callable[[M], None] | None = None,
+    collect: bool = True,
 ) -> bytes:
-    """The ``size`` payload bytes that follow a stream's header: the next messages' ``metadata``, each waited for
-    at most ``timeout`` seconds and passed to ``on_chunk`` as it arrives. Reads no message past them (the asker
-    closes the stream: :func:`asker_closes`). Raises :class:`TimeoutError` when a wait runs out,
-    :class:`TruncatedPayloadError` when the stream ends early, :class:`PayloadSizeError` when a message carries
-    bytes past ``size``."""
+    """The ``size`` payload bytes that follow a stream's header: the next messages' ``metadata``, each waited for at
+    most ``timeout`` seconds and passed to ``on_chunk`` as it arrives (with ``collect`` False only there: the result
+    is then empty). Reads no message past them (the asker closes the stream: :func:`asker_closes`). Raises
+    :class:`TimeoutError` when a wait runs out, :class:`TruncatedPayloadError` when the stream ends early,
+    :class:`PayloadSizeError` when a message carries bytes past ``size``."""
     parts: list[bytes] = []
     received = 0
     while received < size:
@@ -396,5 +401,6 @@ async def read_payload(
         received += len(message.metadata)
         if received > size:
             raise PayloadSizeError(f"stream carries more than the {size} bytes its header declares")
-        parts.append(message.metadata)
+        if collect:
+            parts.append(message.metadata)
     return b"".join(parts)

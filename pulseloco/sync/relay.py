@@ -274,12 +274,12 @@ class Relay:
             counted = request.offset == 0  # the further ranges of a fetch this relay already counted
             if counted and self.uploads >= self.max_uploads:
                 return Provided("busy")
-            self.uploads += counted
+            self.uploads += int(counted)
             obj.readers += 1
 
         def done() -> None:
             with self.lock:
-                self.uploads -= counted
+                self.uploads -= int(counted)
                 obj.readers -= 1
 
         return Provided("ok", obj.envelope, source=_RelayReader(self, obj, self.stall_timeout), on_done=done)

@@ -12,11 +12,11 @@ protocol of :mod:`pulseloco.p2p`: the header carries a status and the signed env
 chunks of the payload. The client bounds the total size, times out every message, and verifies the envelope and
 the payload's SHA-256 before handing anything back.
 
-A fetch asks for byte ranges of an object over several streams at once (:data:`FETCH_STREAMS`). libp2p's yamux
-gives every new stream a 256 KiB receive window that grows only once the stream proves fast, so one stream moves
-at most 256 KiB per round trip at first: a 1.25 MB patch took 0.50 s over a 100 Mbit/s link with 100 ms round
-trips, 8 ranges of it 0.21 s, as much as a plain TCP connection (docs/results.md, "Rollouts over emulated WAN
-links"). How the ranges are cut: :func:`plan_ranges`.
+A fetch asks for byte ranges of an object over several streams at once (:data:`FETCH_STREAMS`). libp2p's yamux gives
+every new stream a 256 KiB receive window that grows only once the stream proves fast, so one stream moves at most
+256 KiB per round trip at first: a 1.25 MB patch took 0.50 s over a 100 Mbit/s link with 100 ms round trips, 8
+ranges of it 0.22 s, as much as a plain TCP connection (docs/results.md, "Emulated WAN links"). How the ranges are
+cut: :func:`plan_ranges`.
 """
 
 from __future__ import annotations
@@ -102,8 +102,10 @@ def plan_ranges(size_hint: int | None) -> list[tuple[int, int | None]]:
     :data:`RANGE_BYTES` over it, the last one open-ended, so that an object a little larger still arrives in one
     round trip; without one, the first :data:`RANGE_BYTES` only (the rest follows over more streams once its
     header tells the size: :func:`split_range`)."""
-    if size_hint is None or size_hint <= RANGE_BYTES:
-        return [(0, None)] if size_hint is not None else [(0, RANGE_BYTES)]
+    if size_hint is None:
+        return [(0, RANGE_BYTES)]
+    if size_hint <= RANGE_BYTES:
+        return [(0, None)]
     count = min(FETCH_STREAMS, -(-size_hint // RANGE_BYTES))
     cuts = [i * size_hint // count for i in range(count)]
     return [(start, stop - start) for start, stop in itertools.pairwise(cuts)] + [(cuts[-1], None)]
@@ -307,12 +309,11 @@ async def _byte_range(pieces: AsyncIterator[bytes | memoryview], start: int, sto
 
 @dataclass
 class _Range:
-    """One range of a fetch: asked ``offset`` and ``length`` (None: to the end); once its header came, the object's
-    ``total`` size and the range's ``size``; the bytes ``received`` so far."""
+    """One range of a fetch: asked ``offset`` and ``length`` (None: to the end); once its header came, the range's
+    ``size`` (-1 before); the bytes ``received`` so far."""
 
     offset: int
     length: int | None
-    total: int = 0
     size: int = -1
     received: int = 0
 
@@ -343,7 +344,7 @@ class _Download:
         self.ended = False
 
     def header(self, part: _Range, head: dict[str, Any]) -> str | None:
-        """Check a range's header: None when it serves the range (``part.total`` and ``part.size`` set), else the
+        """Check a range's header: None when it serves the range (``total`` and ``part.size`` set), else the
         provider's status (missing, busy). Raises as :meth:`SwarmEndpoint._fetch` says."""
         peer = self.peer
         try:
@@ -387,7 +388,7 @@ class _Download:
             raise PayloadError(f"provider {peer}: ranges of one object declare {self.total} and {total} bytes")
         elif envelope != self.envelope:
             raise UnauthorizedError(f"provider {peer} sent two different envelopes for the ranges of one object")
-        part.total, part.size = total, size
+        part.size = size
         return None
 
     def data(self, part: _Range, data: bytes) -> None:
@@ -667,12 +668,13 @@ class SwarmEndpoint:
             status = download.header(part, parse_header(first.metadata))
             if status is not None:
                 return status
-            on_total(part.total)
-            await read_payload(
+            on_total(typing.cast(int, download.total))
+            await read_payload(  # the bytes go into the download's buffer as they come, not into a second copy
                 iterator,
                 part.size,
                 timeout=chunk_timeout,
                 on_chunk=lambda message: download.data(part, message.metadata),
+                collect=False,
             )
             return None
         finally:  # the asker ends the stream (pulseloco.p2p.asker_closes), once it has what it asked for
