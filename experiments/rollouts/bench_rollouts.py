@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seeds", default="0", help="comma-separated seeds; every case runs once per seed")
     ap.add_argument("--eval-prompts", type=int, default=256, help="held-out problems scored greedily before/after")
     ap.add_argument("--worker-threads", type=int, default=1, help="OMP/torch threads per rollout worker")
+    ap.add_argument(
+        "--trainer-core", type=int, default=None,
+        help="pin the trainer, with one torch thread, to this core and every other process of the run (workers, "
+        "DHT, daemons, link emulators) to the other cores: the trainer as on a machine of its own (default: all "
+        "processes share every core)",
+    )  # fmt: skip
     ap.add_argument("--case-timeout", type=float, default=600.0, help="seconds one case may take in all")
     ap.add_argument("--startup-timeout", type=float, default=240.0, help="seconds for the workers to be serving")
     ap.add_argument("--workdir", default=None, help="run directories (default: a temporary directory)")
@@ -225,6 +231,10 @@ def validate(args: argparse.Namespace) -> list[str]:
     if not 576 <= args.mtu <= 65535:
         raise ValueError(f"--mtu must be in [576, 65535], got {args.mtu}")
     parse_slow_link(args.slow_link, args.rtt_ms)
+    cores = sorted(os.sched_getaffinity(0))
+    if args.trainer_core is not None and (args.trainer_core not in cores or len(cores) < 2):
+        raise ValueError(f"--trainer-core must be one of this process's cores {cores} (and it needs two or more), "
+                         f"got {args.trainer_core}")  # fmt: skip
     return names
 
 
@@ -390,8 +400,12 @@ def _run_case(case: Case, args: argparse.Namespace, model: str, workdir: Path, k
             ]  # fmt: skip
         cmd = trainer_argv(case, args, model, run_dir / "trainer", swarm, steps, lr)
         cmd += ["--per_device_train_batch_size", str(batch)]
+        env = None
+        if args.trainer_core is not None:  # main() moved everything else off this core
+            cmd = ["taskset", "--cpu-list", str(args.trainer_core), *cmd]
+            env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         busy = machine_busy_seconds()[0], time.monotonic()
-        trainer = runner.start("trainer", cmd, ns_index=0)
+        trainer = runner.start("trainer", cmd, ns_index=0, env=env)
         log(f"{case.name}: trainer started ({steps} steps)")
         procs.wait_all([trainer], max(1.0, deadline - time.monotonic()), hint="--case-timeout")
         busy = machine_busy_seconds()[0] - busy[0], time.monotonic() - busy[1]
@@ -510,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out is not None else default_out("rollouts", label)
     args.out = str(out)
     procs.exit_on_signals()
+    if args.trainer_core is not None:  # this process and all it starts, but the trainer, leave the trainer's core
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {args.trainer_core})
     seeds = [int(x) for x in args.seeds.split(",")]
     cases = [replace(make_case(n, args.net_workers), seed=seed) for seed in seeds for n in names]
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="brollouts"))

@@ -275,6 +275,9 @@ def write_outputs(payload: dict[str, Any], out: Path) -> str:
             f"{m['greedy_reward_grown']:.3f} (grown); link {payload.get('rate_label', '')}"
         )
         head.append("")
+    core = payload.get("args", {}).get("trainer_core")
+    if core is not None:
+        head += [f"trainer pinned to core {core} with one torch thread; every other process on the other cores", ""]
     text = "\n".join(head) + build_tables(payload["results"])
     (out / "bench_rollouts.md").write_text(text)
     return text
