@@ -159,6 +159,28 @@ def test_build_tables():
     assert "swarm4" in text.split("Failed cases")[1]
 
 
+def test_throughput_ratios_pair_each_seed_with_itself():
+    """Two seeds: each seed's run over the link against the same seed's run without limits, then their mean (the
+    report once compared every seed with the last seed's baseline and printed that one ratio only)."""
+    results = [
+        _result("nolimit-patch", 2, "net", 4.0, seed=0),
+        _result("netns-patch", 2, "net", 3.0, seed=0),
+        _result("nolimit-patch", 2, "net", 8.0, seed=1),
+        _result("netns-patch", 2, "net", 4.0, seed=1),
+        _result("local", 0, "tiny", 10.0, seed=0),
+        _result("swarm2", 2, "tiny", 5.0, seed=0),
+        _result("local", 0, "tiny", 20.0, seed=1),
+        _result("swarm2", 2, "tiny", 5.0, seed=1),
+    ]
+    text = rr.build_tables(results)
+    assert "without a link limit: 0.750 / 0.500 (seeds 0 / 1), mean 0.625" in text
+    assert "patches / full copies (same link): -" in text
+    assert "| swarm2 | 0 | 2 | 8 | 25.60 | 5.00 | 18.75 | 0.50 |" in text
+    assert "| swarm2 | 1 | 2 | 8 | 25.60 | 5.00 | 18.75 | 0.25 |" in text
+    one_side = [r for r in results if not (r["name"] == "nolimit-patch" and r["seed"] == 1)]
+    assert "without a link limit: 0.750\n" in rr.build_tables(one_side)
+
+
 def test_ratio():
     assert rr.ratio(2.0, 4.0) == 0.5
     assert rr.ratio(None, 4.0) is None and rr.ratio(1.0, 0.0) is None

@@ -103,14 +103,33 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def _throughput_table(results: list[dict[str, Any]], by: dict[str, dict[str, Any]]) -> list[str]:
-    """(a): the tiny model's cases against the local run (``by``: the cases with a throughput, by name)."""
+Done = dict[tuple[str, Any], dict[str, Any]]
+"""The results with a throughput, by ``(case name, seed)``."""
+
+
+def seed_ratios(by: Done, numerator: str, denominator: str) -> str:
+    """``numerator``'s samples per second over ``denominator``'s, each seed that has both paired with itself: one
+    ratio, or every seed's and their mean (``0.918 / 0.841 (seeds 0 / 1), mean 0.880``); ``-`` when no seed has
+    both."""
+    seeds = sorted({seed for name, seed in by if name == numerator and (denominator, seed) in by}, key=str)
+    ratios = [ratio(by[numerator, s]["samples_per_s"], by[denominator, s]["samples_per_s"]) for s in seeds]
+    values = [r for r in ratios if r is not None]
+    if len(values) != len(seeds) or not values:
+        return "-"
+    if len(values) == 1:
+        return cell(values[0], 3)
+    listed = " / ".join(cell(v, 3) for v in values)
+    return f"{listed} (seeds {' / '.join(map(str, seeds))}), mean {sum(values) / len(values):.3f}"
+
+
+def _throughput_table(results: list[dict[str, Any]], by: Done) -> list[str]:
+    """(a): the tiny model's cases against the local run of the same seed."""
     out: list[str] = []
     tiny = [r for r in results if r.get("model") == "tiny" and r.get("steps")]
     if tiny:
-        local = by.get("local")
         rows = []
         for r in tiny:
+            local = by.get(("local", r.get("seed")))
             rows.append([
                 r["name"], r.get("seed"), r["workers"], r["steps"], r["train_seconds"], r["samples_per_s"],
                 r["steps_per_min"],
@@ -119,15 +138,15 @@ def _throughput_table(results: list[dict[str, Any]], by: dict[str, dict[str, Any
                 r["train_reward_last"],
             ])  # fmt: skip
         out.append("### (a) Throughput vs rollout workers (tiny warm model, loopback)\n")
-        out.append("(x local: against the local run of the last seed)\n")
+        out.append("(x local: against the local run of the same seed)\n")
         out.append(md_table(
             ["case", "seed", "workers", "steps", "train s", "samples/s", "steps/min", "x local", "wait s", "wait frac",
              "greedy reward before", "after", "last train reward"], rows))  # fmt: skip
     return out
 
 
-def _rate_limited_table(results: list[dict[str, Any]], by: dict[str, dict[str, Any]]) -> list[str]:
-    """(b): the net model's cases, patches against full copies, and the two throughput ratios."""
+def _rate_limited_table(results: list[dict[str, Any]], by: Done) -> list[str]:
+    """(b): the net model's cases, patches against full copies, and the throughput ratios, seed by seed."""
     out: list[str] = []
     net = [r for r in results if r.get("model") == "net" and r.get("steps")]
     if net:
@@ -143,27 +162,23 @@ def _rate_limited_table(results: list[dict[str, Any]], by: dict[str, dict[str, A
             ["case", "workers", "sync", "steps", "train s", "samples/s", "steps/min", "wait frac",
              "published/version (median)", "received/version (median)", "to serve median s", "reward after"],
             rows))  # fmt: skip
-        p, f, n = by.get("netns-patch"), by.get("netns-full"), by.get("nolimit-patch")
-        slow, open_links = by.get("netns-slow"), by.get("netns-open")
+        names = {name for name, _ in by}
         out.append("")
-        out.append(
-            "- throughput patches / full copies (same link): "
-            f"{cell(ratio(p and p['samples_per_s'], f and f['samples_per_s']), 3)}"
-        )
+        out.append(f"- throughput patches / full copies (same link): {seed_ratios(by, 'netns-patch', 'netns-full')}")
         out.append(
             "- throughput patches over the link / same workers without a link limit: "
-            f"{cell(ratio(p and p['samples_per_s'], n and n['samples_per_s']), 3)}"
+            f"{seed_ratios(by, 'netns-patch', 'nolimit-patch')}"
         )
-        if open_links:
+        if "netns-open" in names:
             out.append(
                 "- throughput patches over the link / through the same emulators without limits (netns-open): "
-                f"{cell(ratio(p and p['samples_per_s'], open_links['samples_per_s']), 3)}; netns-open / without a "
-                f"link limit: {cell(ratio(open_links['samples_per_s'], n and n['samples_per_s']), 3)}"
+                f"{seed_ratios(by, 'netns-patch', 'netns-open')}; netns-open / without a link limit: "
+                f"{seed_ratios(by, 'netns-open', 'nolimit-patch')}"
             )
-        if slow:
+        if "netns-slow" in names:
             out.append(
                 "- throughput with one worker on the slow link / without a link limit: "
-                f"{cell(ratio(slow['samples_per_s'], n and n['samples_per_s']), 3)}"
+                f"{seed_ratios(by, 'netns-slow', 'nolimit-patch')}"
             )
     return out
 
@@ -248,7 +263,7 @@ def _quality_table(results: list[dict[str, Any]]) -> list[str]:
 def build_tables(results: list[dict[str, Any]]) -> str:
     """Markdown tables of the results (pure): (a), (b), (c), (d), quality over seeds and the failed cases, each only
     when some result belongs in it."""
-    by = {r["name"]: r for r in results if r.get("samples_per_s")}
+    by = {(r["name"], r.get("seed")): r for r in results if r.get("samples_per_s")}
     out = _throughput_table(results, by) + _rate_limited_table(results, by) + _lag_table(results)
     out += _time_table(results)
     out += _quality_table(results)
