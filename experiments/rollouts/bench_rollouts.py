@@ -46,8 +46,10 @@ and version ``seconds_to_serve`` / ``bytes_received`` / ``path`` (the workers' `
 the trainer's train seconds split into waiting for workers, checking their completions and the rest (its own
 steps and publishing), and each version's way to a worker: from publishing to the fetch's start (finding the new
 head), the fetch and apply, the engine's load; and how busy the machine's cores were while the trainer ran (every
-process of the case: near all of them, the processes slow each other down). Reward: the held-out greedy reward
-before and after (``grpo_eval.json``) and the last logged training reward.
+process of the case: near all of them, the processes slow each other down; ``--trainer-core N`` pins the trainer,
+with one torch thread, to core N and everything else to the other cores, as if it had a machine of its own).
+Throughput ratios pair each seed's case with the same seed's baseline and give every seed's and their mean.
+Reward: the held-out greedy reward before and after (``grpo_eval.json``) and the last logged training reward.
 
 The larger model of the netns cases (``--net-layers``, ``--net-intermediate``): the tiny warm model grown in
 depth and MLP width (a Llama built from a config: hidden 64, extra decoder layers and a wider MLP initialised
