@@ -113,6 +113,8 @@ def test_summarize_run():
     assert s["steps_per_min"] == pytest.approx(30.0)
     assert s["seconds_waiting"] == pytest.approx(2.0)  # the eval round is not training time
     assert s["wait_fraction"] == pytest.approx(0.25)
+    # steady state: one batch of 16 between the first train round (1.0 s) and the last (2.0 s); the eval round is not
+    assert s["steady_seconds"] == pytest.approx(1.0) and s["steady_samples_per_s"] == pytest.approx(16.0)
     assert s["lag_histogram"] == {"0": 2, "1": 1, "2": 1}
     assert (s["stale_dropped"], s["refused"], s["local_rounds"]) == (8, 1, 0)
     assert s["completions_by_worker"] == {"a": 24, "b": 8}
@@ -173,12 +175,12 @@ def test_throughput_ratios_pair_each_seed_with_itself():
         _result("swarm2", 2, "tiny", 5.0, seed=1),
     ]
     text = rr.build_tables(results)
-    assert "without a link limit: 0.750 / 0.500 (seeds 0 / 1), mean 0.625" in text
+    assert "without a link limit: 0.750 / 0.500 (seeds 0 / 1), mean 0.625;" in text
     assert "patches / full copies (same link): -" in text
     assert "| swarm2 | 0 | 2 | 8 | 25.60 | 5.00 | 18.75 | 0.50 |" in text
     assert "| swarm2 | 1 | 2 | 8 | 25.60 | 5.00 | 18.75 | 0.25 |" in text
     one_side = [r for r in results if not (r["name"] == "nolimit-patch" and r["seed"] == 1)]
-    assert "without a link limit: 0.750\n" in rr.build_tables(one_side)
+    assert "without a link limit: 0.750;" in rr.build_tables(one_side)
 
 
 def test_ratio():

@@ -47,6 +47,9 @@ def summarize_run(
     samples = steps * batch
     way = _version_way([v for w in workers for v in w])
     publish = [float(p["seconds_publish"]) for p in versions if p.get("seconds_publish") is not None]
+    # from the first batch handed to TRL to the last: the steps of a long run, without the start (the first version's
+    # way to the workers) and the run's end (the last step, the outer round, the last version's flush)
+    span = float(last["time"]) - float(train_rounds[0]["time"]) if len(train_rounds) > 1 else 0.0
     return {
         "steps": steps,
         "samples": samples,
@@ -54,6 +57,8 @@ def summarize_run(
         "samples_per_s": round(samples / train_seconds, 3) if train_seconds > 0 else None,
         "steps_per_min": round(60 * steps / train_seconds, 2) if train_seconds > 0 else None,
         "rounds": len(train_rounds),
+        "steady_seconds": round(span, 2),
+        "steady_samples_per_s": round((len(train_rounds) - 1) * batch / span, 3) if span > 0 else None,
         "seconds_waiting": round(waiting, 2),
         "wait_fraction": round(waiting / train_seconds, 3) if train_seconds > 0 else None,
         "seconds_checking": round(checking, 2),
@@ -107,12 +112,12 @@ Done = dict[tuple[str, Any], dict[str, Any]]
 """The results with a throughput, by ``(case name, seed)``."""
 
 
-def seed_ratios(by: Done, numerator: str, denominator: str) -> str:
-    """``numerator``'s samples per second over ``denominator``'s, each seed that has both paired with itself: one
-    ratio, or every seed's and their mean (``0.918 / 0.841 (seeds 0 / 1), mean 0.880``); ``-`` when no seed has
-    both."""
+def seed_ratios(by: Done, numerator: str, denominator: str, key: str = "samples_per_s") -> str:
+    """``numerator``'s samples per second (``key``) over ``denominator``'s, each seed that has both paired with
+    itself: one ratio, or every seed's and their mean (``0.918 / 0.841 (seeds 0 / 1), mean 0.880``); ``-`` when no
+    seed has both."""
     seeds = sorted({seed for name, seed in by if name == numerator and (denominator, seed) in by}, key=str)
-    ratios = [ratio(by[numerator, s]["samples_per_s"], by[denominator, s]["samples_per_s"]) for s in seeds]
+    ratios = [ratio(by[numerator, s].get(key), by[denominator, s].get(key)) for s in seeds]
     values = [r for r in ratios if r is not None]
     if len(values) != len(seeds) or not values:
         return "-"
@@ -167,7 +172,9 @@ def _rate_limited_table(results: list[dict[str, Any]], by: Done) -> list[str]:
         out.append(f"- throughput patches / full copies (same link): {seed_ratios(by, 'netns-patch', 'netns-full')}")
         out.append(
             "- throughput patches over the link / same workers without a link limit: "
-            f"{seed_ratios(by, 'netns-patch', 'nolimit-patch')}"
+            f"{seed_ratios(by, 'netns-patch', 'nolimit-patch')}; from the first batch to the last (steady state: "
+            "without the start and the run's end, its outer round and last flush): "
+            f"{seed_ratios(by, 'netns-patch', 'nolimit-patch', 'steady_samples_per_s')}"
         )
         if "netns-open" in names:
             out.append(
