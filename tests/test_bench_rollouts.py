@@ -37,6 +37,7 @@ def test_default_arguments_are_valid():
         ("--slow-link", "fast/200/0.01"),
         ("--slow-link", "10mbit/20/0.01"),  # under rtt/2: the trainer's own link has rtt/4 of it
         ("--slow-link", "10mbit/200/0.9"),
+        ("--trainer-core", "-1"),  # not one of this process's cores
     ],
 )
 def test_bad_arguments_are_refused(argv):
