@@ -115,11 +115,15 @@ Done = dict[tuple[str, Any], dict[str, Any]]
 def seed_ratios(by: Done, numerator: str, denominator: str, key: str = "samples_per_s") -> str:
     """``numerator``'s samples per second (``key``) over ``denominator``'s, each seed that has both paired with
     itself: one ratio, or every seed's and their mean (``0.918 / 0.841 (seeds 0 / 1), mean 0.880``); ``-`` when no
-    seed has both."""
-    seeds = sorted({seed for name, seed in by if name == numerator and (denominator, seed) in by}, key=str)
+    seed has both (runs of a report older than ``key`` lack it)."""
+    seeds = sorted(
+        {seed for name, seed in by if name == numerator and (denominator, seed) in by},
+        key=lambda seed: (str(type(seed)), seed),
+    )
     ratios = [ratio(by[numerator, s].get(key), by[denominator, s].get(key)) for s in seeds]
+    seeds = [s for s, r in zip(seeds, ratios, strict=True) if r is not None]
     values = [r for r in ratios if r is not None]
-    if len(values) != len(seeds) or not values:
+    if not values:
         return "-"
     if len(values) == 1:
         return cell(values[0], 3)
