@@ -13,7 +13,10 @@ from typing import Any
 
 import hivemind
 import pytest
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.validation import DHTRecord
+from hivemind.p2p import P2PContext
+from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
 from pulseloco.errors import ConfigError, SwarmUnreachableError
@@ -39,18 +42,32 @@ def test_unreachable_bootstrap_is_one_clear_error() -> None:
     assert time.monotonic() - started < 30
 
 
-def test_a_bootstrap_whose_dht_does_not_answer_pings_in_time_is_joined_by_starting_again() -> None:
+def test_a_bootstrap_whose_dht_does_not_answer_pings_in_time_is_joined_by_starting_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The other way a start fails on a loaded machine or a slow link: p2pd connects, but the bootstrap's DHT
     process does not answer the new node's ping in time (hivemind: "none of the initial_peers responded to a
-    ping"; 16 WAN peers starting at once behind 100 ms links on 2 cores). Here the bootstrap's DHT process is
-    stopped (SIGSTOP; its p2pd still connects) until make_dht, in a process of its own, has failed once, then
-    resumed: the next start joins and stores a record the bootstrap reads."""
-    import os
-    import signal
-    import subprocess
-    import sys
+    ping"; 16 WAN peers starting at once behind 100 ms links on 2 cores). Here the bootstrap's DHT process answers
+    its first ping only after the asker's timeout (hivemind's 3 s), as a process too loaded to run its handler
+    would; make_dht, in a process of its own, fails once, starts again, joins and stores a record the bootstrap
+    reads. (An earlier form stopped the bootstrap's DHT process with SIGSTOP until the first failure; in one
+    fresh-clone CI run the resumed process answered no later ping either, nor shut down in its grace period; not
+    reproduced here under load, so its cause is not known; the joiner was not at fault.)"""
+    import asyncio
 
-    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    answer = DHTProtocol.rpc_ping
+    late = {"first": True}
+
+    async def first_ping_late(
+        self: DHTProtocol, request: dht_pb2.PingRequest, context: P2PContext
+    ) -> dht_pb2.PingResponse:
+        if late.pop("first", False):
+            await asyncio.sleep(2 * self.wait_timeout)  # the asker has given up by then
+        return await answer(self, request, context)
+
+    monkeypatch.setattr(DHTProtocol, "rpc_ping", first_ping_late)
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)  # a fork: it has the slow handler
+    monkeypatch.undo()
     maddr = str(first.get_visible_maddrs()[0])
     script = (
         "import logging, sys, time\n"
@@ -62,25 +79,16 @@ def test_a_bootstrap_whose_dht_does_not_answer_pings_in_time_is_joined_by_starti
         "print('joined', flush=True)\n"
         "dht.shutdown()\n"
     )
-    os.kill(first.pid, signal.SIGSTOP)
     joiner = subprocess.Popen(
         [sys.executable, "-c", script, maddr], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        assert joiner.stderr is not None
-        seen = []
-        for line in joiner.stderr:  # until the first failed start says so
-            seen.append(line)
-            if "no initial peer answered (attempt 1 of 5)" in line:
-                break
-        os.kill(first.pid, signal.SIGCONT)
         out, err = joiner.communicate(timeout=90)
-        assert any("attempt 1 of 5" in line for line in seen), "".join(seen) + err  # it failed once, and
-        assert joiner.returncode == 0 and "joined" in out, "".join(seen) + err  # then joined
+        assert "no initial peer answered (attempt 1 of 5)" in err, err  # it failed once, and
+        assert joiner.returncode == 0 and "joined" in out, err  # then joined
         found = first.get("late", latest=True)
         assert found is not None and found.value == b"joined"
     finally:
-        os.kill(first.pid, signal.SIGCONT)
         if joiner.poll() is None:
             joiner.kill()
             joiner.wait(timeout=30)
