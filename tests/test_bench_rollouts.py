@@ -108,8 +108,12 @@ def test_where_a_version_spent_its_way():
 
 
 def test_summarize_run():
-    s = rr.summarize_run(steps=4, train_seconds=8.0, rollouts=ROLLOUTS, published=PUBLISHED, workers=WORKERS)
+    rounds = [{"round": 0, "seconds_blocked": 1.25}, {"round": 1, "seconds_blocked": 0.5}]
+    s = rr.summarize_run(
+        steps=4, train_seconds=8.0, rollouts=ROLLOUTS, published=PUBLISHED, workers=WORKERS, outer_rounds=rounds
+    )
     assert s["samples"] == 4 * rr.BATCH
+    assert s["outer_round_seconds"] == pytest.approx(1.75)  # the trainer's outer rounds, inner optimizer stopped
     assert s["samples_per_s"] == pytest.approx(64 / 8)
     assert s["steps_per_min"] == pytest.approx(30.0)
     assert s["seconds_waiting"] == pytest.approx(2.0)  # the eval round is not training time

@@ -465,6 +465,7 @@ def collect(
             published=read_records(out_dir / "pulsesync_versions.jsonl"),
             workers=workers,
             batch=batch,
+            outer_rounds=read_records(out_dir / "pulseloco_rounds.jsonl"),
         ),
     }
     return result

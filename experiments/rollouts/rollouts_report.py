@@ -27,8 +27,12 @@ def summarize_run(
     published: list[dict[str, Any]],
     workers: list[list[dict[str, Any]]],
     batch: int = BATCH,
+    outer_rounds: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The metrics of one run from its records (pure: the tests feed it sample JSON lines)."""
+    """The metrics of one run from its records (pure: the tests feed it sample JSON lines). ``outer_rounds``: the
+    trainer's ``pulseloco_rounds.jsonl`` (its outer rounds: a lone trainer's runs one at the end of the bench's
+    runs, whose ``inner_steps`` is the step count); their ``seconds_blocked`` (the inner optimizer stopped) are
+    ``outer_round_seconds``."""
     train_rounds = [r for r in rollouts if r.get("mode", "train") == "train"]
     waiting = sum(float(r.get("seconds_waiting", 0.0)) for r in train_rounds)
     checking = sum(float((r.get("verify") or {}).get("seconds", 0.0)) for r in train_rounds)
@@ -64,6 +68,7 @@ def summarize_run(
         "seconds_checking": round(checking, 2),
         "check_fraction": round(checking / train_seconds, 3) if train_seconds > 0 else None,
         "seconds_publish_median": round(percentile(publish, 0.5), 3) if publish else None,
+        "outer_round_seconds": round(sum(float(r.get("seconds_blocked", 0.0)) for r in outer_rounds or []), 2),
         **way,
         "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
         "stale_dropped": int(last.get("stale_dropped", 0)),
@@ -203,20 +208,24 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
     for r in done:
         train, wait, check = r["train_seconds"], r["seconds_waiting"], r.get("seconds_checking") or 0.0
         rows.append([
-            r["name"], train, round(wait - check, 2), check, round(train - wait, 2), r.get("seconds_publish_median"),
+            r["name"], train, round(wait - check, 2), check, round(train - wait, 2), r.get("outer_round_seconds"),
+            r.get("seconds_publish_median"),
             r.get("version_found_median"), r.get("version_fetch_median"), r.get("version_load_median"),
             r["seconds_to_serve_median"], r.get("emulator_cpu_seconds"), r.get("machine_busy_seconds"),
             r.get("machine_busy_share"),
         ])  # fmt: skip
     columns = [
-        "case", "train s", "waiting for workers s", "checking s", "steps and publishing s", "publish median s",
+        "case", "train s", "waiting for workers s", "checking s", "steps and publishing s",
+        "of which outer round s", "publish median s",
         "found median s", "fetch median s", "load median s", "to serve median s", "emulators' CPU s",
         "machine busy CPU s", "machine busy share",
     ]  # fmt: skip
     return [
         "\n### (d) Where the time went\n",
         "(trainer: its train seconds split into waiting for the workers' completions, checking them, and the rest: its "
-        "own steps and publishing; a version's way to a worker, medians over the versions after the first: publishing "
+        "own steps and publishing, of which the outer round (the lone trainer's exchange over the DHT, its inner "
+        "optimizer stopped: one at the end of these runs); a version's way to a worker, medians over the versions "
+        "after the first: publishing "
         "to the fetch's start, the fetch and apply, the engine's load, and publishing to serving; the link "
         "emulators' CPU seconds over the whole case, all of them together: what the emulation took from the cores; the "
         "machine's busy CPU seconds while the trainer ran, every process of the case on every core, and their share "
