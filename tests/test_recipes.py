@@ -149,6 +149,7 @@ def test_grpo_peers_publish_to_rollout_worker(
     assert [value for _, value in series["train/pulsesync/version"]][-1] == 4
     evaluation = json.loads((tmp_path / "peer0" / "grpo_eval.json").read_text())
     assert 0.0 <= evaluation["reward_before"] <= 1.0 and 0.0 <= evaluation["reward_after"] <= 1.0
+    assert evaluation["seconds"] > 0 and evaluation["cpu_seconds"] > 0  # training's wall and CPU seconds
     assert evaluation["num_eval_samples"] == 8 and evaluation["eval_temperature"] == 1.0  # the defaults
     for when in ("before", "after"):
         assert 0.0 <= evaluation[f"sampled_reward_{when}"] <= 1.0 and 0.0 <= evaluation[f"sampled_se_{when}"] < 0.1

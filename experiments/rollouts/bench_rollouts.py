@@ -458,6 +458,7 @@ def collect(
         "reward_before": evaluation.get("reward_before"),
         "reward_after": evaluation.get("reward_after"),
         "train_reward_last": rewards[-1] if rewards else None,
+        "trainer_cpu_seconds": evaluation.get("cpu_seconds"),  # the trainer's process, all its threads
         **summarize_run(
             steps=steps if partial else int(state.get("global_step", steps)),
             train_seconds=float(evaluation["seconds"]),

@@ -209,6 +209,7 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         train, wait, check = r["train_seconds"], r["seconds_waiting"], r.get("seconds_checking") or 0.0
         rows.append([
             r["name"], train, round(wait - check, 2), check, round(train - wait, 2), r.get("outer_round_seconds"),
+            r.get("trainer_cpu_seconds"),
             r.get("seconds_publish_median"),
             r.get("version_found_median"), r.get("version_fetch_median"), r.get("version_load_median"),
             r["seconds_to_serve_median"], r.get("emulator_cpu_seconds"), r.get("machine_busy_seconds"),
@@ -216,7 +217,7 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         ])  # fmt: skip
     columns = [
         "case", "train s", "waiting for workers s", "checking s", "steps and publishing s",
-        "of which outer round s", "publish median s",
+        "of which outer round s", "trainer CPU s", "publish median s",
         "found median s", "fetch median s", "load median s", "to serve median s", "emulators' CPU s",
         "machine busy CPU s", "machine busy share",
     ]  # fmt: skip
@@ -224,8 +225,9 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         "\n### (d) Where the time went\n",
         "(trainer: its train seconds split into waiting for the workers' completions, checking them, and the rest: its "
         "own steps and publishing, of which the outer round (the lone trainer's exchange over the DHT, its inner "
-        "optimizer stopped: one at the end of these runs); a version's way to a worker, medians over the versions "
-        "after the first: publishing "
+        "optimizer stopped: one at the end of these runs), and the CPU seconds the trainer's process used in those "
+        "train seconds (all its threads: steps, checks, publishing; not its DHT's processes); a version's way to a "
+        "worker, medians over the versions after the first: publishing "
         "to the fetch's start, the fetch and apply, the engine's load, and publishing to serving; the link "
         "emulators' CPU seconds over the whole case, all of them together: what the emulation took from the cores; the "
         "machine's busy CPU seconds while the trainer ran, every process of the case on every core, and their share "

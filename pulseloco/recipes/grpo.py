@@ -213,15 +213,21 @@ def main(argv: list[str] | None = None, *, own_process: bool = False) -> None:
         f"max_steps={training_args.max_steps}, task={spec.task} max_operand={spec.max_operand}, "
         f"held-out greedy reward {reward_before}"
     )
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     seconds = time.monotonic() - started
+    cpu_seconds = time.process_time() - cpu_started  # every thread of this process; not its DHT's processes
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
     if state.is_main_process:
         after = evaluate(TransformersEngine(trainer.model, tokenizer))
         reward_after = after["greedy"]
-        result = {"reward_before": reward_before, "reward_after": reward_after, "seconds": seconds}
+        result = {
+            "reward_before": reward_before,
+            "reward_after": reward_after,
+            "seconds": seconds,
+            "cpu_seconds": round(cpu_seconds, 2),
+        }
         result["num_eval_prompts"] = len(tasks.eval_problems(spec, task_args.num_eval_prompts))
         sampled = ""
         if task_args.num_eval_samples:
