@@ -30,8 +30,8 @@ def summarize_run(
     outer_rounds: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The metrics of one run from its records (pure: the tests feed it sample JSON lines). ``outer_rounds``: the
-    trainer's ``pulseloco_rounds.jsonl`` (its outer rounds: a lone trainer's runs one at the end of the bench's
-    runs, whose ``inner_steps`` is the step count); their ``seconds_blocked`` (the inner optimizer stopped) are
+    trainer's ``pulseloco_rounds.jsonl``, its outer rounds (the bench's lone trainer runs one, at the end: its
+    ``inner_steps`` is the step count); their ``seconds_blocked`` (the inner optimizer stopped) add up to
     ``outer_round_seconds``."""
     train_rounds = [r for r in rollouts if r.get("mode", "train") == "train"]
     waiting = sum(float(r.get("seconds_waiting", 0.0)) for r in train_rounds)
