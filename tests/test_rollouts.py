@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import math
@@ -112,7 +113,9 @@ def test_a_good_lease_round_trips() -> None:
     lease = decode_lease(lease_blob(), **LIMITS)
     assert lease == Lease(PROTO_RUN, "lease-0a", [[1, 2, 3], [4, 5]], 2, 4, 1.0, 7, 30.0, [0, 2])
     assert decode_lease(lease.encode(), **LIMITS) == lease
-    assert lease.num_completions == 4
+    assert lease.num_completions == 4 and lease.min_version == 0  # a lease without the field: any version
+    waiting = decode_lease(lease_blob(min_version=5), **LIMITS)
+    assert waiting.min_version == 5 and decode_lease(waiting.encode(), **LIMITS) == waiting
     # the limits themselves are allowed
     edge = dict(prompts=[[0] * 16, [VOCAB - 1]], max_new_tokens=8, temperature=10, num_samples=256, seed=2**63 - 1)
     edge["sequences"] = [0, 2**32 - 256]  # the last sample of the last prompt is sequence 2**32 - 1
@@ -163,6 +166,10 @@ def test_a_good_lease_round_trips() -> None:
         ({"sequences": "0 2"}, "sequences must be one integer"),
         ({"deadline_s": 0}, "deadline_s must be in"),
         ({"deadline_s": 1e6}, "deadline_s must be in"),
+        ({"min_version": -1}, "min_version must be an integer"),
+        ({"min_version": True}, "min_version must be an integer"),
+        ({"min_version": "3"}, "min_version must be an integer"),
+        ({"min_version": 2**63}, "min_version must be an integer"),
     ],
 )
 def test_decode_lease_refuses(changes: dict[str, Any], reason: str) -> None:
@@ -730,6 +737,23 @@ def test_a_worker_one_version_behind_is_not_refused(swarm: Swarm) -> None:
     assert {(r.version, r.digest) for r in results} <= {(v, swarm.digests[v]) for v in (old, old + 1)}
 
 
+@pytest.mark.timeout(90)
+def test_a_lease_waits_for_its_oldest_usable_version(swarm: Swarm) -> None:
+    """Leases whose ``min_version`` the workers do not hold yet (a round the trainer sent ahead, which it would drop
+    as stale if made with their version) are generated with that version once the workers have it."""
+    old = swarm.version
+    with swarm.client(lease_timeout=30, rollout_timeout=30) as client:
+        swarm.wait_for_records(client)
+        prompts = random_prompts(4, seed=3)
+        future = client.submit(prompts, num_samples=2, max_new_tokens=8, temperature=1.0, min_version=old + 1)
+        time.sleep(1.5)
+        assert not future.done()  # both workers hold the old version: they wait
+        version = swarm.publish()
+        swarm.sync()
+        results = future.result(timeout=60)
+    assert {(r.version, r.digest) for r in results} == {(version, swarm.digests[version])}
+
+
 @pytest.mark.timeout(60)
 def test_only_stale_workers_end_the_batch(swarm: Swarm) -> None:
     """Both workers hold a version more than max_lag behind the newest: none is usable, so the batch fails with
@@ -1263,6 +1287,9 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
         assert checked["completions"] == 16 * record["round"] and checked["shared_forwards"] == record["round"] - 1
         assert checked["shared_completions"] + checked["audited_completions"] <= checked["completions"], checked
         assert checked["guard_refusals"] == 0 and checked["unverifiable_leases"] == 0, checked
+    for before, after in itertools.pairwise(rounds):
+        # the next round's leases went out before this round's results were back: the worker queued them
+        assert after["prefetched"] and after["sent"] <= before["received"], (before, after)
     worker_versions = read_json_lines(tmp_path / "worker" / "rollouts.jsonl")
     assert worker_versions[0]["version"] == 1 and worker_versions[0]["digest"] == published[1]
 

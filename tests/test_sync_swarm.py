@@ -6,6 +6,7 @@ the digest of the trainer's weights cast to BF16 at that version, computed indep
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -500,7 +501,9 @@ def test_a_version_no_relay_holds_is_asked_of_the_publisher_without_a_lookup(sta
         assert lookups == [1]
         # a version the provider record does not list yet (its store comes after the push): looked up, then asked
         # of the publisher the record names
-        pub.endpoint.announce_provider = lambda *args, **kw: None  # type: ignore[method-assign]
+        unstored: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        unstored.set_result(False)  # the provider record landed on no node
+        pub.endpoint.announce_provider = lambda *args, **kw: unstored  # type: ignore[method-assign]
         publish_versions(pub, trainer, 1, expected)
         source.publishers = []  # type: ignore[attr-defined]
         fetched = source.fetch(FetchRequest("patch", 3))

@@ -13,9 +13,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from pulseloco.errors import SwarmError
 from pulseloco.p2p import BackgroundLoop
+from pulseloco.sync.publisher import Publisher
 from pulseloco.sync.signing import generate_key
 from pulseloco.sync.transport import SwarmEndpoint
 
@@ -43,7 +45,31 @@ class _StalledDHT:
         return concurrent.futures.Future()
 
 
-def _endpoint(dht: _StalledDHT) -> SwarmEndpoint:
+class _OrderedDHT:
+    """A DHT whose provider-record stores land ``delay`` s after the call and head stores at once; ``events``
+    lists the calls and landings in order."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.events: list[tuple[str, str]] = []
+
+    def store(self, key: str, value: Any, expiration_time: float, **kwargs: Any) -> Any:
+        name = key.rsplit(":", 1)[-1]
+        self.events.append(("store", name))
+        future: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def land() -> None:
+            self.events.append(("landed", name))
+            future.set_result(True)
+
+        if name == "providers":
+            threading.Timer(self.delay, land).start()
+        else:
+            land()
+        return future
+
+
+def _endpoint(dht: _StalledDHT | _OrderedDHT) -> SwarmEndpoint:
     """A SwarmEndpoint's DHT-record half, without the P2P replica __init__ would start."""
     endpoint = object.__new__(SwarmEndpoint)
     endpoint.dht = dht  # type: ignore[assignment]
@@ -71,6 +97,25 @@ def test_dht_record_calls_give_up_after_their_timeout(caplog: pytest.LogCaptureF
     assert any("did not store the head record within 0.2 s" in m for m in messages), messages
     assert sum("DHT lookup timed out" in m for m in messages) == 2, messages
     assert any("did not store the provider record" in m for m in messages), messages
+
+
+def test_the_publisher_stores_its_provider_and_head_records_at_once_after_the_first(tmp_path: Any) -> None:
+    """The first announce stores the provider record before the head (a subscriber reading that head must find
+    the publisher); later ones store both at once, one DHT round trip, and wait for both."""
+    dht = _OrderedDHT(delay=0.3)
+    pub = Publisher(None, RUN, generate_key(), tmp_path / "store")
+    try:
+        pub.publish({"w": torch.zeros(4, dtype=torch.bfloat16)})
+        pub.flush(timeout=10)
+        pub.endpoint = _endpoint(dht)
+        assert pub._announce()
+        assert dht.events == [("store", "providers"), ("landed", "providers"), ("store", "head"), ("landed", "head")]
+        dht.events.clear()
+        assert pub._announce()
+        assert dht.events == [("store", "providers"), ("store", "head"), ("landed", "head"), ("landed", "providers")]
+    finally:
+        pub.endpoint = None
+        pub.close()
 
 
 def test_background_loop_cancels_a_coroutine_it_stops_waiting_for() -> None:

@@ -442,6 +442,12 @@ class PulseSyncCallback(LogsContributor):
             return None
         return self.publisher.endpoint.dht
 
+    @property
+    def queued_version(self) -> int | None:
+        """The newest version this process queued for publishing (it may not be stored or announced yet); None
+        before the first."""
+        return self._last_published[0] if self._last_published is not None else None
+
     def _record(self, published: PublishedVersion) -> None:
         """The publisher's announce listener (its thread): the JSON line and the totals of the next log, then
         :attr:`announce_listeners` (one that raises is logged and changes nothing)."""

@@ -216,6 +216,7 @@ class _Pending:
     seed: int
     future: concurrent.futures.Future[list[GroupResult]]
     prefetched: bool = False
+    sent: float = field(default_factory=time.time)  # wall time its leases went to the workers
 
 
 def _group(rows: list[Any], num_generations: int) -> int:
@@ -296,6 +297,7 @@ class SwarmRollouts(RunRollouts):
         self.seconds_waiting = 0.0
         self.num_local = 0
         self.num_rounds = 0
+        self._publishers: list[PulseSyncCallback] = []  # this trainer's publishing callbacks (their queued versions)
         self._owned_dht: Any | None = None
         self._pending: _Pending | None = None
         self._predictions: Iterator[list[Any]] | None = None
@@ -406,6 +408,7 @@ class SwarmRollouts(RunRollouts):
         for callback in callbacks:
             if isinstance(callback, PulseSyncCallback) and callback.signing_key is not None:
                 callback.add_announce_listener(self._announced)
+                self._publishers.append(callback)
         trainer.add_callback(_CloseAtEnd(self))
         print(
             f"rollouts: from the swarm's workers of run_id={policy_run_id(self.run_id)} max_lag={self.config.max_lag} "
@@ -452,7 +455,13 @@ class SwarmRollouts(RunRollouts):
         training = trainer.model.training
         num_generations = trainer.num_generations if training else trainer.num_generations_eval
         pending = self._take_or_submit(rows, trainer)
+        if training and self.lookahead:
+            # the next round goes to the workers now, before this one is back: each worker queues it behind its
+            # lease of this round and goes on without waiting a round trip for it, and generates while the trainer
+            # checks and trains this one (a lease this round's checks send again queues behind it)
+            self._submit_prediction(trainer)
         results, fallback = self._collect(trainer, pending.future, pending.groups, pending.num_samples)
+        received = time.time()
 
         def regenerate(indices: list[int], last: bool) -> list[GroupResult]:
             nonlocal fallback
@@ -465,7 +474,9 @@ class SwarmRollouts(RunRollouts):
                 fallback = True
                 return self._generate_locally(trainer, groups, pending.num_samples)
             # the batch's seed and the groups' own ids: a group is sampled with the same noise whoever makes it
-            future = self._submit_groups(groups, pending.num_samples, trainer, pending.seed, indices)
+            future = self._submit_groups(
+                groups, pending.num_samples, trainer, pending.seed, indices, min_version=self._min_version(0)
+            )
             again, here = self._collect(trainer, future, groups, pending.num_samples)
             fallback = fallback or here
             return again
@@ -486,12 +497,12 @@ class SwarmRollouts(RunRollouts):
         )
         results, newest, verify_seconds = settled.results, settled.newest, settled.verify_seconds
         lags = [self.client.lag(r.version) for r in results if r.version >= 0]  # before anything moves the newest
-        if training and self.lookahead and not fallback:
-            self._submit_prediction(trainer)
         waited = time.monotonic() - started
         self.seconds_waiting += waited
         self.num_rounds += 1
-        self._record(trainer, results, pending, newest, lags, waited, fallback, num_generations, verify_seconds)
+        self._record(
+            trainer, results, pending, newest, lags, waited, fallback, num_generations, verify_seconds, received
+        )
         completion_ids, logprobs = [], []
         for result in results:
             completion_ids.extend(result.completion_ids)
@@ -515,8 +526,24 @@ class SwarmRollouts(RunRollouts):
             print(f"rollouts: no workers ({exc}); generating this round locally", flush=True)
             return self._generate_locally(trainer, groups, num_samples), True
 
+    def _min_version(self, steps_ahead: int) -> int:
+        """The oldest version that a round trained ``steps_ahead`` optimizer steps from now may be generated with:
+        ``max_lag`` behind the newest version by then, counted from the newest this trainer queued for publishing
+        (one more per step at most), else the newest it knows of. 0 when it knows of none."""
+        assert self.client is not None  # noqa: S101
+        queued = [v for v in (c.queued_version for c in self._publishers) if v is not None]
+        newest = max(queued) if queued else self.client.newest
+        return max(0, (newest or 0) + steps_ahead - self.config.max_lag)
+
     def _submit_groups(
-        self, groups: list[list[int]], num_samples: int, trainer: Any, seed: int, group_ids: list[int] | None = None
+        self,
+        groups: list[list[int]],
+        num_samples: int,
+        trainer: Any,
+        seed: int,
+        group_ids: list[int] | None = None,
+        *,
+        min_version: int = 0,
     ) -> concurrent.futures.Future[list[GroupResult]]:
         assert self.client is not None  # noqa: S101
         return self.client.submit(
@@ -527,6 +554,7 @@ class SwarmRollouts(RunRollouts):
             wait=self.config.rollout_fallback == "wait",
             seed=seed,
             group_ids=group_ids,
+            min_version=min_version,
         )
 
     def _wait_bound(self) -> float:
@@ -544,9 +572,9 @@ class SwarmRollouts(RunRollouts):
             self._predictions = None
             self.lookahead = False
             logger.info("rollouts: the predicted batch was not the one TRL asked for; lookahead turned off")
-        return self._submit(rows, key, trainer)
+        return self._submit(rows, key, trainer, steps_ahead=0)
 
-    def _submit(self, rows: list[Any], key: str, trainer: Any) -> _Pending:
+    def _submit(self, rows: list[Any], key: str, trainer: Any, *, steps_ahead: int) -> _Pending:
         assert self.client is not None  # noqa: S101
         num_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
         per_group = _group(rows, num_generations)
@@ -556,7 +584,8 @@ class SwarmRollouts(RunRollouts):
         prompt_ids = [list(map(int, ids)) for ids in prompt_ids]
         groups = [prompt_ids[start] for start in range(0, len(rows), per_group)]
         seed = self.client.next_seed()
-        return _Pending(key, prompt_ids, groups, per_group, seed, self._submit_groups(groups, per_group, trainer, seed))
+        future = self._submit_groups(groups, per_group, trainer, seed, min_version=self._min_version(steps_ahead))
+        return _Pending(key, prompt_ids, groups, per_group, seed, future)
 
     def _submit_prediction(self, trainer: Any) -> None:
         if self._predictions is None:
@@ -564,7 +593,8 @@ class SwarmRollouts(RunRollouts):
             next(self._predictions, None)  # the round just served
         rows = next(self._predictions, None)
         if rows is not None:
-            self._pending = self._submit(rows, json.dumps(rows, sort_keys=True, default=str), trainer)
+            # trained after this round's step: one version newer at most by then
+            self._pending = self._submit(rows, json.dumps(rows, sort_keys=True, default=str), trainer, steps_ahead=1)
 
     @staticmethod
     def _predicted_rounds(trainer: Any) -> Iterator[list[Any]]:
@@ -605,7 +635,8 @@ class SwarmRollouts(RunRollouts):
         waited: float,
         fallback: bool,
         num_generations: int,
-        verify_seconds: float = 0.0,
+        verify_seconds: float,
+        received: float,
     ) -> None:
         assert self.client is not None  # noqa: S101
         stats = self.client.stats
@@ -642,6 +673,8 @@ class SwarmRollouts(RunRollouts):
                 seconds_waiting=round(waited, 4),
                 local=fallback,
                 prefetched=pending.prefetched,
+                sent=round(pending.sent, 3),
+                received=round(received, 3),
                 stale_dropped=stats.stale_dropped,
                 refused=stats.refused,
                 failed=stats.failed,

@@ -216,6 +216,8 @@ class _Batch:
     seed: int
     #: each group's first sequence index of the sampling noise
     sequences: list[int]
+    #: the oldest version a worker may generate the batch with (:attr:`Lease.min_version`)
+    min_version: int = 0
     results: dict[int, GroupResult] = field(default_factory=dict)
 
 
@@ -444,8 +446,10 @@ class RolloutClient:
         wait: bool = False,
         seed: int | None = None,
         group_ids: Sequence[int] | None = None,
+        min_version: int = 0,
     ) -> concurrent.futures.Future[list[GroupResult]]:
         """Start generating ``num_samples`` completions of each prompt in ``groups`` (token ids); returns at once.
+        ``min_version``: the oldest version the workers may generate them with (:attr:`Lease.min_version`).
 
         Sampling noise: the batch is keyed by ``seed`` (None: the next of the client's generator, see
         :meth:`next_seed`) and group ``g`` by its id ``group_ids[g]`` (default ``g``): its samples are the sequences
@@ -471,6 +475,7 @@ class RolloutClient:
             temperature,
             seed=self.next_seed() if seed is None else seed,
             sequences=[i * num_samples for i in ids],
+            min_version=max(0, int(min_version)),
         )
         return asyncio.run_coroutine_threadsafe(self._run(batch, wait), self.host.loop.loop)
 
@@ -489,6 +494,7 @@ class RolloutClient:
             seed=batch.seed,
             deadline_s=self.config.lease_timeout,
             sequences=[batch.sequences[i] for i in indices],
+            min_version=batch.min_version,
         )
 
     def _usable(self, workers: dict[str, WorkerInfo], batch: _Batch) -> tuple[list[str], str]:

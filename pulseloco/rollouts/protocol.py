@@ -89,7 +89,10 @@ class Lease:
     :mod:`pulseloco.rollouts.sampling`: sample ``j`` of prompt ``p`` is sequence ``sequences[p] + j`` of the noise
     keyed by ``seed``. A trainer keys a batch by one seed and a prompt by its place in the batch, so a group
     generated again (by whichever worker, in whichever lease) is sampled with the same noise. ``deadline_s``:
-    seconds the trainer waits for the reply; the worker drops a lease still queued past it.
+    seconds the trainer waits for the reply; the worker drops a lease still queued past it. ``min_version``: the
+    oldest version the trainer will still train on when the reply comes (``max_lag`` behind the newest it expects
+    by then); a worker that holds an older one waits for it (until the deadline) instead of generating completions
+    that would be dropped as stale. 0 (what a trainer that predates the field sends): any version.
     """
 
     run_id: str
@@ -101,6 +104,7 @@ class Lease:
     seed: int
     deadline_s: float
     sequences: list[int]
+    min_version: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -180,6 +184,7 @@ def decode_lease(blob: bytes, *, run_id: str, vocab_size: int, max_new_tokens: i
         seed=_int(raw, "seed", 0, 2**63 - 1),
         deadline_s=_float(raw, "deadline_s", 0.0, 86400.0),
         sequences=list(sequences),
+        min_version=_int(raw, "min_version", 0, 2**63 - 1) if "min_version" in raw else 0,
     )
 
 

@@ -267,8 +267,13 @@ class RolloutServer:
         deadline = job.received + lease.deadline_s
         with self._cond:
             # the subscriber may hold a version that the engine has not loaded yet (a vLLM engine loads after the
-            # patch is applied): wait for the engine, never label completions with a version they were not made with
-            while self._loaded is None or self._loaded != (self.subscriber.version, self.subscriber.digest):
+            # patch is applied): wait for the engine, never label completions with a version they were not made with;
+            # and for the lease's oldest usable version (waiting releases the lock, so the subscriber can apply it)
+            while (
+                self._loaded is None
+                or self._loaded != (self.subscriber.version, self.subscriber.digest)
+                or self._loaded[0] < lease.min_version
+            ):
                 if self._stop.is_set() or time.monotonic() > deadline:
                     return ReplyHeader("not_ready", lease.lease_id), []
                 self._cond.wait(timeout=0.5)

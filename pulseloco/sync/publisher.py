@@ -32,7 +32,7 @@ from pulseloco.sync.anchor import anchor_bytes, load_anchor
 from pulseloco.sync.patch import apply_patch, make_patch, squash
 from pulseloco.sync.signing import Envelope, check_payload, sign_envelope, verify_envelope
 from pulseloco.sync.store import VersionStore
-from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint
+from pulseloco.sync.transport import FetchRequest, Provided, SwarmEndpoint, stored_in_time
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +207,7 @@ class Publisher:
         self._object_cache: OrderedDict[tuple[str, int], tuple[bytes, bytes]] = OrderedDict()
         self._read_lock = threading.Lock()
         self._head_envelope: bytes | None = None
+        self._provider_stored = False  # whether a provider record of this publisher has landed in the DHT
         self.last_error: BaseException | None = None
         self.endpoint: SwarmEndpoint | None = None
         if dht is not None:
@@ -436,10 +437,19 @@ class Publisher:
         )
         self._head_envelope = sign_envelope(self._key, env)
         if self.endpoint is not None:
-            # providers first: a subscriber that sees the new head must find who serves it
+            # The provider and head records are stored at once (one DHT round trip instead of two before the
+            # push to the workers): a subscriber that reads the new head before the provider record lists it asks
+            # the publishers named in the record it read (SwarmSource._providers). The first announce has no such
+            # record to fall back on, so it stores the provider record first.
             held = self.store.list("patch") + self.store.list("anchor")
-            self.endpoint.announce_provider(held, publisher=True, ttl=self.provider_ttl, timeout=10.0)
-            if not self.endpoint.store_head(self._head_envelope, self.head_ttl):
+            provided = self.endpoint.announce_provider(held, publisher=True, ttl=self.provider_ttl)
+            first = not self._provider_stored
+            if first:
+                self._provider_stored = stored_in_time(provided, 10.0, "the provider record")
+            accepted = self.endpoint.store_head(self._head_envelope, self.head_ttl)
+            if not first:
+                self._provider_stored = stored_in_time(provided, 10.0, "the provider record")
+            if not accepted:
                 logger.warning("DHT did not accept the head record version=%d", self._version)
                 return False
         return True

@@ -462,6 +462,20 @@ async def _first_status(tasks: list[asyncio.Task[str | None]]) -> str | None:
         await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
 
 
+def stored_in_time(future: concurrent.futures.Future[bool], timeout: float, what: str) -> bool:
+    """Whether the DHT store behind ``future`` landed on some node within ``timeout`` s. A store that landed on
+    none, failed or is still running is logged as a warning (naming ``what``) and gives False; never raises."""
+    try:
+        if future.result(timeout):
+            return True
+        logger.warning("DHT stored %s on no node", what)
+    except concurrent.futures.TimeoutError:
+        logger.warning("DHT did not store %s within %.1f s", what, timeout)
+    except Exception as exc:  # a failed store is a lost hint, not an error of the caller
+        logger.warning("DHT store of %s failed error=%r", what, exc)
+    return False
+
+
 class SwarmEndpoint:
     """One process's PULSESync presence on a hivemind swarm: a P2P replica of the DHT's daemon, an optional
     servicer, and helpers for the DHT records.
@@ -499,11 +513,7 @@ class SwarmEndpoint:
         A store that does not finish in time is logged and counts as not accepted (it may still land later).
         """
         future = self.dht.store(self.head_key, envelope, expiration_time=get_dht_time() + ttl, return_future=True)
-        try:
-            return bool(future.result(timeout))
-        except concurrent.futures.TimeoutError:
-            logger.warning("DHT did not store the head record within %.1f s key=%s", timeout, self.head_key)
-            return False
+        return stored_in_time(future, timeout, "the head record")
 
     def get_head_record(self, *, timeout: float = 10.0) -> bytes | None:
         """The newest head record's bytes, NOT verified (see :func:`read_head_record`)."""
@@ -522,8 +532,10 @@ class SwarmEndpoint:
         ttl: float,
         timeout: float | None = None,
         partial: list[int] | None = None,
-    ) -> None:
+    ) -> concurrent.futures.Future[bool]:
         """Say in the DHT that this peer serves ``versions`` (hint only); wait up to ``timeout`` s if given.
+        Returns the store's future (whether some node stored the record), for a caller that waits later
+        (:func:`stored_in_time`).
 
         ``partial``: those of ``versions`` still arriving (a relay serves them as they arrive); askers prefer
         holders of the whole object. Readers that predate the field see partial versions as held, which is safe.
@@ -543,13 +555,9 @@ class SwarmEndpoint:
             subkey=self.peer_id.to_base58(),
             return_future=True,
         )
-        if timeout is None:
-            return
-        try:
-            if not future.result(timeout):
-                logger.warning("DHT stored the provider record on no node key=%s", self.providers_key)
-        except concurrent.futures.TimeoutError:
-            logger.warning("DHT did not store the provider record within %.1f s", timeout)
+        if timeout is not None:
+            stored_in_time(future, timeout, f"the provider record key={self.providers_key}")
+        return future
 
     def get_providers(self, *, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
         """Peers announcing objects for this run: ``{peer_id_base58: {"versions": [...], "publisher": bool,
