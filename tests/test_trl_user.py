@@ -17,6 +17,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -176,6 +177,30 @@ def test_run_ids_are_bare_training_run_ids() -> None:
     with pytest.raises(ConfigError, match="run_id must be"):
         SwarmRollouts(run_id="two words")
     assert PulseSyncCallback(run_id="X", every=1).run_id == "X"
+
+
+@pytest.mark.parametrize(
+    "max_lag, queued, newest, steps_ahead, expected",
+    [
+        (2, 10, None, 1, 9),  # a round sent ahead is trained at version 11 at most: 2 behind it
+        (2, 10, None, 0, 8),  # a round asked for now: at 10
+        (1, 10, None, 1, 10),
+        (0, 10, None, 1, 10),  # never a version not queued yet (a version every few steps: a long wait)
+        (2, None, 7, 1, 6),  # a trainer that does not publish counts from the newest it read
+        (2, None, None, 1, 0),  # none known: any version
+        (5, 2, None, 1, 0),
+    ],
+)
+def test_a_rounds_oldest_usable_version(
+    max_lag: int, queued: int | None, newest: int | None, steps_ahead: int, expected: int
+) -> None:
+    from pulseloco.integrations import SwarmRollouts
+    from pulseloco.integrations.swarm_rollouts import RolloutConfig
+
+    rollouts = SwarmRollouts(run_id="min-version", config=RolloutConfig(max_lag=max_lag))
+    rollouts.client = SimpleNamespace(newest=newest)  # type: ignore[assignment]
+    rollouts._publishers = [SimpleNamespace(queued_version=queued)] if queued is not None else []  # type: ignore[list-item]
+    assert rollouts._min_version(steps_ahead) == expected
 
 
 def test_rollouts_and_callbacks_that_disagree_on_the_run_are_refused() -> None:

@@ -528,12 +528,14 @@ class SwarmRollouts(RunRollouts):
 
     def _min_version(self, steps_ahead: int) -> int:
         """The oldest version that a round trained ``steps_ahead`` optimizer steps from now may be generated with:
-        ``max_lag`` behind the newest version by then, counted from the newest this trainer queued for publishing
-        (one more per step at most), else the newest it knows of. 0 when it knows of none."""
+        ``max_lag`` behind the newest version by then (one more per step at most), counted from the newest this
+        trainer queued for publishing, else the newest it knows of; never above that newest (a version that does
+        not exist yet: with ``max_lag`` 0 and a version every few steps the workers would wait for it until their
+        leases' deadlines). 0 when it knows of none."""
         assert self.client is not None  # noqa: S101
         queued = [v for v in (c.queued_version for c in self._publishers) if v is not None]
-        newest = max(queued) if queued else self.client.newest
-        return max(0, (newest or 0) + steps_ahead - self.config.max_lag)
+        newest = (max(queued) if queued else self.client.newest) or 0
+        return max(0, min(newest, newest + steps_ahead - self.config.max_lag))
 
     def _submit_groups(
         self,
