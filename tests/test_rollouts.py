@@ -754,6 +754,31 @@ def test_a_lease_waits_for_its_oldest_usable_version(swarm: Swarm) -> None:
     assert {(r.version, r.digest) for r in results} == {(version, swarm.digests[version])}
 
 
+@pytest.mark.timeout(120)
+def test_a_lease_for_a_version_that_never_comes_holds_a_worker_back_for_a_bounded_time(swarm: Swarm) -> None:
+    """A lease naming a version the workers never get (a stranger's, or a trainer's mistake) waits at most
+    ``MIN_VERSION_WAIT_S`` and is answered not_ready: each worker's one generation thread goes on to the leases
+    queued behind it long before that lease's deadline."""
+    from pulseloco.rollouts.worker import MIN_VERSION_WAIT_S
+
+    with swarm.client(lease_timeout=120, rollout_timeout=120) as blocker, swarm.client(lease_timeout=120) as client:
+        swarm.wait_for_records(blocker)
+        swarm.wait_for_records(client)
+        never = swarm.version + 100
+        stuck = blocker.submit(
+            random_prompts(2, seed=5), num_samples=1, max_new_tokens=4, temperature=1.0, min_version=never
+        )
+        time.sleep(1.0)  # each worker holds a lease of it
+        started = time.monotonic()
+        results = client.submit(random_prompts(2, seed=6), num_samples=1, max_new_tokens=4, temperature=1.0).result(
+            timeout=60
+        )
+        took = time.monotonic() - started
+        assert not stuck.done()  # asked again and again, never served
+        stuck.cancel()
+    assert len(results) == 2 and took < MIN_VERSION_WAIT_S + 15, took
+
+
 @pytest.mark.timeout(60)
 def test_only_stale_workers_end_the_batch(swarm: Swarm) -> None:
     """Both workers hold a version more than max_lag behind the newest: none is usable, so the batch fails with

@@ -91,8 +91,9 @@ class Lease:
     generated again (by whichever worker, in whichever lease) is sampled with the same noise. ``deadline_s``:
     seconds the trainer waits for the reply; the worker drops a lease still queued past it. ``min_version``: the
     oldest version the trainer will still train on when the reply comes (``max_lag`` behind the newest it expects
-    by then); a worker that holds an older one waits for it (until the deadline) instead of generating completions
-    that would be dropped as stale. 0 (what a trainer that predates the field sends): any version.
+    by then); a worker that holds an older one waits for it (at most
+    :data:`pulseloco.rollouts.worker.MIN_VERSION_WAIT_S`, then answers ``not_ready``) instead of generating
+    completions that would be dropped as stale. 0 (what a trainer that predates the field sends): any version.
     """
 
     run_id: str

@@ -50,6 +50,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["RolloutServer", "RolloutServicer", "rollout_namespace"]
 
 
+MIN_VERSION_WAIT_S = 10.0
+"""Seconds a lease waits at most for its ``min_version`` (several versions' way over a WAN) before it is answered
+``not_ready``: the one generation thread serves every trainer, so a lease naming a version that never comes (a
+trainer's mistake, or a stranger's) holds the others back by at most this, not by its deadline."""
+
+
 def rollout_namespace(run_id: str) -> str:
     """The libp2p handler namespace of the rollout service of PULSESync run ``run_id``."""
     return f"{run_id}.rollouts"
@@ -265,6 +271,7 @@ class RolloutServer:
     def _generate(self, job: _Job) -> tuple[ReplyHeader, list[bytes]]:
         lease = job.lease
         deadline = job.received + lease.deadline_s
+        version_deadline = min(deadline, time.monotonic() + MIN_VERSION_WAIT_S)
         with self._cond:
             # the subscriber may hold a version that the engine has not loaded yet (a vLLM engine loads after the
             # patch is applied): wait for the engine, never label completions with a version they were not made with;
@@ -274,7 +281,9 @@ class RolloutServer:
                 or self._loaded != (self.subscriber.version, self.subscriber.digest)
                 or self._loaded[0] < lease.min_version
             ):
-                if self._stop.is_set() or time.monotonic() > deadline:
+                now = time.monotonic()
+                behind = self._loaded is not None and self._loaded[0] < lease.min_version
+                if self._stop.is_set() or now > deadline or (behind and now > version_deadline):
                     return ReplyHeader("not_ready", lease.lease_id), []
                 self._cond.wait(timeout=0.5)
             version, digest = self._loaded
