@@ -109,9 +109,23 @@ def test_where_a_version_spent_its_way():
 
 def test_summarize_run():
     rounds = [{"round": 0, "seconds_blocked": 1.25}, {"round": 1, "seconds_blocked": 0.5}]
+    leases = [
+        [{"began": 10.0, "started": 10.5, "seconds": 0.25}, {"began": 11.0, "started": 11.0, "seconds": 0.5}],
+        [{"began": 10.0, "started": 10.25, "seconds": 1.0}, {"lease_id": "an older record"}],
+    ]
     s = rr.summarize_run(
-        steps=4, train_seconds=8.0, rollouts=ROLLOUTS, published=PUBLISHED, workers=WORKERS, outer_rounds=rounds
+        steps=4,
+        train_seconds=8.0,
+        rollouts=ROLLOUTS,
+        published=PUBLISHED,
+        workers=WORKERS,
+        outer_rounds=rounds,
+        leases=leases,
     )
+    assert s["leases"] == 3
+    assert s["lease_version_wait_seconds"] == pytest.approx(0.75)  # began -> started, over both workers
+    assert s["lease_generate_seconds"] == pytest.approx(1.75)
+    assert rr.summarize_run(steps=1, train_seconds=1.0, rollouts=[], published=[], workers=[])["leases"] == 0
     assert s["samples"] == 4 * rr.BATCH
     assert s["outer_round_seconds"] == pytest.approx(1.75)  # the trainer's outer rounds, inner optimizer stopped
     assert s["samples_per_s"] == pytest.approx(64 / 8)

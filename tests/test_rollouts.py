@@ -708,10 +708,10 @@ def test_a_trainer_pushes_each_new_head_to_its_workers(swarm: Swarm) -> None:
         version = swarm.publish()
         signed = read_signed_head(swarm.dht, POLICY, swarm.key.public_key())
         assert signed is not None and signed[0].version == version
-        client.note_published(version, swarm.digests[version], head=signed[1])
+        client.push_head(version, signed[1])
         wait_for(lambda: client.stats.heads_pushed == 2, 15, "both workers to take the pushed head", interval=0.1)
         assert all(worker.call("stats")["pushed"] == before[name] + 1 for name, worker in swarm.workers.items())
-        client.note_published(version, swarm.digests[version], head=signed[1])
+        client.push_head(version, signed[1])
         time.sleep(1.0)
         assert client.stats.heads_pushed == 2  # held already: not taken again
     swarm.sync()  # each worker's next update goes to the pushed version
@@ -1317,6 +1317,14 @@ def test_grpo_trains_on_a_rollout_workers_completions_and_a_dishonest_worker_cha
         assert after["prefetched"] and after["sent"] <= before["received"], (before, after)
     worker_versions = read_json_lines(tmp_path / "worker" / "rollouts.jsonl")
     assert worker_versions[0]["version"] == 1 and worker_versions[0]["digest"] == published[1]
+    # the worker's timeline of each lease it served: the trainer's 8 rounds of 2 leases (and the rounds the checks
+    # sent again), each made with version 1 once it had arrived, waited for and generated
+    leases = read_json_lines(tmp_path / "worker" / "leases.jsonl")
+    assert len(leases) >= 16 and len({lease["lease_id"] for lease in leases}) == len(leases)
+    for lease in leases:
+        assert lease["received"] <= lease["began"] <= lease["started"] <= lease["finished"], lease
+        assert lease["version"] == 1 >= lease["min_version"] and lease["completions"] > 0, lease
+        assert 0 < lease["seconds"] <= lease["finished"] - lease["started"] + 0.01, lease
 
     state = json.loads((alone / "trainer_state.json").read_text())
     assert state["global_step"] == 8

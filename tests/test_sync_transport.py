@@ -101,18 +101,38 @@ def test_dht_record_calls_give_up_after_their_timeout(caplog: pytest.LogCaptureF
 
 def test_the_publisher_stores_its_provider_and_head_records_at_once_after_the_first(tmp_path: Any) -> None:
     """The first announce stores the provider record before the head (a subscriber reading that head must find
-    the publisher); later ones store both at once, one DHT round trip, and wait for both."""
+    the publisher); later ones store both at once, one DHT round trip, and wait for both. A new version's head
+    goes to the head listeners (the trainer's push to its workers) before the DHT is asked to store it, except
+    for the first, once its provider record is stored; a re-announce of the same version tells them nothing."""
     dht = _OrderedDHT(delay=0.3)
     pub = Publisher(None, RUN, generate_key(), tmp_path / "store")
+    pub.add_head_listener(lambda version, head: dht.events.append(("told", str(version))))
     try:
         pub.publish({"w": torch.zeros(4, dtype=torch.bfloat16)})
         pub.flush(timeout=10)
+        dht.events.clear()  # without a DHT the head is told at signing
         pub.endpoint = _endpoint(dht)
-        assert pub._announce()
-        assert dht.events == [("store", "providers"), ("landed", "providers"), ("store", "head"), ("landed", "head")]
+        assert pub._announce(new=True)
+        assert dht.events == [
+            ("store", "providers"),
+            ("landed", "providers"),
+            ("told", "1"),
+            ("store", "head"),
+            ("landed", "head"),
+        ]
         dht.events.clear()
         assert pub._announce()
         assert dht.events == [("store", "providers"), ("store", "head"), ("landed", "head"), ("landed", "providers")]
+        dht.events.clear()
+        pub.publish({"w": torch.ones(4, dtype=torch.bfloat16)})
+        pub.flush(timeout=10)
+        assert dht.events == [
+            ("told", "2"),
+            ("store", "providers"),
+            ("store", "head"),
+            ("landed", "head"),
+            ("landed", "providers"),
+        ]
     finally:
         pub.endpoint = None
         pub.close()

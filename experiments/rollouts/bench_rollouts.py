@@ -467,6 +467,7 @@ def collect(
             workers=workers,
             batch=batch,
             outer_rounds=read_records(out_dir / "pulseloco_rounds.jsonl"),
+            leases=[read_records(d / "leases.jsonl") for d in sorted(run_dir.glob("worker*"))],
         ),
     }
     return result

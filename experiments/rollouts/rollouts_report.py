@@ -28,11 +28,14 @@ def summarize_run(
     workers: list[list[dict[str, Any]]],
     batch: int = BATCH,
     outer_rounds: list[dict[str, Any]] | None = None,
+    leases: list[list[dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The metrics of one run from its records (pure: the tests feed it sample JSON lines). ``outer_rounds``: the
     trainer's ``pulseloco_rounds.jsonl``, its outer rounds (the bench's lone trainer runs one, at the end: its
     ``inner_steps`` is the step count); their ``seconds_blocked`` (the inner optimizer stopped) add up to
-    ``outer_round_seconds``."""
+    ``outer_round_seconds``. ``leases``: each worker's ``leases.jsonl``; over all workers, the seconds leases
+    waited for their version (``began`` to ``started``: the lease's ``min_version``, or the engine's load of a
+    version just applied) and generated."""
     train_rounds = [r for r in rollouts if r.get("mode", "train") == "train"]
     waiting = sum(float(r.get("seconds_waiting", 0.0)) for r in train_rounds)
     checking = sum(float((r.get("verify") or {}).get("seconds", 0.0)) for r in train_rounds)
@@ -69,6 +72,7 @@ def summarize_run(
         "check_fraction": round(checking / train_seconds, 3) if train_seconds > 0 else None,
         "seconds_publish_median": round(percentile(publish, 0.5), 3) if publish else None,
         "outer_round_seconds": round(sum(float(r.get("seconds_blocked", 0.0)) for r in outer_rounds or []), 2),
+        **_lease_times(leases or []),
         **way,
         "lag_histogram": {str(k): lags[k] for k in sorted(lags)},
         "stale_dropped": int(last.get("stale_dropped", 0)),
@@ -105,6 +109,18 @@ def _version_way(records: list[dict[str, Any]]) -> dict[str, Any]:
         "version_found_median": median(found),
         "version_fetch_median": median([float(v["seconds_update"]) for v in full]),
         "version_load_median": median([float(v["seconds_load"]) for v in full]),
+    }
+
+
+def _lease_times(leases: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Over every worker's lease records: seconds waiting for a version and generating (None without records)."""
+    records = [r for worker in leases for r in worker if all(k in r for k in ("began", "started", "seconds"))]
+    if not records:
+        return {"leases": 0, "lease_version_wait_seconds": None, "lease_generate_seconds": None}
+    return {
+        "leases": len(records),
+        "lease_version_wait_seconds": round(sum(float(r["started"]) - float(r["began"]) for r in records), 2),
+        "lease_generate_seconds": round(sum(float(r["seconds"]) for r in records), 2),
     }
 
 
@@ -209,7 +225,7 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         train, wait, check = r["train_seconds"], r["seconds_waiting"], r.get("seconds_checking") or 0.0
         rows.append([
             r["name"], train, round(wait - check, 2), check, round(train - wait, 2), r.get("outer_round_seconds"),
-            r.get("trainer_cpu_seconds"),
+            r.get("trainer_cpu_seconds"), r.get("lease_generate_seconds"), r.get("lease_version_wait_seconds"),
             r.get("seconds_publish_median"),
             r.get("version_found_median"), r.get("version_fetch_median"), r.get("version_load_median"),
             r["seconds_to_serve_median"], r.get("emulator_cpu_seconds"), r.get("machine_busy_seconds"),
@@ -217,7 +233,8 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         ])  # fmt: skip
     columns = [
         "case", "train s", "waiting for workers s", "checking s", "steps and publishing s",
-        "of which outer round s", "trainer CPU s", "publish median s",
+        "of which outer round s", "trainer CPU s", "workers generating s", "leases waiting for a version s",
+        "publish median s",
         "found median s", "fetch median s", "load median s", "to serve median s", "emulators' CPU s",
         "machine busy CPU s", "machine busy share",
     ]  # fmt: skip
@@ -226,7 +243,9 @@ def _time_table(results: list[dict[str, Any]]) -> list[str]:
         "(trainer: its train seconds split into waiting for the workers' completions, checking them, and the rest: its "
         "own steps and publishing, of which the outer round (the lone trainer's exchange over the DHT, its inner "
         "optimizer stopped: one at the end of these runs), and the CPU seconds the trainer's process used in those "
-        "train seconds (all its threads: steps, checks, publishing; not its DHT's processes); a version's way to a "
+        "train seconds (all its threads: steps, checks, publishing; not its DHT's processes); the workers' seconds, "
+        "all of them together, generating leases and holding a lease while waiting for the version it needs (its "
+        "min_version, or the engine's load of a version just applied); a version's way to a "
         "worker, medians over the versions after the first: publishing "
         "to the fetch's start, the fetch and apply, the engine's load, and publishing to serving; the link "
         "emulators' CPU seconds over the whole case, all of them together: what the emulation took from the cores; the "

@@ -207,6 +207,8 @@ class PulseSyncCallback(LogsContributor):
         #: failed (the trainer's rollout client learns the newest version here, without reading the DHT)
         self.announce_listeners: list[Callable[[PublishedVersion], None]] = []
         self._last_announced: PublishedVersion | None = None
+        #: called with (version, signed head record) as soon as each version's head is signed (add_head_listener)
+        self.head_listeners: list[Callable[[int, bytes], None]] = []
         self._last_published: tuple[int, int] | None = None  # (version, step) of the last version published
         self._versions_lock = threading.Lock()
         self._versions = _VersionTotals()  # stored since the last log
@@ -256,6 +258,7 @@ class PulseSyncCallback(LogsContributor):
             elif self.metrics_path is not False:
                 self.metrics = JsonLinesWriter(self.metrics_path, stamp=True)
             self.publisher.add_announce_listener(self._record)
+            self.publisher.add_head_listener(self._head_signed)
         if loco is not None:
             assert loco.loco is not None  # noqa: S101 (checked above)
             self._loco = loco.loco
@@ -487,6 +490,20 @@ class PulseSyncCallback(LogsContributor):
             last = self._last_announced
         if last is not None:
             listener(last)
+
+    def add_head_listener(self, listener: Callable[[int, bytes], None]) -> None:
+        """Call ``listener(version, signed head record)`` from the publisher's thread as soon as each version this
+        process publishes from now on has its head signed, before the DHT stores it
+        (:meth:`pulseloco.sync.publisher.Publisher.add_head_listener`): a trainer pushes it to its rollout workers.
+        An exception it raises is logged and changes nothing."""
+        self.head_listeners.append(listener)
+
+    def _head_signed(self, version: int, head: bytes) -> None:
+        for listener in list(self.head_listeners):
+            try:
+                listener(version, head)
+            except Exception:  # a listener must not stop the publisher's thread
+                logger.exception("head listener failed version=%d", version)
 
     def add_version_listener(self, listener: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
         """Call ``listener(version, BF16 state)`` after each version this process publishes from now on, and at once

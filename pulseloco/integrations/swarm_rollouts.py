@@ -298,6 +298,7 @@ class SwarmRollouts(RunRollouts):
         self.num_local = 0
         self.num_rounds = 0
         self._publishers: list[PulseSyncCallback] = []  # this trainer's publishing callbacks (their queued versions)
+        self._pushed = -1  # the newest version whose head was pushed to the workers
         self._owned_dht: Any | None = None
         self._pending: _Pending | None = None
         self._predictions: Iterator[list[Any]] | None = None
@@ -407,6 +408,7 @@ class SwarmRollouts(RunRollouts):
             self.verifier.states = self._states = states
         for callback in callbacks:
             if isinstance(callback, PulseSyncCallback) and callback.signing_key is not None:
+                callback.add_head_listener(self._head_signed)
                 callback.add_announce_listener(self._announced)
                 self._publishers.append(callback)
         trainer.add_callback(_CloseAtEnd(self))
@@ -416,11 +418,22 @@ class SwarmRollouts(RunRollouts):
             flush=True,
         )
 
+    def _head_signed(self, version: int, head: bytes) -> None:
+        """This trainer's publisher signed a version's head (its thread), before the DHT stores it: pushed to the
+        workers now, so that they fetch the version from this publisher a DHT round trip or more sooner."""
+        if self.client is not None and version > self._pushed:
+            self._pushed = version
+            self.client.push_head(version, head)
+
     def _announced(self, published: Any) -> None:
-        """This trainer's publisher announced a version (its thread): the client's newest, with no DHT read. A
-        version whose head record the DHT did not take is not one the workers can find, so it is left out."""
+        """This trainer's publisher announced a version (its thread): the client's newest, with no DHT read (the
+        newest counts only once the workers can find it in the DHT, so it is learned here, not at signing), and
+        the head pushed to the workers if :meth:`_head_signed` has not (a version announced before this object
+        listened). A version whose head record the DHT did not take is not one the workers can find, so it is
+        left out."""
         if published.announced and self.client is not None:
-            self.client.note_published(published.version, published.digest, head=published.head_envelope)
+            self.client.note_published(published.version, published.digest)
+            self._head_signed(published.version, published.head_envelope)
         if published.announced and self._states is not None:
             # leases of versions from here on are within max_lag of what the workers can find: keep them checkable
             self._states.hold_from(published.version - self.config.max_lag)

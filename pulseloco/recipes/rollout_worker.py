@@ -10,7 +10,9 @@ a gap) and is verified by state digest before use. For each new version the work
 one JSON line to ``<output_dir>/rollouts.jsonl``: version, greedy exact-match reward on the held-out problems,
 changed elements, bytes received, seconds the update took, seconds from the publisher signing the version to
 this worker serving it (``seconds_to_serve``; the two clocks must agree), the engine's weight version, digest (equal
-to the one the publisher logged), path.
+to the one the publisher logged), path. A worker serving leases also appends one line per lease to
+``<output_dir>/leases.jsonl``: when it arrived, waited for its version, generated and finished, and with which
+version (:attr:`pulseloco.rollouts.worker.RolloutServer.on_lease`).
 
 ``--engine vllm`` generates with vLLM (:class:`pulseloco.rollouts.engines.vllm.VLLMEngine`, the ``pulseloco[vllm]``
 extra): the subscriber patches the engine's BF16 state in checkpoint coordinates, then only what changed is
@@ -173,6 +175,9 @@ class _Follower:
         output.mkdir(parents=True, exist_ok=True)
         (output / "rollouts.jsonl").unlink(missing_ok=True)  # one run per directory: no records of an earlier run
         self.log = JsonLinesWriter(output / "rollouts.jsonl")
+        if server is not None:
+            (output / "leases.jsonl").unlink(missing_ok=True)
+            server.on_lease = JsonLinesWriter(output / "leases.jsonl").write
         spec = tasks.spec_for_model(args.model_path, args.task, args.max_operand)
         self.problems = tasks.eval_problems(spec, args.num_prompts)
         self.started = time.monotonic()

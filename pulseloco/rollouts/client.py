@@ -80,7 +80,7 @@ __all__ = [
 #: Seconds a trainer's list of refused workers lives in the DHT (a run's length, about).
 REFUSALS_TTL = 24 * 3600.0
 
-#: Seconds one push of a new head record to one worker may take (:meth:`RolloutClient.note_published`).
+#: Seconds one push of a new head record to one worker may take (:meth:`RolloutClient.push_head`).
 HEAD_PUSH_TIMEOUT = 5.0
 
 #: Weight of a lease's rate in a worker's measured rate (an exponential moving average over its answered leases).
@@ -147,7 +147,7 @@ class RolloutStats:
     backups_won: int = 0
     """Backup leases whose reply came first (the straggler's lease was then released)."""
     heads_pushed: int = 0
-    """Workers that took a head record this client pushed (:meth:`RolloutClient.note_published`)."""
+    """Workers that took a head record this client pushed (:meth:`RolloutClient.push_head`)."""
     by_worker: collections.Counter[str] = field(default_factory=collections.Counter)
     refusals: dict[str, str] = field(default_factory=dict)
     lag: collections.Counter[int] = field(default_factory=collections.Counter)
@@ -324,15 +324,20 @@ class RolloutClient:
                 self._published_version(env.version, env.digest)
         return self.newest
 
-    def note_published(self, version: int, digest: str, *, head: bytes = b"") -> None:
+    def note_published(self, version: int, digest: str) -> None:
         """This process's own publisher announced ``version`` (state digest ``digest``; its head record is in the
         DHT): it is the newest the workers can find, and from now on :meth:`newest_version` does not read the DHT.
-        ``head``: that record's signed bytes, pushed to every worker this client knows (in the background, each
-        push bounded by :data:`HEAD_PUSH_TIMEOUT`), so that they fetch the version now instead of finding it at
-        their next poll of the DHT (a poll and a DHT lookup: about a second at 100 ms round trips). A worker that
-        misses the push finds the version as before. Call from any thread; never raises."""
+        Call from any thread; never raises."""
         self.own_publisher = True
         self._published_version(version, digest)
+
+    def push_head(self, version: int, head: bytes) -> None:
+        """Push ``head``, the signed head record of ``version`` of this process's own publisher, to every worker
+        this client knows (in the background, each push bounded by :data:`HEAD_PUSH_TIMEOUT`), so that they fetch
+        the version now instead of finding it at their next poll of the DHT (a poll and a DHT lookup: about a
+        second at 100 ms round trips). A worker that misses the push finds the version as before; one that gets it
+        checks its signature (:meth:`pulseloco.sync.subscriber.Subscriber.offer_head`). Call from any thread;
+        never raises."""
         peers = [peer for peer in list(self._workers) if peer not in self.stats.refusals]
         if head and peers:
             try:

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +194,12 @@ class RolloutServer:
         self.record_ttl = record_ttl
         self.num_served = 0
         self.num_refused = 0
+        #: called (on the generation thread) with one record per lease served: its wall-clock times (``received``
+        #: from the trainer, ``began`` when the generation thread took it, ``started`` generating once the version
+        #: it needs was loaded, ``finished``), ``seconds`` of generation, the version ``held`` when it began, its
+        #: ``min_version``, the ``version`` it was made with, ``completions`` and ``tokens``. An exception it
+        #: raises is logged; the lease is answered all the same (the recipe appends to ``leases.jsonl``).
+        self.on_lease: Callable[[dict[str, Any]], None] | None = None
         self.num_expired = 0
         self.tokens_per_s = 0.0
         self.samples_per_s = 0.0
@@ -270,6 +277,8 @@ class RolloutServer:
 
     def _generate(self, job: _Job) -> tuple[ReplyHeader, list[bytes]]:
         lease = job.lease
+        began = time.monotonic()
+        held = self.version
         deadline = job.received + lease.deadline_s
         version_deadline = min(deadline, time.monotonic() + MIN_VERSION_WAIT_S)
         with self._cond:
@@ -287,6 +296,7 @@ class RolloutServer:
                     return ReplyHeader("not_ready", lease.lease_id), []
                 self._cond.wait(timeout=0.5)
             version, digest = self._loaded
+            ready = time.monotonic()
             envelope = self.subscriber.envelope  # its signature vouches for (version, digest)
             prompts = [prompt for prompt in lease.prompts for _ in range(lease.num_samples)]
             sequences = [first + j for first in lease.sequences for j in range(lease.num_samples)]
@@ -302,6 +312,26 @@ class RolloutServer:
         num_tokens = sum(len(c.token_ids) for c in completions)
         self._note_throughput(num_tokens / max(seconds, 1e-6), len(completions) / max(seconds, 1e-6))
         self.num_served += 1
+        if self.on_lease is not None:
+            # wall-clock times, to line up with the trainer's and the publisher's records
+            now_wall, now = time.time(), time.monotonic()
+            record = {
+                "lease_id": lease.lease_id,
+                "received": round(now_wall - (now - job.received), 3),
+                "began": round(now_wall - (now - began), 3),
+                "started": round(now_wall - (now - ready), 3),
+                "finished": round(now_wall, 3),
+                "seconds": round(seconds, 4),
+                "held": held,
+                "min_version": lease.min_version,
+                "version": version,
+                "completions": len(completions),
+                "tokens": num_tokens,
+            }
+            try:
+                self.on_lease(record)
+            except Exception as exc:  # a full disk must not fail the lease it describes
+                logger.warning("lease record not written lease=%s error=%r", lease.lease_id, exc)
         logger.info(
             "served lease=%s version=%d completions=%d tokens=%d seconds=%.3f",
             lease.lease_id,

@@ -140,6 +140,7 @@ class Publisher:
         on_announced: called as ``on_announced(PublishedVersion)`` from the publisher's thread once a stored
             version has been announced (or its announce failed: ``announced`` is then False); more listeners
             with :meth:`add_announce_listener`. An exception a listener raises is logged and changes nothing.
+            :meth:`add_head_listener` adds listeners called earlier, as soon as a version's head is signed.
 
     Raises :class:`ConfigError` for bad arguments and when the store cannot be resumed (a chain that does
     not verify under this key, or a truncated or corrupt file: the message names it).
@@ -180,6 +181,7 @@ class Publisher:
         self._announce_every = min(head_ttl, provider_ttl) / 3
         self._on_published = on_published
         self._announce_listeners: list[Callable[[PublishedVersion], None]] = []
+        self._head_listeners: list[Callable[[int, bytes], None]] = []
         if on_announced is not None:
             self._announce_listeners.append(on_announced)
         self._key = signing_key
@@ -332,7 +334,7 @@ class Publisher:
                     digest, patch_bytes = self._publish_one(version, state)
                     stored = (version, digest, patch_bytes, queued_at)
                 if self._version is not None:
-                    announced = self._announce()
+                    announced = self._announce(new=stored is not None)
                     last_announce = time.monotonic()
             except Exception as exc:  # keep serving; the failed version is not the base of the next one
                 self.last_error = exc
@@ -348,6 +350,22 @@ class Publisher:
         """Call ``listener(PublishedVersion)`` from the publisher's thread after each version stored from now on,
         once its announce is done or has failed. An exception it raises is logged and changes nothing."""
         self._announce_listeners.append(listener)
+
+    def add_head_listener(self, listener: Callable[[int, bytes], None]) -> None:
+        """Call ``listener(version, signed head record)`` from the publisher's thread for each version stored from
+        now on, as soon as it can be served and its head record is signed: before the DHT stores the head and
+        provider records (a round trip or more over a WAN), so that a trainer can push the head to its rollout
+        workers meanwhile. The first version this publisher announces is the exception: its provider record is
+        stored first (until one is, nobody could learn who serves a version from the DHT), then the listener is
+        called, then its head is stored. An exception the listener raises is logged and changes nothing."""
+        self._head_listeners.append(listener)
+
+    def _tell_head(self, version: int, head: bytes) -> None:
+        for listener in list(self._head_listeners):
+            try:
+                listener(version, head)
+            except Exception:  # a hook must not stop the publisher
+                logger.exception("head listener failed version=%d", version)
 
     def _report(self, stored: tuple[int, str, int, float], announced: bool) -> None:
         version, digest, patch_bytes, queued_at = stored
@@ -420,9 +438,10 @@ class Publisher:
         )
         return digest, patch_bytes
 
-    def _announce(self) -> bool:
+    def _announce(self, *, new: bool = False) -> bool:
         """Sign and store the head record and re-announce the stored objects as provided; returns whether the DHT
-        accepted the head record (True without a DHT)."""
+        accepted the head record (True without a DHT). ``new``: a version stored since the last announce, whose
+        head the head listeners get (:meth:`add_head_listener`)."""
         if self._version is None:
             return False
         env = _envelope(
@@ -435,7 +454,11 @@ class Publisher:
             b"",
             anchor_version=self._anchor_version,
         )
-        self._head_envelope = sign_envelope(self._key, env)
+        head = self._head_envelope = sign_envelope(self._key, env)
+        told = False
+        if new and (self.endpoint is None or self._provider_stored):
+            self._tell_head(self._version, head)  # the version is in the store and served: no need to wait
+            told = True
         if self.endpoint is not None:
             # The provider and head records are stored at once (one DHT round trip instead of two before the
             # push to the workers): a subscriber that reads the new head before the provider record lists it asks
@@ -446,7 +469,9 @@ class Publisher:
             first = not self._provider_stored
             if first:
                 self._provider_stored = stored_in_time(provided, 10.0, "the provider record")
-            accepted = self.endpoint.store_head(self._head_envelope, self.head_ttl)
+            if new and not told:
+                self._tell_head(self._version, head)
+            accepted = self.endpoint.store_head(head, self.head_ttl)
             if not first:
                 self._provider_stored = stored_in_time(provided, 10.0, "the provider record")
             if not accepted:
