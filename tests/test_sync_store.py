@@ -701,7 +701,9 @@ def test_mirror_restore_checks_each_payload_against_its_signed_sha256(
 
 
 def test_update_report_lag_counts_versions_published_while_it_ran(key, tmp_path: Path) -> None:
-    """``lag`` is how far the head read after the update is ahead of the version the update reached."""
+    """``lag`` is how far the head read after the update is ahead of the version the update reached. That head is
+    read when the lag is first asked for, not before the report is handed on (a DHT lookup on a swarm, which a
+    rollout worker would otherwise wait out between holding a version and serving it), and read once."""
     trainer, expected = Trainer(), {}
     pub = Publisher(None, RUN, key, tmp_path / "store", anchor_every=10)
     try:
@@ -717,8 +719,10 @@ def test_update_report_lag_counts_versions_published_while_it_ran(key, tmp_path:
 
         def __init__(self) -> None:
             self.first = True
+            self.reads = 0
 
         def head(self) -> Head | None:
+            self.reads += 1
             if self.first:
                 self.first = False
                 return stale
@@ -727,13 +731,56 @@ def test_update_report_lag_counts_versions_published_while_it_ran(key, tmp_path:
         def fetch(self, request: FetchRequest) -> Fetched | None:
             return source.fetch(request)
 
-    sub = Subscriber(None, RUN, key.public_key(), source=StartedEarlier())
+    started_earlier = StartedEarlier()
+    sub = Subscriber(None, RUN, key.public_key(), source=started_earlier)
     state: dict[str, torch.Tensor] = {}
     report = sub.update_report(state)
-    assert report is not None and (report.version, report.lag) == (2, 3)
+    assert report is not None and started_earlier.reads == 1  # the head the update went to, no second read yet
+    assert (report.version, report.lag) == (2, 3)
+    assert report.lag == 3 and started_earlier.reads == 2  # read once, when asked
     report = sub.update_report(state)
     assert report is not None and (report.version, report.lag, report.path) == (5, 0, "chain")
     assert state_digest(state) == expected[5]
+
+
+def test_a_head_older_than_the_version_held_is_ignored(key, tmp_path: Path) -> None:
+    """A DHT lookup may find an older head record than the one a subscriber followed (a node's stale copy, or a
+    head pushed before the DHT stored it): the subscriber stays where it is and fetches nothing. Before, it went
+    back, through a full anchor (seen in the rollouts bench: a worker at version 6 fetched version 5's 50 MB
+    anchor when the DHT still said 5)."""
+    trainer, expected = Trainer(), {}
+    pub = Publisher(None, RUN, key, tmp_path / "store", anchor_every=10)
+    try:
+        publish(pub, trainer, 2, expected)
+        source = DirectorySource(tmp_path / "store", key.public_key(), RUN)
+        old = source.head()
+        publish(pub, trainer, 1, expected)
+    finally:
+        pub.close()
+    assert old is not None and old.version == 2
+
+    class Stale:
+        """The directory's source; after the first head() answer, the old head, as a stale DHT record."""
+
+        def __init__(self) -> None:
+            self.heads = 0
+            self.fetched: list[FetchRequest] = []
+
+        def head(self) -> Head | None:
+            self.heads += 1
+            return source.head() if self.heads == 1 else old
+
+        def fetch(self, request: FetchRequest) -> Fetched | None:
+            self.fetched.append(request)
+            return source.fetch(request)
+
+    stale = Stale()
+    sub = Subscriber(None, RUN, key.public_key(), source=stale)
+    state: dict[str, torch.Tensor] = {}
+    assert sub.update(state) == 3 and state_digest(state) == expected[3]
+    stale.fetched.clear()
+    assert sub.update_report(state) is None
+    assert sub.version == 3 and state_digest(state) == expected[3] and stale.fetched == []
 
 
 def test_a_subscriber_without_a_head_says_once_what_it_waits_for(

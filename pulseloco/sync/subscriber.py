@@ -19,6 +19,7 @@ objects, are :mod:`pulseloco.sync.catchup`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -62,7 +63,10 @@ class UpdateReport:
     held before (None for none). ``num_changed`` elements changed, ``bytes_received`` payload bytes fetched over
     ``seconds`` (fetching and applying, not the wait for :attr:`Subscriber.lock`). ``digest``: the state digest
     now held. ``lag``: how many versions the newest head, read again once the update finished, is ahead of
-    ``version`` (versions published while the update ran; 0 when it is current or no head is readable then).
+    ``version`` (versions published while the update ran; 0 when it is current or no head is readable then). It is
+    read when first asked for, not before the report is handed on: on a swarm that read is a DHT lookup (a round
+    trip or more over a WAN), which a rollout worker, which never asks, would otherwise spend between holding a
+    version and serving it.
     ``path``: how it got there (patch, squash, chain or anchor; local: the model already was the head, nothing
     fetched). ``published``: when the publisher signed this version's head (its clock; 0.0 when unknown).
     ``changed``: the flat indices (int64, sorted, unique) that changed per tensor since ``previous``; None when every
@@ -75,13 +79,18 @@ class UpdateReport:
     bytes_received: int
     seconds: float
     digest: str
-    lag: int
     path: str
     published: float = 0.0
     changed: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-    #: wall-clock time (seconds since the epoch) at which the model held ``version``, before the head was read
-    #: again for ``lag``
+    #: wall-clock time (seconds since the epoch) at which the model held ``version``
     held_at: float = 0.0
+    #: reads the newest head's version lead for :attr:`lag` (None: 0)
+    read_lag: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def lag(self) -> int:
+        """Versions the newest head is ahead of ``version``, read at the first access (see the class)."""
+        return self.read_lag() if self.read_lag is not None else 0
 
 
 class Subscriber:
@@ -293,6 +302,10 @@ class Subscriber:
         lock. Assumes a single updating thread (the :meth:`follow` thread, or the caller's): the version read
         before taking the lock is checked again under it, and objects fetched for another base are discarded.
 
+        A head older than the version held is ignored (None): the DHT is eventually consistent, and a head the
+        publisher pushed arrives before the DHT stores it, so a lookup may still find the previous record; a
+        subscriber never goes back (a run started again from version 1 needs a new run id).
+
         Raises :class:`pulseloco.errors.PatchError` when no provider brings the model to the head; errors reading
         the head propagate (e.g. :class:`pulseloco.errors.UnauthorizedError` for one the publisher did not sign).
         Either way the model still holds its previous complete version.
@@ -300,6 +313,11 @@ class Subscriber:
         head = self._take_pushed() or self.source.head()
         if head is None:
             self._note_no_head()
+            return None
+        if self.version is not None and head.version < self.version:
+            # a record older than the version held: a DHT node's stale copy, or the DHT not yet holding the head
+            # the publisher pushed to this worker; following it would fetch an anchor to go back
+            logger.debug("head version=%d is older than the version held=%d: ignored", head.version, self.version)
             return None
         self._no_head_since, self._no_head_warned = None, False
         started = time.perf_counter()
@@ -344,11 +362,11 @@ class Subscriber:
             bytes_received=received,
             seconds=seconds,
             digest=digest,
-            lag=self._lag(head.version),
             path=path,
             published=head.time,
             held_at=held_at,
             changed=union_indices(self._changed) if self._changed is not None else None,
+            read_lag=functools.partial(self._lag, head.version),
         )
         self._request_announce()
         logger.info(
