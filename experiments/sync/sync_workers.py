@@ -189,7 +189,7 @@ def subscriber_worker(spec: WorkerSpec) -> None:
         sub.relay.capacity = 1
 
     def on_update(report: Any) -> None:
-        t_hold = report.held_at or time.time()  # when the model held it (before the report's second head read)
+        t_hold = report.held_at or time.time()  # when the model held it
         with sub.lock:
             digest = state_digest(state)  # the tensors this worker holds, not the subscriber's bookkeeping
         # who served the object of this version (the last fetch of it: the patch, squash or anchor)
