@@ -164,3 +164,27 @@ def test_background_loop_cancels_a_coroutine_it_stops_waiting_for() -> None:
         assert loop.run(asyncio.sleep(0, result=42), timeout=5) == 42
     finally:
         loop.shutdown()
+
+
+def test_a_publisher_whose_record_predates_a_version_is_asked_for_it_beside_the_relays() -> None:
+    """A pushed head reaches workers before the publisher's provider record lists the version, while relays the
+    publisher served already list it as arriving: the lookup names the publisher too, not the busy relays alone
+    (an 8-worker run without limits fell back to full anchors twice). A version the publisher's entry lists is
+    asked as before; one older than its newest listed and not listed (pruned) is not asked of it."""
+    from pulseloco.sync.sources import SwarmSource
+    from pulseloco.sync.transport import FetchRequest
+
+    records = {
+        "pub": {"versions": [1, 10], "partial": [], "publisher": True},
+        "relay": {"versions": [10, 11], "partial": [11], "publisher": False},
+        "me": {"versions": [10], "partial": [], "publisher": False},
+    }
+    endpoint = SimpleNamespace(get_providers=lambda timeout: records, peer_id=SimpleNamespace(to_base58=lambda: "me"))
+    source = SwarmSource(endpoint, generate_key().public_key())  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+
+    assert source._providers(FetchRequest("patch", 11), "me", set(), deadline) == ([], ["relay"], ["pub"])
+    assert source._providers(FetchRequest("patch", 12), "me", set(), deadline) == ([], [], ["pub"])
+    assert source._providers(FetchRequest("patch", 10), "me", set(), deadline) == (["relay"], [], ["pub"])
+    assert source._providers(FetchRequest("patch", 5), "me", set(), deadline) == ([], [], [])
+    assert source._providers(FetchRequest("patch", 11), "me", {"pub"}, deadline) == ([], ["relay"], [])

@@ -151,19 +151,20 @@ class SwarmSource:
         self, request: FetchRequest, me: str, failed: set[str], deadline: float
     ) -> tuple[list[str], list[str], list[str]]:
         """Look the providers up: ``(complete relays, relays still receiving, publishers)`` listing ``request``,
-        relays shuffled, this peer and ``failed`` left out; for a patch or anchor newer than any version the record
-        lists, the peers the record lists as publishers (their entry may not list it yet). Remembers the newest
-        version a relay holds complete, for the next request's first try."""
+        relays shuffled, this peer and ``failed`` left out; for a patch or anchor newer than every version a
+        publisher's entry lists, that publisher too (its entry may not list it yet: a pushed head reaches workers
+        before the publisher's record is stored, while relays served by it already list the version). Remembers
+        the newest version a relay holds complete, for the next request's first try."""
         providers = self.endpoint.get_providers(timeout=min(10.0, max(0.1, deadline - time.monotonic())))
         complete, partial, publishers = [], [], []
-        relayed, newest_listed, seen_publishers = -1, -1, []
+        relayed = -1
         for peer, info in providers.items():
-            newest_listed = max([newest_listed, *info["versions"]])
-            if info["publisher"]:
-                seen_publishers.append(peer)
-            elif peer != me:
+            if not info["publisher"] and peer != me:
                 relayed = max([relayed, *(v for v in info["versions"] if v not in info["partial"])])
             listed = request.kind == "squash" or request.version in info["versions"]
+            if info["publisher"] and request.kind in ("patch", "anchor"):
+                # the publisher holds a version newer than its record, or answers missing
+                listed = listed or request.version > max(info["versions"], default=-1)
             if peer == me or peer in failed or not listed:
                 continue
             if info["publisher"]:
@@ -173,10 +174,6 @@ class SwarmSource:
             else:
                 complete.append(peer)
         self._relayed = relayed
-        if request.kind in ("patch", "anchor") and request.version > newest_listed:
-            # a version the record read does not list yet (the head reached this peer sooner than the provider
-            # record, through another DHT node or a push): the publisher holds it, or answers missing
-            publishers = [peer for peer in seen_publishers if peer != me and peer not in failed]
         random.shuffle(complete)
         random.shuffle(partial)
         return complete, partial, publishers
